@@ -1,0 +1,201 @@
+"""Attention: masks from positions and segment ids, backends, and the Attention module.
+
+Layout is [batch, seq, heads, head_dim] for q/k/v (as jax.nn.dot_product_attention and
+cuDNN). Boolean masks are [batch, 1, q_len, k_len] (True = may attend) and broadcast over
+heads; biases broadcast to [batch, heads, q_len, k_len].
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer.config import ModelConfig
+from jaxformer.positions import alibi_bias, alibi_slopes, apply_rope
+
+IMPLS = ("auto", "reference", "xla", "cudnn")
+
+# ---- masks: pure functions of positions and segment ids --------------------------
+
+
+def causal_mask(q_positions, k_positions):
+    """A query attends to keys at the same or earlier positions. -> [B, 1, Tq, Tk]"""
+    return (k_positions[:, None, None, :] <= q_positions[:, None, :, None])
+
+
+def padding_mask(q_segment_ids, k_segment_ids):
+    """Segment id 0 marks padding: no query or key that is padding takes part. -> [B, 1, Tq, Tk]"""
+    return (q_segment_ids[:, None, :, None] != 0) & (k_segment_ids[:, None, None, :] != 0)
+
+
+def segment_mask(q_segment_ids, k_segment_ids):
+    """Packing: attend only inside one's own segment; segment 0 (padding) never. -> [B, 1, Tq, Tk]"""
+    same = q_segment_ids[:, None, :, None] == k_segment_ids[:, None, None, :]
+    return same & padding_mask(q_segment_ids, k_segment_ids)
+
+
+def sliding_window_mask(q_positions, k_positions, window: int):
+    """Keys fewer than `window` positions behind the query (window 1 = itself). -> [B, 1, Tq, Tk]"""
+    return (q_positions[:, None, :, None] - k_positions[:, None, None, :]) < window
+
+
+def make_attention_mask(q_positions, k_positions, q_segment_ids=None, k_segment_ids=None, *,
+                        causal: bool = True, window: int | None = None):
+    """The conjunction of the masks above that apply. -> [B, 1, Tq, Tk] bool"""
+    mask = jnp.ones((q_positions.shape[0], 1, q_positions.shape[1], k_positions.shape[1]), bool)
+    if causal:
+        mask &= causal_mask(q_positions, k_positions)
+    if window is not None:
+        mask &= sliding_window_mask(q_positions, k_positions, window)
+    if q_segment_ids is not None:
+        mask &= segment_mask(q_segment_ids, k_segment_ids)
+    return mask
+
+
+# ---- attention math ---------------------------------------------------------------
+
+
+def _group(x, n_kv_heads: int):
+    """[B, N|1, T, S] -> [B, K|1, G|1, T, S], grouping query heads by their K/V head."""
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], n_kv_heads, x.shape[1] // n_kv_heads, *x.shape[2:])
+
+
+def _grouped_logits(q, k, *, mask, bias, scale):
+    """Float32 logits [B, K, G, Tq, Tk], masked entries -inf. GQA groups the query heads,
+    so K/V are never copied per query head."""
+    b, t, n, h = q.shape
+    n_kv = k.shape[2]
+    if n % n_kv:
+        raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({n_kv})")
+    q = q.reshape(b, t, n_kv, n // n_kv, h)  # [B, T, K, G, H]
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(1.0 / math.sqrt(h) if scale is None else scale)
+    if bias is not None:
+        logits = logits + _group(bias.astype(jnp.float32), n_kv)
+    if mask is not None:
+        logits = jnp.where(_group(mask, n_kv), logits, -jnp.inf)
+    return logits
+
+
+def _softmax(logits):
+    """Softmax over the last axis in float32; a row with nothing to attend to gives zeros."""
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    peak = jax.lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
+    e = jnp.exp(logits - peak)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(total == 0, 1.0, total)
+
+
+def attention_weights(q, k, *, mask=None, bias=None, scale=None):
+    """Softmax attention weights [B, N, Tq, Tk] in float32 (for inspection and plots)."""
+    w = _softmax(_grouped_logits(q, k, mask=mask, bias=bias, scale=scale))  # [B, K, G, T, S]
+    return w.reshape(w.shape[0], -1, *w.shape[3:])
+
+
+def _reference(q, k, v, *, mask, bias, scale):
+    w = _softmax(_grouped_logits(q, k, mask=mask, bias=bias, scale=scale))  # [B, K, G, T, S]
+    out = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)  # [B, T, N, H]
+
+
+def _fused(q, k, v, *, mask, bias, scale, implementation):
+    """jax.nn.dot_product_attention (XLA, or cuDNN flash attention on GPU).
+
+    Its masked rows average over all keys; rows with no allowed key are set to zero here so
+    that every backend answers like the reference.
+    """
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
+                                       implementation=implementation)
+    if mask is not None:
+        any_key = jnp.any(mask, axis=-1)  # [B, 1|N, T]
+        out = out * jnp.swapaxes(any_key, 1, 2)[..., None].astype(out.dtype)
+    return out
+
+
+def resolve_impl(impl: str, dtype, head_dim: int) -> str:
+    """`auto`: cuDNN flash attention on a GPU for 16-bit inputs it supports, else reference."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl={impl!r} is not one of {', '.join(IMPLS)}")
+    if impl != "auto":
+        return impl
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 \
+            and head_dim <= 128:
+        return "cudnn"
+    return "reference"
+
+
+def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = "auto", scale=None):
+    """softmax(q k^T / sqrt(head_dim) + bias, where mask) v.
+
+    q: [B, Tq, N, H]; k, v: [B, Tk, K, H] with N a multiple of K (GQA; K = 1 is MQA).
+    mask: bool, broadcastable to [B, N, Tq, Tk] with a size-1 or full head axis.
+    bias: float, same broadcasting. Softmax runs in float32 whatever the input dtype;
+    a query with no key to attend to gets a zero output. Returns [B, Tq, N, H] in q.dtype.
+    impl: reference (einsum, the definition), xla / cudnn (jax.nn.dot_product_attention),
+    or auto.
+    """
+    impl = resolve_impl(impl, q.dtype, q.shape[-1])
+    if impl == "reference":
+        return _reference(q, k, v, mask=mask, bias=bias, scale=scale)
+    return _fused(q, k, v, mask=mask, bias=bias, scale=scale, implementation=impl)
+
+
+# ---- the module -------------------------------------------------------------------
+
+
+def dense_init(stddev: float = 0.02):
+    return nn.initializers.normal(stddev)
+
+
+class Attention(nn.Module):
+    """Multi-head (GQA/MQA) self-attention with RoPE or ALiBi when the config asks.
+
+    Params: query [D, N, H], key/value [D, K, H], out [N, H, D] (+ biases if use_bias).
+    """
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    def setup(self):
+        c = self.cfg
+        dense = lambda feats, axis, name, init: nn.DenseGeneral(  # noqa: E731
+            feats, axis=axis, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+            kernel_init=init, name=name)
+        self.query = dense((c.n_heads, c.head_dim), -1, "query", dense_init())
+        self.key = dense((c.n_kv_heads, c.head_dim), -1, "key", dense_init())
+        self.value = dense((c.n_kv_heads, c.head_dim), -1, "value", dense_init())
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers)
+        self.out = dense(c.d_model, (-2, -1), "out", dense_init(0.02 / math.sqrt(2 * c.n_layers)))
+        self.dropout = nn.Dropout(c.dropout)
+
+    def project(self, x, positions):
+        """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H]; RoPE applied to q and k."""
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        if self.cfg.position == "rope":
+            theta, scaling = self.cfg.rope_theta, self.cfg.rope_scaling
+            q = apply_rope(q, positions, theta=theta, scaling=scaling)
+            k = apply_rope(k, positions, theta=theta, scaling=scaling)
+        return q, k, v
+
+    def attend(self, q, k, v, *, mask, bias):
+        """Attention over given keys/values (a cache or this sequence) + output projection."""
+        z = dot_product_attention(q, k, v, mask=mask, bias=bias, impl=self.cfg.attention_impl)
+        return self.dropout(self.out(z), deterministic=self.deterministic)  # [B, T, D]
+
+    def __call__(self, x, positions, mask, bias=None):
+        q, k, v = self.project(x, positions)
+        return self.attend(q, k, v, mask=mask, bias=bias)
+
+
+def position_bias(cfg: ModelConfig, q_positions, k_positions):
+    """The attention-logit bias a position scheme adds (ALiBi), or None."""
+    if cfg.position != "alibi":
+        return None
+    return alibi_bias(alibi_slopes(cfg.n_heads), q_positions, k_positions)

@@ -1,0 +1,75 @@
+"""Norms, feed-forward networks and the transformer Block (pre-LN or post-LN)."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+
+from jaxformer.attention import Attention, dense_init
+from jaxformer.config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
+    """LayerNorm (bias follows use_bias) or RMSNorm; statistics in float32."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                          name=name)
+    return nn.LayerNorm(epsilon=cfg.norm_eps, use_bias=cfg.use_bias, use_fast_variance=False,
+                        dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+
+
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh form
+    "relu": jax.nn.relu,
+    "swiglu": jax.nn.silu,
+    "geglu": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+class FeedForward(nn.Module):
+    """gelu/relu: wo(act(wi x)). swiglu/geglu: wo(act(wi_gate x) * wi_up x)."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, D]
+        c = self.cfg
+        dense = lambda feats, name, std=0.02: nn.Dense(  # noqa: E731
+            feats, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+            kernel_init=dense_init(std), name=name)
+        act = ACTIVATIONS[c.ffn]
+        if c.gated_ffn:
+            h = act(dense(c.d_ff, "wi_gate")(x)) * dense(c.d_ff, "wi_up")(x)  # [B, T, F]
+        else:
+            h = act(dense(c.d_ff, "wi")(x))  # [B, T, F]
+        out = dense(c.d_model, "wo", 0.02 / math.sqrt(2 * c.n_layers))(h)  # [B, T, D]
+        return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)
+
+
+class Block(nn.Module):
+    """pre_ln:  x + attn(norm(x)), then x + ffn(norm(x))
+    post_ln: norm(x + attn(x)),  then norm(x + ffn(x))   (Vaswani et al. 2017)
+
+    With ``scanned`` it returns (x, None), the carry/output pair nn.scan expects.
+    """
+
+    cfg: ModelConfig
+    deterministic: bool = True
+    scanned: bool = False
+
+    @nn.compact
+    def __call__(self, x, positions, mask, bias=None):
+        c = self.cfg
+        attn = Attention(c, self.deterministic, name="attn")
+        ffn = FeedForward(c, self.deterministic, name="ffn")
+        attn_norm, ffn_norm = make_norm(c, "attn_norm"), make_norm(c, "ffn_norm")
+        if c.block == "pre_ln":
+            x = x + attn(attn_norm(x), positions, mask, bias)
+            x = x + ffn(ffn_norm(x))
+        else:
+            x = attn_norm(x + attn(x, positions, mask, bias))
+            x = ffn_norm(x + ffn(x))
+        return (x, None) if self.scanned else x

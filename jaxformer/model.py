@@ -1,0 +1,143 @@
+"""Transformer: embed -> blocks (looped or scanned) -> final norm -> LM head.
+
+Also parameter counts and training FLOPs derived from a config, and conversion of the
+block params between per-layer (block_0, block_1, ...) and stacked (blocks) form.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.attention import dense_init, make_attention_mask, position_bias
+from jaxformer.config import ModelConfig
+from jaxformer.layers import Block, make_norm
+from jaxformer.positions import sinusoidal
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block: recompute it all in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+}
+
+
+def block_stack(cfg: ModelConfig, deterministic: bool):
+    """The Block class as the config wants it run: rematerialised and/or scanned."""
+    block = Block
+    if cfg.remat != "none":
+        block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    if not cfg.scan_layers:
+        return [block(cfg, deterministic, name=f"block_{i}") for i in range(cfg.n_layers)]
+    scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True,
+                      "dropout": True}, in_axes=nn.broadcast, length=cfg.n_layers)
+    return scanned(cfg, deterministic, scanned=True, name="blocks")
+
+
+class Transformer(nn.Module):
+    """A decoder-only language model; logits are float32 [batch, seq, vocab].
+
+    ``positions`` [B, T] default to arange; ``segment_ids`` [B, T] (optional) pack several
+    documents in a row (attention stays inside a segment) and mark padding with 0.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, positions=None, segment_ids=None, deterministic: bool = True):
+        c = self.cfg
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if c.position == "learned" and t > c.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={c.max_seq_len}, the size "
+                             "of the learned position table; use a shorter input or another "
+                             "position scheme")
+
+        embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
+                         embedding_init=dense_init(), name="embed")
+        x = embed(tokens)  # [B, T, D]
+        if c.position == "learned":
+            x = x + nn.Embed(c.max_seq_len, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
+                             embedding_init=dense_init(0.01), name="pos_embed")(positions)
+        elif c.position == "sinusoidal":
+            x = x + sinusoidal(positions, c.d_model, dtype=c.dtype)
+        x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
+
+        mask = make_attention_mask(positions, positions, segment_ids, segment_ids,
+                                   causal=True, window=c.sliding_window)  # [B, 1, T, T]
+        bias = position_bias(c, positions, positions)  # [B, N, T, T] or None
+        blocks = block_stack(c, deterministic)
+        if c.scan_layers:
+            x, _ = blocks(x, positions, mask, bias)
+        else:
+            for block in blocks:
+                x = block(x, positions, mask, bias)
+
+        if c.block == "pre_ln":  # post-LN blocks already end in a norm
+            x = make_norm(c, "final_norm")(x)
+        if c.tie_embeddings:
+            return jnp.einsum("btd,vd->btv", x, embed.embedding.astype(c.dtype),
+                              preferred_element_type=jnp.float32)
+        head = nn.Einsum((c.d_model, c.vocab_size), "btd,dv->btv", use_bias=False, dtype=c.dtype,
+                         param_dtype=c.param_dtype, kernel_init=dense_init(),
+                         preferred_element_type=jnp.float32, name="lm_head")
+        return head(x).astype(jnp.float32)
+
+
+# ---- params: counting and reshaping ------------------------------------------------
+
+
+def param_shapes(cfg: ModelConfig):
+    """The param tree as jax.ShapeDtypeStructs, via jax.eval_shape (allocates nothing)."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    variables = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens)
+    return variables["params"]
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Exact number of parameters, without allocating them."""
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(param_shapes(cfg))))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), the numerator of MFU.
+
+    6 * N_matmul + 6 * n_layers * n_heads * head_dim * context, where
+
+    - N_matmul counts the weights multiplied per token: every block kernel plus the LM head
+      (vocab x d_model, tied or not). The embedding lookup is a gather (no FLOPs); norms and
+      biases are negligible and not counted. Each weight costs 2 FLOPs forward, 4 backward.
+    - attention scores (q.k) and the weighted sum (a.v) cost 2 * 2 * n_heads * head_dim per
+      query-key pair forward, x3 with backward = 12 * n_heads * head_dim. Causal attention
+      is counted once at half: context = seq_len / 2 keys per query (no FLOPs for the masked
+      half). With a sliding window w < seq_len, context = w - w^2 / (2 seq_len), the mean
+      number of keys a query sees.
+    """
+    c = cfg
+    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    ffn = (3 if c.gated_ffn else 2) * c.d_model * c.d_ff
+    n_matmul = c.n_layers * (attn + ffn) + c.d_model * c.vocab_size
+    w = c.sliding_window
+    context = seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
+    return 6.0 * n_matmul + 12.0 * c.n_layers * c.n_heads * c.head_dim * context
+
+
+def stack_layers(params, n_layers: int):
+    """Per-layer params {block_0, ..., block_{L-1}} -> stacked {blocks: [L, ...]} (for scan)."""
+    params = dict(params)
+    layers = [params.pop(f"block_{i}") for i in range(n_layers)]
+    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return params
+
+
+def unstack_layers(params):
+    """Stacked {blocks: [L, ...]} -> per-layer {block_0, ..., block_{L-1}}."""
+    params = dict(params)
+    stacked = params.pop("blocks")
+    n_layers = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(n_layers):
+        params[f"block_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params

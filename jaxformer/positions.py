@@ -1,0 +1,146 @@
+"""Positional encodings as plain functions of arrays.
+
+Every scheme reads explicit integer positions ``[batch, seq]`` (default ``arange``), so
+packed, padded and cached sequences all get the right ones:
+
+- sinusoidal, learned: absolute, added to the token embeddings (``sinusoidal`` here; the
+  learned table is an ``nn.Embed`` in the model);
+- rope: rotates queries and keys inside attention (``apply_rope``);
+- alibi: a per-head linear distance bias on the attention logits (``alibi_bias``);
+- none: nothing (NoPE; the causal mask alone carries order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.config import RopeScaling
+
+
+def sinusoidal(positions, d_model: int, *, base: float = 10000.0, dtype=jnp.float32):
+    """PE(pos, 2i) = sin(pos / base^(2i/d)), PE(pos, 2i+1) = cos(pos / base^(2i/d)).
+
+    positions: integer array of any shape [...]; returns [..., d_model] (sin and cos
+    interleaved, as in Vaswani et al. 2017).
+    """
+    if d_model % 2:
+        raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
+    inv_freq = jnp.asarray(base ** (-np.arange(0, d_model, 2) / d_model), jnp.float32)  # [d/2]
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., d/2]
+    pe = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1)  # [..., d/2, 2]
+    return pe.reshape(*positions.shape, d_model).astype(dtype)
+
+
+def segment_positions(segment_ids):
+    """Positions that restart at 0 at the start of every segment of a packed row.
+
+    segment_ids: [batch, seq] ints (0 = padding); returns [batch, seq] int32.
+    """
+    seq = segment_ids.shape[-1]
+    idx = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), segment_ids.shape)
+    prev = jnp.concatenate([jnp.full_like(segment_ids[..., :1], -1), segment_ids[..., :-1]], -1)
+    starts = jnp.where(segment_ids != prev, idx, 0)
+    return idx - jax.lax.cummax(starts, axis=starts.ndim - 1)
+
+
+# ---- RoPE -------------------------------------------------------------------------
+
+def rope_frequencies(head_dim: int, theta: float = 10000.0,
+                     scaling: RopeScaling | None = None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim // 2] (float64) and the attention factor for RoPE.
+
+    The attention factor multiplies cos and sin (so q.k scales by its square); it is 1
+    except for YaRN. Formulas follow the reference implementations of each method
+    (Hugging Face transformers' ``modeling_rope_utils``).
+    """
+    scaling = scaling or RopeScaling()
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim  # [H/2]
+    kind, factor = scaling.kind, scaling.factor
+    if kind == "ntk":  # NTK-aware: stretch the base so the lowest frequency interpolates
+        theta = theta * factor ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / theta ** exponents
+    if kind in ("none", "ntk"):
+        return inv_freq, 1.0
+    if kind == "linear":  # position interpolation: pos / factor
+        return inv_freq / factor, 1.0
+    original = scaling.original_max_seq_len
+    if original is None:
+        raise ValueError(f"rope scaling {kind!r} needs original_max_seq_len (the training length)")
+    if kind == "llama3":
+        low_wavelen = original / scaling.low_freq_factor
+        high_wavelen = original / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled), 1.0
+    # yarn
+    def correction_dim(rotations):
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp  # 1 for fast-rotating dims (kept), 0 for slow ones (interpolated)
+    inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, attention_factor
+
+
+def apply_rope(x, positions, *, theta: float = 10000.0, scaling: RopeScaling | None = None):
+    """Rotate x [batch, seq, heads, head_dim] by its positions [batch, seq].
+
+    Half-rotation layout (HF Llama / GPT-NeoX): dimension i pairs with i + head_dim/2.
+    Angles and the rotation are computed in float32; the result has x's dtype.
+    """
+    inv_freq, attention_factor = rope_frequencies(x.shape[-1], theta, scaling)
+    angle = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq, jnp.float32)
+    cos = jnp.cos(angle) * attention_factor  # [B, T, 1, H/2]
+    sin = jnp.sin(angle) * attention_factor
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, N, H/2] each
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ---- ALiBi ------------------------------------------------------------------------
+
+def alibi_slopes(n_heads: int) -> np.ndarray:
+    """Per-head slopes of Press et al. (2022), float64 [n_heads].
+
+    For a power of two n the slopes are the geometric sequence 2^(-8/n), 2^(-16/n), ...
+    Otherwise the reference takes the slopes of the nearest lower power of two, then
+    every other slope of the next power of two (the interleaving of the paper's code).
+    """
+    if n_heads < 1:
+        raise ValueError(f"alibi_slopes needs n_heads >= 1, got {n_heads}")
+
+    def power_of_2(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_2(closest)
+    if closest != n_heads:
+        slopes += power_of_2(2 * closest)[0::2][: n_heads - closest]
+    return np.asarray(slopes, dtype=np.float64)
+
+
+def alibi_bias(slopes, q_positions, k_positions):
+    """ALiBi logit bias -m_h * |i - j|: [batch, heads, q_len, k_len] float32.
+
+    slopes: [heads]; q_positions: [batch, q_len]; k_positions: [batch, k_len].
+    """
+    distance = jnp.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(jnp.float32)
+    return -jnp.asarray(slopes, jnp.float32)[None, :, None, None] * distance[:, None]
