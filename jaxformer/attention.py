@@ -119,7 +119,9 @@ def _fused(q, k, v, *, mask, bias, scale, implementation):
 
 
 def resolve_impl(impl: str, dtype, head_dim: int) -> str:
-    """`auto`: cuDNN flash attention on a GPU for 16-bit inputs it supports, else reference."""
+    """`auto`: cuDNN flash attention on a GPU for 16-bit inputs it supports, else XLA's
+    jax.nn.dot_product_attention, which bench/attention.py measures ~1.5-2x faster than the
+    reference einsum on CPU (forward and backward)."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r} is not one of {', '.join(IMPLS)}")
     if impl != "auto":
@@ -128,7 +130,7 @@ def resolve_impl(impl: str, dtype, head_dim: int) -> str:
     if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 \
             and head_dim <= 128:
         return "cudnn"
-    return "reference"
+    return "xla"
 
 
 def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = "auto", scale=None):

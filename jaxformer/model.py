@@ -128,6 +128,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def stack_layers(params, n_layers: int):
     """Per-layer params {block_0, ..., block_{L-1}} -> stacked {blocks: [L, ...]} (for scan)."""
     params = dict(params)
+    missing = [f"block_{i}" for i in range(n_layers) if f"block_{i}" not in params]
+    if missing:
+        raise KeyError(f"stack_layers needs per-layer params; {', '.join(missing)} missing "
+                       f"(found {', '.join(sorted(params))})")
     layers = [params.pop(f"block_{i}") for i in range(n_layers)]
     params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     return params
@@ -136,6 +140,9 @@ def stack_layers(params, n_layers: int):
 def unstack_layers(params):
     """Stacked {blocks: [L, ...]} -> per-layer {block_0, ..., block_{L-1}}."""
     params = dict(params)
+    if "blocks" not in params:
+        raise KeyError(f"unstack_layers needs stacked params under 'blocks' "
+                       f"(found {', '.join(sorted(params))})")
     stacked = params.pop("blocks")
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     for i in range(n_layers):

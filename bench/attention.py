@@ -1,0 +1,81 @@
+"""Attention backends side by side: compile seconds, forward and forward+backward time,
+and temporary bytes, for causal self-attention in [batch, seq, heads, head_dim] layout.
+
+    python bench/attention.py [--batch 4] [--seq 512 1024] [--heads 8] [--kv-heads 8 2]
+        [--head-dim 64] [--dtype float32] [--impls reference xla] [--repeats 20]
+
+Prints a table; asserts nothing about speed. Timings are medians over --repeats calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.attention import causal_mask, dot_product_attention, resolve_impl
+
+
+def timed(fn, *args, repeats):
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    mem = compiled.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", float("nan")) if mem is not None else float("nan")
+    return compile_s, statistics.median(times), temp
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--impls", nargs="+", default=["reference", "xla"])
+    p.add_argument("--repeats", type=int, default=20)
+    a = p.parse_args()
+
+    dtype = jnp.dtype(a.dtype)
+    print(f"backend={jax.default_backend()} devices={jax.device_count()} dtype={a.dtype} "
+          f"batch={a.batch} heads={a.heads} head_dim={a.head_dim}; auto -> "
+          f"{resolve_impl('auto', dtype, a.head_dim)}")
+    header = (f"{'impl':>10} {'seq':>6} {'kv':>3} {'compile s':>10} {'fwd ms':>9} "
+              f"{'fwd+bwd ms':>11} {'fwd Mtok/s':>11} {'fwd+bwd temp MiB':>17}")
+    print(header)
+    print("-" * len(header))
+    for seq in a.seq:
+        for kv in a.kv_heads:
+            keys = jax.random.split(jax.random.key(0), 3)
+            q = jax.random.normal(keys[0], (a.batch, seq, a.heads, a.head_dim), dtype)
+            k = jax.random.normal(keys[1], (a.batch, seq, kv, a.head_dim), dtype)
+            v = jax.random.normal(keys[2], (a.batch, seq, kv, a.head_dim), dtype)
+            pos = jnp.broadcast_to(jnp.arange(seq), (a.batch, seq))
+            mask = causal_mask(pos, pos)
+            for impl in a.impls:
+                def fwd(q, k, v, mask, impl=impl):
+                    return dot_product_attention(q, k, v, mask=mask, impl=impl)
+
+                def fwd_bwd(q, k, v, mask, fwd=fwd):
+                    return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, mask).astype(
+                        jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+                c_s, f_s, _ = timed(fwd, q, k, v, mask, repeats=a.repeats)
+                _, fb_s, temp = timed(fwd_bwd, q, k, v, mask, repeats=a.repeats)
+                print(f"{impl:>10} {seq:>6} {kv:>3} {c_s:>10.2f} {f_s * 1e3:>9.2f} "
+                      f"{fb_s * 1e3:>11.2f} {a.batch * seq / f_s / 1e6:>11.3f} "
+                      f"{temp / 2**20:>17.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The Transformer against a float64 NumPy forward pass, and its invariants."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import ModelConfig, Transformer, stack_layers, unstack_layers
+from jaxformer.positions import segment_positions
+
+rng = np.random.default_rng()
+
+
+def small(**kw):
+    base = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
+    return ModelConfig(**{**base, **kw})
+
+
+def init(cfg, batch=2, seq=12):
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq)))
+    params = Transformer(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    # random (not init-time) norm scales and biases, so a swapped or missing one shows
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(
+        jax.random.key(int(rng.integers(1 << 30))), x.shape), params)
+    return tokens, params
+
+
+def logits_of(cfg, params, tokens, **kw):
+    return np.asarray(Transformer(cfg).apply({"params": params}, tokens, **kw))
+
+
+# ---- an independent float64 reference, written from the textbook formulas -------------
+
+def np_norm(cfg, p, x):
+    if cfg.norm == "rmsnorm":
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * p["scale"]
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + cfg.norm_eps) * p["scale"] + p.get("bias", 0.0)
+
+
+def np_gelu(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def np_rope(x, pos, theta):  # HF Llama: x * cos + rotate_half(x) * sin
+    h = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
+    ang = pos[:, :, None, None] * np.concatenate([inv, inv])  # [B, T, 1, H]
+    rot = np.concatenate([-x[..., h // 2:], x[..., : h // 2]], -1)
+    return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def np_dense(p, x, spec):
+    return np.einsum(spec, x, p["kernel"]) + p.get("bias", 0.0)
+
+
+def np_attention(cfg, p, x, pos, allowed):
+    q = np_dense(p["query"], x, "btd,dnh->btnh")
+    k = np_dense(p["key"], x, "btd,dkh->btkh")
+    v = np_dense(p["value"], x, "btd,dkh->btkh")
+    if cfg.position == "rope":
+        q, k = np_rope(q, pos, cfg.rope_theta), np_rope(k, pos, cfg.rope_theta)
+    g = cfg.n_heads // cfg.n_kv_heads
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # query head n uses kv head n // g
+    s = np.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(cfg.head_dim)
+    if cfg.position == "alibi":  # n_heads = 4: slopes 2^-2, 2^-4, 2^-6, 2^-8
+        slopes = 2.0 ** (-2.0 * np.arange(1, 5))
+        s = s - slopes[None, :, None, None] * np.abs(pos[:, None, :, None] - pos[:, None, None, :])
+    s = np.where(allowed[:, None], s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    w = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+    z = np.einsum("bnts,bsnh->btnh", w, v)
+    return np.einsum("btnh,nhd->btd", z, p["out"]["kernel"]) + p["out"].get("bias", 0.0)
+
+
+def np_ffn(cfg, p, x):
+    act = {"gelu": np_gelu, "geglu": np_gelu, "relu": lambda a: np.maximum(a, 0),
+           "swiglu": lambda a: a / (1 + np.exp(-a))}[cfg.ffn]
+    if cfg.ffn in ("swiglu", "geglu"):
+        h = act(np_dense(p["wi_gate"], x, "btd,df->btf")) * np_dense(p["wi_up"], x, "btd,df->btf")
+    else:
+        h = act(np_dense(p["wi"], x, "btd,df->btf"))
+    return np_dense(p["wo"], h, "btf,fd->btd")
+
+
+def np_forward(cfg, params, tokens, positions=None, segment_ids=None):
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    b, t = tokens.shape
+    pos = np.broadcast_to(np.arange(t), (b, t)) if positions is None else np.asarray(positions)
+    x = p["embed"]["embedding"][np.asarray(tokens)]
+    if cfg.position == "learned":
+        x = x + p["pos_embed"]["embedding"][pos]
+    elif cfg.position == "sinusoidal":
+        i = np.arange(cfg.d_model // 2)
+        ang = pos[..., None] / 10000.0 ** (2 * i / cfg.d_model)
+        pe = np.zeros((b, t, cfg.d_model))
+        pe[..., 0::2], pe[..., 1::2] = np.sin(ang), np.cos(ang)
+        x = x + pe
+    allowed = pos[:, None, :] <= pos[:, :, None]  # [B, Tq, Tk]
+    if cfg.sliding_window:
+        allowed &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
+    if segment_ids is not None:
+        seg = np.asarray(segment_ids)
+        allowed &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    for i in range(cfg.n_layers):
+        blk = p[f"block_{i}"]
+        if cfg.block == "pre_ln":
+            x = x + np_attention(cfg, blk["attn"], np_norm(cfg, blk["attn_norm"], x), pos, allowed)
+            x = x + np_ffn(cfg, blk["ffn"], np_norm(cfg, blk["ffn_norm"], x))
+        else:
+            x = np_norm(cfg, blk["attn_norm"], x + np_attention(cfg, blk["attn"], x, pos, allowed))
+            x = np_norm(cfg, blk["ffn_norm"], x + np_ffn(cfg, blk["ffn"], x))
+    if cfg.block == "pre_ln":
+        x = np_norm(cfg, p["final_norm"], x)
+    if cfg.tie_embeddings:
+        return x @ p["embed"]["embedding"].T
+    return x @ p["lm_head"]["kernel"]
+
+
+VARIANTS = {
+    "gpt2": dict(position="learned", ffn="gelu"),
+    "llama-gqa": dict(position="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2,
+                      use_bias=False, tie_embeddings=False, rope_theta=500000.0),
+    "mqa-geglu": dict(position="rope", ffn="geglu", n_kv_heads=1),
+    "alibi-post-ln": dict(position="alibi", block="post_ln", ffn="relu"),
+    "sinusoidal": dict(position="sinusoidal", norm="rmsnorm"),
+    "nope-window": dict(position="none", sliding_window=3),
+    "rope-window-headdim": dict(position="rope", head_dim=12, sliding_window=5),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_matches_float64_reference(name):
+    cfg = small(**VARIANTS[name])
+    tokens, params = init(cfg)
+    got = logits_of(cfg, params, tokens)
+    assert got.dtype == np.float32 and got.shape == (*tokens.shape, cfg.vocab_size)
+    np.testing.assert_allclose(got, np_forward(cfg, params, tokens), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "alibi-post-ln", "gpt2"])
+def test_packed_matches_reference(name):
+    cfg = small(**VARIANTS[name])
+    tokens, params = init(cfg, batch=2, seq=12)
+    seg = np.array([[1] * 5 + [2] * 4 + [3] * 3, [1] * 7 + [2] * 3 + [0] * 2])
+    pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    got = logits_of(cfg, params, tokens, positions=pos, segment_ids=seg)
+    np.testing.assert_allclose(got, np_forward(cfg, params, tokens, pos, seg), rtol=2e-4,
+                               atol=2e-4)
+
+
+# ---- invariants for every position scheme and block kind ---------------------------
+
+SCHEMES = ["rope", "alibi", "sinusoidal", "learned", "none"]
+
+
+@pytest.mark.parametrize("block", ["pre_ln", "post_ln"])
+@pytest.mark.parametrize("position", SCHEMES)
+def test_causality(position, block):
+    """Changing token t changes no logit before t, and does change logits from t on."""
+    cfg = small(position=position, block=block, n_kv_heads=2)
+    tokens, params = init(cfg, batch=1, seq=16)
+    t = int(rng.integers(1, 15))
+    changed = tokens.at[0, t].set((tokens[0, t] + 1) % cfg.vocab_size)
+    before, after = logits_of(cfg, params, tokens), logits_of(cfg, params, changed)
+    np.testing.assert_array_equal(before[0, :t], after[0, :t])
+    assert np.abs(before[0, t:] - after[0, t:]).max() > 1e-4
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_padding_changes_nothing(position):
+    """Pad tokens (segment id 0) after a sequence change none of its logits; all-pad rows
+    are finite."""
+    cfg = small(position=position)
+    tokens, params = init(cfg, batch=3, seq=12)
+    n = int(rng.integers(3, 10))
+    seg = np.zeros((3, 12), np.int32)
+    seg[:2, :n] = 1  # row 2 is all padding
+    other = tokens.at[:, n:].set(jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 12 - n))))
+    a = logits_of(cfg, params, tokens, segment_ids=seg)
+    b = logits_of(cfg, params, other, segment_ids=seg)
+    np.testing.assert_array_equal(a[:2, :n], b[:2, :n])
+    alone = logits_of(cfg, params, tokens[:2, :n])
+    np.testing.assert_allclose(a[:2, :n], alone, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+
+
+@pytest.mark.parametrize("block", ["pre_ln", "post_ln"])
+@pytest.mark.parametrize("position", SCHEMES)
+def test_packing_equals_separate(position, block):
+    """Two documents packed in one row, with segment ids and restarted positions, give the
+    logits each gives alone."""
+    cfg = small(position=position, block=block, n_kv_heads=2, sliding_window=6)
+    tokens, params = init(cfg, batch=1, seq=14)
+    n = int(rng.integers(3, 11))
+    seg = jnp.asarray([[1] * n + [2] * (14 - n)])
+    packed = logits_of(cfg, params, tokens, positions=segment_positions(seg), segment_ids=seg)
+    first, second = logits_of(cfg, params, tokens[:, :n]), logits_of(cfg, params, tokens[:, n:])
+    np.testing.assert_allclose(packed[:, :n], first, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(packed[:, n:], second, rtol=1e-5, atol=2e-5)
+
+
+def test_default_positions_are_arange_and_shift_matters():
+    cfg = small(position="learned")
+    tokens, params = init(cfg, batch=2, seq=8)
+    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    np.testing.assert_array_equal(logits_of(cfg, params, tokens),
+                                  logits_of(cfg, params, tokens, positions=pos))
+    shifted = logits_of(cfg, params, tokens, positions=pos + 3)
+    assert np.abs(shifted - logits_of(cfg, params, tokens)).max() > 1e-4
+
+
+def test_rope_and_alibi_are_shift_invariant():
+    """Relative schemes see only offsets: shifting every position by s changes nothing."""
+    for position in ("rope", "alibi"):
+        cfg = small(position=position)
+        tokens, params = init(cfg, batch=2, seq=10)
+        pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+        s = int(rng.integers(1, 500))
+        np.testing.assert_allclose(logits_of(cfg, params, tokens, positions=pos + s),
+                                   logits_of(cfg, params, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_learned_positions_beyond_table_is_an_error():
+    cfg = small(position="learned", max_seq_len=8)
+    tokens, params = init(cfg, batch=1, seq=8)
+    with pytest.raises(ValueError, match="sequence length 9 exceeds max_seq_len=8"):
+        logits_of(cfg, params, jnp.zeros((1, 9), jnp.int32))
+
+
+# ---- scan / remat / precision / dropout --------------------------------------------
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+def test_scan_equals_loop(position):
+    cfg = small(position=position, n_layers=3)
+    tokens, params = init(cfg)
+    scan_cfg = cfg.replace(scan_layers=True)
+    stacked = stack_layers(params, cfg.n_layers)
+    assert jax.tree.leaves(stacked["blocks"])[0].shape[0] == 3
+    scan_shapes = jax.tree.map(lambda x: x.shape, Transformer(scan_cfg).init(
+        jax.random.key(0), tokens)["params"])
+    assert jax.tree.map(lambda x: x.shape, stacked) == scan_shapes
+    np.testing.assert_allclose(logits_of(scan_cfg, stacked, tokens),
+                               logits_of(cfg, params, tokens), rtol=1e-5, atol=1e-5)
+    back = unstack_layers(stacked)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, params))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_gives_equal_gradients(remat, scan):
+    cfg = small(ffn="swiglu")
+    tokens, params = init(cfg)
+    if scan:
+        cfg, params = cfg.replace(scan_layers=True), stack_layers(params, cfg.n_layers)
+
+    def loss(p, c):
+        logits = Transformer(c).apply({"params": p}, tokens)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    g_plain = jax.grad(loss)(params, cfg)
+    g_remat = jax.grad(loss)(params, cfg.replace(remat=remat))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 g_remat, g_plain)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_bf16_compute_close_to_float32(name):
+    cfg = small(**VARIANTS[name], d_model=64)
+    tokens, params = init(cfg, batch=2, seq=16)
+    full = logits_of(cfg, params, tokens)
+    half = logits_of(cfg.replace(dtype="bfloat16"), params, tokens)
+    assert half.dtype == np.float32
+    rel = np.linalg.norm(half - full) / np.linalg.norm(full)
+    assert rel < 2e-2, rel
+
+
+def test_dropout_only_when_not_deterministic():
+    cfg = small(dropout=0.5)
+    tokens, params = init(cfg)
+    model = Transformer(cfg)
+    clean = model.apply({"params": params}, tokens)
+    np.testing.assert_array_equal(clean, logits_of(cfg.replace(dropout=0.0), params, tokens))
+    noisy = [model.apply({"params": params}, tokens, deterministic=False,
+                         rngs={"dropout": jax.random.key(i)}) for i in (1, 2)]
+    assert np.abs(noisy[0] - clean).max() > 1e-3 and np.abs(noisy[0] - noisy[1]).max() > 1e-3
