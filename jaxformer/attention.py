@@ -17,6 +17,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.positions import alibi_bias, alibi_slopes, apply_rope
 
 IMPLS = ("auto", "reference", "xla", "cudnn")
+HIGHEST = jax.lax.Precision.HIGHEST  # the reference is the definition: no TF32 on GPUs
 
 # ---- masks: pure functions of positions and segment ids --------------------------
 
@@ -58,6 +59,11 @@ def make_attention_mask(q_positions, k_positions, q_segment_ids=None, k_segment_
 # ---- attention math ---------------------------------------------------------------
 
 
+def _as_4d(x):
+    """Left-pad a mask or bias with size-1 axes to [B|1, N|1, Tq, Tk]."""
+    return None if x is None else x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
 def _group(x, n_kv_heads: int):
     """[B, N|1, T, S] -> [B, K|1, G|1, T, S], grouping query heads by their K/V head."""
     if x.shape[1] == 1:
@@ -73,7 +79,8 @@ def _grouped_logits(q, k, *, mask, bias, scale):
     if n % n_kv:
         raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({n_kv})")
     q = q.reshape(b, t, n_kv, n // n_kv, h)  # [B, T, K, G, H]
-    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=HIGHEST,
+                        preferred_element_type=jnp.float32)
     logits = logits * jnp.float32(1.0 / math.sqrt(h) if scale is None else scale)
     if bias is not None:
         logits = logits + _group(bias.astype(jnp.float32), n_kv)
@@ -93,13 +100,13 @@ def _softmax(logits):
 
 def attention_weights(q, k, *, mask=None, bias=None, scale=None):
     """Softmax attention weights [B, N, Tq, Tk] in float32 (for inspection and plots)."""
-    w = _softmax(_grouped_logits(q, k, mask=mask, bias=bias, scale=scale))  # [B, K, G, T, S]
-    return w.reshape(w.shape[0], -1, *w.shape[3:])
+    w = _softmax(_grouped_logits(q, k, mask=_as_4d(mask), bias=_as_4d(bias), scale=scale))
+    return w.reshape(w.shape[0], -1, *w.shape[3:])  # [B, K, G, T, S] -> [B, N, T, S]
 
 
 def _reference(q, k, v, *, mask, bias, scale):
     w = _softmax(_grouped_logits(q, k, mask=mask, bias=bias, scale=scale))  # [B, K, G, T, S]
-    out = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v,
+    out = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v, precision=HIGHEST,
                      preferred_element_type=jnp.float32)
     return out.reshape(q.shape).astype(q.dtype)  # [B, T, N, H]
 
@@ -110,6 +117,8 @@ def _fused(q, k, v, *, mask, bias, scale, implementation):
     Its masked rows average over all keys; rows with no allowed key are set to zero here so
     that every backend answers like the reference.
     """
+    if bias is not None and implementation == "cudnn":
+        bias = bias.astype(q.dtype)  # cuDNN takes the bias in the dtype of q
     out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
                                        implementation=implementation)
     if mask is not None:
@@ -144,6 +153,7 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = "auto", 
     or auto.
     """
     impl = resolve_impl(impl, q.dtype, q.shape[-1])
+    mask, bias = _as_4d(mask), _as_4d(bias)
     if impl == "reference":
         return _reference(q, k, v, mask=mask, bias=bias, scale=scale)
     return _fused(q, k, v, mask=mask, bias=bias, scale=scale, implementation=impl)

@@ -63,6 +63,8 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0,
     exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim  # [H/2]
     kind, factor = scaling.kind, scaling.factor
     if kind == "ntk":  # NTK-aware: stretch the base so the lowest frequency interpolates
+        if head_dim < 4:
+            raise ValueError(f"NTK RoPE scaling needs head_dim >= 4, got {head_dim}")
         theta = theta * factor ** (head_dim / (head_dim - 2))
     inv_freq = 1.0 / theta ** exponents
     if kind in ("none", "ntk"):

@@ -1,0 +1,512 @@
+"""Tests for jaxformer.attention.
+
+Everything is checked against literal textbook numbers or against float64 NumPy
+references written here (masks, softmax, grouped-query attention), on fresh random
+inputs each run. Layout: q [B, Tq, N, H], k/v [B, Tk, K, H], masks [B, 1, Tq, Tk].
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.attention import (
+    IMPLS,
+    attention_weights,
+    causal_mask,
+    dot_product_attention,
+    make_attention_mask,
+    padding_mask,
+    resolve_impl,
+    segment_mask,
+    sliding_window_mask,
+)
+
+BACKENDS = ["reference", "xla"]
+# (query heads N, key/value heads K, Tq, Tk): every GQA ratio (K = N is MHA, K = 1 is MQA),
+# self-attention (Tq = Tk) and decoding against a cache (Tq < Tk, query positions offset).
+# Few distinct shapes, because each new one costs JAX a compilation.
+CONFIGS = [(4, 4, 8, 8), (4, 2, 8, 8), (4, 2, 3, 8), (4, 1, 3, 8), (6, 3, 8, 8)]
+B, H = 2, 8
+
+# Every mask kind: "+" joins parts; windowW is sliding_window(W); alibi adds a bias.
+MASK_KINDS = [
+    "none",
+    "causal",
+    "padding",
+    "packing",
+    "window2",  # a window alone (no causal): everything ahead is allowed too
+    "causal+window1",
+    "causal+window3",
+    "causal+window2+packing",
+    "alibi",
+    "causal+alibi",
+    "packing+alibi",
+]
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy
+    print(f"numpy seed: {seed}")  # shown by pytest if the test fails
+    return np.random.default_rng(seed)
+
+
+# ---- float64 NumPy definitions -----------------------------------------------------
+
+
+def np_causal(q_pos, k_pos):
+    return k_pos[:, None, None, :] <= q_pos[:, None, :, None]
+
+
+def np_window(q_pos, k_pos, window):
+    return (q_pos[:, None, :, None] - k_pos[:, None, None, :]) < window
+
+
+def np_padding(q_seg, k_seg):
+    return (q_seg[:, None, :, None] != 0) & (k_seg[:, None, None, :] != 0)
+
+
+def np_segment(q_seg, k_seg):
+    same = q_seg[:, None, :, None] == k_seg[:, None, None, :]
+    return same & np_padding(q_seg, k_seg)
+
+
+def np_attention(q, k, v=None, mask=None, bias=None, scale=None):
+    """Float64 softmax(q k^T * scale + bias, where mask) [v]; K/V repeated per group.
+
+    Returns the weights [B, N, Tq, Tk], and the output [B, Tq, N, H] when v is given.
+    A row with no allowed key gets zero weights.
+    """
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    group = q.shape[2] // k.shape[2]
+    k = np.repeat(k, group, axis=2)  # query head n reads kv head n // group
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    if bias is not None:
+        logits = logits + np.asarray(bias, np.float64)
+    if mask is not None:
+        logits = np.where(np.asarray(mask), logits, -np.inf)
+    peak = logits.max(axis=-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    e = np.exp(logits - peak)
+    total = e.sum(axis=-1, keepdims=True)
+    w = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    if v is None:
+        return w
+    v = np.repeat(np.asarray(v, np.float64), group, axis=2)
+    return w, np.einsum("bnts,bsnh->btnh", w, v)
+
+
+# ---- random inputs -----------------------------------------------------------------
+
+
+def random_positions(rng, b, t):
+    """Increasing positions with a random start and random gaps: [B, T]."""
+    start = rng.integers(0, 50, size=(b, 1))
+    return start + np.cumsum(rng.integers(1, 3, size=(b, t)), axis=1)
+
+
+def padding_segments(rng, b, t):
+    """Segment id 1 for a random-length prefix, then trailing zeros (padding)."""
+    lengths = rng.integers(0, t, size=b)  # always some padding, sometimes all of it
+    return (np.arange(t)[None, :] < lengths[:, None]).astype(np.int32)
+
+
+def packed_segments(rng, b, t):
+    """Random packing layouts: segments 1, 2, 3, ... of random lengths, then padding."""
+    seg = np.zeros((b, t), np.int32)
+    for i in range(b):
+        used = int(rng.integers(t // 2, t + 1))
+        n_cuts = int(rng.integers(0, min(3, used - 1) + 1))
+        cuts = np.sort(rng.choice(np.arange(1, used), size=n_cuts, replace=False))
+        seg[i, :used] = 1 + np.searchsorted(cuts, np.arange(used), side="right")
+    return seg
+
+
+def positions_in_segments(seg):
+    """Positions restart at 0 at each segment start (as packed training data has them)."""
+    pos = np.zeros_like(seg)
+    for i in range(seg.shape[0]):
+        for t in range(1, seg.shape[1]):
+            pos[i, t] = pos[i, t - 1] + 1 if seg[i, t] == seg[i, t - 1] else 0
+    return pos
+
+
+def alibi_like_bias(rng, q_pos, k_pos, n_heads):
+    """-slope_n * |q - k| with random slopes, plus noise: [B, N, Tq, Tk] float32."""
+    slopes = rng.uniform(0.05, 1.0, size=n_heads)
+    dist = np.abs(q_pos[:, None, :, None] - k_pos[:, None, None, :])
+    bias = -slopes[None, :, None, None] * dist + 0.1 * rng.normal(size=(1, n_heads, 1, 1))
+    return bias.astype(np.float32)
+
+
+def build_case(rng, kind, b, tq, tk, n_heads):
+    """A NumPy mask [B, 1, Tq, Tk] (or None) and bias [B, N, Tq, Tk] (or None).
+
+    Queries are the last Tq keys (positions and segments), so Tq < Tk is cached decoding.
+    """
+    parts = kind.split("+")
+    k_pos, k_seg = random_positions(rng, b, tk), None
+    if "padding" in parts:
+        k_seg = padding_segments(rng, b, tk)
+    if "packing" in parts:
+        k_seg = packed_segments(rng, b, tk)
+        k_pos = positions_in_segments(k_seg) + rng.integers(0, 5)
+    q_pos = k_pos[:, tk - tq:]
+    q_seg = None if k_seg is None else k_seg[:, tk - tq:]
+
+    mask = np.ones((b, 1, tq, tk), bool)
+    for part in parts:
+        if part == "causal":
+            mask &= np_causal(q_pos, k_pos)
+        elif part.startswith("window"):
+            mask &= np_window(q_pos, k_pos, int(part[len("window"):]))
+        elif part == "padding":
+            mask &= np_padding(q_seg, k_seg)
+        elif part == "packing":
+            mask &= np_segment(q_seg, k_seg)
+    if set(parts) <= {"none", "alibi"}:
+        mask = None
+    bias = alibi_like_bias(rng, q_pos, k_pos, n_heads) if "alibi" in parts else None
+    return mask, bias
+
+
+def random_qkv(rng, b, tq, tk, n, kv, h=H, dtype=jnp.float32):
+    q = rng.normal(size=(b, tq, n, h))
+    k = rng.normal(size=(b, tk, kv, h))
+    v = rng.normal(size=(b, tk, kv, h))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def as_jnp(mask, bias):
+    return (None if mask is None else jnp.asarray(mask),
+            None if bias is None else jnp.asarray(bias))
+
+
+# ---- 1. textbook worked examples ------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_textbook_example_one_query_three_keys(impl):
+    q = jnp.asarray([0.5, -0.3, 0.8, 0.1], jnp.float32).reshape(1, 1, 1, 4)
+    k = jnp.asarray([[0.7, -0.2, 0.4, 0.3],
+                     [0.1, 0.6, -0.5, 0.2],
+                     [0.3, -0.4, 0.9, 0.7]], jnp.float32).reshape(1, 3, 1, 4)
+    w = np.asarray(attention_weights(q, k))[0, 0, 0]
+    # The book prints [0.371, 0.199, 0.431] (it rounds loosely: the scores are
+    # [0.76, -0.51, 1.06] / 2, whose softmax is [0.37150, 0.19687, 0.43162]).
+    np.testing.assert_allclose(w, [0.371, 0.199, 0.431], atol=2.5e-3)
+    np.testing.assert_allclose(w, [0.37150, 0.19687, 0.43162], atol=1e-5)
+    # Values = rows of the identity pick the weights out as the output (v has H = 4 too).
+    v = jnp.eye(3, 4, dtype=jnp.float32).reshape(1, 3, 1, 4)
+    z = np.asarray(dot_product_attention(q, k, v, impl=impl))[0, 0, 0]
+    np.testing.assert_allclose(z, [0.37150, 0.19687, 0.43162, 0.0], atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_textbook_example_two_by_two(impl):
+    q = jnp.asarray([[1, 0], [0, 1]], jnp.float32).reshape(1, 2, 1, 2)
+    k = jnp.asarray([[1, 0], [1, 1]], jnp.float32).reshape(1, 2, 1, 2)
+    v = jnp.asarray([[10, 0], [0, 10]], jnp.float32).reshape(1, 2, 1, 2)
+    a = np.asarray(attention_weights(q, k))[0, 0]
+    z = np.asarray(dot_product_attention(q, k, v, impl=impl))[0, :, 0]
+    np.testing.assert_allclose(a, [[0.5, 0.5], [0.330, 0.670]], atol=5e-4)  # 3 decimals
+    np.testing.assert_allclose(z, [[5.0, 5.0], [3.30, 6.70]], atol=5e-3)  # 2 decimals
+
+
+# ---- 2./3. every mask kind, GQA ratio and backend against the float64 reference -------
+
+
+@pytest.mark.parametrize("n,kv,tq,tk", CONFIGS)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_attention_weights_match_reference(rng, kind, n, kv, tq, tk):
+    q, k, _ = random_qkv(rng, B, tq, tk, n, kv)
+    mask, bias = build_case(rng, kind, B, tq, tk, n)
+    jmask, jbias = as_jnp(mask, bias)
+    w = attention_weights(q, k, mask=jmask, bias=jbias)
+    assert w.dtype == jnp.float32 and w.shape == (B, n, tq, tk)
+    np.testing.assert_allclose(np.asarray(w), np_attention(q, k, mask=mask, bias=bias),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("n,kv,tq,tk", CONFIGS)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_dot_product_attention_matches_reference(rng, kind, n, kv, tq, tk, impl):
+    q, k, v = random_qkv(rng, B, tq, tk, n, kv)
+    mask, bias = build_case(rng, kind, B, tq, tk, n)
+    jmask, jbias = as_jnp(mask, bias)
+    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl)
+    assert out.dtype == jnp.float32 and out.shape == (B, tq, n, H)
+    _, expected = np_attention(q, k, v, mask=mask, bias=bias)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("bias_shape", ["1N", "B1", "11"])
+def test_broadcast_bias_and_per_head_mask(rng, impl, bias_shape):
+    """Bias with a size-1 batch or head axis; mask with a full head axis [B, N, Tq, Tk]."""
+    n, kv, t = 4, 2, 8
+    q, k, v = random_qkv(rng, B, t, t, n, kv)
+    bias = rng.normal(size=(1 if bias_shape[0] == "1" else B,
+                            1 if bias_shape[1] == "1" else n, t, t)).astype(np.float32)
+    mask = rng.random(size=(B, n, t, t)) < 0.6
+    out = dot_product_attention(q, k, v, mask=jnp.asarray(mask), bias=jnp.asarray(bias),
+                                impl=impl)
+    w_expected, expected = np_attention(q, k, v, mask=mask, bias=bias)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
+    w = attention_weights(q, k, mask=jnp.asarray(mask), bias=jnp.asarray(bias))
+    np.testing.assert_allclose(np.asarray(w), w_expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_explicit_scale(rng, impl):
+    q, k, v = random_qkv(rng, B, 8, 8, 4, 2)
+    pos = random_positions(rng, B, 8)
+    mask = np_causal(pos, pos)
+    out = dot_product_attention(q, k, v, mask=jnp.asarray(mask), impl=impl, scale=0.7)
+    _, expected = np_attention(q, k, v, mask=mask, scale=0.7)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a GPU")
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "packing", "causal+alibi"])
+def test_cudnn_bf16_matches_reference(rng, kind):
+    n, kv, t, h = 4, 2, 16, 64
+    q, k, v = random_qkv(rng, B, t, t, n, kv, h=h, dtype=jnp.bfloat16)
+    mask, bias = build_case(rng, kind, B, t, t, n)
+    jmask, jbias = as_jnp(mask, bias)
+    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl="cudnn")
+    assert out.dtype == jnp.bfloat16
+    f32 = [np.asarray(x.astype(jnp.float32)) for x in (q, k, v)]
+    _, expected = np_attention(*f32, mask=mask, bias=bias)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected,
+                               rtol=2e-2, atol=2e-2)
+
+
+# ---- 4. softmax statistics in float32 --------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_bfloat16_inputs_keep_float32_statistics(rng, impl):
+    n, kv, t = 4, 2, 32
+    q, k, v = random_qkv(rng, B, t, t, n, kv, dtype=jnp.bfloat16)
+    q = q * 3  # sharper softmax: bf16 statistics would be visibly off
+    mask, bias = build_case(rng, "causal+alibi", B, t, t, n)
+    jmask, jbias = as_jnp(mask, bias)
+    # The reference is computed from the same bf16-rounded inputs, in float64.
+    qf, kf, vf = (np.asarray(x.astype(jnp.float32)) for x in (q, k, v))
+    w_expected, expected = np_attention(qf, kf, vf, mask=mask, bias=bias)
+
+    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected,
+                               rtol=1e-2, atol=1e-2)
+
+    w = attention_weights(q, k, mask=jmask, bias=jbias)
+    assert w.dtype == jnp.float32
+    # bf16 x bf16 products are exact in float32: the weights are float32-accurate.
+    np.testing.assert_allclose(np.asarray(w), w_expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-5)
+
+
+# ---- 5. rows with nothing to attend to ------------------------------------------------
+
+
+def fully_masked_case(rng, t, n):
+    """Causal + padding where batch row 1 is all padding and row 0 has trailing padding."""
+    seg = np.zeros((2, t), np.int32)
+    seg[0, : int(rng.integers(1, t - 1))] = 1
+    pos = np.tile(np.arange(t), (2, 1))
+    mask = np_causal(pos, pos) & np_padding(seg, seg)
+    bias = alibi_like_bias(rng, pos, pos, n)
+    return mask, bias
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_fully_masked_rows_give_zeros(rng, impl):
+    n, kv, t = 4, 2, 8
+    q, k, v = random_qkv(rng, B, t, t, n, kv)
+    mask, bias = fully_masked_case(rng, t, n)
+    empty = ~mask.any(axis=-1)[:, 0]  # [B, Tq]: queries with no allowed key
+    assert empty[1].all() and empty[0].any() and not empty[0].all()
+    out = np.asarray(dot_product_attention(q, k, v, mask=jnp.asarray(mask),
+                                           bias=jnp.asarray(bias), impl=impl))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[empty], 0.0)
+    _, expected = np_attention(q, k, v, mask=mask, bias=bias)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=2e-6)
+    w = np.asarray(attention_weights(q, k, mask=jnp.asarray(mask), bias=jnp.asarray(bias)))
+    assert np.isfinite(w).all()
+    np.testing.assert_array_equal(w.transpose(0, 2, 1, 3)[empty], 0.0)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_gradient_finite_and_correct_with_fully_masked_rows(rng, impl):
+    n, kv, t, h = 2, 1, 4, 4
+    q, k, v = random_qkv(rng, 2, t, t, n, kv, h=h)
+    mask, bias = fully_masked_case(rng, t, n)
+    cot = rng.normal(size=(2, t, n, h))  # a random weighting of the outputs
+
+    def loss(q, k, v):
+        out = dot_product_attention(q, k, v, mask=jnp.asarray(mask), bias=jnp.asarray(bias),
+                                    impl=impl)
+        return jnp.sum(out * cot)
+
+    grads = [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v)]
+    for g in grads:
+        assert np.isfinite(g).all()
+
+    # Central differences of the float64 reference.
+    args = [np.asarray(x, np.float64) for x in (q, k, v)]
+
+    def np_loss(a):
+        return np.sum(np_attention(*a, mask=mask, bias=bias)[1] * cot)
+
+    eps = 1e-6
+    for i, g in enumerate(grads):
+        fd = np.zeros_like(args[i])
+        for idx in np.ndindex(*args[i].shape):
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[i][idx] += eps
+            minus[i][idx] -= eps
+            fd[idx] = (np_loss(plus) - np_loss(minus)) / (2 * eps)
+        np.testing.assert_allclose(g, fd, rtol=1e-3, atol=1e-4, err_msg=f"grad {'qkv'[i]}")
+    # A query that attends to nothing has no influence: zero gradient.
+    empty = ~mask.any(axis=-1)[:, 0]
+    np.testing.assert_array_equal(grads[0][empty], 0.0)
+
+
+# ---- 6. GQA: grouping order without copying -----------------------------------------
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("n,kv", [(4, 2), (4, 1), (6, 3)])
+def test_gqa_equals_mha_with_repeated_kv(rng, impl, n, kv):
+    t = 8
+    q, k, v = random_qkv(rng, B, t, t, n, kv)
+    mask, bias = build_case(rng, "causal+alibi", B, t, t, n)
+    jmask, jbias = as_jnp(mask, bias)
+    # Query head i reads kv head i // (N/K): repeat (not tile) along the head axis.
+    k_rep, v_rep = (jnp.repeat(x, n // kv, axis=2) for x in (k, v))
+    gqa = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl)
+    mha = dot_product_attention(q, k_rep, v_rep, mask=jmask, bias=jbias, impl=impl)
+    np.testing.assert_allclose(np.asarray(gqa), np.asarray(mha), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(attention_weights(q, k, mask=jmask, bias=jbias)),
+                               np.asarray(attention_weights(q, k_rep, mask=jmask, bias=jbias)),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_gqa_head_grouping_literal():
+    """Two kv heads, four query heads: heads 0,1 see kv head 0 and heads 2,3 kv head 1."""
+    q = jnp.zeros((1, 1, 4, 2), jnp.float32)  # uniform weights over the two keys
+    k = jnp.zeros((1, 2, 2, 2), jnp.float32)
+    v = jnp.asarray([[[1.0, 1.0], [100.0, 100.0]],
+                     [[3.0, 3.0], [300.0, 300.0]]]).reshape(1, 2, 2, 2)  # [B, Tk, K, H]
+    for impl in BACKENDS:
+        out = np.asarray(dot_product_attention(q, k, v, impl=impl))[0, 0, :, 0]
+        np.testing.assert_allclose(out, [2.0, 2.0, 200.0, 200.0], rtol=1e-6)
+
+
+# ---- 7. mask functions ------------------------------------------------------------------
+
+
+def random_mask_inputs(rng, tq=5, tk=7):
+    q_pos = rng.integers(0, 12, size=(B, tq))  # unsorted: masks are functions of positions
+    k_pos = rng.integers(0, 12, size=(B, tk))
+    q_seg = rng.integers(0, 4, size=(B, tq)).astype(np.int32)  # 0 = padding, anywhere
+    k_seg = rng.integers(0, 4, size=(B, tk)).astype(np.int32)
+    return q_pos, k_pos, q_seg, k_seg
+
+
+def check_mask(got, expected):
+    got = np.asarray(got)
+    assert got.dtype == np.bool_ and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_mask_functions_match_numpy_definitions(rng):
+    q_pos, k_pos, q_seg, k_seg = random_mask_inputs(rng)
+    jq, jk, jqs, jks = (jnp.asarray(x) for x in (q_pos, k_pos, q_seg, k_seg))
+    check_mask(causal_mask(jq, jk), np_causal(q_pos, k_pos))
+    check_mask(padding_mask(jqs, jks), np_padding(q_seg, k_seg))
+    check_mask(segment_mask(jqs, jks), np_segment(q_seg, k_seg))
+    for window in (1, 2, 4):
+        check_mask(sliding_window_mask(jq, jk, window), np_window(q_pos, k_pos, window))
+
+
+def test_mask_literals():
+    pos = jnp.arange(4)[None]
+    seg = jnp.asarray([[1, 1, 2, 0]])
+    np.testing.assert_array_equal(causal_mask(pos, pos)[0, 0], np.tril(np.ones((4, 4), bool)))
+    # window 1 with causal = only itself; window 2 = itself and the one before
+    np.testing.assert_array_equal(make_attention_mask(pos, pos, window=1)[0, 0], np.eye(4, dtype=bool))
+    np.testing.assert_array_equal(make_attention_mask(pos, pos, window=2)[0, 0],
+                                  np.eye(4, dtype=bool) | np.eye(4, k=-1, dtype=bool))
+    np.testing.assert_array_equal(segment_mask(seg, seg)[0, 0],
+                                  [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(padding_mask(seg, seg)[0, 0],
+                                  [[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("with_segments", [False, True])
+def test_make_attention_mask_is_the_and_of_its_parts(rng, causal, window, with_segments):
+    q_pos, k_pos, q_seg, k_seg = random_mask_inputs(rng)
+    expected = np.ones((B, 1, q_pos.shape[1], k_pos.shape[1]), bool)
+    if causal:
+        expected &= np_causal(q_pos, k_pos)
+    if window is not None:
+        expected &= np_window(q_pos, k_pos, window)
+    segs = (None, None)
+    if with_segments:
+        expected &= np_segment(q_seg, k_seg)
+        segs = (jnp.asarray(q_seg), jnp.asarray(k_seg))
+    got = make_attention_mask(jnp.asarray(q_pos), jnp.asarray(k_pos), *segs,
+                              causal=causal, window=window)
+    check_mask(got, expected)
+
+
+def test_make_attention_mask_is_causal_by_default(rng):
+    q_pos, k_pos, _, _ = random_mask_inputs(rng)
+    check_mask(make_attention_mask(jnp.asarray(q_pos), jnp.asarray(k_pos)),
+               np_causal(q_pos, k_pos))
+
+
+# ---- 8. resolve / dispatch errors -----------------------------------------------------
+
+
+def test_unknown_impl_raises_naming_allowed_values(rng):
+    q, k, v = random_qkv(rng, 1, 2, 2, 2, 2)
+    for call in (lambda: dot_product_attention(q, k, v, impl="flash"),
+                 lambda: resolve_impl("flash", jnp.float32, H)):
+        with pytest.raises(ValueError) as info:
+            call()
+        for name in ("auto", "reference", "xla", "cudnn"):
+            assert name in str(info.value)
+        assert "flash" in str(info.value)
+
+
+def test_resolve_impl():
+    assert set(IMPLS) == {"auto", "reference", "xla", "cudnn"}
+    for impl in ("reference", "xla", "cudnn"):
+        assert resolve_impl(impl, jnp.float32, 64) == impl
+    assert resolve_impl("auto", jnp.float32, 64) == "xla"
+    on_gpu = jax.default_backend() == "gpu"
+    assert resolve_impl("auto", jnp.bfloat16, 64) == ("cudnn" if on_gpu else "xla")
+    assert resolve_impl("auto", jnp.bfloat16, 60) == "xla"  # head_dim % 8 != 0
+    assert resolve_impl("auto", jnp.bfloat16, 256) == "xla"  # head_dim > 128
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_query_heads_not_multiple_of_kv_heads_raises(rng, impl):
+    q, k, v = random_qkv(rng, 1, 3, 3, 6, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        dot_product_attention(q, k, v, impl=impl)
+    with pytest.raises(ValueError, match="multiple"):
+        attention_weights(q, k)
