@@ -1,13 +1,40 @@
-"""Train a model: python train.py [configs/NAME.yaml] [key=value ...]."""
+"""Train a model: python train.py [configs/NAME.yaml] [section.key=value ...]
+
+    python train.py                                   # configs/tiny.yaml
+    python train.py configs/gpt2_small.yaml train.steps=2000 optim.lr=6e-4
+"""
+
+from __future__ import annotations
 
 import sys
 
+DEFAULT_CONFIG = "configs/tiny.yaml"
 
-def main() -> int:
-    print("jaxformer: training is not yet implemented (it arrives with the training loop); "
-          "the model itself is ready: see README.md")
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    path = argv[0] if argv and "=" not in argv[0] else DEFAULT_CONFIG
+    overrides = [a for a in argv if "=" in a]
+    stray = [a for a in argv if "=" not in a and a != path]
+    if stray:
+        print(f"error: unexpected argument(s) {' '.join(stray)}; usage: python train.py "
+              "[configs/NAME.yaml] [section.key=value ...]", file=sys.stderr)
+        return 2
+
+    from jaxformer.config import ConfigError
+    from jaxformer.data import DataError
+    from jaxformer.training import TrainingStopped, load_config, train
+
+    try:
+        cfg = load_config(path, overrides)
+        train(cfg)
+    except (ConfigError, DataError, TrainingStopped) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

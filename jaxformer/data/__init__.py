@@ -1,0 +1,35 @@
+"""Data: corpora, tokenizers, cached token streams and batches for training.
+
+    ds = load_dataset(DataConfig(), run_dir="runs/x", vocab_size=cfg.vocab_size)
+    batch = get_batch(ds.train, ds.train_docs, seed=0, step=k, batch_size=8, seq_len=256)
+    for batch in eval_batches(ds.val, ds.val_docs, batch_size=8, seq_len=256): ...
+"""
+
+from jaxformer.data.batches import eval_batches, get_batch
+from jaxformer.data.config import DataConfig, DataError
+from jaxformer.data.corpus import Corpus, find_corpus, stdlib_corpus
+from jaxformer.data.dataset import Dataset, load_dataset
+from jaxformer.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
+
+__all__ = [
+    "ByteTokenizer",
+    "Corpus",
+    "DataConfig",
+    "DataError",
+    "Dataset",
+    "HFTokenizer",
+    "Tokenizer",
+    "eval_batches",
+    "find_corpus",
+    "get_batch",
+    "load_dataset",
+    "load_tokenizer",
+    "stdlib_corpus",
+    "train_bpe",
+]

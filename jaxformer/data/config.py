@@ -1,0 +1,81 @@
+"""DataConfig: where the training text comes from and how it becomes token ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from jaxformer.config import ConfigError, _check_choice, _check_number, _from_mapping
+
+TOKENIZERS = ("bytes", "bpe")
+BIN_DTYPES = ("uint16", "uint32")
+
+
+class DataError(ValueError):
+    """The data cannot be used as configured; the message names the problem and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Every choice of the data pipeline.
+
+    path: None = the default corpus (the Python standard library's own .py source);
+      a text file; a folder of .txt/.md/.py files (recursive); a .jsonl file (one JSON
+      object per line, text in ``text_field``); a nanoGPT-style .bin file of token ids;
+      or a folder holding train.bin and val.bin.
+    tokenizer: "bytes" (vocab 256, no separator token) | "bpe" (byte-level BPE trained on
+      the train split, saved into the run dir) | a path to a tokenizer.json (or to a
+      folder holding one).
+    bpe_vocab_size: vocabulary size for tokenizer="bpe" (>= 257: 256 bytes + <|endoftext|>).
+    val_fraction: fraction of the documents (files, JSONL records) held out for
+      validation; of the tokens for a single text file or a single .bin file.
+    text_field: the JSONL field that holds the text.
+    bin_dtype: the dtype of .bin token files: uint16 | uint32.
+    pack: batches carry segment_ids and positions that restart at document boundaries.
+    cache_dir: where tokenized corpora are cached; None = ~/.cache/jaxformer.
+    """
+
+    path: str | None = None
+    tokenizer: str = "bytes"
+    bpe_vocab_size: int = 4096
+    val_fraction: float = 0.05
+    text_field: str = "text"
+    bin_dtype: str = "uint16"
+    pack: bool = False
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        o = "data"
+        for name in ("path", "cache_dir"):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+            elif value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"data.{name}={value!r} must be a non-empty path or None")
+        if isinstance(self.tokenizer, os.PathLike):
+            object.__setattr__(self, "tokenizer", os.fspath(self.tokenizer))
+        if not isinstance(self.tokenizer, str) or not (
+                self.tokenizer in TOKENIZERS or self.tokenizer.endswith(".json")
+                or os.path.isdir(self.tokenizer)):
+            raise ConfigError(f"data.tokenizer={self.tokenizer!r} is not one of "
+                              f"{', '.join(TOKENIZERS)}, a path to a tokenizer.json, "
+                              "or a folder holding one")
+        _check_number(o, "bpe_vocab_size", self.bpe_vocab_size, int, low=257, high=2**32)
+        _check_number(o, "val_fraction", self.val_fraction, float, low=0, high=1, high_open=True)
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ConfigError(f"data.text_field={self.text_field!r} must be a non-empty string")
+        _check_choice(o, "bin_dtype", self.bin_dtype, BIN_DTYPES)
+        if not isinstance(self.pack, bool):
+            raise ConfigError(f"data.pack={self.pack!r} must be true or false")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "DataConfig":
+        """Build from a plain mapping (YAML, JSON); unknown keys are an error."""
+        return _from_mapping(cls, values, "data")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "DataConfig":
+        return _from_mapping(type(self), {**self.to_dict(), **changes}, "data")

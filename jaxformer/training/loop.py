@@ -1,0 +1,201 @@
+"""The training loop: data -> jitted steps -> metrics, evals, checkpoints -> a sample."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import signal
+import time
+
+import jax
+import numpy as np
+import yaml
+
+from jaxformer.data import eval_batches, get_batch, load_dataset
+from jaxformer.model import Transformer, count_params, flops_per_token
+from jaxformer.training.checkpoint import Checkpointer, abstract_like
+from jaxformer.training.config import RunConfig
+from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.sample import sample_tokens
+from jaxformer.training.step import init_state, make_eval_step, make_train_step
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. too many consecutive non-finite steps)."""
+
+
+class _StopFlag:
+    """Turns SIGTERM / SIGINT into a request to save and stop after the current step."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def evaluate(eval_step, params, tokens, docs, cfg: RunConfig) -> dict:
+    total = count = 0.0
+    for batch in eval_batches(tokens, docs, batch_size=cfg.train.batch_size,
+                              seq_len=cfg.train.seq_len, max_batches=cfg.train.eval_batches,
+                              pack=cfg.data.pack):
+        t, c = eval_step(params, batch)
+        total, count = total + float(t), count + float(c)
+    loss = total / max(count, 1.0)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+def _progress(total, initial, enabled):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+def train(cfg: RunConfig, *, log=print) -> dict:
+    """Train as `cfg` says; returns a summary (steps, final losses, paths)."""
+    lead = jax.process_index() == 0
+    run_dir = pathlib.Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t, mcfg = cfg.train, cfg.model
+
+    data = load_dataset(cfg.data, run_dir=str(run_dir), vocab_size=mcfg.vocab_size)
+    if lead:  # load_dataset has saved the tokenizer beside it
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    can_eval = len(data.val) >= t.batch_size * (t.seq_len + 1)
+    if not can_eval:
+        log(f"validation split has {len(data.val)} tokens, less than one eval batch: "
+            "no evaluation (raise data.val_fraction to get one)")
+    model = Transformer(mcfg)
+    tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
+    if t.batch_size % cfg.optim.grad_accum:
+        raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of "
+                         f"optim.grad_accum={cfg.optim.grad_accum}")
+
+    state = init_state(model, tx, t.seed)
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    if t.resume == "auto" and ckpt.latest_step() is not None:
+        state = ckpt.restore(abstract_like(state), mcfg)
+        log(f"resumed from {run_dir}/checkpoints/{int(state.step)}")
+    start = int(state.step)
+
+    n_params = count_params(mcfg)
+    tokens_per_step = t.batch_size * t.seq_len
+    peak, peak_source = peak_flops(mcfg.dtype)
+    flops_per_step = flops_per_token(mcfg, t.seq_len) * tokens_per_step
+    log(f"data: {data.source}; train {len(data.train):,} tokens, val {len(data.val):,}")
+    log(f"model: {n_params:,} params; {t.steps} steps x {tokens_per_step:,} tokens; "
+        f"peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}); run dir {run_dir}")
+
+    train_step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum)
+    eval_step = make_eval_step(model)
+    metrics = MetricsLog(run_dir, enabled=lead)
+    bar = _progress(t.steps, start, t.progress and lead)
+    best = math.inf
+    summary: dict = {"run_dir": str(run_dir), "start_step": start}
+    last_saved = start
+
+    def batch_at(step):
+        return get_batch(data.train, data.train_docs, seed=t.seed, step=step,
+                         batch_size=t.batch_size, seq_len=t.seq_len, pack=cfg.data.pack)
+
+    window = {"t0": time.perf_counter(), "losses": []}
+
+    def record(done_step, m):
+        """Log step `done_step` from its (now finished) metrics; stop on too many skips."""
+        m = jax.device_get(m)
+        window["losses"].append(float(m["loss"]))
+        if int(m["consecutive_skips"]) >= cfg.optim.max_skips:
+            ckpt.save(int(state.step), state, mcfg)
+            ckpt.wait()
+            raise TrainingStopped(
+                f"{int(m['consecutive_skips'])} consecutive steps had non-finite gradients "
+                f"(up to step {done_step}); params are unchanged since the last good step and "
+                f"saved in {run_dir}/checkpoints. Lower optim.lr or check the data.")
+        if done_step % t.log_every == 0 or done_step == t.steps:
+            n, elapsed = len(window["losses"]), time.perf_counter() - window["t0"]
+            tok_s = n * tokens_per_step / elapsed
+            rec = {"step": done_step, "loss": float(np.mean(window["losses"])),
+                   "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                   "skipped": int(m["skipped"]), "tokens_per_s": tok_s,
+                   "mfu": flops_per_step * n / elapsed / peak}
+            metrics.write(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+            window.update(t0=time.perf_counter(), losses=[])
+        if bar is not None:
+            bar.update(done_step - bar.n)
+        return float(m["loss"])
+
+    with _StopFlag() as stop:
+        step, pending = start, None
+        while step < t.steps and not stop.requested:
+            state, m = train_step(state, batch_at(step))
+            step += 1
+            if pending is not None:  # read the previous step once this one is queued
+                record(*pending)
+            pending = (step, m)
+            if can_eval and step % t.eval_every == 0 and step < t.steps:
+                eval_t0 = time.perf_counter()
+                ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg)
+                metrics.write({"step": step, **ev})
+                log(f"step {step}: val_loss {ev['val_loss']:.4f}, val_ppl {ev['val_ppl']:.2f}")
+                if ev["val_loss"] < best:
+                    best = ev["val_loss"]
+                    ckpt.save(step, state, mcfg, best=True)
+                window["t0"] += time.perf_counter() - eval_t0  # tokens/s counts training only
+            if step % cfg.checkpoint.every == 0 and step != last_saved:
+                ckpt.save(step, state, mcfg)
+                last_saved = step
+        if pending is not None:
+            summary["final_loss"] = record(*pending)
+        stopped_early = stop.requested
+
+    end_step = int(state.step)
+    if end_step != last_saved:
+        ckpt.save(end_step, state, mcfg)
+    if bar is not None:
+        bar.update(end_step - bar.n)
+        bar.close()
+    summary.update(step=end_step, stopped_early=stopped_early)
+    if stopped_early:
+        log(f"stopped at step {end_step}; checkpoint saved, resume with the same command")
+    elif can_eval:
+        ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg)
+        metrics.write({"step": end_step, **ev})
+        summary.update(ev)
+        if ev["val_loss"] < best:
+            ckpt.save(end_step, state, mcfg, best=True)
+        log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) at step {end_step}")
+    if not stopped_early and lead and t.sample_tokens:
+        text = sample_text(model, state.params, data.tokenizer, cfg)
+        (run_dir / "sample.txt").write_text(text)
+        log(f"--- sample (temperature {t.sample_temperature}) ---\n{text}\n---")
+    ckpt.wait()
+    ckpt.close()
+    metrics.close()
+    if lead and (run_dir / "metrics.jsonl").exists():
+        summary["plot"] = str(plot_loss_curve(run_dir))
+    return summary
+
+
+def sample_text(model, params, tokenizer, cfg: RunConfig) -> str:
+    t = cfg.train
+    prompt = np.asarray(tokenizer.encode(t.sample_prompt), np.int32)
+    length = min(len(prompt) + t.sample_tokens, t.seq_len, cfg.model.max_seq_len)
+    ids = sample_tokens(model, params, prompt, length=length, temperature=t.sample_temperature,
+                        seed=t.seed)
+    return tokenizer.decode(ids)

@@ -1,0 +1,466 @@
+"""Tests for jaxformer.data against plain-Python/NumPy references, on fresh random data."""
+
+import hashlib
+import json
+import os
+import pathlib
+import sysconfig
+import time
+
+import numpy as np
+import pytest
+
+from jaxformer.config import ConfigError
+from jaxformer.data import (
+    ByteTokenizer,
+    DataConfig,
+    DataError,
+    HFTokenizer,
+    eval_batches,
+    get_batch,
+    load_dataset,
+    load_tokenizer,
+    stdlib_corpus,
+    train_bpe,
+)
+from jaxformer.data import tokenizer as tokenizer_module
+from jaxformer.data.dataset import val_keys
+
+EOT = "<|endoftext|>"
+# ASCII (weighted), Latin-1, Greek, CJK, emoji: 1- to 4-byte UTF-8
+_RANGES = [(0x20, 0x7E)] * 6 + [(0x0A, 0x0A), (0xA0, 0xFF), (0x391, 0x3C9), (0x4E00, 0x4E80),
+                                 (0x1F600, 0x1F640)]
+
+
+@pytest.fixture
+def rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed {seed}")  # shown when a test fails
+    return np.random.default_rng(seed)
+
+
+def random_text(rng, n: int) -> str:
+    lo_hi = [_RANGES[i] for i in rng.integers(0, len(_RANGES), n)]
+    return "".join(chr(int(rng.integers(lo, hi + 1))) for lo, hi in lo_hi)
+
+
+def utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def reference_val(keys, val_fraction):
+    """Plain restatement of the split rule: the round-half-up(fraction * n) keys (at least
+    1, at most n - 1) with the smallest sha256 go to val."""
+    n_val = min(max(1, int(val_fraction * len(keys) + 0.5)), len(keys) - 1)
+    ranked = sorted(keys, key=lambda k: (hashlib.sha256(k.encode()).digest(), k))
+    return set(ranked[:n_val])
+
+
+def offsets(lengths):
+    return [sum(lengths[:i]) for i in range(len(lengths))]
+
+
+def files_in(folder):
+    root = pathlib.Path(folder)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+# ---- tokenizers -----------------------------------------------------------------------
+
+def test_byte_tokenizer_round_trip(rng, tmp_path):
+    tok = ByteTokenizer()
+    text = random_text(rng, 2000)
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ids.tolist() == utf8(text)
+    assert tok.decode(ids) == text
+    assert tok.decode([0xFF, 65, 0xE4, 0xB8]) == "\ufffdA\ufffd"  # invalid UTF-8 is replaced
+    assert tok.vocab_size == 256 and tok.eot_id is None
+    tok.save(tmp_path)
+    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
+    assert isinstance(load_tokenizer(tmp_path / "tokenizer.json"), ByteTokenizer)
+
+
+def test_bpe_train_round_trip_save_load(rng, tmp_path):
+    words = [random_text(rng, int(rng.integers(2, 6))) for _ in range(40)]
+    corpus = [" ".join(rng.choice(words, 200)) for _ in range(20)]
+    tok = train_bpe(iter(corpus), 400)
+    assert isinstance(tok, HFTokenizer) and 257 < tok.vocab_size <= 400
+    assert tok.eot_id is not None and tok.hf.token_to_id(EOT) == tok.eot_id
+    assert tok.decode([tok.eot_id]) == EOT
+    assert len(tok.encode(corpus[0])) < len(corpus[0].encode()) / 2  # merges were learned
+    unseen = random_text(rng, 3000) + " " + EOT + " \t\n  x"
+    ids = tok.encode(unseen)
+    assert tok.decode(ids) == unseen
+    assert tok.eot_id not in ids.tolist()  # a literal <|endoftext|> in text is just text
+    tok.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert isinstance(loaded, HFTokenizer) and loaded.fingerprint == tok.fingerprint
+    assert loaded.vocab_size == tok.vocab_size and loaded.eot_id == tok.eot_id
+    for text in corpus[:3] + [unseen]:
+        np.testing.assert_array_equal(loaded.encode(text), tok.encode(text))
+
+
+# ---- DataConfig ---------------------------------------------------------------------------
+
+def test_data_config_validation():
+    cfg = DataConfig.from_dict({"path": "x.txt", "tokenizer": "bpe", "pack": True})
+    assert cfg.path == "x.txt" and cfg.pack and cfg.replace(pack=False).pack is False
+    with pytest.raises(ConfigError, match="unknown data field.*shuffle.*valid fields are: path"):
+        DataConfig.from_dict({"shuffle": True})
+    with pytest.raises(ConfigError, match="data.tokenizer='byts' is not one of bytes, bpe"):
+        DataConfig(tokenizer="byts")
+    with pytest.raises(ConfigError, match="data.bin_dtype='int8' is not one of uint16, uint32"):
+        DataConfig(bin_dtype="int8")
+    with pytest.raises(ConfigError, match="data.val_fraction=1.0 must be < 1"):
+        DataConfig(val_fraction=1.0)
+    with pytest.raises(ConfigError, match="data.bpe_vocab_size=100 must be >= 257"):
+        DataConfig(bpe_vocab_size=100)
+    with pytest.raises(ConfigError, match="data.pack=1 must be true or false"):
+        DataConfig(pack=1)
+
+
+# ---- each form of data.path -----------------------------------------------------------
+
+def test_text_file_split_by_tokens(rng, tmp_path):
+    text = random_text(rng, int(rng.integers(500, 3000)))
+    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
+    vf = float(rng.uniform(0.05, 0.5))
+    ds = load_dataset(DataConfig(path=str(tmp_path / "input.txt"), val_fraction=vf,
+                                 cache_dir=str(tmp_path / "cache")), vocab_size=256)
+    expected = utf8(text)
+    n_val = int(vf * len(expected) + 0.5)
+    assert ds.train.tolist() == expected[:len(expected) - n_val]
+    assert ds.val.tolist() == expected[len(expected) - n_val:]
+    assert ds.train_docs.tolist() == [0] and ds.val_docs.tolist() == [0]
+    assert isinstance(ds.train, np.memmap) and not ds.train.flags.writeable
+    assert ds.train.dtype == np.uint16 and ds.train_docs.dtype == np.int64
+    assert "input.txt" in ds.source
+    # a tie rounds half up: 10 tokens x 0.25 = 2.5 -> 3 val tokens
+    (tmp_path / "ten.txt").write_text("0123456789")
+    ds = load_dataset(DataConfig(path=str(tmp_path / "ten.txt"), val_fraction=0.25,
+                                 cache_dir=str(tmp_path / "cache")))
+    assert bytes(np.asarray(ds.val, np.uint8)) == b"789"
+
+
+def test_folder_split_by_file(rng, tmp_path):
+    root = tmp_path / "corpus"
+    texts = {}
+    for i in range(int(rng.integers(8, 20))):
+        rel = f"{'sub/' if i % 3 == 0 else ''}{'deep/' if i % 5 == 0 else ''}f{i}" \
+              f"{['.txt', '.md', '.py'][i % 3]}"
+        texts[rel] = random_text(rng, int(rng.integers(1, 300)))
+    texts["empty.txt"] = ""  # counted by the split, skipped in the stream
+    for rel, text in texts.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    for ignored in ("notes.json", "__pycache__/x.py", ".git/y.txt", "sub/.hidden.txt"):
+        (root / ignored).parent.mkdir(parents=True, exist_ok=True)
+        (root / ignored).write_text("IGNORED")
+    vf = float(rng.uniform(0.1, 0.4))
+    ds = load_dataset(DataConfig(path=str(root), val_fraction=vf, cache_dir=str(tmp_path / "c")))
+    keys = sorted(texts)
+    val = reference_val(keys, vf)
+    assert len(val) == int(vf * len(keys) + 0.5)
+    for split, arr, docs in (("train", ds.train, ds.train_docs), ("val", ds.val, ds.val_docs)):
+        chosen = [k for k in keys if (k in val) == (split == "val") and texts[k]]
+        assert arr.tolist() == sum((utf8(texts[k]) for k in chosen), []), split
+        assert docs.tolist() == offsets([len(utf8(texts[k])) for k in chosen]), split
+    assert f"({len(keys)} files" in ds.source
+
+
+def test_jsonl_split_by_record(rng, tmp_path):
+    n_records = int(rng.integers(10, 30))
+    records = [random_text(rng, int(rng.integers(1, 100))) for _ in range(n_records)]
+    lines, keys = [], []
+    for text in records:
+        if rng.random() < 0.2:
+            lines.append("   ")  # blank lines are not records
+        lines.append(json.dumps({"id": len(keys), "body": text, "text": "not this"}))
+        keys.append(f"data.jsonl:{len(lines)}")
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    vf = float(rng.uniform(0.1, 0.3))
+    ds = load_dataset(DataConfig(path=str(tmp_path / "data.jsonl"), text_field="body",
+                                 val_fraction=vf, cache_dir=str(tmp_path / "c")))
+    val = reference_val(keys, vf)
+    for split, arr, docs in (("train", ds.train, ds.train_docs), ("val", ds.val, ds.val_docs)):
+        chosen = [t for k, t in zip(keys, records) if (k in val) == (split == "val")]
+        assert arr.tolist() == sum((utf8(t) for t in chosen), [])
+        assert docs.tolist() == offsets([len(utf8(t)) for t in chosen])
+
+
+def test_bpe_dataset_trains_on_train_split_and_appends_eot(rng, tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    names = sorted([f"doc{i}.txt" for i in range(10)] + ["empty.txt"])
+    val = reference_val(names, 0.2)
+    texts = {n: ("" if n == "empty.txt" else "qzxv" * 2000 if n in val else
+                 " ".join(random_text(rng, 4) for _ in range(300))) for n in names}
+    for n, t in texts.items():
+        (root / n).write_text(t, encoding="utf-8")
+    run_dir = tmp_path / "run"
+    cfg = DataConfig(path=str(root), tokenizer="bpe", bpe_vocab_size=600, val_fraction=0.2,
+                     cache_dir=str(tmp_path / "c"))
+    ds = load_dataset(cfg, run_dir=str(run_dir))
+    tok = ds.tokenizer
+    assert len(tok.encode("qzxvqzxv")) >= 4  # the val-only string was never merged
+    train = [n for n in names if n not in val and texts[n]]  # empty documents are skipped
+    expected = [tok.encode(texts[n]).tolist() + [tok.eot_id] for n in train]
+    assert ds.train.tolist() == sum(expected, [])
+    assert ds.train_docs.tolist() == offsets([len(e) for e in expected])
+    assert ds.val.tolist() == sum((tok.encode(texts[n]).tolist() + [tok.eot_id]
+                                   for n in sorted(val) if texts[n]), [])
+    assert load_tokenizer(run_dir).fingerprint == tok.fingerprint
+    # resuming in the same run dir reuses its tokenizer
+    assert load_dataset(cfg, run_dir=str(run_dir)).tokenizer.fingerprint == tok.fingerprint
+    # and a different tokenizer setting for that run dir is refused
+    with pytest.raises(DataError, match="tokenizer.json holds HFTokenizer.*continue the run"):
+        load_dataset(cfg.replace(tokenizer="bytes"), run_dir=str(run_dir))
+
+
+def _wordlevel_tokenizer(tmp_path, n_words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {EOT: 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, n_words)}}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.add_special_tokens([EOT])
+    path = tmp_path / "wordlevel.json"
+    path.write_text(hf.to_str())
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_bin_file_split_by_tokens(rng, tmp_path, dtype):
+    n = int(rng.integers(1000, 5000))
+    vf = float(rng.uniform(0.05, 0.5))
+    cut = n - int(vf * n + 0.5)
+    if dtype == "uint16":  # byte ids, no separator: one document
+        ids, tokenizer, eot = rng.integers(0, 256, n), "bytes", None
+    else:  # ids past 65535, documents end at eot (id 0)
+        ids, eot = rng.integers(1, 70_000, n), 0
+        ids[rng.random(n) < 0.02] = eot
+        ids[[cut - 1, n - 1]] = eot  # documents end exactly at the ends of both splits
+        tokenizer = str(_wordlevel_tokenizer(tmp_path, 70_000))
+    ids.astype(dtype).tofile(tmp_path / "tokens.bin")
+    ds = load_dataset(DataConfig(path=str(tmp_path / "tokens.bin"), bin_dtype=dtype,
+                                 tokenizer=tokenizer, val_fraction=vf), vocab_size=70_000)
+    assert ds.train.dtype == np.dtype(dtype) and isinstance(ds.train, np.memmap)
+    assert ds.train.tolist() == ids[:cut].tolist() and ds.val.tolist() == ids[cut:].tolist()
+    for part, docs in ((ids[:cut].tolist(), ds.train_docs), (ids[cut:].tolist(), ds.val_docs)):
+        starts = [0] + [i + 1 for i, t in enumerate(part) if t == eot and i + 1 < len(part)]
+        assert docs.tolist() == starts
+
+
+def test_bin_folder_train_and_val(rng, tmp_path):
+    train, val = rng.integers(0, 256, 3000), rng.integers(0, 256, 500)
+    train.astype(np.uint16).tofile(tmp_path / "train.bin")
+    val.astype(np.uint16).tofile(tmp_path / "val.bin")
+    ds = load_dataset(DataConfig(path=str(tmp_path)))
+    assert ds.train.tolist() == train.tolist() and ds.val.tolist() == val.tolist()
+    assert ds.train_docs.tolist() == [0] and ds.val_docs.tolist() == [0]
+    assert "train.bin" in files_in(tmp_path) and len(files_in(tmp_path)) == 2  # nothing cached
+
+
+# ---- the default corpus -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stdlib_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("stdlib_cache"))
+
+
+def test_stdlib_corpus_excludes_site_packages():
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    expected = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                      if not skip & set(p.relative_to(root).parts[:-1])
+                      and not any(s.startswith(".") for s in p.relative_to(root).parts))
+    corpus = stdlib_corpus()
+    assert list(corpus.files) == expected and len(expected) > 100
+    assert "argparse.py" in corpus.files and "json/decoder.py" in corpus.files
+
+
+def test_stdlib_dataset_deterministic_split(stdlib_cache):
+    cfg = DataConfig(cache_dir=stdlib_cache)
+    a, b = load_dataset(cfg, vocab_size=256), load_dataset(cfg, vocab_size=256)
+    np.testing.assert_array_equal(a.train, b.train)
+    np.testing.assert_array_equal(a.val_docs, b.val_docs)
+    corpus = stdlib_corpus()
+    root = corpus.root
+    val = reference_val(list(corpus.files), 0.05)
+    texts = {k: pathlib.Path(root, k).read_bytes().decode("utf-8", "replace").encode()
+             for k in corpus.files}
+    val_stream = b"".join(texts[k] for k in sorted(val))
+    assert bytes(np.asarray(a.val, np.uint8)) == val_stream  # exactly the val files, in order
+    assert len(a.train) == sum(len(t) for t in texts.values()) - len(val_stream)
+    assert len(a.train_docs) == sum(1 for k in corpus.files if k not in val and texts[k])
+    assert a.source.startswith(f"python stdlib {root} ({len(corpus.files)} files")
+
+
+# ---- the cache ----------------------------------------------------------------------------
+
+def _folder(rng, root, n=5):
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"f{i}.txt").write_text(random_text(rng, 200), encoding="utf-8")
+    return root
+
+
+def test_cache_is_reused_and_written_atomically(rng, tmp_path, monkeypatch):
+    root, cache = _folder(rng, tmp_path / "corpus"), tmp_path / "cache"
+    cfg = DataConfig(path=str(root), cache_dir=str(cache), val_fraction=0.2)
+    first = load_dataset(cfg)
+    assert [p.split("/")[0] for p in files_in(cache)] == [os.listdir(cache)[0]] * 5
+    assert not any("tmp" in p for p in files_in(cache))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("re-tokenized")
+    monkeypatch.setattr(tokenizer_module.ByteTokenizer, "encode", fail)
+    monkeypatch.setattr(tokenizer_module.ByteTokenizer, "encode_batch", fail)
+    again = load_dataset(cfg)
+    np.testing.assert_array_equal(first.train, again.train)
+    np.testing.assert_array_equal(first.val, again.val)
+
+    # a changed source file is a new cache entry; a failure while writing it leaves nothing
+    (root / "f0.txt").write_text("changed", encoding="utf-8")
+    with pytest.raises(AssertionError, match="re-tokenized"):
+        load_dataset(cfg)
+    assert len(os.listdir(cache)) == 1 and not any("tmp" in p for p in files_in(cache))
+    monkeypatch.undo()
+    changed = load_dataset(cfg)
+    assert len(os.listdir(cache)) == 2 and not any("tmp" in p for p in files_in(cache))
+    assert b"changed" in bytes(np.concatenate([changed.train, changed.val]).astype(np.uint8))
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+def test_errors_name_the_problem(rng, tmp_path):
+    cache = str(tmp_path / "cache")
+    with pytest.raises(DataError, match="nowhere.txt.*does not exist"):
+        load_dataset(DataConfig(path=str(tmp_path / "nowhere.txt")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"no .txt/.md/.py files under .*empty"):
+        load_dataset(DataConfig(path=str(tmp_path / "empty")))
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": "b"\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:3: not valid JSON"):
+        load_dataset(DataConfig(path=str(tmp_path / "bad.jsonl"), cache_dir=cache))
+    (tmp_path / "field.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    with pytest.raises(DataError, match=r"field.jsonl:2: no field 'text' \(fields: body\).*"
+                                         "data.text_field"):
+        load_dataset(DataConfig(path=str(tmp_path / "field.jsonl"), cache_dir=cache))
+    (tmp_path / "hi.txt").write_text("hello, world")
+    with pytest.raises(DataError, match=r"token id 119 but model.vocab_size=100"):
+        load_dataset(DataConfig(path=str(tmp_path / "hi.txt"), cache_dir=cache), vocab_size=100)
+    with pytest.raises(DataError, match=r"tokenizer has 256 ids but model.vocab_size=120"):
+        load_dataset(DataConfig(path=str(tmp_path / "hi.txt"), cache_dir=cache), vocab_size=120)
+    with pytest.raises(DataError, match="'bpe'.*no run_dir"):
+        load_dataset(DataConfig(path=str(tmp_path / "hi.txt"), tokenizer="bpe", cache_dir=cache))
+    np.array([5, 300, 7], np.uint16).tofile(tmp_path / "t.bin")
+    with pytest.raises(DataError, match="token id 300.*tokenizer.*256 ids.*data.tokenizer"):
+        load_dataset(DataConfig(path=str(tmp_path / "t.bin")))
+    with pytest.raises(DataError, match="no tokenizer at"):
+        load_dataset(DataConfig(path=str(tmp_path / "hi.txt"), tokenizer="nope/tokenizer.json"))
+
+
+# ---- batches ------------------------------------------------------------------------------
+
+def reference_pack(docs, start, seq_len):
+    """segment_ids, positions, loss_mask of the window at `start`, one token at a time."""
+    def doc_of(p):
+        return max(i for i, d in enumerate(docs) if d <= p)
+    seg, pos, mask = [], [], []
+    for t in range(seq_len):
+        p = start + t
+        seg.append(doc_of(p) - doc_of(start) + 1)
+        pos.append(p - max(docs[doc_of(p)], start))
+        mask.append(1.0 if doc_of(p + 1) == doc_of(p) else 0.0)
+    return seg, pos, mask
+
+
+def random_docs(rng, n):
+    lengths = rng.integers(1, 20, n)  # many documents of 1 token, many boundaries per window
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), int(lengths.sum())
+
+
+def test_get_batch_pure_and_real_slices(rng):
+    n, B, T = int(rng.integers(500, 2000)), 4, 16
+    tokens = np.arange(n, dtype=np.uint32)  # a row's first id is its window start
+    seed = int(rng.integers(0, 2**31))
+    kw = dict(seed=seed, batch_size=B, seq_len=T)
+    b5 = get_batch(tokens, None, step=5, **kw)
+    for k in range(5):
+        get_batch(tokens, None, step=k, **kw)
+    again = get_batch(tokens, None, step=5, **kw)
+    assert set(b5) == {"inputs", "targets", "loss_mask"}
+    for key in b5:
+        np.testing.assert_array_equal(b5[key], again[key])
+    assert not np.array_equal(b5["inputs"], get_batch(tokens, None, step=6, **kw)["inputs"])
+    other_seed = get_batch(tokens, None, step=5, **{**kw, "seed": seed + 1})
+    assert not np.array_equal(b5["inputs"], other_seed["inputs"])
+    assert b5["inputs"].dtype == np.int32 and b5["inputs"].shape == (B, T)
+    assert b5["loss_mask"].dtype == np.float32 and (b5["loss_mask"] == 1).all()
+    for row_in, row_tg in zip(b5["inputs"], b5["targets"]):
+        s = int(row_in[0])
+        assert 0 <= s <= n - T - 1
+        assert row_in.tolist() == tokens[s:s + T].tolist()
+        assert row_tg.tolist() == tokens[s + 1:s + T + 1].tolist()
+    # every start in [0, n - T - 1] is drawn, none outside
+    short = np.arange(T + 3, dtype=np.uint16)
+    starts = {int(s) for k in range(60)
+              for s in get_batch(short, None, step=k, **kw)["inputs"][:, 0]}
+    assert starts == {0, 1, 2}
+
+
+def test_get_batch_packing_against_reference(rng):
+    docs, n = random_docs(rng, 300)
+    tokens = rng.integers(0, 256, n).astype(np.uint16)
+    kw = dict(seed=int(rng.integers(0, 1000)), step=int(rng.integers(0, 1000)),
+              batch_size=6, seq_len=32)
+    packed, plain = get_batch(tokens, docs, pack=True, **kw), get_batch(tokens, docs, **kw)
+    np.testing.assert_array_equal(packed["inputs"], plain["inputs"])
+    np.testing.assert_array_equal(packed["targets"], plain["targets"])
+    assert "segment_ids" not in plain and "positions" not in plain
+    for key in ("segment_ids", "positions"):
+        assert packed[key].dtype == np.int32
+    # recover each row's start by matching its tokens (and targets) against the stream
+    for b in range(kw["batch_size"]):
+        row = packed["inputs"][b].tolist() + [packed["targets"][b, -1]]
+        start = next(s for s in range(n - 32) if tokens[s:s + 33].tolist() == row)
+        seg, pos, mask = reference_pack(docs.tolist(), start, 32)
+        assert packed["segment_ids"][b].tolist() == seg
+        assert packed["positions"][b].tolist() == pos
+        assert packed["loss_mask"][b].tolist() == mask
+    assert packed["loss_mask"].min() == 0 and packed["segment_ids"].max() > 2
+
+
+def test_eval_batches_deterministic_and_covering(rng):
+    docs, n = random_docs(rng, int(rng.integers(100, 200)))
+    tokens = rng.integers(0, 256, n).astype(np.uint16)
+    B, T = 3, 8
+    batches = list(eval_batches(tokens, docs, batch_size=B, seq_len=T, pack=True))
+    again = list(eval_batches(tokens, docs, batch_size=B, seq_len=T, pack=True))
+    assert len(batches) == (n - 1) // T // B > 0
+    for x, y in zip(batches, again):
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key])
+    covered = len(batches) * B * T
+    inputs = np.concatenate([b["inputs"] for b in batches]).reshape(-1)
+    targets = np.concatenate([b["targets"] for b in batches]).reshape(-1)
+    assert inputs.tolist() == tokens[:covered].tolist()
+    assert targets.tolist() == tokens[1:covered + 1].tolist()
+    for i, (b, r) in enumerate((b, r) for b in batches for r in range(B)):
+        seg, pos, mask = reference_pack(docs.tolist(), i * T, T)
+        assert (b["segment_ids"][r].tolist(), b["positions"][r].tolist(),
+                b["loss_mask"][r].tolist()) == (seg, pos, mask)
+    assert len(list(eval_batches(tokens, docs, batch_size=B, seq_len=T, max_batches=2))) == 2
+    with pytest.raises(DataError, match=f"split has {n} tokens.*needs {4 * n + 1}.*lower seq_len"):
+        eval_batches(tokens, docs, batch_size=4, seq_len=n)  # raised at the call
+    with pytest.raises(DataError, match="split has 5 tokens.*seq_len=8.*needs 9"):
+        get_batch(tokens[:5], None, seed=0, step=0, batch_size=1, seq_len=8)
+    with pytest.raises(DataError, match="pack=True needs"):
+        get_batch(tokens, None, seed=0, step=0, batch_size=1, seq_len=8, pack=True)
+
+
+def test_warm_stdlib_load_is_fast(stdlib_cache):
+    load_dataset(DataConfig(cache_dir=stdlib_cache))  # cold unless an earlier test ran
+    t = time.perf_counter()
+    load_dataset(DataConfig(cache_dir=stdlib_cache))
+    assert time.perf_counter() - t < 2.0

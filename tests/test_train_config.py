@@ -1,0 +1,142 @@
+"""Run config loading, overrides and errors; the optimizer's schedules and decay mask."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.config import ConfigError
+from jaxformer.training import load_config
+from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides
+from jaxformer.training.optim import decay_mask, learning_rate_schedule, make_optimizer
+from tests.conftest import REPO
+
+
+def test_tiny_yaml_loads_with_overrides():
+    cfg = load_config(str(REPO / "configs/tiny.yaml"),
+                      ["train.steps=7", "optim.lr=3e-4", "model.n_layers=2",
+                       "model.rope_scaling.kind=linear", "model.rope_scaling.factor=2",
+                       "data.pack=true", "model.sliding_window=none", "mesh.data=-1"])
+    assert cfg.train.steps == 7 and cfg.optim.lr == 3e-4 and cfg.model.n_layers == 2
+    assert cfg.model.rope_scaling.kind == "linear" and cfg.model.rope_scaling.factor == 2.0
+    assert cfg.data.pack is True and cfg.model.sliding_window is None and cfg.mesh.data == -1
+    assert cfg.model.d_model == ModelConfig.preset("tiny").d_model  # from the preset
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2_small", "llama_small"])
+def test_every_shipped_config_loads(name):
+    cfg = load_config(str(REPO / f"configs/{name}.yaml"))
+    assert isinstance(cfg.model, ModelConfig)
+
+
+def test_preset_with_override_keys():
+    cfg = RunConfig.from_dict({"model": {"preset": "gpt2-small", "n_layers": 2}})
+    assert cfg.model.n_layers == 2 and cfg.model.vocab_size == 50257
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.stepz=3"], ["train.stepz", "valid train keys", "steps"]),
+    (["trian.steps=3"], ["trian.steps", "model", "train", "optim"]),
+    (["train.steps=abc"], ["train.steps='abc'", "int"]),
+    (["optim.lr=fast"], ["optim.lr='fast'", "number"]),
+    (["optim.schedule=step"], ["optim.schedule='step'", "cosine", "inverse_sqrt"]),
+    (["model.position=rotary"], ["position='rotary'", "rope"]),
+    (["model.preset=gpt5"], ["gpt5", "tiny"]),
+    (["train.resume=maybe"], ["train.resume='maybe'", "auto", "never"]),
+    (["checkpoint.keep=0"], ["checkpoint.keep=0"]),
+    (["mesh.data=0"], ["mesh.data=0"]),
+    (["model.rope_scaling.fator=2"], ["model.rope_scaling.fator", "factor"]),
+    (["steps"], ["key=value"]),
+])
+def test_bad_overrides_name_the_key(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(str(REPO / "configs/tiny.yaml"), overrides)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="nope.yaml does not exist"):
+        load_config("nope.yaml")
+
+
+def test_overrides_parse_yaml_scalars_safely():
+    o = parse_overrides(["train.seed=3", "data.path=/x/y.txt", "model.rope_scaling.factor=4"])
+    assert o == {"train": {"seed": 3}, "data": {"path": "/x/y.txt"},
+                 "model": {"rope_scaling": {"factor": 4}}}
+    with pytest.raises(Exception):  # yaml.safe_load refuses python tags
+        parse_overrides(["train.sample_prompt=!!python/object/apply:os.system ['true']"])
+
+
+def test_cli_bad_key_is_one_line_and_nonzero(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), "train.stepz=1",
+                        f"train.run_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: unknown key(s) train.stepz"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ---- optimizer ------------------------------------------------------------------
+
+def test_inverse_sqrt_is_the_paper_formula():
+    d, warmup = 512, 4000
+    sched = learning_rate_schedule(OptimConfig(schedule="inverse_sqrt", lr=1.0,
+                                               warmup_steps=warmup), ModelConfig(d_model=d), 10**5)
+    for count in [0, 1, 10, 3999, 4000, 10**4, 99999]:
+        step = count + 1
+        want = d ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+        assert float(sched(count)) == pytest.approx(want, rel=1e-6)
+    # the peak is at the end of warmup: d^-0.5 * warmup^-0.5 (~7e-4 for the base model)
+    assert float(sched(warmup - 1)) == pytest.approx(512 ** -0.5 * 4000 ** -0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_warmup_then_decay(schedule):
+    cfg = OptimConfig(schedule=schedule, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    sched = learning_rate_schedule(cfg, ModelConfig(), 100)
+    assert float(sched(0)) == 0.0
+    assert float(sched(5)) == pytest.approx(5e-4)
+    assert float(sched(10)) == pytest.approx(1e-3)
+    end = {"cosine": 1e-4, "linear": 1e-4, "constant": 1e-3}[schedule]
+    assert float(sched(100)) == pytest.approx(end, rel=1e-5)
+    if schedule == "cosine":  # halfway through the decay: (peak + end) / 2
+        assert float(sched(55)) == pytest.approx(5.5e-4, rel=1e-4)
+
+
+def test_decay_mask_only_kernels():
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, tie_embeddings=False,
+                      position="learned")
+    params = Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    flat = {"/".join(k.key for k in path): v for path, v in
+            jax.tree_util.tree_flatten_with_path(decay_mask(params))[0]}
+    assert flat["block_0/attn/query/kernel"] and flat["block_0/ffn/wo/kernel"]
+    assert flat["lm_head/kernel"]
+    for name in ("embed/embedding", "pos_embed/embedding", "block_0/attn_norm/scale",
+                 "block_0/attn_norm/bias", "block_0/attn/query/bias", "final_norm/scale"):
+        assert not flat[name], name
+
+
+def test_nonfinite_update_is_skipped_exactly():
+    """A NaN gradient leaves params and optimizer state bitwise unchanged."""
+    params = {"w": {"kernel": jnp.asarray(np.random.default_rng().normal(size=(3, 3)),
+                                          jnp.float32)}}
+    tx, _ = make_optimizer(OptimConfig(lr=0.1, warmup_steps=0), ModelConfig(), 10)
+    state = tx.init(params)
+    good = {"w": {"kernel": jnp.ones((3, 3))}}
+    updates, state = tx.update(good, state, params)
+    params = optax.apply_updates(params, updates)
+    bad = {"w": {"kernel": jnp.full((3, 3), jnp.nan)}}
+    updates, state2 = tx.update(bad, state, params)
+    params2 = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(params2["w"]["kernel"], params["w"]["kernel"])
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), state2.inner_state,
+                        state.inner_state)
+    assert all(jax.tree.leaves(same))
+    assert int(state2.notfinite_count) == 1 and int(state2.total_notfinite) == 1

@@ -1,0 +1,207 @@
+"""End-to-end training: loss goes down, resume is exact, kills and signals lose nothing,
+non-finite steps are skipped, and a checkpoint refuses another model config."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxformer.config import ConfigError
+from jaxformer.training import TrainingStopped, load_config, loop, train
+from jaxformer.training.config import OptimConfig
+from jaxformer.training.metrics import read_metrics
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.step import init_state, make_train_step
+from jaxformer.model import Transformer
+from tests.conftest import REPO
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
+        "train.seq_len=32", "train.batch_size=4", "train.log_every=1", "train.eval_batches=2",
+        "train.sample_tokens=8", "train.progress=false", "optim.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text whose statistics a tiny model can learn in a few dozen steps."""
+    rng = np.random.default_rng()
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "None", "x", "y"]
+    lines = [" ".join(rng.choice(words, size=rng.integers(3, 9))) for _ in range(3000)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def config(corpus, run_dir, *extra):
+    return load_config(str(REPO / "configs/tiny.yaml"),
+                       [*TINY, f"data.path={corpus}", f"train.run_dir={run_dir}",
+                        f"data.cache_dir={run_dir.parent / 'cache'}", *extra])
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def test_short_run_learns_and_writes_everything(corpus, tmp_path):
+    run = tmp_path / "run"
+    summary = train(config(corpus, run, "train.steps=40", "train.eval_every=20",
+                           "checkpoint.every=20"), log=lambda *a: None)
+    records = read_metrics(run)
+    train_losses = [r["loss"] for r in records if "loss" in r]
+    assert train_losses[-1] < 0.6 * train_losses[0]
+    vals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in vals] == [20, 40]
+    assert summary["val_loss"] == vals[-1]["val_loss"] < np.log(256) * 0.6
+    assert vals[-1]["val_ppl"] == pytest.approx(np.exp(vals[-1]["val_loss"]))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+        assert key in records[0]
+    for name in ("config.yaml", "tokenizer.json", "metrics.jsonl", "loss.png", "sample.txt"):
+        assert (run / name).is_file(), name
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [20, 40]
+    assert len(list((run / "best").iterdir())) == 1
+
+
+def test_stop_and_resume_equals_straight_run(corpus, tmp_path):
+    """A run stopped after step k (here by SIGTERM) and resumed gives bitwise the same
+    losses at every later step as the uninterrupted run."""
+    straight = tmp_path / "straight"
+    train(config(corpus, straight, "train.steps=10", "checkpoint.every=100", "model.dropout=0.1"),
+          log=lambda *a: None)
+    resumed = tmp_path / "resumed"
+    cfg = config(corpus, resumed, "train.steps=10", "checkpoint.every=100", "model.dropout=0.1")
+    calls = {"n": 0}
+    real_get_batch = loop.get_batch
+
+    def get_batch_then_sigterm(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_get_batch(*args, **kw)
+
+    loop.get_batch = get_batch_then_sigterm
+    try:
+        summary = train(cfg, log=lambda *a: None)
+    finally:
+        loop.get_batch = real_get_batch
+    assert summary["stopped_early"] and summary["step"] == 5
+    summary = train(cfg, log=lambda *a: None)
+    assert summary["start_step"] == 5 and summary["step"] == 10
+    a, b = losses(straight), losses(resumed)
+    assert set(b) == set(range(1, 11))
+    for step in range(1, 11):
+        assert a[step] == b[step], (step, a[step], b[step])
+
+
+def test_sigkill_mid_run_then_resume(corpus, tmp_path):
+    run = tmp_path / "run"
+    args = [sys.executable, str(REPO / "train.py"), *TINY, f"data.path={corpus}",
+            f"train.run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=60",
+            "checkpoint.every=3", "train.eval_every=1000"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        steps = [p for p in (run / "checkpoints").glob("*") if p.name.isdigit()] \
+            if (run / "checkpoints").exists() else []
+        if len(steps) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    summary = train(config(corpus, run, "train.steps=60", "checkpoint.every=3",
+                           "train.eval_every=1000", "train.sample_tokens=0"),
+                    log=lambda *a: None)
+    assert summary["start_step"] > 0 and summary["start_step"] % 3 == 0
+    assert summary["step"] == 60
+
+
+def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
+    run = tmp_path / "run"
+    args = [sys.executable, str(REPO / "train.py"), *TINY, f"data.path={corpus}",
+            f"train.run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=100000",
+            "checkpoint.every=100000", "train.eval_every=100000"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    last_logged = max(r["step"] for r in read_metrics(run) if "loss" in r)
+    assert len(saved) == 1 and saved[0] >= last_logged
+
+
+def test_nonfinite_step_leaves_state_unchanged():
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), TINY).model
+    model = Transformer(cfg)
+    tx, schedule = make_optimizer(OptimConfig(), cfg, 10)
+    step = make_train_step(model, tx, schedule)
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, cfg.vocab_size, (4, 33)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": np.ones((4, 32), np.float32)}
+    state, _ = step(init_state(model, tx, 0), batch)
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state.inner_state))
+    bad = dict(batch, loss_mask=np.where(rng.random((4, 32)) < 0.1, np.nan, 1.0).astype(np.float32))
+    state, m = step(state, bad)
+    after = jax.tree.map(np.asarray, (state.params, state.opt_state.inner_state))
+    assert int(m["skipped"]) == 1 and int(m["consecutive_skips"]) == 1 and int(state.step) == 2
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
+    state, m = step(state, batch)
+    assert int(m["skipped"]) == 0 and int(m["consecutive_skips"]) == 0
+
+
+def test_too_many_skips_stop_the_run_with_a_checkpoint(corpus, tmp_path):
+    run = tmp_path / "run"
+    real_get_batch = loop.get_batch
+
+    def poisoned(*args, step, **kw):
+        batch = real_get_batch(*args, step=step, **kw)
+        if step >= 3:
+            batch["loss_mask"] = batch["loss_mask"] * np.float32(np.nan)
+        return batch
+
+    loop.get_batch = poisoned
+    try:
+        with pytest.raises(TrainingStopped, match="4 consecutive steps had non-finite"):
+            train(config(corpus, run, "train.steps=50", "optim.max_skips=4",
+                         "checkpoint.every=1000"), log=lambda *a: None)
+    finally:
+        loop.get_batch = real_get_batch
+    saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved and max(saved) >= 7
+
+
+def test_restore_with_another_model_config_fails_clearly(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(config(corpus, run, "train.steps=2", "train.sample_tokens=0"), log=lambda *a: None)
+    with pytest.raises(ConfigError) as e:
+        train(config(corpus, run, "train.steps=4", "model.n_layers=3", "model.ffn=swiglu"),
+              log=lambda *a: None)
+    msg = str(e.value)
+    assert "another model config" in msg and "n_layers: 2 -> 3" in msg and "ffn: 'gelu' -> " \
+        "'swiglu'" in msg and "train.run_dir" in msg
+
+
+def test_grad_accumulation_equals_full_batch():
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), TINY).model
+    model = Transformer(cfg)
+    tx, schedule = make_optimizer(OptimConfig(), cfg, 10)
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, cfg.vocab_size, (8, 33)).astype(np.int32)
+    mask = (rng.random((8, 32)) < 0.8).astype(np.float32)  # uneven token counts per micro-batch
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+    full, m_full = make_train_step(model, tx, schedule)(init_state(model, tx, 0), batch)
+    acc, m_acc = make_train_step(model, tx, schedule, grad_accum=4)(init_state(model, tx, 0),
+                                                                    batch)
+    np.testing.assert_allclose(m_acc["loss"], m_full["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m_acc["grad_norm"], m_full["grad_norm"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 acc.params, full.params)
