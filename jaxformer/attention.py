@@ -201,9 +201,20 @@ class Attention(nn.Module):
         z = dot_product_attention(q, k, v, mask=mask, bias=bias, impl=self.cfg.attention_impl)
         return self.dropout(self.out(z), deterministic=self.deterministic)  # [B, T, D]
 
-    def __call__(self, x, positions, mask, bias=None):
+    def __call__(self, x, positions, mask, bias=None, cache=None):
+        """Without a cache: attention within x. With a cache {"k", "v": [B, S, K, H]}: the new
+        keys/values are written at slot = position, attention runs over all S slots (the
+        mask, built from positions, hides the slots not yet written), and the updated cache
+        is returned beside the output."""
         q, k, v = self.project(x, positions)
-        return self.attend(q, k, v, mask=mask, bias=bias)
+        if cache is None:
+            return self.attend(q, k, v, mask=mask, bias=bias)
+        rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
+        cache = {"k": cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)),
+                 "v": cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype))}
+        out = self.attend(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=mask,
+                          bias=bias)
+        return out, cache
 
 
 def position_bias(cfg: ModelConfig, q_positions, k_positions):

@@ -61,15 +61,25 @@ class Block(nn.Module):
     scanned: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, mask, bias=None):
+    def __call__(self, x, positions, mask, bias=None, cache=None):
+        """Returns x, or (x, updated cache) when a KV cache is given (always a pair when
+        scanned: nn.scan's carry and per-layer output)."""
         c = self.cfg
         attn = Attention(c, self.deterministic, name="attn")
         ffn = FeedForward(c, self.deterministic, name="ffn")
         attn_norm, ffn_norm = make_norm(c, "attn_norm"), make_norm(c, "ffn_norm")
+
+        def attention(h):
+            nonlocal cache
+            out = attn(h, positions, mask, bias, cache)
+            if cache is not None:
+                out, cache = out
+            return out
+
         if c.block == "pre_ln":
-            x = x + attn(attn_norm(x), positions, mask, bias)
+            x = x + attention(attn_norm(x))
             x = x + ffn(ffn_norm(x))
         else:
-            x = attn_norm(x + attn(x, positions, mask, bias))
+            x = attn_norm(x + attention(x))
             x = ffn_norm(x + ffn(x))
-        return (x, None) if self.scanned else x
+        return (x, cache) if self.scanned or cache is not None else x

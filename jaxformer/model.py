@@ -30,7 +30,8 @@ def block_stack(cfg: ModelConfig, deterministic: bool):
     if not cfg.scan_layers:
         return [block(cfg, deterministic, name=f"block_{i}") for i in range(cfg.n_layers)]
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True,
-                      "dropout": True}, in_axes=nn.broadcast, length=cfg.n_layers)
+                      "dropout": True}, in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                      length=cfg.n_layers)  # positions, mask, bias broadcast; cache per layer
     return scanned(cfg, deterministic, scanned=True, name="blocks")
 
 
@@ -44,7 +45,14 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions=None, segment_ids=None, deterministic: bool = True):
+    def __call__(self, tokens, positions=None, segment_ids=None, deterministic: bool = True,
+                 cache=None):
+        """tokens [B, T] -> logits [B, T, V] float32.
+
+        With a KV cache (``jaxformer.decoding.init_cache``) the tokens are new ones at the
+        given positions: their keys/values are written into the cache at slot = position,
+        attention covers the cache, and the result is (logits, updated cache).
+        """
         c = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
@@ -66,25 +74,39 @@ class Transformer(nn.Module):
             x = x + sinusoidal(positions, c.d_model, dtype=c.dtype)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
-        mask = make_attention_mask(positions, positions, segment_ids, segment_ids,
-                                   causal=True, window=c.sliding_window)  # [B, 1, T, T]
-        bias = position_bias(c, positions, positions)  # [B, N, T, T] or None
+        k_positions = positions
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache")
+            slots = jax.tree.leaves(cache)[0].shape[-3]  # k: [(L,) B, S, K, H]
+            k_positions = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (b, slots))
+        mask = make_attention_mask(positions, k_positions, segment_ids, segment_ids,
+                                   causal=True, window=c.sliding_window)  # [B, 1, T, S]
+        bias = position_bias(c, positions, k_positions)  # [B, N, T, S] or None
         blocks = block_stack(c, deterministic)
         if c.scan_layers:
-            x, _ = blocks(x, positions, mask, bias)
+            x, stacked = blocks(x, positions, mask, bias, cache and cache["blocks"])
+            cache = cache and {"blocks": stacked}
         else:
+            new_cache = {}
             for block in blocks:
-                x = block(x, positions, mask, bias)
+                if cache is None:
+                    x = block(x, positions, mask, bias)
+                else:
+                    x, new_cache[block.name] = block(x, positions, mask, bias, cache[block.name])
+            cache = new_cache or None
 
         if c.block == "pre_ln":  # post-LN blocks already end in a norm
             x = make_norm(c, "final_norm")(x)
         if c.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", x, embed.embedding.astype(c.dtype),
-                              preferred_element_type=jnp.float32)
-        head = nn.Einsum((c.d_model, c.vocab_size), "btd,dv->btv", use_bias=False, dtype=c.dtype,
-                         param_dtype=c.param_dtype, kernel_init=dense_init(),
-                         preferred_element_type=jnp.float32, name="lm_head")
-        return head(x).astype(jnp.float32)
+            logits = jnp.einsum("btd,vd->btv", x, embed.embedding.astype(c.dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = nn.Einsum((c.d_model, c.vocab_size), "btd,dv->btv", use_bias=False,
+                               dtype=c.dtype, param_dtype=c.param_dtype, kernel_init=dense_init(),
+                               preferred_element_type=jnp.float32, name="lm_head")(x)
+        logits = logits.astype(jnp.float32)
+        return logits if cache is None else (logits, cache)
 
 
 # ---- params: counting and reshaping ------------------------------------------------

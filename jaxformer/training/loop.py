@@ -12,12 +12,12 @@ import numpy as np
 import yaml
 
 from jaxformer.data import eval_batches, get_batch, load_dataset
+from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training.sample import sample_tokens
 from jaxformer.training.step import init_state, make_eval_step, make_train_step
 
 
@@ -193,9 +193,11 @@ def train(cfg: RunConfig, *, log=print) -> dict:
 
 
 def sample_text(model, params, tokenizer, cfg: RunConfig) -> str:
+    """The prompt and its continuation by the KV-cached decoder."""
     t = cfg.train
-    prompt = np.asarray(tokenizer.encode(t.sample_prompt), np.int32)
-    length = min(len(prompt) + t.sample_tokens, t.seq_len, cfg.model.max_seq_len)
-    ids = sample_tokens(model, params, prompt, length=length, temperature=t.sample_temperature,
-                        seed=t.seed)
-    return tokenizer.decode(ids)
+    prompt = np.asarray(tokenizer.encode(t.sample_prompt), np.int32)[None]
+    new = min(t.sample_tokens, cfg.model.max_seq_len - prompt.shape[1])
+    out = generate(model, params, prompt, max_new_tokens=new, rng=jax.random.key(t.seed),
+                   temperature=t.sample_temperature, eos_id=tokenizer.eot_id)
+    n = int(out.lengths[0])
+    return tokenizer.decode(np.concatenate([prompt[0], np.asarray(out.tokens[0, :n])]))

@@ -1,0 +1,82 @@
+"""Generate text from a training run:
+
+    python -m jaxformer.generate --run runs/tiny --prompt "def " [--max-new-tokens 200
+        --temperature 0.8 --top-k 40 --top-p 0.95 --seed 0 --beam-width 4 --best]
+
+Loads the run's config, tokenizer and latest checkpoint (or the best, with --best).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import jax
+import numpy as np
+
+
+def load_run(run_dir: str, *, best: bool = False):
+    """(model, params, tokenizer) of a training run directory."""
+    from jaxformer.data import load_tokenizer
+    from jaxformer.model import Transformer
+    from jaxformer.training.checkpoint import Checkpointer, abstract_like
+    from jaxformer.training.config import load_config
+    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.step import init_state
+
+    run = pathlib.Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run} is not a training run (no config.yaml); pass the "
+                                "train.run_dir of a run, e.g. runs/tiny")
+    cfg = load_config(str(run / "config.yaml"))
+    model = Transformer(cfg.model)
+    tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    abstract = jax.eval_shape(lambda: init_state(model, tx, 0))
+    ckpt = Checkpointer(run, keep=cfg.checkpoint.keep, async_save=False)
+    try:
+        state = ckpt.restore(abstract_like(abstract), cfg.model, best=best)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{run} has no {'best ' if best else ''}checkpoint yet; train "
+                                f"it first (python train.py train.run_dir={run})") from None
+    finally:
+        ckpt.close()
+    return model, state.params, load_tokenizer(run)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Generate text from a jaxformer training run.")
+    p.add_argument("--run", required=True, help="a training run directory (train.run_dir)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--beam-width", type=int, default=None, help="beam search instead of sampling")
+    p.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
+    a = p.parse_args(argv)
+
+    from jaxformer.decoding import beam_search, generate
+    try:
+        model, params, tok = load_run(a.run, best=a.best)
+        prompt = np.asarray(tok.encode(a.prompt), np.int32)[None]
+        if prompt.shape[1] == 0:
+            raise ValueError("the prompt is empty; give at least one character")
+        if a.beam_width:
+            out = beam_search(model, params, prompt, beam_width=a.beam_width,
+                              max_new_tokens=a.max_new_tokens, eos_id=tok.eot_id)
+        else:
+            out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
+                           rng=jax.random.key(a.seed), temperature=a.temperature,
+                           top_k=a.top_k, top_p=a.top_p, eos_id=tok.eot_id)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n = int(out.lengths[0])
+    print(tok.decode(np.concatenate([prompt[0], np.asarray(out.tokens[0, :n])])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
