@@ -127,6 +127,26 @@ def _fused(q, k, v, *, mask, bias, scale, implementation):
     return out
 
 
+def cached_attention(q, k, v, *, mask=None, bias=None):
+    """Attention of q [B, T, N, H] over a KV cache k, v [B, K, S, H] (heads before slots).
+
+    The cache keeps heads before slots because that is the layout the two batched matmuls
+    read directly; in [B, S, K, H] XLA would transpose the whole cache on every decode step
+    (bench/decode.py measured that as most of a step's time at batch 16)."""
+    b, t, n, h = q.shape
+    n_kv = k.shape[1]
+    qg = q.reshape(b, t, n_kv, n // n_kv, h)  # [B, T, K, G, H]
+    logits = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(1.0 / math.sqrt(h))
+    if bias is not None:
+        logits = logits + _group(bias.astype(jnp.float32), n_kv)
+    if mask is not None:
+        logits = jnp.where(_group(mask, n_kv), logits, -jnp.inf)
+    w = _softmax(logits)  # [B, K, G, T, S]
+    out = jnp.einsum("bkgts,bksh->btkgh", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
 def resolve_impl(impl: str, dtype, head_dim: int) -> str:
     """`auto`: cuDNN flash attention on a GPU for 16-bit inputs it supports, else XLA's
     jax.nn.dot_product_attention, which bench/attention.py measures ~1.5-2x faster than the
@@ -201,20 +221,21 @@ class Attention(nn.Module):
         z = dot_product_attention(q, k, v, mask=mask, bias=bias, impl=self.cfg.attention_impl)
         return self.dropout(self.out(z), deterministic=self.deterministic)  # [B, T, D]
 
-    def __call__(self, x, positions, mask, bias=None, cache=None):
-        """Without a cache: attention within x. With a cache {"k", "v": [B, S, K, H]}: the new
-        keys/values are written at slot = position, attention runs over all S slots (the
-        mask, built from positions, hides the slots not yet written), and the updated cache
-        is returned beside the output."""
+    def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None):
+        """Without a cache: attention within x. With a layer cache {"k", "v": [B, S, K, H]}:
+        the new keys/values are written at slots [cache_index, cache_index + T), attention
+        runs over all S slots (the mask hides slots not written or not valid), and the
+        updated layer cache is returned beside the output."""
         q, k, v = self.project(x, positions)
         if cache is None:
             return self.attend(q, k, v, mask=mask, bias=bias)
-        rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
-        cache = {"k": cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)),
-                 "v": cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype))}
-        out = self.attend(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=mask,
-                          bias=bias)
-        return out, cache
+        at = (0, 0, cache_index, 0)  # the cache is [B, K, S, H]: see cached_attention
+        cache = {name: jax.lax.dynamic_update_slice(
+                     cache[name], jnp.swapaxes(new, 1, 2).astype(cache[name].dtype), at)
+                 for name, new in (("k", k), ("v", v))}
+        z = cached_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype),
+                             mask=mask, bias=bias)
+        return self.dropout(self.out(z), deterministic=self.deterministic), cache
 
 
 def position_bias(cfg: ModelConfig, q_positions, k_positions):

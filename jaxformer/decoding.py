@@ -1,11 +1,13 @@
 """KV-cached decoding: one prefill forward over the prompt batch, then a fixed-length
 jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p and beam search.
 
-The cache is an explicit pytree laid out like the params: per layer (``block_i``) or
-stacked along a leading layer axis (``blocks``, with scan_layers), each holding
-``k`` and ``v`` [batch, max_len, n_kv_heads, head_dim]. A token at position p lives in
-slot p, so the causal mask over slots hides everything not yet written, and rows of
-different prompt lengths decode together.
+The cache is an explicit pytree: ``layers`` laid out like the params, per layer
+(``block_i``) or stacked along a leading layer axis (``blocks``, with scan_layers), each
+holding ``k`` and ``v`` [batch, max_len, n_kv_heads, head_dim]; ``positions`` [batch,
+max_len], the position of the token in each slot (EMPTY_SLOT for none, e.g. a prompt's
+padding); and ``index``, the next slot to write. Every row writes its next token into the
+same slot, so rows with prompts of different lengths decode together, each at its own
+positions, and the cache is updated in place.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import ModelConfig
-from jaxformer.model import Transformer
+from jaxformer.model import EMPTY_SLOT, Transformer
 
 
 def kv_cache_bytes(cfg: ModelConfig, batch: int, seq_len: int, dtype=None) -> int:
@@ -28,15 +30,18 @@ def kv_cache_bytes(cfg: ModelConfig, batch: int, seq_len: int, dtype=None) -> in
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
-    """An empty (zero) cache for `batch` rows of up to `max_len` tokens."""
+    """An empty cache for `batch` rows of up to `max_len` tokens."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)  # heads before slots: see
+    # jaxformer.attention.cached_attention
     if cfg.scan_layers:
-        layer = {"k": jnp.zeros((cfg.n_layers, *shape), dtype),
-                 "v": jnp.zeros((cfg.n_layers, *shape), dtype)}
-        return {"blocks": layer}
-    return {f"block_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-            for i in range(cfg.n_layers)}
+        layers = {"blocks": {"k": jnp.zeros((cfg.n_layers, *shape), dtype),
+                             "v": jnp.zeros((cfg.n_layers, *shape), dtype)}}
+    else:
+        layers = {f"block_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+                  for i in range(cfg.n_layers)}
+    return {"layers": layers, "positions": jnp.full((batch, max_len), EMPTY_SLOT, jnp.int32),
+            "index": jnp.zeros([], jnp.int32)}
 
 
 class Generated(NamedTuple):
@@ -98,11 +103,13 @@ def _check(cfg: ModelConfig, prompts, max_new_tokens: int):
 
 
 def _prefill(model, params, prompts, lengths, max_len, cache_dtype):
-    """Fill the cache with the prompts; logits of each row's last real token [B, V]."""
+    """Fill the cache with the prompts (padding marked empty); logits of each row's last
+    real token [B, V]."""
     b, w = prompts.shape
     cache = init_cache(model.cfg, b, max_len, cache_dtype)
     positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    logits, cache = model.apply({"params": params}, prompts, positions, cache=cache)
+    real = (positions < lengths[:, None]).astype(jnp.int32)  # segment id 0 = padding
+    logits, cache = model.apply({"params": params}, prompts, positions, real, cache=cache)
     return logits[jnp.arange(b), lengths - 1], cache
 
 
@@ -197,7 +204,9 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
         last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, None)
         v = last.shape[-1]
         # every beam starts as a copy of its row; only beam 0 is live at first
-        cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=-4), cache)  # [(L,) B*k, S, ...]
+        cache = dict(cache, layers=jax.tree.map(lambda x: jnp.repeat(x, k, axis=-4),
+                                                cache["layers"]),  # [(L,) B*k, S, K, H]
+                     positions=jnp.repeat(cache["positions"], k, axis=0))
         logits = jnp.repeat(last, k, axis=0)  # [B*k, V]
         scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # [B, k]
         state = dict(cache=cache, logits=logits, scores=scores,
@@ -220,7 +229,10 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
             length = take(state["length"]) + (~was_done).astype(jnp.int32)
             done = was_done | (tok == eos_id) if eos_id is not None else was_done
             flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
-            cache = jax.tree.map(lambda x: jnp.take(x, flat_parent, axis=-4), state["cache"])
+            cache = state["cache"]
+            cache = dict(cache, layers=jax.tree.map(lambda x: jnp.take(x, flat_parent, axis=-4),
+                                                    cache["layers"]),
+                         positions=jnp.take(cache["positions"], flat_parent, axis=0))
             pos = jnp.take(state["pos"], flat_parent)
             logits, cache = _forward_one(model, params, tok.reshape(-1), pos, cache)
             return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,

@@ -61,7 +61,7 @@ class Block(nn.Module):
     scanned: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, mask, bias=None, cache=None):
+    def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None):
         """Returns x, or (x, updated cache) when a KV cache is given (always a pair when
         scanned: nn.scan's carry and per-layer output)."""
         c = self.cfg
@@ -71,7 +71,7 @@ class Block(nn.Module):
 
         def attention(h):
             nonlocal cache
-            out = attn(h, positions, mask, bias, cache)
+            out = attn(h, positions, mask, bias, cache, cache_index)
             if cache is not None:
                 out, cache = out
             return out

@@ -16,6 +16,8 @@ from jaxformer.config import ModelConfig
 from jaxformer.layers import Block, make_norm
 from jaxformer.positions import sinusoidal
 
+EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
+
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: recompute it all in the backward pass
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
@@ -30,8 +32,9 @@ def block_stack(cfg: ModelConfig, deterministic: bool):
     if not cfg.scan_layers:
         return [block(cfg, deterministic, name=f"block_{i}") for i in range(cfg.n_layers)]
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True,
-                      "dropout": True}, in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
-                      length=cfg.n_layers)  # positions, mask, bias broadcast; cache per layer
+                      "dropout": True},
+                      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
+                      length=cfg.n_layers)  # positions, mask, bias, cache (per layer), index
     return scanned(cfg, deterministic, scanned=True, name="blocks")
 
 
@@ -49,9 +52,11 @@ class Transformer(nn.Module):
                  cache=None):
         """tokens [B, T] -> logits [B, T, V] float32.
 
-        With a KV cache (``jaxformer.decoding.init_cache``) the tokens are new ones at the
-        given positions: their keys/values are written into the cache at slot = position,
-        attention covers the cache, and the result is (logits, updated cache).
+        With a KV cache (``jaxformer.decoding.init_cache``) the tokens are the next ones of
+        each row, at the given positions: their keys/values are written into the cache's
+        next T slots (``cache["index"]``), with ``cache["positions"]`` [B, S] recording each
+        slot's position (segment id 0 marks a token as padding: never attended to).
+        Attention covers every slot, and the result is (logits, updated cache).
         """
         c = self.cfg
         if tokens.ndim != 2:
@@ -74,27 +79,29 @@ class Transformer(nn.Module):
             x = x + sinusoidal(positions, c.d_model, dtype=c.dtype)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
-        k_positions = positions
-        if cache is not None:
-            if segment_ids is not None:
-                raise ValueError("segment_ids cannot be combined with a KV cache")
-            slots = jax.tree.leaves(cache)[0].shape[-3]  # k: [(L,) B, S, K, H]
-            k_positions = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (b, slots))
-        mask = make_attention_mask(positions, k_positions, segment_ids, segment_ids,
+        k_positions, k_segments, index, layers = positions, segment_ids, None, None
+        if cache is not None:  # keys are the cache's slots; padding slots hold EMPTY_SLOT
+            index, layers = cache["index"], cache["layers"]
+            new = positions if segment_ids is None else \
+                jnp.where(segment_ids != 0, positions, EMPTY_SLOT)
+            k_positions = jax.lax.dynamic_update_slice(cache["positions"], new, (0, index))
+            k_segments = segment_ids = None
+        mask = make_attention_mask(positions, k_positions, segment_ids, k_segments,
                                    causal=True, window=c.sliding_window)  # [B, 1, T, S]
         bias = position_bias(c, positions, k_positions)  # [B, N, T, S] or None
         blocks = block_stack(c, deterministic)
         if c.scan_layers:
-            x, stacked = blocks(x, positions, mask, bias, cache and cache["blocks"])
-            cache = cache and {"blocks": stacked}
+            x, stacked = blocks(x, positions, mask, bias, layers and layers["blocks"], index)
+            layers = layers and {"blocks": stacked}
         else:
-            new_cache = {}
             for block in blocks:
-                if cache is None:
+                if layers is None:
                     x = block(x, positions, mask, bias)
                 else:
-                    x, new_cache[block.name] = block(x, positions, mask, bias, cache[block.name])
-            cache = new_cache or None
+                    x, layer = block(x, positions, mask, bias, layers[block.name], index)
+                    layers = {**layers, block.name: layer}
+        if cache is not None:
+            cache = {"layers": layers, "positions": k_positions, "index": index + t}
 
         if c.block == "pre_ln":  # post-LN blocks already end in a norm
             x = make_norm(c, "final_norm")(x)

@@ -218,7 +218,7 @@ def test_kv_cache_bytes_formula(scan):
                       scan_layers=scan)
     for dtype in ("float32", "bfloat16"):
         cache = init_cache(cfg, 5, 40, dtype)
-        allocated = sum(x.nbytes for x in jax.tree.leaves(cache))
+        allocated = sum(x.nbytes for x in jax.tree.leaves(cache["layers"]))
         assert allocated == kv_cache_bytes(cfg, 5, 40, dtype) == \
             2 * 3 * 2 * 8 * 40 * jnp.dtype(dtype).itemsize * 5
     # the seeds' GPT-3 number: 2 * 96 * 96 * 128 * 2048 * 2 bytes ~ 9.6 GB per sequence

@@ -1,0 +1,115 @@
+"""Decoding speed: the KV-cached lax.scan decoder, a jitted loop that recomputes the whole
+sequence for every token, and (with torch and transformers installed) HF transformers'
+generate() on a GPT-2 of the same shape in PyTorch; tokens/s and ratios, one run.
+
+    python bench/decode.py [--layers 4 --d-model 256 --heads 4 --vocab 256 --prompt 16
+        --new-tokens 256 --batches 1 16 --repeats 3]
+
+Greedy decoding, float32. Prints a table; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.config import PRESETS
+from jaxformer.decoding import generate
+
+
+def best_of(fn, repeats):
+    fn()  # compile / warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def recompute_fn(model, new_tokens):
+    """Greedy decoding that runs the full forward over a fixed buffer for every token."""
+    @jax.jit
+    def run(params, prompts):
+        b, w = prompts.shape
+        buf = jnp.zeros((b, w + new_tokens), jnp.int32).at[:, :w].set(prompts)
+
+        def body(i, buf):
+            logits = model.apply({"params": params}, buf)
+            tok = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, i - 1, 1, False), -1)
+            return jax.lax.dynamic_update_index_in_dim(buf, tok.astype(jnp.int32), i, 1)
+
+        return jax.lax.fori_loop(w, w + new_tokens, body, buf)[:, w:]
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-torch", action="store_true")
+    a = p.parse_args()
+
+    max_len = a.prompt + a.new_tokens
+    cfg = ModelConfig.from_dict({**PRESETS["gpt2-small"], "n_layers": a.layers,
+                                 "d_model": a.d_model, "n_heads": a.heads,
+                                 "vocab_size": a.vocab, "max_seq_len": max_len})
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    recompute = recompute_fn(model, a.new_tokens)
+    hf = None
+    if not a.no_torch:
+        try:
+            import torch
+            from transformers import GPT2Config, GPT2LMHeadModel
+            torch.manual_seed(0)
+            hf = GPT2LMHeadModel(GPT2Config(
+                vocab_size=a.vocab, n_positions=max_len, n_embd=a.d_model, n_layer=a.layers,
+                n_head=a.heads, activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
+                pad_token_id=0)).eval()
+        except ImportError:
+            pass
+
+    print(f"device: {jax.devices()[0].device_kind}; GPT-2 shape: {a.layers} layers, d_model "
+          f"{a.d_model}, {a.heads} heads, vocab {a.vocab}, float32; prompt {a.prompt}, "
+          f"{a.new_tokens} new tokens, greedy")
+    header = f"{'decoder':<36} {'batch':>5} {'seconds':>9} {'tokens/s':>10} {'vs cached':>10}"
+    print(header)
+    print("-" * len(header))
+    for batch in a.batches:
+        prompts = np.random.default_rng(0).integers(0, a.vocab, (batch, a.prompt)).astype(np.int32)
+        rows = [("jaxformer scan + KV cache", best_of(lambda: generate(
+            model, params, prompts, max_new_tokens=a.new_tokens, rng=jax.random.key(0),
+            temperature=0.0).tokens.block_until_ready(), a.repeats))]
+        rows.append(("jitted recompute-everything loop", best_of(
+            lambda: recompute(params, prompts).block_until_ready(), a.repeats)))
+        if hf is not None:
+            x = torch.from_numpy(prompts.astype(np.int64))
+
+            def hf_generate():
+                with torch.no_grad():
+                    hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens)
+            rows.append((f"HF generate, PyTorch ({torch.get_num_threads()} thr)",
+                         best_of(hf_generate, a.repeats)))
+        for name, sec in rows:
+            tok_s = batch * a.new_tokens / sec
+            print(f"{name:<36} {batch:>5} {sec:>9.3f} {tok_s:>10,.0f} {sec / rows[0][1]:>9.1f}x")
+    if hf is None:
+        print("(HF comparison skipped: torch and transformers not installed)")
+
+
+if __name__ == "__main__":
+    main()
