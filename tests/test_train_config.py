@@ -53,6 +53,9 @@ def test_preset_with_override_keys():
     (["mesh.data=0"], ["mesh.data=0"]),
     (["model.rope_scaling.fator=2"], ["model.rope_scaling.fator", "factor"]),
     (["steps"], ["key=value"]),
+    (["optim.grad_accum=3"], ["train.batch_size=16", "optim.grad_accum=3"]),
+    (["model.position=learned", "train.seq_len=512"], ["train.seq_len=512",
+                                                        "max_seq_len=256"]),
 ])
 def test_bad_overrides_name_the_key(overrides, words):
     with pytest.raises(ConfigError) as e:

@@ -16,7 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from jaxformer.config import ConfigError, ModelConfig, RopeScaling, _check_choice, _check_number
+from jaxformer.config import (PRESETS, ConfigError, ModelConfig, RopeScaling, _check_choice,
+                              _check_number)
 from jaxformer.data import DataConfig
 
 SCHEDULES = ("cosine", "inverse_sqrt", "constant", "linear")
@@ -128,6 +129,15 @@ class RunConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
 
+    def __post_init__(self):
+        if self.train.batch_size % self.optim.grad_accum:
+            raise ConfigError(f"train.batch_size={self.train.batch_size} must be a multiple of "
+                              f"optim.grad_accum={self.optim.grad_accum}")
+        if self.model.position == "learned" and self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
+                              f"{self.model.max_seq_len}, the learned position table; raise "
+                              "model.max_seq_len or lower train.seq_len")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -143,7 +153,6 @@ class RunConfig:
             raw = dict(values.get(name) or {})
             if name == "model" and "preset" in raw:
                 preset = raw.pop("preset")
-                from jaxformer.config import PRESETS
                 if preset not in PRESETS:
                     raise ConfigError(f"unknown model.preset {preset!r}; presets are: "
                                       f"{', '.join(PRESETS)}")

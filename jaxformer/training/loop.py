@@ -81,9 +81,6 @@ def train(cfg: RunConfig, *, log=print) -> dict:
             "no evaluation (raise data.val_fraction to get one)")
     model = Transformer(mcfg)
     tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
-    if t.batch_size % cfg.optim.grad_accum:
-        raise ValueError(f"train.batch_size={t.batch_size} must be a multiple of "
-                         f"optim.grad_accum={cfg.optim.grad_accum}")
 
     state = init_state(model, tx, t.seed)
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
