@@ -201,7 +201,11 @@ class ModelConfig:
         """A named architecture, e.g. ``ModelConfig.preset("gpt2-small", dropout=0.1)``."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; presets are: {', '.join(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides})
+        values = {**PRESETS[name], **overrides}
+        if isinstance(overrides.get("rope_scaling"), Mapping) and \
+                isinstance(PRESETS[name].get("rope_scaling"), Mapping):
+            values["rope_scaling"] = {**PRESETS[name]["rope_scaling"], **overrides["rope_scaling"]}
+        return cls.from_dict(values)
 
     @property
     def gated_ffn(self) -> bool:

@@ -3,7 +3,8 @@ jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p and beam s
 
 The cache is an explicit pytree: ``layers`` laid out like the params, per layer
 (``block_i``) or stacked along a leading layer axis (``blocks``, with scan_layers), each
-holding ``k`` and ``v`` [batch, max_len, n_kv_heads, head_dim]; ``positions`` [batch,
+holding ``k`` and ``v`` [batch, n_kv_heads, max_len, head_dim] (heads before slots: see
+jaxformer.attention.cached_attention); ``positions`` [batch,
 max_len], the position of the token in each slot (EMPTY_SLOT for none, e.g. a prompt's
 padding); and ``index``, the next slot to write. Every row writes its next token into the
 same slot, so rows with prompts of different lengths decode together, each at its own
@@ -86,20 +87,38 @@ def sample_logits(rng, logits, *, temperature: float = 1.0, top_k=None, top_p=No
 
 # ---- generate -----------------------------------------------------------------------
 
-def _check(cfg: ModelConfig, prompts, max_new_tokens: int):
-    if prompts.ndim != 2:
-        raise ValueError(f"prompts must be [batch, width], got shape {prompts.shape}")
-    width = prompts.shape[1]
+def _concrete(x):
+    """x as a NumPy array, or None when it is traced (under jit/vmap: checked at trace time
+    only for its shape)."""
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def _inputs(cfg: ModelConfig, prompts, prompt_lengths, max_new_tokens: int):
+    """Validated (prompts int32 [B, W], lengths int32 [B]); errors name the bad input."""
+    if not isinstance(prompts, jax.Array):
+        prompts = np.asarray(prompts)
+    if prompts.ndim != 2 or prompts.shape[1] == 0:
+        raise ValueError(f"prompts must be [batch, width] with width >= 1, got shape "
+                         f"{prompts.shape}")
+    b, width = prompts.shape
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if width + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt width {width} + max_new_tokens {max_new_tokens} = "
                          f"{width + max_new_tokens} exceeds max_seq_len={cfg.max_seq_len}; "
                          "shorten one of them")
-    if isinstance(prompts, np.ndarray) and prompts.size and (
-            prompts.min() < 0 or prompts.max() >= cfg.vocab_size):
+    ids = _concrete(prompts)
+    if ids is not None and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
         raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size}); got "
-                         f"min {prompts.min()}, max {prompts.max()}")
+                         f"min {ids.min()}, max {ids.max()}")
+    if prompt_lengths is None:
+        return jnp.asarray(prompts, jnp.int32), jnp.full((b,), width, jnp.int32)
+    lengths = _concrete(prompt_lengths)
+    if lengths is not None and (lengths.shape != (b,) or lengths.min() < 1 or
+                                lengths.max() > width):
+        raise ValueError(f"prompt_lengths must be {b} values in [1, {width}], got "
+                         f"{lengths.tolist()}")
+    return jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
 
 
 def _prefill(model, params, prompts, lengths, max_len, cache_dtype):
@@ -172,24 +191,17 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     its memory).
     """
     cfg = model.cfg
-    _check(cfg, prompts, max_new_tokens)
+    prompts, lengths = _inputs(cfg, prompts, prompt_lengths, max_new_tokens)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
         raise ValueError(f"top_k must be in [1, vocab_size={cfg.vocab_size}], got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    b, w = prompts.shape
-    lengths = jnp.full((b,), w, jnp.int32) if prompt_lengths is None else \
-        jnp.asarray(prompt_lengths, jnp.int32)
-    if isinstance(prompt_lengths, (np.ndarray, list, tuple)):
-        pl = np.asarray(prompt_lengths)
-        if pl.shape != (b,) or pl.min() < 1 or pl.max() > w:
-            raise ValueError(f"prompt_lengths must be [batch={b}] values in [1, {w}], got {pl}")
     fn = _generate_fn(cfg, max_new_tokens, float(temperature), top_k,
                       None if top_p is None else float(top_p), eos_id, pad_id,
                       None if cache_dtype is None else jnp.dtype(cache_dtype).name)
-    return fn(params, jnp.asarray(prompts, jnp.int32), lengths, rng)
+    return fn(params, prompts, lengths, rng)
 
 
 # ---- beam search --------------------------------------------------------------------
@@ -205,7 +217,7 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
         v = last.shape[-1]
         # every beam starts as a copy of its row; only beam 0 is live at first
         cache = dict(cache, layers=jax.tree.map(lambda x: jnp.repeat(x, k, axis=-4),
-                                                cache["layers"]),  # [(L,) B*k, S, K, H]
+                                                cache["layers"]),  # [(L,) B*k, K, S, H]
                      positions=jnp.repeat(cache["positions"], k, axis=0))
         logits = jnp.repeat(last, k, axis=0)  # [B*k, V]
         scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # [B, k]
@@ -254,11 +266,8 @@ def beam_search(model: Transformer, params, prompts, *, beam_width: int, max_new
     """The best of `beam_width` beams per row, by sum of log-probs / length**length_penalty
     (length_penalty 0: the plain sum). Beams that emit `eos_id` stop and keep their score."""
     cfg = model.cfg
-    _check(cfg, prompts, max_new_tokens)
+    prompts, lengths = _inputs(cfg, prompts, prompt_lengths, max_new_tokens)
     if beam_width < 1:
         raise ValueError(f"beam_width must be >= 1, got {beam_width}")
-    b, w = prompts.shape
-    lengths = jnp.full((b,), w, jnp.int32) if prompt_lengths is None else \
-        jnp.asarray(prompt_lengths, jnp.int32)
     fn = _beam_fn(cfg, beam_width, max_new_tokens, float(length_penalty), eos_id, pad_id)
-    return fn(params, jnp.asarray(prompts, jnp.int32), lengths)
+    return fn(params, prompts, lengths)

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from jaxformer.decoding import beam_search, generate
+    from jaxformer.training.loop import continuation_text
     try:
         model, params, tok = load_run(a.run, best=a.best)
         prompt = np.asarray(tok.encode(a.prompt), np.int32)[None]
@@ -73,8 +74,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    n = int(out.lengths[0])
-    print(tok.decode(np.concatenate([prompt[0], np.asarray(out.tokens[0, :n])])))
+    print(continuation_text(tok, prompt[0], out.tokens[0], out.lengths[0]))
     return 0
 
 

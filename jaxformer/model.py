@@ -62,8 +62,9 @@ class Transformer(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         b, t = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if positions is None:  # with a cache: the tokens after those already in it
+            start = 0 if cache is None else cache["index"]
+            positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
         if c.position == "learned" and t > c.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={c.max_seq_len}, the size "
                              "of the learned position table; use a shorter input or another "

@@ -59,6 +59,12 @@ def test_cached_logits_equal_full_forward(position, kv, scan, block):
         got.append(step)
     got = jnp.concatenate(got, axis=1)
     np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))
+    # without positions, a cached call continues after the tokens already in the cache
+    implicit, _ = model.apply({"params": params}, tokens[:, split:split + 1],
+                              cache=apply(tokens[:, :split], pos[:, :split],
+                                          init_cache(cfg, 2, 24))[1])
+    np.testing.assert_allclose(implicit[:, 0], full[:, split], rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(full).max()))
 
 
 def greedy_by_recompute(model, params, prompts, lengths, n):
@@ -163,8 +169,9 @@ def test_sampled_frequencies_match_distribution(temperature, top_k, top_p):
     p = np_distribution(logits, temperature, top_k, top_p)
     assert counts[p == 0].sum() == 0  # nothing outside the kept set
     kept = p > 0
-    chi2, pvalue = stats.chisquare(counts[kept], n * p[kept])
-    assert pvalue > 1e-4, (counts, n * p)
+    if kept.sum() > 1:  # (one kept token: the assertion above already says it all)
+        chi2, pvalue = stats.chisquare(counts[kept], n * p[kept])
+        assert pvalue > 1e-6, (counts, n * p)
     np.testing.assert_allclose(
         np.exp(np.asarray(filter_logits(jnp.asarray(logits), temperature=temperature,
                                         top_k=top_k, top_p=top_p), np.float64))
@@ -198,8 +205,16 @@ def test_prompt_beyond_max_seq_len_is_an_error():
         generate(model, params, np.ones((1, 40), np.int32), max_new_tokens=9,
                  rng=jax.random.key(0))
     with pytest.raises(ValueError, match="token ids must be in \\[0, 37\\)"):
-        generate(model, params, np.full((1, 4), 37, np.int32), max_new_tokens=2,
+        generate(model, params, jnp.full((1, 4), 37, jnp.int32), max_new_tokens=2,
                  rng=jax.random.key(0))
+    for bad in ([0], [5]):
+        with pytest.raises(ValueError, match="prompt_lengths must be 1 values in \\[1, 4\\]"):
+            beam_search(model, params, jnp.ones((1, 4), jnp.int32), prompt_lengths=bad,
+                        beam_width=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="width >= 1"):
+        generate(model, params, [[]], max_new_tokens=2, rng=jax.random.key(0))
+    out = generate(model, params, [[1, 2, 3]], max_new_tokens=2, rng=jax.random.key(0))
+    assert out.tokens.shape == (1, 2)  # a plain list is a prompt too
 
 
 def test_jit_and_vmap_over_prompts():

@@ -69,12 +69,33 @@ def test_missing_config_file():
         load_config("nope.yaml")
 
 
-def test_overrides_parse_yaml_scalars_safely():
-    o = parse_overrides(["train.seed=3", "data.path=/x/y.txt", "model.rope_scaling.factor=4"])
-    assert o == {"train": {"seed": 3}, "data": {"path": "/x/y.txt"},
-                 "model": {"rope_scaling": {"factor": 4}}}
-    with pytest.raises(Exception):  # yaml.safe_load refuses python tags
-        parse_overrides(["train.sample_prompt=!!python/object/apply:os.system ['true']"])
+def test_override_values_take_their_field_type_and_strings_stay_as_typed():
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), [
+        "train.seed=3", "data.path=/x/y.txt", "train.sample_prompt=def ", "train.run_dir=2024",
+        "train.sample_prompt=#x", "optim.clip_norm=null", "data.pack=yes"])
+    assert cfg.train.seed == 3 and cfg.data.path == "/x/y.txt" and cfg.train.run_dir == "2024"
+    assert cfg.train.sample_prompt == "#x" and cfg.optim.clip_norm is None and cfg.data.pack
+    assert load_config(None, ["train.sample_prompt=def "]).train.sample_prompt == "def "
+    assert parse_overrides(["model.rope_scaling.factor=4"]) == \
+        {"model": {"rope_scaling": {"factor": "4"}}}
+    # nothing is evaluated: a YAML tag in an override is just text
+    tag = "!!python/object/apply:os.system ['true']"
+    assert load_config(None, [f"train.sample_prompt={tag}"]).train.sample_prompt == tag
+
+
+def test_yaml_files_are_read_safely(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+
+
+def test_preset_overrides_merge_rope_scaling():
+    cfg = load_config(None, ["model.preset=llama3.1-8b", "model.rope_scaling.factor=16"])
+    assert cfg.model.rope_scaling.kind == "llama3" and cfg.model.rope_scaling.factor == 16.0
+    assert cfg.model.rope_scaling.original_max_seq_len == 8192
+    direct = ModelConfig.preset("llama3.1-8b", rope_scaling={"factor": 16.0})
+    assert direct.rope_scaling == cfg.model.rope_scaling
 
 
 def test_cli_bad_key_is_one_line_and_nonzero(tmp_path):

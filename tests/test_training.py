@@ -205,3 +205,19 @@ def test_grad_accumulation_equals_full_batch():
     np.testing.assert_allclose(m_acc["grad_norm"], m_full["grad_norm"], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  acc.params, full.params)
+
+
+def test_rerun_resume_never_and_best_across_resumes(corpus, tmp_path):
+    from jaxformer.training.checkpoint import Checkpointer
+    run = tmp_path / "run"
+    train(config(corpus, run, "train.steps=4", "train.eval_every=2", "checkpoint.every=2",
+                 "train.sample_tokens=0"), log=lambda *a: None)
+    again = train(config(corpus, run, "train.steps=4", "train.eval_every=2",
+                         "checkpoint.every=2", "train.sample_tokens=0"), log=lambda *a: None)
+    assert again["start_step"] == again["step"] == 4  # a finished run: nothing to redo
+    with pytest.raises(ConfigError, match="already holds checkpoints.*train.resume=auto"):
+        train(config(corpus, run, "train.steps=4", "train.resume=never"), log=lambda *a: None)
+    vals = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
+    ckpt = Checkpointer(run, keep=2)
+    assert ckpt.best_val_loss() == pytest.approx(min(vals))
+    ckpt.close()

@@ -7,6 +7,7 @@ killed half-way leaves nothing that `latest_step` would pick up.
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import jax
@@ -31,19 +32,34 @@ class Checkpointer:
                 max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                 cleanup_tmp_directories=True, create=True)
             return ocp.CheckpointManager(run_dir / sub, options=options,
-                                         item_names=("state", "model"))
+                                         item_names=("state", "model", "info"))
 
         self.latest = manager("checkpoints", keep)
         self.best = manager("best", 1)
 
-    def save(self, step: int, state, model_cfg: ModelConfig, *, best: bool = False):
-        """Save under checkpoints/ (or, with best=True, as the one under best/)."""
+    def save(self, step: int, state, model_cfg: ModelConfig, *, val_loss: float | None = None,
+             best: bool = False):
+        """Save under checkpoints/ (or, with best=True, as the one under best/). A step that
+        is already saved there is left as it is: the state at a step is always the same."""
+        mngr = self.best if best else self.latest
+        if step in mngr.all_steps():
+            return
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  model=ocp.args.JsonSave(model_cfg.to_dict()))
-        (self.best if best else self.latest).save(step, args=args, force=True)
+                                  model=ocp.args.JsonSave(model_cfg.to_dict()),
+                                  info=ocp.args.JsonSave({"step": step, "val_loss": val_loss}))
+        mngr.save(step, args=args, force=True)
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
+
+    def best_val_loss(self) -> float:
+        """The validation loss of the checkpoint under best/ (inf when there is none)."""
+        step = self.best.latest_step()
+        if step is None:
+            return math.inf
+        info = self.best.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))
+        value = info["info"].get("val_loss")
+        return math.inf if value is None else float(value)
 
     def restore(self, abstract_state, model_cfg: ModelConfig, *, step: int | None = None,
                 best: bool = False):
@@ -59,8 +75,15 @@ class Checkpointer:
             raise ConfigError(f"checkpoint {mngr.directory}/{step} was made with another model "
                               f"config ({'; '.join(diff)}); restore it with the same model "
                               "settings, or use a new train.run_dir")
-        restored = mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))
+        try:
+            restored = mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"checkpoint {mngr.directory}/{step} holds a train state of another shape than "
+                f"this run's (were optimizer settings such as optim.clip_norm changed?); resume "
+                f"with the settings it was made with (config.yaml in the run dir), or use a new "
+                f"train.run_dir. Detail: {str(e).splitlines()[0][:300]}") from None
         return restored["state"]
 
     def wait(self):

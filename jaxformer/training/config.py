@@ -156,7 +156,7 @@ class RunConfig:
                 if preset not in PRESETS:
                     raise ConfigError(f"unknown model.preset {preset!r}; presets are: "
                                       f"{', '.join(PRESETS)}")
-                raw = {**PRESETS[preset], **raw}
+                raw = _merge(PRESETS[preset], raw)  # keeps the preset's other rope_scaling keys
             sections[name] = _build(section_cls, raw, name)
         return cls(**sections)
 
@@ -174,6 +174,9 @@ def _coerce(value: Any, type_name: str, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and "float" in type_name \
                 and "int" not in type_name:
             return float(value)
+        if type_name.startswith("str") and isinstance(value, (int, float)) and \
+                not isinstance(value, bool):
+            return str(value)  # YAML read `run_dir: 2024` as a number
         return value
     if value.lower() in ("none", "null", "~") and "None" in type_name:
         return None
@@ -215,7 +218,8 @@ def _build(cls, raw: Mapping[str, Any], section: str):
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
-    """['train.steps=10', 'model.rope_scaling.kind=yarn'] -> nested mapping."""
+    """['train.steps=10', 'model.rope_scaling.kind=yarn'] -> nested mapping of the value
+    strings, exactly as typed (a trailing space in train.sample_prompt stays)."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
@@ -230,7 +234,7 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r} sets a field inside a non-mapping value")
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+        node[parts[-1]] = value  # a string: _coerce gives it its field's type
     return out
 
 

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import yaml
 
-from jaxformer.data import eval_batches, get_batch, load_dataset
+from jaxformer.config import ConfigError
+from jaxformer.data import DataError, eval_batches, get_batch, load_dataset
 from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
@@ -75,16 +76,23 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     data = load_dataset(cfg.data, run_dir=str(run_dir), vocab_size=mcfg.vocab_size)
     if lead:  # load_dataset has saved the tokenizer beside it
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    can_eval = len(data.val) >= t.batch_size * (t.seq_len + 1)
-    if not can_eval:
-        log(f"validation split has {len(data.val)} tokens, less than one eval batch: "
-            "no evaluation (raise data.val_fraction to get one)")
+    try:
+        eval_batches(data.val, data.val_docs, batch_size=t.batch_size, seq_len=t.seq_len,
+                     max_batches=1, pack=cfg.data.pack)
+        can_eval = True
+    except DataError as e:
+        can_eval = False
+        log(f"no evaluation: {e}")
     model = Transformer(mcfg)
     tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
 
     state = init_state(model, tx, t.seed)
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    if t.resume == "auto" and ckpt.latest_step() is not None:
+    if ckpt.latest_step() is not None:
+        if t.resume == "never":
+            raise ConfigError(f"{run_dir} already holds checkpoints (up to step "
+                              f"{ckpt.latest_step()}); continue it with train.resume=auto, or "
+                              "start over in a new train.run_dir (nothing is deleted)")
         state = ckpt.restore(abstract_like(state), mcfg)
         log(f"resumed from {run_dir}/checkpoints/{int(state.step)}")
     start = int(state.step)
@@ -101,7 +109,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     eval_step = make_eval_step(model)
     metrics = MetricsLog(run_dir, enabled=lead)
     bar = _progress(t.steps, start, t.progress and lead)
-    best = math.inf
+    best = ckpt.best_val_loss()  # carried across resumes
     summary: dict = {"run_dir": str(run_dir), "start_step": start}
     last_saved = start
 
@@ -152,7 +160,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
                 log(f"step {step}: val_loss {ev['val_loss']:.4f}, val_ppl {ev['val_ppl']:.2f}")
                 if ev["val_loss"] < best:
                     best = ev["val_loss"]
-                    ckpt.save(step, state, mcfg, best=True)
+                    ckpt.save(step, state, mcfg, val_loss=best, best=True)
                 window["t0"] += time.perf_counter() - eval_t0  # tokens/s counts training only
             if step % cfg.checkpoint.every == 0 and step != last_saved:
                 ckpt.save(step, state, mcfg)
@@ -175,12 +183,15 @@ def train(cfg: RunConfig, *, log=print) -> dict:
         metrics.write({"step": end_step, **ev})
         summary.update(ev)
         if ev["val_loss"] < best:
-            ckpt.save(end_step, state, mcfg, best=True)
+            ckpt.save(end_step, state, mcfg, val_loss=ev["val_loss"], best=True)
         log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) at step {end_step}")
     if not stopped_early and lead and t.sample_tokens:
         text = sample_text(model, state.params, data.tokenizer, cfg)
-        (run_dir / "sample.txt").write_text(text)
-        log(f"--- sample (temperature {t.sample_temperature}) ---\n{text}\n---")
+        if text is None:
+            log("no sample: train.sample_prompt is empty or fills model.max_seq_len")
+        else:
+            (run_dir / "sample.txt").write_text(text)
+            log(f"--- sample (temperature {t.sample_temperature}) ---\n{text}\n---")
     ckpt.wait()
     ckpt.close()
     metrics.close()
@@ -189,12 +200,18 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     return summary
 
 
-def sample_text(model, params, tokenizer, cfg: RunConfig) -> str:
-    """The prompt and its continuation by the KV-cached decoder."""
+def sample_text(model, params, tokenizer, cfg: RunConfig) -> str | None:
+    """The prompt and its continuation by the KV-cached decoder (None if it cannot fit)."""
     t = cfg.train
     prompt = np.asarray(tokenizer.encode(t.sample_prompt), np.int32)[None]
     new = min(t.sample_tokens, cfg.model.max_seq_len - prompt.shape[1])
+    if prompt.shape[1] == 0 or new < 1:
+        return None
     out = generate(model, params, prompt, max_new_tokens=new, rng=jax.random.key(t.seed),
                    temperature=t.sample_temperature, eos_id=tokenizer.eot_id)
-    n = int(out.lengths[0])
-    return tokenizer.decode(np.concatenate([prompt[0], np.asarray(out.tokens[0, :n])]))
+    return continuation_text(tokenizer, prompt[0], out.tokens[0], out.lengths[0])
+
+
+def continuation_text(tokenizer, prompt, tokens, length) -> str:
+    """Decode a prompt and the first `length` generated tokens as one text."""
+    return tokenizer.decode(np.concatenate([prompt, np.asarray(tokens[: int(length)])]))
