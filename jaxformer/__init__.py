@@ -1,6 +1,7 @@
 """jaxformer: a decoder-only transformer in JAX, written as pure-function Flax modules."""
 
 from jaxformer.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.decoding import beam_search, generate, kv_cache_bytes
 from jaxformer.model import (
     Transformer,
     count_params,
@@ -15,8 +16,11 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "Transformer",
+    "beam_search",
     "count_params",
     "flops_per_token",
+    "generate",
+    "kv_cache_bytes",
     "param_shapes",
     "stack_layers",
     "unstack_layers",

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import jaxformer
 from jaxformer import ModelConfig, Transformer
 from jaxformer.decoding import (beam_search, filter_logits, generate, init_cache, kv_cache_bytes,
                                 sample_logits)
@@ -237,6 +238,7 @@ def test_kv_cache_bytes_formula(scan):
         assert allocated == kv_cache_bytes(cfg, 5, 40, dtype) == \
             2 * 3 * 2 * 8 * 40 * jnp.dtype(dtype).itemsize * 5
     # the seeds' GPT-3 number: 2 * 96 * 96 * 128 * 2048 * 2 bytes ~ 9.6 GB per sequence
+    assert jaxformer.kv_cache_bytes is kv_cache_bytes  # the public name
     gpt3 = ModelConfig(vocab_size=50257, d_model=12288, n_layers=96, n_heads=96)
     assert kv_cache_bytes(gpt3, 1, 2048, "bfloat16") == 2 * 96 * 96 * 128 * 2048 * 2
     assert round(kv_cache_bytes(gpt3, 1, 2048, "bfloat16") / 1e9, 1) == 9.7
