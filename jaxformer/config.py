@@ -39,12 +39,16 @@ def _check_number(owner: str, name: str, value: Any, kind: type, *, low=None, lo
         raise ConfigError(f"{owner}.{name}={value!r} must be {'<' if high_open else '<='} {high}")
 
 
-def _from_mapping(cls, values: Mapping[str, Any], owner: str):
+def _reject_unknown(cls, keys, owner: str) -> None:
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
+    unknown = sorted(set(keys) - set(names))
     if unknown:
         raise ConfigError(f"unknown {owner} field(s) {', '.join(unknown)}; "
                           f"valid fields are: {', '.join(names)}")
+
+
+def _from_mapping(cls, values: Mapping[str, Any], owner: str):
+    _reject_unknown(cls, values, owner)
     return cls(**values)
 
 
@@ -190,10 +194,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     def replace(self, **changes) -> "ModelConfig":
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
-        if unknown:
-            raise ConfigError(f"unknown model field(s) {', '.join(unknown)}; valid fields are: "
-                              f"{', '.join(f.name for f in dataclasses.fields(self))}")
+        _reject_unknown(type(self), changes, "model")
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -111,11 +111,20 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     bar = _progress(t.steps, start, t.progress and lead)
     best = ckpt.best_val_loss()  # carried across resumes
     summary: dict = {"run_dir": str(run_dir), "start_step": start}
-    last_saved = start
 
     def batch_at(step):
         return get_batch(data.train, data.train_docs, seed=t.seed, step=step,
                          batch_size=t.batch_size, seq_len=t.seq_len, pack=cfg.data.pack)
+
+    def evaluate_and_keep_best(step):
+        """Validation loss now; a new best is saved under best/ with its loss."""
+        nonlocal best
+        ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg)
+        metrics.write({"step": step, **ev})
+        if ev["val_loss"] < best:
+            best = ev["val_loss"]
+            ckpt.save(step, state, mcfg, val_loss=best, best=True)
+        return ev
 
     window = {"t0": time.perf_counter(), "losses": []}
 
@@ -155,23 +164,17 @@ def train(cfg: RunConfig, *, log=print) -> dict:
             pending = (step, m)
             if can_eval and step % t.eval_every == 0 and step < t.steps:
                 eval_t0 = time.perf_counter()
-                ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg)
-                metrics.write({"step": step, **ev})
+                ev = evaluate_and_keep_best(step)
                 log(f"step {step}: val_loss {ev['val_loss']:.4f}, val_ppl {ev['val_ppl']:.2f}")
-                if ev["val_loss"] < best:
-                    best = ev["val_loss"]
-                    ckpt.save(step, state, mcfg, val_loss=best, best=True)
                 window["t0"] += time.perf_counter() - eval_t0  # tokens/s counts training only
-            if step % cfg.checkpoint.every == 0 and step != last_saved:
+            if step % cfg.checkpoint.every == 0:
                 ckpt.save(step, state, mcfg)
-                last_saved = step
         if pending is not None:
             summary["final_loss"] = record(*pending)
         stopped_early = stop.requested
 
     end_step = int(state.step)
-    if end_step != last_saved:
-        ckpt.save(end_step, state, mcfg)
+    ckpt.save(end_step, state, mcfg)  # a step saved already is left as it is
     if bar is not None:
         bar.update(end_step - bar.n)
         bar.close()
@@ -179,11 +182,8 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     if stopped_early:
         log(f"stopped at step {end_step}; checkpoint saved, resume with the same command")
     elif can_eval:
-        ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg)
-        metrics.write({"step": end_step, **ev})
+        ev = evaluate_and_keep_best(end_step)
         summary.update(ev)
-        if ev["val_loss"] < best:
-            ckpt.save(end_step, state, mcfg, val_loss=ev["val_loss"], best=True)
         log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) at step {end_step}")
     if not stopped_early and lead and t.sample_tokens:
         text = sample_text(model, state.params, data.tokenizer, cfg)
