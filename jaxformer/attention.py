@@ -179,7 +179,8 @@ def dense_init(stddev: float = 0.02):
 class Attention(nn.Module):
     """Multi-head (GQA/MQA) self-attention with RoPE or ALiBi when the config asks.
 
-    Params: query [D, N, H], key/value [D, K, H], out [N, H, D] (+ biases if use_bias).
+    Params: query [D, N, H], key/value [D, K, H], out [N, H, D]; biases on q/k/v if
+    qkv_bias, on out if use_bias.
     """
 
     cfg: ModelConfig
@@ -187,14 +188,15 @@ class Attention(nn.Module):
 
     def setup(self):
         c = self.cfg
-        dense = lambda feats, axis, name, init: nn.DenseGeneral(  # noqa: E731
-            feats, axis=axis, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+        dense = lambda feats, axis, name, init, bias: nn.DenseGeneral(  # noqa: E731
+            feats, axis=axis, use_bias=bias, dtype=c.dtype, param_dtype=c.param_dtype,
             kernel_init=init, name=name)
-        self.query = dense((c.n_heads, c.head_dim), -1, "query", dense_init())
-        self.key = dense((c.n_kv_heads, c.head_dim), -1, "key", dense_init())
-        self.value = dense((c.n_kv_heads, c.head_dim), -1, "value", dense_init())
+        self.query = dense((c.n_heads, c.head_dim), -1, "query", dense_init(), c.qkv_bias)
+        self.key = dense((c.n_kv_heads, c.head_dim), -1, "key", dense_init(), c.qkv_bias)
+        self.value = dense((c.n_kv_heads, c.head_dim), -1, "value", dense_init(), c.qkv_bias)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers)
-        self.out = dense(c.d_model, (-2, -1), "out", dense_init(0.02 / math.sqrt(2 * c.n_layers)))
+        self.out = dense(c.d_model, (-2, -1), "out", dense_init(0.02 / math.sqrt(2 * c.n_layers)),
+                         c.use_bias)
         self.dropout = nn.Dropout(c.dropout)
 
     def project(self, x, positions):

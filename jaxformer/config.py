@@ -98,7 +98,7 @@ class RopeScaling:
 class ModelConfig:
     """Every architectural choice of a decoder-only transformer.
 
-    None fields are resolved at construction: n_kv_heads -> n_heads,
+    None fields are resolved at construction: n_kv_heads -> n_heads, qkv_bias -> use_bias,
     head_dim -> d_model // n_heads, d_ff -> 4 * d_model (gelu/relu) or
     8/3 * d_model rounded up to a multiple of 64 (swiglu/geglu).
     """
@@ -119,6 +119,7 @@ class ModelConfig:
     block: str = "pre_ln"
     ffn: str = "gelu"
     use_bias: bool = True
+    qkv_bias: bool | None = None  # biases on query/key/value only (Qwen2); None = use_bias
     tie_embeddings: bool = True
     dropout: float = 0.0
     dtype: str = "float32"
@@ -145,7 +146,9 @@ class ModelConfig:
         _check_number(o, "rope_theta", self.rope_theta, float, low=1, low_open=True)
         _check_number(o, "norm_eps", self.norm_eps, float, low=0, low_open=True)
         _check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
-        for name in ("use_bias", "tie_embeddings", "scan_layers"):
+        if self.qkv_bias is None:
+            set_("qkv_bias", self.use_bias)
+        for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         _check_choice(o, "position", self.position, POSITIONS)

@@ -130,7 +130,17 @@ VARIANTS = {
     "sinusoidal": dict(position="sinusoidal", norm="rmsnorm"),
     "nope-window": dict(position="none", sliding_window=3),
     "rope-window-headdim": dict(position="rope", head_dim=12, sliding_window=5),
+    "qwen2-qkv-bias": dict(position="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2,
+                           use_bias=False, qkv_bias=True),
 }
+
+
+def test_qkv_bias_puts_biases_on_query_key_value_only():
+    _, params = init(small(**VARIANTS["qwen2-qkv-bias"]))
+    attn = params["block_0"]["attn"]
+    assert all("bias" in attn[n] for n in ("query", "key", "value"))
+    assert "bias" not in attn["out"] and "bias" not in params["block_0"]["ffn"]["wo"]
+    assert small(use_bias=True).qkv_bias and not small(use_bias=False).qkv_bias
 
 
 @pytest.mark.parametrize("name", VARIANTS)
