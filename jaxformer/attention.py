@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxformer.config import ModelConfig
 from jaxformer.positions import alibi_bias, alibi_slopes, apply_rope
+from jaxformer.sharding import constrain, init_with_names
 
 IMPLS = ("auto", "reference", "xla", "cudnn")
 HIGHEST = jax.lax.Precision.HIGHEST  # the reference is the definition: no TF32 on GPUs
@@ -188,15 +189,19 @@ class Attention(nn.Module):
 
     def setup(self):
         c = self.cfg
-        dense = lambda feats, axis, name, init, bias: nn.DenseGeneral(  # noqa: E731
-            feats, axis=axis, use_bias=bias, dtype=c.dtype, param_dtype=c.param_dtype,
-            kernel_init=init, name=name)
-        self.query = dense((c.n_heads, c.head_dim), -1, "query", dense_init(), c.qkv_bias)
-        self.key = dense((c.n_kv_heads, c.head_dim), -1, "key", dense_init(), c.qkv_bias)
-        self.value = dense((c.n_kv_heads, c.head_dim), -1, "value", dense_init(), c.qkv_bias)
+        def dense(feats, axis, name, names, bias, std=0.02):  # names: the kernel's logical axes
+            return nn.DenseGeneral(
+                feats, axis=axis, use_bias=bias, dtype=c.dtype, param_dtype=c.param_dtype,
+                kernel_init=init_with_names(dense_init(std), *names),
+                bias_init=init_with_names(nn.initializers.zeros, *names[len(axis):]), name=name)
+
+        q_names, kv_names = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.query = dense((c.n_heads, c.head_dim), (-1,), "query", q_names, c.qkv_bias)
+        self.key = dense((c.n_kv_heads, c.head_dim), (-1,), "key", kv_names, c.qkv_bias)
+        self.value = dense((c.n_kv_heads, c.head_dim), (-1,), "value", kv_names, c.qkv_bias)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers)
-        self.out = dense(c.d_model, (-2, -1), "out", dense_init(0.02 / math.sqrt(2 * c.n_layers)),
-                         c.use_bias)
+        self.out = dense(c.d_model, (-2, -1), "out", ("heads", "head_dim", "embed"), c.use_bias,
+                         0.02 / math.sqrt(2 * c.n_layers))
         self.dropout = nn.Dropout(c.dropout)
 
     def project(self, x, positions):
@@ -206,6 +211,9 @@ class Attention(nn.Module):
             theta, scaling = self.cfg.rope_theta, self.cfg.rope_scaling
             q = apply_rope(q, positions, theta=theta, scaling=scaling)
             k = apply_rope(k, positions, theta=theta, scaling=scaling)
+        q = constrain(q, "act_batch", "act_seq", "act_heads", "head_dim")
+        k = constrain(k, "act_batch", "act_seq", "act_kv_heads", "head_dim")
+        v = constrain(v, "act_batch", "act_seq", "act_kv_heads", "head_dim")
         return q, k, v
 
     def finish(self, z):
@@ -223,8 +231,9 @@ class Attention(nn.Module):
             return self.finish(dot_product_attention(q, k, v, mask=mask, bias=bias,
                                                      impl=self.cfg.attention_impl))
         at = (0, 0, cache_index, 0)  # the cache is [B, K, S, H]: see cached_attention
-        cache = {name: jax.lax.dynamic_update_slice(
-                     cache[name], jnp.swapaxes(new, 1, 2).astype(cache[name].dtype), at)
+        cache = {name: constrain(jax.lax.dynamic_update_slice(
+                     cache[name], jnp.swapaxes(new, 1, 2).astype(cache[name].dtype), at),
+                     "act_batch", "act_kv_heads", "act_seq", "head_dim")
                  for name, new in (("k", k), ("v", v))}
         z = cached_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype),
                              mask=mask, bias=bias)

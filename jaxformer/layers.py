@@ -9,15 +9,18 @@ import jax
 
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
+from jaxformer.sharding import constrain, init_with_names
 
 
 def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
     """LayerNorm (bias follows use_bias) or RMSNorm; statistics in float32."""
+    scale = init_with_names(nn.initializers.ones, "norm")
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                          name=name)
+                          scale_init=scale, name=name)
     return nn.LayerNorm(epsilon=cfg.norm_eps, use_bias=cfg.use_bias, use_fast_variance=False,
-                        dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+                        dtype=cfg.dtype, param_dtype=cfg.param_dtype, scale_init=scale,
+                        bias_init=init_with_names(nn.initializers.zeros, "norm"), name=name)
 
 
 ACTIVATIONS = {
@@ -37,15 +40,18 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x):  # [B, T, D]
         c = self.cfg
-        dense = lambda feats, name, std=0.02: nn.Dense(  # noqa: E731
-            feats, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
-            kernel_init=dense_init(std), name=name)
-        act = ACTIVATIONS[c.ffn]
+        def dense(feats, name, names, std=0.02):  # names: the kernel's logical axes
+            return nn.Dense(feats, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+                            kernel_init=init_with_names(dense_init(std), *names),
+                            bias_init=init_with_names(nn.initializers.zeros, names[1]), name=name)
+
+        act, up = ACTIVATIONS[c.ffn], ("embed", "mlp")
         if c.gated_ffn:
-            h = act(dense(c.d_ff, "wi_gate")(x)) * dense(c.d_ff, "wi_up")(x)  # [B, T, F]
+            h = act(dense(c.d_ff, "wi_gate", up)(x)) * dense(c.d_ff, "wi_up", up)(x)  # [B, T, F]
         else:
-            h = act(dense(c.d_ff, "wi")(x))  # [B, T, F]
-        out = dense(c.d_model, "wo", 0.02 / math.sqrt(2 * c.n_layers))(h)  # [B, T, D]
+            h = act(dense(c.d_ff, "wi", up)(x))  # [B, T, F]
+        h = constrain(h, "act_batch", "act_seq", "act_mlp")
+        out = dense(c.d_model, "wo", ("mlp", "embed"), 0.02 / math.sqrt(2 * c.n_layers))(h)
         return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)
 
 
@@ -82,4 +88,5 @@ class Block(nn.Module):
         else:
             x = attn_norm(x + attention(x))
             x = ffn_norm(x + ffn(x))
+        x = constrain(x, "act_batch", "act_seq", "act_embed")
         return (x, cache) if self.scanned or cache is not None else x

@@ -15,6 +15,7 @@ from jaxformer.attention import dense_init, make_attention_mask, position_bias
 from jaxformer.config import ModelConfig
 from jaxformer.layers import Block, make_norm
 from jaxformer.positions import sinusoidal
+from jaxformer.sharding import constrain, init_with_names
 
 EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
 
@@ -32,7 +33,7 @@ def block_stack(cfg: ModelConfig, deterministic: bool):
     if not cfg.scan_layers:
         return [block(cfg, deterministic, name=f"block_{i}") for i in range(cfg.n_layers)]
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True,
-                      "dropout": True},
+                      "dropout": True}, metadata_params={nn.PARTITION_NAME: "layers"},
                       in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
                       length=cfg.n_layers)  # positions, mask, bias, cache (per layer), index
     return scanned(cfg, deterministic, scanned=True, name="blocks")
@@ -46,6 +47,12 @@ class Transformer(nn.Module):
     """
 
     cfg: ModelConfig
+
+    @nn.nowrap
+    def init(self, *args, **kwargs):
+        """As flax's Module.init, returning plain arrays: the params' logical axis names
+        are read from the boxed form by ``jaxformer.sharding.logical_axes``."""
+        return nn.meta.unbox(super().init(*args, **kwargs))
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, deterministic: bool = True,
@@ -71,14 +78,19 @@ class Transformer(nn.Module):
                              "position scheme")
 
         embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
-                         embedding_init=dense_init(), name="embed")
-        x = embed(tokens)  # [B, T, D]
+                         embedding_init=init_with_names(dense_init(), "vocab", "embed"),
+                         name="embed")
+        # the lookup reads the table gathered over fsdp (vocab stays split over tensor)
+        x = jnp.take(constrain(embed.embedding, "vocab", "act_embed"), tokens, axis=0)
+        x = x.astype(c.dtype)  # [B, T, D]
         if c.position == "learned":
             x = x + nn.Embed(c.max_seq_len, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
-                             embedding_init=dense_init(0.01), name="pos_embed")(positions)
+                             embedding_init=init_with_names(dense_init(0.01), "table", "embed"),
+                             name="pos_embed")(positions)
         elif c.position == "sinusoidal":
             x = x + sinusoidal(positions, c.d_model, dtype=c.dtype)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
+        x = constrain(x, "act_batch", "act_seq", "act_embed")
 
         k_positions, k_segments, index, layers = positions, segment_ids, None, None
         if cache is not None:  # keys are the cache's slots; padding slots hold EMPTY_SLOT
@@ -111,9 +123,10 @@ class Transformer(nn.Module):
                                 preferred_element_type=jnp.float32)
         else:
             logits = nn.Einsum((c.d_model, c.vocab_size), "btd,dv->btv", use_bias=False,
-                               dtype=c.dtype, param_dtype=c.param_dtype, kernel_init=dense_init(),
+                               dtype=c.dtype, param_dtype=c.param_dtype,
+                               kernel_init=init_with_names(dense_init(), "embed", "vocab"),
                                preferred_element_type=jnp.float32, name="lm_head")(x)
-        logits = logits.astype(jnp.float32)
+        logits = constrain(logits.astype(jnp.float32), "act_batch", "act_seq", "act_vocab")
         return logits if cache is None else (logits, cache)
 
 

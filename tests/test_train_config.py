@@ -29,10 +29,11 @@ def test_tiny_yaml_loads_with_overrides():
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2_small", "llama_small"])
-def test_every_shipped_config_loads(name):
-    cfg = load_config(str(REPO / f"configs/{name}.yaml"))
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(str(path))
     assert isinstance(cfg.model, ModelConfig)
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_preset_with_override_keys():

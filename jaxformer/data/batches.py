@@ -22,23 +22,25 @@ from jaxformer.data.config import DataError
 
 
 def get_batch(tokens: np.ndarray, docs: np.ndarray | None, *, seed: int, step: int,
-              batch_size: int, seq_len: int, pack: bool = False) -> dict[str, np.ndarray]:
+              batch_size: int, seq_len: int, pack: bool = False,
+              rows: slice = slice(None)) -> dict[str, np.ndarray]:
     """A training batch that is a pure function of (seed, step): no iterator state, so a
     resumed run draws exactly the batches it would have drawn. Window starts are uniform
-    in [0, len(tokens) - seq_len - 1]. docs: int64 [n_docs] document start offsets."""
+    in [0, len(tokens) - seq_len - 1]. docs: int64 [n_docs] document start offsets.
+    rows: only these rows of the batch are read (a process's share on several hosts)."""
     _check(tokens, docs, batch_size, seq_len, pack, need=seq_len + 1,
            what=f"one window of seq_len={seq_len} (+1 for the last target)")
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size, endpoint=True)
-    return _windows(tokens, docs, starts, seq_len, pack)
+    return _windows(tokens, docs, starts[rows], seq_len, pack)
 
 
 def eval_batches(tokens: np.ndarray, docs: np.ndarray | None, *, batch_size: int,
-                 seq_len: int, max_batches: int | None = None,
-                 pack: bool = False) -> Iterator[dict[str, np.ndarray]]:
+                 seq_len: int, max_batches: int | None = None, pack: bool = False,
+                 rows: slice = slice(None)) -> Iterator[dict[str, np.ndarray]]:
     """Non-overlapping windows from the start of the split (window i starts at i * seq_len),
     batch_size at a time; a last partial batch is dropped. Raises DataError at once when
-    the split holds less than one batch."""
+    the split holds less than one batch. rows: only these rows of each batch are read."""
     _check(tokens, docs, batch_size, seq_len, pack, need=batch_size * seq_len + 1,
            what=f"one batch of batch_size={batch_size} windows of seq_len={seq_len} (+1)")
     n_batches = (len(tokens) - 1) // seq_len // batch_size
@@ -47,7 +49,7 @@ def eval_batches(tokens: np.ndarray, docs: np.ndarray | None, *, batch_size: int
 
     def batches():
         for b in range(n_batches):
-            starts = (b * batch_size + np.arange(batch_size)) * seq_len
+            starts = (b * batch_size + np.arange(batch_size))[rows] * seq_len
             yield _windows(tokens, docs, starts, seq_len, pack)
 
     return batches()

@@ -5,7 +5,8 @@
     optim.*       OptimConfig
     train.*       TrainConfig
     checkpoint.*  CheckpointConfig
-    mesh.*        MeshConfig
+    mesh.*        MeshConfig (mesh.rules.NAME=AXES overrides a logical axis rule)
+    distributed.* DistributedConfig
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import yaml
 from jaxformer.config import (PRESETS, ConfigError, ModelConfig, RopeScaling, _check_choice,
                               _check_number)
 from jaxformer.data import DataConfig
+from jaxformer.sharding import resolve_rules
 
 SCHEDULES = ("cosine", "inverse_sqrt", "constant", "linear")
 RESUME = ("auto", "never")
@@ -103,21 +105,60 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = 1
+    """The ('data', 'fsdp', 'tensor') device mesh; one axis may be -1: the rest of the
+    devices. data=None (the default) is the rest, or 1 when fsdp or tensor is -1; so
+    mesh.fsdp=-1 alone is FSDP over every device. rules: logical axis -> mesh axes
+    overrides of jaxformer.sharding.DEFAULT_RULES (e.g. {embed: null})."""
+
+    data: int | None = None
     fsdp: int = 1
     tensor: int = 1
+    rules: dict | None = None
 
     def __post_init__(self):
+        if self.data is None:
+            object.__setattr__(self, "data", 1 if -1 in (self.fsdp, self.tensor) else -1)
         for name in ("data", "fsdp", "tensor"):
             value = getattr(self, name)
             _check_number("mesh", name, value, int, low=-1)
             if value == 0:
                 raise ConfigError(f"mesh.{name}=0 must be >= 1, or -1 for the remaining devices")
+        if [self.data, self.fsdp, self.tensor].count(-1) > 1:
+            raise ConfigError("at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1")
+        if self.rules is not None and not isinstance(self.rules, Mapping):
+            raise ConfigError(f"mesh.rules={self.rules!r} must be a mapping of logical axis "
+                              "names to mesh axes")
+        resolve_rules(self.rules)  # names and axes are checked now, not at the first step
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Several processes (hosts): jax.distributed.initialize before any device is used.
+    Left empty, it is called without arguments when a launcher is detected (SLURM srun with
+    several tasks, a Cloud TPU pod slice, Open MPI), and not at all on one process."""
+
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    cpu_collectives: str = "gloo"  # CPU-only runs: the cross-process collectives backend
+
+    def __post_init__(self):
+        o = "distributed"
+        _check_number(o, "num_processes", self.num_processes, int, low=1, optional=True)
+        _check_number(o, "process_id", self.process_id, int, low=0, optional=True)
+        _check_choice(o, "cpu_collectives", self.cpu_collectives, ("gloo", "mpi"))
+        if self.coordinator_address is not None and ":" not in str(self.coordinator_address):
+            raise ConfigError(f"distributed.coordinator_address={self.coordinator_address!r} "
+                              "must be host:port of process 0, e.g. 10.0.0.1:1234")
+        if self.num_processes is not None and self.process_id is not None and \
+                self.process_id >= self.num_processes:
+            raise ConfigError(f"distributed.process_id={self.process_id} must be < "
+                              f"distributed.num_processes={self.num_processes}")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
                              "train": TrainConfig, "checkpoint": CheckpointConfig,
-                             "mesh": MeshConfig}
+                             "mesh": MeshConfig, "distributed": DistributedConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +169,7 @@ class RunConfig:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
         if self.train.batch_size % self.optim.grad_accum:

@@ -9,6 +9,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental.multihost_utils import process_allgather
 import yaml
 
 from jaxformer.config import ConfigError
@@ -19,7 +20,9 @@ from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training.step import init_state, make_eval_step, make_train_step
+from jaxformer.sharding import (batch_sharding, initialize_distributed, make_mesh,
+                                per_device_bytes, place_batch, process_rows, resolve_rules)
+from jaxformer.training.step import init_state, make_eval_step, make_train_step, state_shardings
 
 
 class TrainingStopped(RuntimeError):
@@ -48,12 +51,15 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def evaluate(eval_step, params, tokens, docs, cfg: RunConfig) -> dict:
+def evaluate(eval_step, params, tokens, docs, cfg: RunConfig, place=lambda b: b,
+             rows=slice(None)) -> dict:
+    """Mean validation loss over cfg.train.eval_batches batches (this process reads its
+    `rows` of each; `place` makes them global arrays)."""
     total = count = 0.0
     for batch in eval_batches(tokens, docs, batch_size=cfg.train.batch_size,
                               seq_len=cfg.train.seq_len, max_batches=cfg.train.eval_batches,
-                              pack=cfg.data.pack):
-        t, c = eval_step(params, batch)
+                              pack=cfg.data.pack, rows=rows):
+        t, c = eval_step(params, place(batch))
         total, count = total + float(t), count + float(c)
     loss = total / max(count, 1.0)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
@@ -67,8 +73,17 @@ def _progress(total, initial, enabled):
 
 
 def train(cfg: RunConfig, *, log=print) -> dict:
-    """Train as `cfg` says; returns a summary (steps, final losses, paths)."""
+    """Train as `cfg` says; returns a summary (steps, final losses, paths).
+
+    On several processes (cfg.distributed, or a detected launcher) every process runs this
+    same function: each reads only its rows of each batch, checkpoints are written by all
+    together, and process 0 alone writes metrics, the sample and the progress bar."""
+    d = cfg.distributed
+    initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
+                           d.cpu_collectives)
     lead = jax.process_index() == 0
+    if not lead:
+        log = lambda *args, **kwargs: None  # noqa: E731 (process 0 speaks for the run)
     run_dir = pathlib.Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t, mcfg = cfg.train, cfg.model
@@ -85,8 +100,20 @@ def train(cfg: RunConfig, *, log=print) -> dict:
         log(f"no evaluation: {e}")
     model = Transformer(mcfg)
     tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    rules = resolve_rules(cfg.mesh.rules)
+    split = mesh.shape["data"] * mesh.shape["fsdp"] * cfg.optim.grad_accum
+    if t.batch_size % split:
+        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of mesh.data x "
+                          f"mesh.fsdp x optim.grad_accum = {split} (mesh {dict(mesh.shape)})")
+    shardings = state_shardings(model, tx, mesh, rules)
+    batch_sh = batch_sharding(mesh, rules)
+    rows = process_rows(batch_sh, t.batch_size)
 
-    state = init_state(model, tx, t.seed)
+    def place(batch):
+        return place_batch(batch, batch_sh, t.batch_size)
+
+    state = init_state(model, tx, t.seed, mesh=mesh, rules=rules)
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     if ckpt.latest_step() is not None:
         if t.resume == "never":
@@ -104,22 +131,27 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     log(f"data: {data.source}; train {len(data.train):,} tokens, val {len(data.val):,}")
     log(f"model: {n_params:,} params; {t.steps} steps x {tokens_per_step:,} tokens; "
         f"peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}); run dir {run_dir}")
+    log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} "
+        f"device(s), {jax.process_count()} process(es); params per device "
+        f"{per_device_bytes(state.params) / 2**20:,.1f} MiB")
 
-    train_step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum)
-    eval_step = make_eval_step(model)
+    train_step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
+                                 mesh=mesh, rules=rules, shardings=shardings)
+    eval_step = make_eval_step(model, mesh=mesh, rules=rules, param_shardings=shardings.params)
     metrics = MetricsLog(run_dir, enabled=lead)
     bar = _progress(t.steps, start, t.progress and lead)
     best = ckpt.best_val_loss()  # carried across resumes
     summary: dict = {"run_dir": str(run_dir), "start_step": start}
 
     def batch_at(step):
-        return get_batch(data.train, data.train_docs, seed=t.seed, step=step,
-                         batch_size=t.batch_size, seq_len=t.seq_len, pack=cfg.data.pack)
+        return place(get_batch(data.train, data.train_docs, seed=t.seed, step=step,
+                               batch_size=t.batch_size, seq_len=t.seq_len, pack=cfg.data.pack,
+                               rows=rows))
 
     def evaluate_and_keep_best(step):
         """Validation loss now; a new best is saved under best/ with its loss."""
         nonlocal best
-        ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg)
+        ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg, place, rows)
         metrics.write({"step": step, **ev})
         if ev["val_loss"] < best:
             best = ev["val_loss"]
@@ -185,11 +217,11 @@ def train(cfg: RunConfig, *, log=print) -> dict:
         ev = evaluate_and_keep_best(end_step)
         summary.update(ev)
         log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) at step {end_step}")
-    if not stopped_early and lead and t.sample_tokens:
+    if not stopped_early and t.sample_tokens:  # every process decodes; process 0 writes
         text = sample_text(model, state.params, data.tokenizer, cfg)
         if text is None:
             log("no sample: train.sample_prompt is empty or fills model.max_seq_len")
-        else:
+        elif lead:
             (run_dir / "sample.txt").write_text(text)
             log(f"--- sample (temperature {t.sample_temperature}) ---\n{text}\n---")
     ckpt.wait()
@@ -209,7 +241,8 @@ def sample_text(model, params, tokenizer, cfg: RunConfig) -> str | None:
         return None
     out = generate(model, params, prompt, max_new_tokens=new, rng=jax.random.key(t.seed),
                    temperature=t.sample_temperature, eos_id=tokenizer.eot_id)
-    return continuation_text(tokenizer, prompt[0], out.tokens[0], out.lengths[0])
+    tokens, lengths = process_allgather((out.tokens, out.lengths), tiled=True)
+    return continuation_text(tokenizer, prompt[0], tokens[0], lengths[0])
 
 
 def continuation_text(tokenizer, prompt, tokens, length) -> str:

@@ -8,8 +8,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxformer.model import Transformer
+from jaxformer.sharding import (batch_sharding, constrain, logical_axes, shardings_for,
+                                traced_under)
 
 
 @flax.struct.dataclass
@@ -20,16 +23,37 @@ class TrainState:
     rng: jax.Array        # uint32 [2], dropout randomness; folded with the step each step
 
 
-def init_state(model: Transformer, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    """Fresh params and optimizer state, built inside jit."""
+def _init_fn(model: Transformer, tx: optax.GradientTransformation):
     def init(key):
         init_key, rng = jax.random.split(key)
         tokens = jnp.zeros((1, min(8, model.cfg.max_seq_len)), jnp.int32)
         params = model.init(init_key, tokens)["params"]
         return TrainState(step=jnp.zeros([], jnp.int32), params=params,
                           opt_state=tx.init(params), rng=rng)
+    return init
 
-    return jax.jit(init)(jax.random.PRNGKey(seed))
+
+def state_shardings(model: Transformer, tx: optax.GradientTransformation, mesh, rules):
+    """NamedShardings of a TrainState: params by their logical names and `rules`, the
+    optimizer's per-param moments like their params, scalars replicated."""
+    abstract = jax.eval_shape(_init_fn(model, tx), jax.random.PRNGKey(0))
+    params = shardings_for(logical_axes(model), abstract.params, mesh, rules)
+    replicated = NamedSharding(mesh, P())
+    opt_state = optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, abstract.opt_state, params,
+        transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated)
+
+
+def init_state(model: Transformer, tx: optax.GradientTransformation, seed: int, *,
+               mesh=None, rules=None) -> TrainState:
+    """Fresh params and optimizer state, built inside jit. With a mesh they are born
+    sharded (jit out_shardings): no device ever holds the whole model."""
+    init, key = _init_fn(model, tx), jax.random.PRNGKey(seed)
+    if mesh is None:
+        return jax.jit(init)(key)
+    return jax.jit(traced_under(mesh, rules, init),
+                   out_shardings=state_shardings(model, tx, mesh, rules))(key)
 
 
 def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
@@ -48,11 +72,14 @@ def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
 
 
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedule, *,
-                    grad_accum: int = 1):
+                    grad_accum: int = 1, mesh=None, rules=None, shardings=None):
     """A jitted step(state, batch) -> (state, metrics), donating the old state.
 
     With grad_accum > 1 the batch is split into that many micro-batches along the batch
     axis and their gradients summed in a lax.scan, giving the gradient of the full batch.
+    Micro-batch i takes rows i, i + grad_accum, ...: each device keeps its own rows.
+    With a mesh, the step is traced under its rules; `shardings` (state_shardings) pins the
+    state's layout in and out, and batches are split over data x fsdp.
     """
     use_dropout = model.cfg.dropout > 0
 
@@ -68,10 +95,12 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
         if grad_accum == 1:
             total, count, grads = grad_sums(state.params, batch, rng)
         else:
-            micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+            micro = jax.tree.map(lambda x: jnp.swapaxes(
+                x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)  # [A, B / A, T]
 
             def body(carry, xs):
                 i, mb = xs
+                mb = jax.tree.map(lambda x: constrain(x, "act_batch", "act_seq"), mb)
                 t, c, g = grad_sums(state.params, mb, jax.random.fold_in(rng, i))
                 return jax.tree.map(jnp.add, carry, (t, c, g)), None
 
@@ -91,9 +120,20 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new, metrics
 
-    return jax.jit(step, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(step, donate_argnums=0)
+    return jax.jit(traced_under(mesh, rules, step), donate_argnums=0,
+                   in_shardings=(shardings, batch_sharding(mesh, rules)),
+                   out_shardings=(shardings, NamedSharding(mesh, P())))
 
 
-def make_eval_step(model: Transformer):
+def make_eval_step(model: Transformer, *, mesh=None, rules=None, param_shardings=None):
     """A jitted eval(params, batch) -> (summed loss, token count)."""
-    return jax.jit(lambda params, batch: loss_sums(model, params, batch))
+    def evaluate(params, batch):
+        return loss_sums(model, params, batch)
+
+    if mesh is None:
+        return jax.jit(evaluate)
+    return jax.jit(traced_under(mesh, rules, evaluate),
+                   in_shardings=(param_shardings, batch_sharding(mesh, rules)),
+                   out_shardings=NamedSharding(mesh, P()))

@@ -1,0 +1,256 @@
+"""Sharding: the device mesh, logical axis rules, sharded init and batch placement.
+
+Every param carries logical axis names (``nn.with_logical_partitioning``) and key
+activations carry logical constraints (``constrain``); a rule table maps each logical
+name to mesh axes of the ``('data', 'fsdp', 'tensor')`` mesh:
+
+    data    replicas: the batch is split over it, params are copied on it
+    fsdp    the batch is split over it too, and params and optimizer state are sharded
+            along their embed axis (ZeRO-3 / FSDP: gathered just before use)
+    tensor  Megatron tensor parallelism: attention heads and the FFN hidden axis split,
+            one all-reduce after the attention output and one after the FFN
+
+A mesh of (n, 1, 1) is data parallel, (1, n, 1) FSDP, (1, 1, n) tensor parallel, and any
+product of them combines them. The same jitted code runs on all of them, and on one CPU.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import os
+from contextlib import contextmanager
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxformer.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axes (None = replicated). Params use the plain names; activations
+# the act_ ones, so that an activation's embed axis stays whole while FSDP shards the
+# params' embed axis over the same mesh axis as the batch.
+DEFAULT_RULES: dict[str, Any] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "layers": None,
+    "norm": None,
+    "table": None,         # learned position table rows
+    "act_batch": ("data", "fsdp"),
+    "act_seq": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_kv_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+
+
+_MESH: contextvars.ContextVar = contextvars.ContextVar("jaxformer_mesh", default=None)
+
+
+def constrain(x, *names):
+    """Ask for x's sharding by logical names; a no-op outside `sharding_context`. A mesh
+    axis that does not divide its dim (batch 1 over data=8) is left out for that dim."""
+    rules, mesh = nn.get_logical_axis_rules(), _MESH.get()
+    if not rules or mesh is None:
+        return x
+    spec = _fit(nn.logical_to_mesh_axes(names, rules), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def init_with_names(init, *names):
+    """A param initializer whose param carries these logical axis names."""
+    return nn.with_logical_partitioning(init, names)
+
+
+# ---- rules and mesh -----------------------------------------------------------------
+
+
+def resolve_rules(overrides: Mapping[str, Any] | None = None) -> tuple[tuple[str, Any], ...]:
+    """DEFAULT_RULES updated by `overrides` (mesh.rules in a config) as flax's rule list.
+
+    A value is a mesh axis, a list of mesh axes, or None (replicate)."""
+    rules = dict(DEFAULT_RULES)
+    for name, axes in (overrides or {}).items():
+        if name not in DEFAULT_RULES:
+            raise ConfigError(f"mesh.rules.{name}: unknown logical axis; logical axes are: "
+                              f"{', '.join(DEFAULT_RULES)}")
+        axes = _as_axes(name, axes)
+        rules[name] = axes
+    return tuple(rules.items())
+
+
+def _as_axes(name: str, axes: Any):
+    if isinstance(axes, str) and axes.lower() in ("none", "null", ""):
+        axes = None
+    if isinstance(axes, str) and "," in axes:
+        axes = [a.strip() for a in axes.split(",")]
+    listed = [] if axes is None else [axes] if isinstance(axes, str) else list(axes)
+    bad = [a for a in listed if a not in MESH_AXES]
+    if bad or not all(isinstance(a, str) for a in listed):
+        raise ConfigError(f"mesh.rules.{name}={axes!r}: mesh axes are {', '.join(MESH_AXES)} "
+                          "(a name, a list of names, or null to replicate)")
+    return None if not listed else listed[0] if len(listed) == 1 else tuple(listed)
+
+
+def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
+    """The (data, fsdp, tensor) sizes, with one -1 standing for the remaining devices."""
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ConfigError(f"mesh.data/fsdp/tensor = {sizes}: at most one may be -1")
+    if -1 in sizes:
+        rest = int(np.prod([s for s in sizes if s != -1]))
+        if n_devices % rest:
+            raise ConfigError(f"mesh {sizes}: {n_devices} devices are not divisible by {rest}, "
+                              "the product of the given axes")
+        sizes[sizes.index(-1)] = n_devices // rest
+    if int(np.prod(sizes)) != n_devices:
+        raise ConfigError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = "
+                          f"{int(np.prod(sizes))} devices, but there are {n_devices}; make the "
+                          "product equal the device count, or set one axis to -1")
+    return tuple(sizes)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all, on every process)."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+@contextmanager
+def sharding_context(mesh, rules):
+    """Within it, `constrain` resolves logical names on `mesh` by `rules`. Enter it where
+    the function is traced: inside a jitted function's body, or around its first call."""
+    token = _MESH.set(mesh)
+    try:
+        with nn.logical_axis_rules(rules):
+            yield
+    finally:
+        _MESH.reset(token)
+
+
+def traced_under(mesh, rules, fn):
+    """fn, running (so traced, when jitted) inside sharding_context; fn itself if no mesh."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with sharding_context(mesh, rules):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+# ---- params ---------------------------------------------------------------------------
+
+
+def logical_axes(model, *args):
+    """The params' logical PartitionSpecs, from an abstract init (allocates nothing).
+    args: example inputs of model.init after the rng (default: one token)."""
+    args = args or (jax.ShapeDtypeStruct((1, 1), jnp.int32),)
+    boxed = jax.eval_shape(lambda: nn.Module.init(model, jax.random.key(0), *args))
+    return nn.get_partition_spec(boxed)["params"]
+
+
+def _fit(spec: P, shape, mesh) -> P:
+    """Drop a mesh axis from a dim it does not divide (e.g. 2 kv heads over tensor=4):
+    that dim is replicated instead of failing."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        kept = tuple(a for a in names if dim % int(np.prod([mesh.shape[b] for b in names])) == 0)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*out)
+
+
+def shardings_for(specs, shapes, mesh, rules):
+    """NamedShardings for a tree of logical specs and the matching tree of shapes."""
+    mesh_specs = nn.logical_to_mesh(specs, rules)
+    return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
+                        mesh_specs, shapes, is_leaf=lambda x: isinstance(x, P))
+
+
+def param_shardings(model, mesh, rules):
+    """The params' NamedShardings on `mesh` as `rules` map their logical names."""
+    from jaxformer.model import param_shapes
+    return shardings_for(logical_axes(model), param_shapes(model.cfg), mesh, rules)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of a tree of arrays held by the first device (the largest shard count)."""
+    device = jax.devices()[0]
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+               if s.device == device)
+
+
+# ---- batches --------------------------------------------------------------------------
+
+
+def batch_sharding(mesh, rules) -> NamedSharding:
+    """Rows of a [B, T] batch split over the axes act_batch maps to (data x fsdp)."""
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(("act_batch", "act_seq"), rules))
+
+
+def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
+    """The rows of a global batch that this process's devices hold (each process reads
+    only these)."""
+    idx = sharding.addressable_devices_indices_map((batch_size, 1)).values()
+    starts = [i[0].start or 0 for i in idx]
+    stops = [batch_size if i[0].stop is None else i[0].stop for i in idx]
+    lo, hi = min(starts), max(stops)
+    if hi - lo != sum(len(range(a, b)) for a, b in set(zip(starts, stops))):
+        raise ValueError("this process's devices hold non-contiguous batch rows; order the "
+                         "mesh so that each process owns a contiguous block of data x fsdp")
+    return slice(lo, hi)
+
+
+def place_batch(local: Mapping[str, np.ndarray], sharding: NamedSharding, batch_size: int):
+    """This process's rows of each batch array -> global arrays [batch_size, ...]."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:]))
+            for k, v in local.items()}
+
+
+# ---- multi-host -----------------------------------------------------------------------
+
+
+def cluster_detected() -> bool:
+    """A launcher that jax.distributed.initialize() can read without arguments started
+    several processes: SLURM (srun), a Cloud TPU pod slice, or Open MPI."""
+    env = os.environ
+    return (int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in env) \
+        or "," in env.get("TPU_WORKER_HOSTNAMES", "") \
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None, process_id: int | None = None,
+                           cpu_collectives: str = "gloo") -> bool:
+    """jax.distributed.initialize from explicit settings, or from the environment when a
+    cluster launcher is detected; a no-op on one process. Call it before anything touches
+    devices. Returns whether this is a multi-process run."""
+    explicit = coordinator_address is not None
+    if not explicit and not cluster_detected():
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    if explicit:
+        if num_processes is None or process_id is None:
+            raise ConfigError("distributed.coordinator_address is set; set "
+                              "distributed.num_processes and distributed.process_id too")
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    else:
+        jax.distributed.initialize()
+    return True

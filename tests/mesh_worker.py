@@ -1,0 +1,142 @@
+"""Runs in a subprocess with 8 fake CPU devices (tests/test_sharding.py starts it):
+python -m tests.mesh_worker TASK OUT_JSON. Prints nothing; writes its findings as JSON."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxformer import ModelConfig, Transformer, generate  # noqa: E402
+from jaxformer.sharding import (batch_sharding, make_mesh, param_shardings,  # noqa: E402
+                                per_device_bytes, place_batch, process_rows, resolve_rules)
+from jaxformer.training.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jaxformer.training.config import OptimConfig  # noqa: E402
+from jaxformer.training.optim import make_optimizer  # noqa: E402
+from jaxformer.training.step import init_state, make_train_step, state_shardings  # noqa: E402
+
+MESHES = [(8, 1, 1), (1, 8, 1), (2, 1, 4), (2, 2, 2)]
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  max_seq_len=16, ffn="swiglu", d_ff=64, norm="rmsnorm", scan_layers=True)
+BATCH = 16
+RULES = resolve_rules()
+
+
+def spec_of(x):
+    """A sharding's spec as a list of mesh-axis lists, one per dim."""
+    spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+    return [[] if a is None else [a] if isinstance(a, str) else list(a) for a in spec]
+
+
+def flat(tree):
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def setup(mesh):
+    model = Transformer(CFG)
+    tx, schedule = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), CFG, 10)
+    if mesh is None:
+        return model, tx, init_state(model, tx, 0), make_train_step(
+            model, tx, schedule, grad_accum=2), lambda b: b
+    shardings = state_shardings(model, tx, mesh, RULES)
+    state = init_state(model, tx, 0, mesh=mesh, rules=RULES)
+    step = make_train_step(model, tx, schedule, grad_accum=2, mesh=mesh, rules=RULES,
+                           shardings=shardings)
+    bs = batch_sharding(mesh, RULES)
+    rows = process_rows(bs, BATCH)
+    return model, tx, state, step, lambda b: place_batch({k: v[rows] for k, v in b.items()},
+                                                         bs, BATCH)
+
+
+def batches():
+    rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
+    out = []
+    for _ in range(3):
+        tokens = rng.integers(0, CFG.vocab_size, (BATCH, CFG.max_seq_len + 1)).astype(np.int32)
+        out.append(dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                        loss_mask=(rng.random((BATCH, CFG.max_seq_len)) < 0.9).astype(np.float32)))
+    return out
+
+
+def losses(out):
+    """3 steps on one device and on each mesh: losses, params, shardings, bytes."""
+    res = {}
+    for shape in [None] + MESHES:
+        mesh = None if shape is None else make_mesh(*shape)
+        model, _, state, step, place = setup(mesh)
+        ls = []
+        for b in batches():
+            state, m = step(state, place(b))
+            ls.append(float(m["loss"]))
+        params = flat(state.params)
+        res[str(shape)] = dict(
+            losses=ls, params={k: np.asarray(v).ravel().tolist() for k, v in params.items()},
+            specs={k: spec_of(v) for k, v in params.items()} if mesh else None,
+            opt_specs={k: spec_of(v) for k, v in flat(state.opt_state).items() if v.ndim}
+            if mesh else None,
+            shapes={k: list(v.shape) for k, v in params.items()},
+            bytes=per_device_bytes(state.params),
+            shard_shapes={k: list(v.addressable_shards[0].data.shape) for k, v in params.items()})
+    json.dump(res, open(out, "w"))
+
+
+def checkpoint(out):
+    """Save under (2, 2, 2); restore under (1, 8, 1), (8, 1, 1) and one device."""
+    import tempfile
+    model, tx, state, step, place = setup(make_mesh(2, 2, 2))
+    for b in batches()[:1]:
+        state, _ = step(state, place(b))
+    saved = jax.tree.map(np.asarray, state)
+    res = {}
+    with tempfile.TemporaryDirectory() as d:
+        ck = Checkpointer(d, keep=1, async_save=False)
+        ck.save(1, state, CFG)
+        ck.wait()
+        for name, mesh in [("(1, 8, 1)", make_mesh(1, 8, 1)), ("(8, 1, 1)", make_mesh(8, 1, 1)),
+                           ("one device", make_mesh(1, 1, 1, devices=jax.devices()[:1]))]:
+            target = init_state(model, tx, 1, mesh=mesh, rules=RULES)  # other values
+            restored = ck.restore(abstract_like(target), CFG)
+            diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - b))) for a, b in
+                       zip(jax.tree.leaves(restored), jax.tree.leaves(saved)))
+            same_sharding = all(a.sharding == b.sharding for a, b in
+                                zip(jax.tree.leaves(restored), jax.tree.leaves(target)))
+            res[name] = dict(max_abs_diff=diff, same_sharding=same_sharding,
+                             devices=len(jax.tree.leaves(restored.params)[0].sharding.device_set),
+                             step=int(restored.step))
+        ck.close()
+    json.dump(res, open(out, "w"))
+
+
+def decode(out):
+    """Greedy and sampled decoding with tensor-parallel (and FSDP) params equal one device."""
+    model = Transformer(CFG)
+    rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
+    params = model.init(jax.random.key(int(rng.integers(1 << 30))),
+                        jnp.zeros((1, 4), jnp.int32))["params"]
+    prompts = rng.integers(1, CFG.vocab_size, (3, 5)).astype(np.int32)
+    lengths = np.array([5, 3, 4], np.int32)
+    kw = dict(prompt_lengths=lengths, max_new_tokens=8, rng=jax.random.key(3))
+    ref_g = generate(model, params, prompts, temperature=0.0, **kw)
+    ref_s = generate(model, params, prompts, temperature=1.0, top_k=10, **kw)
+    res = {}
+    for shape in [(1, 1, 8), (1, 2, 4)]:
+        mesh = make_mesh(*shape)
+        sharded = jax.device_put(params, param_shardings(model, mesh, RULES))
+        g = generate(model, sharded, prompts, temperature=0.0, **kw)
+        s = generate(model, sharded, prompts, temperature=1.0, top_k=10, **kw)
+        res[str(shape)] = dict(
+            greedy_equal=bool(np.array_equal(g.tokens, ref_g.tokens)),
+            greedy_logprob_diff=float(np.max(np.abs(np.asarray(g.logprobs - ref_g.logprobs)))),
+            sampled_equal=bool(np.array_equal(s.tokens, ref_s.tokens)),
+            lengths_equal=bool(np.array_equal(g.lengths, ref_g.lengths)),
+            query_spec=spec_of(sharded["blocks"]["attn"]["query"]["kernel"]))
+    json.dump(res, open(out, "w"))
+
+
+if __name__ == "__main__":
+    {"losses": losses, "checkpoint": checkpoint, "decode": decode}[sys.argv[1]](sys.argv[2])

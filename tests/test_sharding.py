@@ -1,0 +1,257 @@
+"""Sharding: meshes, logical axis rules, and training on 8 fake CPU devices (in
+subprocesses, tests/mesh_worker.py) and on two processes through train.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.config import ConfigError
+from jaxformer.sharding import (DEFAULT_RULES, MESH_AXES, cluster_detected, logical_axes,
+                                make_mesh, mesh_shape, process_rows, batch_sharding,
+                                resolve_rules)
+from jaxformer.training import load_config
+from jaxformer.training.metrics import read_metrics
+from tests.conftest import REPO
+
+rng = np.random.default_rng()
+
+
+def run_worker(task, tmp_path):
+    out = tmp_path / f"{task}.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), SEED=str(rng.integers(1 << 30)))
+    proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", task, str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+# ---- in process ----------------------------------------------------------------------
+
+def test_mesh_shape_fills_one_axis_and_rejects_wrong_products():
+    assert mesh_shape(-1, 2, 2, 8) == (2, 2, 2)
+    assert mesh_shape(1, -1, 1, 8) == (1, 8, 1)
+    with pytest.raises(ConfigError, match="4 devices, but there are 8"):
+        mesh_shape(2, 2, 1, 8)
+    with pytest.raises(ConfigError, match="not divisible by 3"):
+        mesh_shape(-1, 3, 1, 8)
+    with pytest.raises(ConfigError, match="at most one"):
+        mesh_shape(-1, -1, 1, 8)
+    mesh = make_mesh(-1, 1, 1)
+    assert mesh.axis_names == MESH_AXES and mesh.devices.size == jax.device_count()
+
+
+def test_rules_overrides_and_their_errors():
+    rules = dict(resolve_rules({"embed": None, "mlp": ["tensor", "fsdp"], "vocab": "null",
+                                "heads": "data,tensor"}))
+    assert rules["embed"] is None and rules["vocab"] is None
+    assert rules["mlp"] == ("tensor", "fsdp") and rules["heads"] == ("data", "tensor")
+    assert rules["kv_heads"] == DEFAULT_RULES["kv_heads"]
+    with pytest.raises(ConfigError, match="unknown logical axis.*embed"):
+        resolve_rules({"embd": "fsdp"})
+    with pytest.raises(ConfigError, match="mesh axes are data, fsdp, tensor"):
+        resolve_rules({"embed": "model"})
+    with pytest.raises(ConfigError, match="mesh.rules.embd"):
+        load_config(None, ["mesh.rules.embd=fsdp"])
+    cfg = load_config(None, ["mesh.rules.embed=null", "mesh.fsdp=-1", "mesh.data=1"])
+    assert dict(resolve_rules(cfg.mesh.rules))["embed"] is None
+    mesh = load_config(None, ["mesh.fsdp=-1"]).mesh  # data: the rest, here 1
+    assert (mesh.data, mesh.fsdp, mesh.tensor) == (1, -1, 1)
+    assert load_config(None, []).mesh.data == -1  # default: data parallel over all devices
+    with pytest.raises(ConfigError, match="at most one"):
+        load_config(None, ["mesh.fsdp=-1", "mesh.tensor=-1"])
+    with pytest.raises(ConfigError, match="host:port"):
+        load_config(None, ["distributed.coordinator_address=localhost"])
+    with pytest.raises(ConfigError, match="process_id=2 must be < distributed.num_processes=2"):
+        load_config(None, ["distributed.num_processes=2", "distributed.process_id=2"])
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("kw", [dict(position="learned"),
+                                dict(ffn="swiglu", norm="rmsnorm", tie_embeddings=False,
+                                     n_kv_heads=1, qkv_bias=True, use_bias=False)])
+def test_every_param_has_one_logical_name_per_dim(scan, kw):
+    cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, max_seq_len=8,
+                      scan_layers=scan, **kw)
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))  # init gives arrays
+    specs = logical_axes(model)
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    spec_of = dict(jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    for path, x in flat:
+        names = tuple(spec_of[path])
+        assert len(names) == x.ndim and all(n in DEFAULT_RULES for n in names), (path, names)
+        assert (names[0] == "layers") == (scan and "blocks" in jax.tree_util.keystr(path))
+
+
+def test_process_rows_on_one_process_is_the_whole_batch():
+    sh = batch_sharding(make_mesh(), resolve_rules())
+    assert process_rows(sh, 8) == slice(0, 8)
+
+
+def test_cluster_detection(monkeypatch):
+    for k in ("SLURM_NTASKS", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert not cluster_detected()
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert not cluster_detected()  # one task: nothing to initialize
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert cluster_detected()
+    monkeypatch.delenv("SLURM_NTASKS")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1v-0,t1v-1")
+    assert cluster_detected()
+
+
+# ---- 8 fake devices --------------------------------------------------------------------
+
+MESHES = ["(8, 1, 1)", "(1, 8, 1)", "(2, 1, 4)", "(2, 2, 2)"]
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    return run_worker("losses", tmp_path_factory.mktemp("mesh"))
+
+
+def test_every_mesh_trains_like_one_device(mesh_runs):
+    ref = mesh_runs["None"]
+    assert ref["losses"][2] != ref["losses"][0]  # the steps did something
+    for name in MESHES:
+        run = mesh_runs[name]
+        np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5, err_msg=name)
+        for key, value in ref["params"].items():
+            np.testing.assert_allclose(run["params"][key], value, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{name} {key}")
+
+
+def _expected_spec(path, shape, mesh):
+    """The mesh axes DEFAULT_RULES give each dim of a param, written out by hand for the
+    worker's model (scan_layers: a leading layers dim)."""
+    sizes = dict(zip(MESH_AXES, mesh))
+    leaf = path.split("']['")[-2:]  # e.g. ['query', 'kernel']
+    names = {("query", "kernel"): ["layers", "embed", "heads", "head_dim"],
+             ("key", "kernel"): ["layers", "embed", "kv_heads", "head_dim"],
+             ("value", "kernel"): ["layers", "embed", "kv_heads", "head_dim"],
+             ("out", "kernel"): ["layers", "heads", "head_dim", "embed"],
+             ("query", "bias"): ["layers", "heads", "head_dim"],
+             ("key", "bias"): ["layers", "kv_heads", "head_dim"],
+             ("value", "bias"): ["layers", "kv_heads", "head_dim"],
+             ("out", "bias"): ["layers", "embed"], ("wo", "bias"): ["layers", "embed"],
+             ("wi_gate", "kernel"): ["layers", "embed", "mlp"],
+             ("wi_up", "kernel"): ["layers", "embed", "mlp"],
+             ("wi_gate", "bias"): ["layers", "mlp"], ("wi_up", "bias"): ["layers", "mlp"],
+             ("wo", "kernel"): ["layers", "mlp", "embed"],
+             ("embed", "embedding"): ["vocab", "embed"]}
+    key = tuple(part.strip("[]'") for part in leaf)
+    logical = names.get(key, ["layers", "norm"] if "blocks" in path else ["norm"])
+    axis = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+            "vocab": "tensor"}
+    spec = []
+    for name, dim in zip(logical, shape):
+        a = axis.get(name)
+        spec.append([a] if a and dim % sizes[a] == 0 else [])
+    return spec
+
+
+def test_params_and_optimizer_state_are_sharded_as_the_rules_say(mesh_runs):
+    for name in MESHES:
+        mesh = tuple(int(s) for s in name.strip("()").split(","))
+        run = mesh_runs[name]
+        for path, shape in run["shapes"].items():
+            assert run["specs"][path] == _expected_spec(path, shape, mesh), (name, path)
+        moments = {k.split(".mu")[-1]: v for k, v in run["opt_specs"].items() if ".mu" in k}
+        assert moments and all(moments[k] == run["specs"][k] for k in moments)
+    # the worker's 2 kv heads cannot split 4 ways: those dims stay whole
+    assert mesh_runs["(2, 1, 4)"]["specs"]["['blocks']['attn']['key']['kernel']"][2] == []
+
+
+def test_per_device_bytes_shrink_by_the_expected_factor(mesh_runs):
+    full = mesh_runs["None"]["bytes"]
+    assert mesh_runs["(8, 1, 1)"]["bytes"] == full  # data parallel: every device a copy
+    for name in MESHES:
+        mesh = dict(zip(MESH_AXES, (int(s) for s in name.strip("()").split(","))))
+        run = mesh_runs[name]
+        expected = 0
+        for path, shape in run["shapes"].items():
+            split = np.prod([mesh[a[0]] for a in run["specs"][path] if a])
+            expected += 4 * np.prod(shape) / split
+            assert np.prod(run["shard_shapes"][path]) * split == np.prod(shape)
+        assert run["bytes"] == expected
+    fsdp = mesh_runs["(1, 8, 1)"]["bytes"]
+    assert fsdp < full / 6  # everything but the norm scales split 8 ways
+
+
+def test_checkpoint_restores_on_another_mesh_and_one_device(tmp_path):
+    res = run_worker("checkpoint", tmp_path)
+    assert set(res) == {"(1, 8, 1)", "(8, 1, 1)", "one device"}
+    for name, r in res.items():
+        assert r["max_abs_diff"] == 0.0 and r["same_sharding"] and r["step"] == 1, name
+    assert res["one device"]["devices"] == 1 and res["(1, 8, 1)"]["devices"] == 8
+
+
+def test_decoding_with_tensor_parallel_params_equals_one_device(tmp_path):
+    res = run_worker("decode", tmp_path)
+    for name, r in res.items():
+        assert r["greedy_equal"] and r["sampled_equal"] and r["lengths_equal"], name
+        assert r["greedy_logprob_diff"] < 1e-5
+    assert res["(1, 2, 4)"]["query_spec"] == [[], ["fsdp"], ["tensor"], []]
+
+
+# ---- two processes through train.py -----------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path):
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "None", "x"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(800)))
+    seed = int(rng.integers(1000))
+    common = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+              "train.seq_len=32", "train.batch_size=8", "train.steps=3", "train.log_every=1",
+              "train.eval_batches=1", "train.sample_tokens=4", "train.progress=false",
+              f"train.seed={seed}", "optim.warmup_steps=1", f"data.path={corpus}",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    one = subprocess.run([sys.executable, "train.py", *common, f"train.run_dir={tmp_path / 'one'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    port, run = _free_port(), tmp_path / "two"
+    procs = [subprocess.Popen(
+        [sys.executable, "train.py", *common, f"train.run_dir={run}", "mesh.data=2",
+         "mesh.fsdp=2", "mesh.tensor=2", f"distributed.coordinator_address=localhost:{port}",
+         "distributed.num_processes=2", f"distributed.process_id={i}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "8 cpu device(s), 2 process(es)" in outs[0][0]
+    # process 1 prints nothing (gloo's connection lines aside): process 0 speaks for the run
+    assert [ln for ln in outs[1][0].splitlines() if not ln.startswith("[Gloo]")] == []
+
+    def losses(run_dir, key):
+        return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
+
+    for key in ("loss", "val_loss"):
+        ref, got = losses(tmp_path / "one", key), losses(run, key)
+        assert sorted(got) == sorted(ref) and len(ref) >= 1
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=1e-5), (key, step)
+    assert (run / "sample.txt").read_text() == (tmp_path / "one" / "sample.txt").read_text()
+    assert sorted(os.listdir(run / "checkpoints")) == ["3"]
