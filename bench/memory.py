@@ -1,0 +1,81 @@
+"""Per-device memory of a run's train step on a mesh, before launching it: the step is
+lowered and compiled for abstract inputs (nothing is allocated) and XLA's memory analysis
+printed for each mesh asked for.
+
+    python bench/memory.py configs/gpt2_small.yaml --devices 8 \
+        --mesh 8,1,1 --mesh 1,8,1 --mesh 2,2,2 [section.key=value ...]
+
+--devices fakes that many CPU devices, so a GPU or TPU mesh can be sized on a laptop: the
+bytes are the compiler's for CPU, close to but not exactly a GPU's (fusion and layouts
+differ). On the target machine itself leave --devices out. Prints a table; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", default="configs/tiny.yaml")
+    ap.add_argument("--devices", type=int, default=None, help="fake this many CPU devices")
+    ap.add_argument("--mesh", action="append", default=None,
+                    help="data,fsdp,tensor (repeatable; default: the config's mesh)")
+    args, overrides = ap.parse_known_args(argv)
+    if args.devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.devices}")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxformer.model import Transformer, count_params
+    from jaxformer.sharding import batch_sharding, make_mesh, resolve_rules
+    from jaxformer.training import load_config
+    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.step import _init_fn, make_train_step, state_shardings
+
+    cfg = load_config(args.config, overrides)
+    model = Transformer(cfg.model)
+    tx, schedule = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    rules = resolve_rules(cfg.mesh.rules)
+    meshes = [tuple(int(s) for s in m.split(",")) for m in args.mesh] if args.mesh else \
+        [(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)]
+    b, t = cfg.train.batch_size, cfg.train.seq_len
+    gib = 2**30
+    print(f"{args.config}: {count_params(cfg.model) / 1e6:,.1f}M params, batch {b} x {t}, "
+          f"{cfg.model.dtype} compute, {cfg.model.param_dtype} params, remat={cfg.model.remat}, "
+          f"{jax.device_count()} {jax.devices()[0].platform} devices")
+    print("| mesh (data, fsdp, tensor) | arguments GiB | outputs GiB | temporaries GiB | "
+          "peak GiB / device | compile s |")
+    print("|---|---|---|---|---|---|")
+    for shape in meshes:
+        mesh = make_mesh(*shape)
+        shardings = state_shardings(model, tx, mesh, rules)
+        abstract = jax.eval_shape(_init_fn(model, tx), jax.random.PRNGKey(0))
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             abstract, shardings)
+        bs = batch_sharding(mesh, rules)
+        batch = {k: jax.ShapeDtypeStruct((b, t), dtype, sharding=bs) for k, dtype in
+                 (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
+        step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum, mesh=mesh,
+                               rules=rules, shardings=shardings)
+        t0 = time.perf_counter()
+        m = step.lower(state, batch).compile().memory_analysis()
+        seconds = time.perf_counter() - t0
+        # donated state: outputs alias the arguments, so the peak is args + temps (+ any
+        # output that is not an alias)
+        peak = m.argument_size_in_bytes + m.temp_size_in_bytes + \
+            max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
+        print(f"| {shape} | {m.argument_size_in_bytes / gib:.3f} | "
+              f"{m.output_size_in_bytes / gib:.3f} | {m.temp_size_in_bytes / gib:.3f} | "
+              f"{peak / gib:.3f} | {seconds:.1f} |")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main(sys.argv[1:])
