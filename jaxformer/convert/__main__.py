@@ -1,0 +1,193 @@
+"""Convert between Hugging Face checkpoints and jaxformer training runs.
+
+    python -m jaxformer.convert from-hf HF_DIR RUN_DIR [--scan-layers] [--dtype bfloat16]
+        [--rope-layout interleaved] [section.key=value ...]
+    python -m jaxformer.convert to-hf RUN_DIR|RUN_DIR/checkpoints/STEP|RUN_DIR/best/STEP HF_DIR
+        [--best] [--dtype bfloat16] [--rope-layout interleaved] [--max-shard-mb N]
+
+from-hf makes a run dir that train.py continues from: config.yaml (the inferred model plus
+any overrides), the converted weights as the step-0 checkpoint (with a fresh optimizer
+state), and the model's tokenizer.json when the HF folder has one. Fine-tune with
+``python train.py RUN_DIR/config.yaml [train.steps=N optim.lr=...]``.
+to-hf writes config.json and model.safetensors (plus tokenizer.json if the run has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import shutil
+import sys
+
+import yaml
+
+# Model fields that change how a model runs but not its weights; from-hf overrides may set
+# them (any other model.* override would no longer match the converted weights).
+RUNTIME_FIELDS = ("dtype", "scan_layers", "remat", "attention_impl", "dropout")
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_layers=False,
+                rope_layout="half", log=print):
+    """Convert HF_DIR into a training run dir whose step-0 checkpoint holds its weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxformer.config import ConfigError
+    from jaxformer.convert import from_hf, read_hf_json
+    from jaxformer.data import ByteTokenizer
+    from jaxformer.model import count_params, stack_layers, unstack_layers
+    from jaxformer.training.checkpoint import Checkpointer
+    from jaxformer.training.config import RunConfig, parse_overrides
+    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.step import TrainState
+
+    run = pathlib.Path(run_dir)
+    if (run / "checkpoints").exists() or (run / "config.yaml").exists():
+        raise ConfigError(f"{run} already holds a run (config.yaml or checkpoints/); convert "
+                          "into a new run dir")
+    hf = read_hf_json(hf_dir)
+    cfg, params = from_hf(hf_dir, dtype=dtype, scan_layers=scan_layers, rope_layout=rope_layout)
+    log(f"{hf_dir}: model_type {hf['model_type']} ({', '.join(hf.get('architectures') or [])}) "
+        f"-> jaxformer model, {count_params(cfg):,} params:")
+    log(yaml.safe_dump({"model": cfg.to_dict()}, sort_keys=False).rstrip())
+
+    tokenizer = pathlib.Path(hf_dir) / "tokenizer.json"
+    data = {"tokenizer": str(run / "tokenizer.json")} if tokenizer.is_file() else {}
+    base = {"model": cfg.to_dict(), "data": data,
+            "train": {"run_dir": str(run), "seq_len": min(256, cfg.max_seq_len)}}
+    run_cfg = RunConfig.from_dict(_merge(base, parse_overrides(list(overrides))))
+    changed = [f.name for f in dataclasses.fields(cfg) if f.name not in RUNTIME_FIELDS
+               and getattr(run_cfg.model, f.name) != getattr(cfg, f.name)]
+    if changed:
+        raise ConfigError(f"model.{', model.'.join(changed)} would no longer match the "
+                          "converted weights; from-hf overrides may set "
+                          f"model.{', model.'.join(RUNTIME_FIELDS)}")
+    if run_cfg.model.scan_layers != cfg.scan_layers:
+        params = stack_layers(params, cfg.n_layers) if run_cfg.model.scan_layers \
+            else unstack_layers(params)
+    if not tokenizer.is_file() and run_cfg.data.tokenizer == "bytes" and cfg.vocab_size < 256:
+        log(f"note: {hf_dir} has no tokenizer.json and the byte tokenizer needs vocab_size >= "
+            "256; set data.tokenizer before training")
+
+    tx, _ = make_optimizer(run_cfg.optim, run_cfg.model, run_cfg.train.steps)
+    rng = jax.random.split(jax.random.PRNGKey(run_cfg.train.seed))[1]  # as init_state's
+    state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params),
+                       rng=rng)
+    run.mkdir(parents=True, exist_ok=True)
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, run / "tokenizer.json")
+    elif run_cfg.data.tokenizer == "bytes":  # as train.py would save it (generate reads it)
+        ByteTokenizer().save(run)
+    ckpt = Checkpointer(run, keep=run_cfg.checkpoint.keep, async_save=False)
+    try:
+        ckpt.save(0, state, run_cfg.model)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    (run / "config.yaml").write_text(yaml.safe_dump(run_cfg.to_dict(), sort_keys=False))
+    log(f"wrote {run}/config.yaml and {run}/checkpoints/0 (the converted weights, step 0)"
+        f"{' and tokenizer.json' if tokenizer.is_file() else ''}; fine-tune with:\n"
+        f"  python train.py {run}/config.yaml [section.key=value ...]\n"
+        "(model.* and optim.clip_norm must stay as converted: the checkpoint holds them)")
+    return run_cfg, state.params
+
+
+def load_run_params(path: str, *, best: bool = False):
+    """(RunConfig, params, run dir) of a run dir (latest or best checkpoint) or of one
+    checkpoint step dir (RUN/checkpoints/STEP or RUN/best/STEP)."""
+    import jax
+
+    from jaxformer.model import Transformer
+    from jaxformer.training.checkpoint import Checkpointer, abstract_like
+    from jaxformer.training.config import load_config
+    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.step import init_state
+
+    src, step = pathlib.Path(path), None
+    if not (src / "config.yaml").is_file() and src.name.isdigit() and \
+            src.parent.name in ("checkpoints", "best"):
+        src, step, best = src.parent.parent, int(src.name), src.parent.name == "best"
+    if not (src / "config.yaml").is_file():
+        raise FileNotFoundError(f"{path} is neither a training run dir (with config.yaml) nor a "
+                                "checkpoint step dir (RUN_DIR/checkpoints/STEP)")
+    cfg = load_config(str(src / "config.yaml"))
+    model = Transformer(cfg.model)
+    tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    abstract = jax.eval_shape(lambda: init_state(model, tx, 0))
+    ckpt = Checkpointer(src, keep=cfg.checkpoint.keep, async_save=False)
+    try:
+        state = ckpt.restore(abstract_like(abstract), cfg.model, step=step, best=best)
+    finally:
+        ckpt.close()
+    return cfg, state.params, src
+
+
+def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layout="half",
+              max_shard_bytes=None, log=print) -> dict:
+    import json
+
+    from jaxformer.convert import to_hf
+    from jaxformer.data import HFTokenizer, load_tokenizer
+
+    cfg, params, run = load_run_params(path, best=best)
+    tok = load_tokenizer(run) if (run / "tokenizer.json").is_file() else None
+    hf_tok = isinstance(tok, HFTokenizer)  # the byte tokenizer has no HF form
+    extra = {"eos_token_id": tok.eot_id} if hf_tok and tok.eot_id is not None else {}
+    hf = to_hf(cfg.model, params, hf_dir, dtype=dtype, rope_layout=rope_layout,
+               max_shard_bytes=max_shard_bytes, config_overrides=extra)
+    if hf_tok:
+        shutil.copyfile(run / "tokenizer.json", pathlib.Path(hf_dir) / "tokenizer.json")
+    log(f"{path} -> {hf_dir} ({hf['architectures'][0]}); config.json:")
+    log(json.dumps(hf, indent=2, sort_keys=True))
+    if tok is not None and not hf_tok:
+        log(f"note: the run uses {tok!r} (token id = UTF-8 byte); no tokenizer.json written")
+    log(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(hf_dir)!r})")
+    return hf
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxformer.convert",
+                                description="Convert Hugging Face checkpoints to jaxformer runs "
+                                "and back (GPT-2, Llama, Mistral, Qwen2; safetensors only).")
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("from-hf", help="HF model folder -> jaxformer run dir")
+    a.add_argument("hf_dir")
+    a.add_argument("run_dir")
+    a.add_argument("overrides", nargs="*", help="run config overrides, e.g. train.steps=100")
+    a.add_argument("--scan-layers", action="store_true", help="stack the blocks (nn.scan)")
+    b = sub.add_parser("to-hf", help="jaxformer run dir or checkpoint -> HF model folder")
+    b.add_argument("run", help="RUN_DIR, RUN_DIR/checkpoints/STEP or RUN_DIR/best/STEP")
+    b.add_argument("hf_dir")
+    b.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
+    b.add_argument("--max-shard-mb", type=float, default=None, help="split the weights")
+    for s in (a, b):
+        s.add_argument("--dtype", default=None, help="weights dtype (default float32)")
+        s.add_argument("--rope-layout", default="half", choices=("half", "interleaved"),
+                       help="q/k layout of the HF checkpoint (interleaved: Meta's original)")
+    args = p.parse_args(argv)
+
+    from jaxformer.config import ConfigError
+    try:
+        if args.command == "from-hf":
+            from_hf_run(args.hf_dir, args.run_dir, args.overrides, dtype=args.dtype,
+                        scan_layers=args.scan_layers, rope_layout=args.rope_layout)
+        else:
+            shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
+            to_hf_run(args.run, args.hf_dir, best=args.best, dtype=args.dtype or "float32",
+                      rope_layout=args.rope_layout, max_shard_bytes=shard)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

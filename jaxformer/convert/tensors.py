@@ -1,0 +1,157 @@
+"""Which Hugging Face tensors hold which jaxformer params, and the exact reshapes between them.
+
+A ``Rule`` ties a group of HF tensors to a group of our params with a function each way, so
+loading and saving are one table read in two directions (and a round trip is exact: only
+transposes, reshapes, splits and concatenations). Names are those of the ``*ForCausalLM`` /
+``GPT2LMHeadModel`` checkpoints; a bare-model checkpoint lacks the ``model.`` /
+``transformer.`` prefix, which the reader allows.
+
+Our layout (jaxformer.model): embed/embedding [V, D]; per block attn/{query [D, N, H],
+key/value [D, K, H], out [N, H, D]} kernels, q/k/v biases [N|K, H]; ffn/{wi | wi_gate,
+wi_up} [D, F], wo [F, D]; norms' scale (and LayerNorm bias) [D]; lm_head/kernel [D, V].
+HF Linear weights are [out, in]; GPT-2's Conv1D weights are [in, out] with q|k|v fused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from jaxformer.config import ModelConfig
+
+Path = tuple[str, ...]
+PREFIX = {"gpt2": "transformer.", "llama": "model."}
+# HF buffers that are not params (causal-mask and RoPE tables of older checkpoints).
+IGNORED = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",
+           r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+ROPE_LAYOUTS = ("half", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    ours: tuple[Path, ...]                     # param paths
+    hf: tuple[str, ...]                        # HF tensor names
+    hf_shapes: tuple[tuple[int, ...], ...]
+    to_ours: Callable[..., tuple[np.ndarray, ...]]  # HF arrays -> our arrays
+    to_hf: Callable[..., tuple[np.ndarray, ...]]    # our arrays -> HF arrays
+
+
+def permute_interleaved_to_half(x):
+    """RoPE layout of the last (head_dim) axis: interleaved pairs (2i, 2i+1), as Meta's
+    original Llama checkpoints, -> half rotation (i, i + head_dim/2), as HF and jaxformer.
+    This is the permutation of transformers' convert_llama_weights_to_hf."""
+    h = x.shape[-1]
+    return x.reshape(*x.shape[:-1], h // 2, 2).swapaxes(-1, -2).reshape(x.shape)
+
+
+def permute_half_to_interleaved(x):
+    """The inverse of permute_interleaved_to_half."""
+    h = x.shape[-1]
+    return x.reshape(*x.shape[:-1], 2, h // 2).swapaxes(-1, -2).reshape(x.shape)
+
+
+def _one(path: Path, name: str, hf_shape, to_ours, to_hf) -> Rule:
+    return Rule((path,), (name,), (tuple(hf_shape),), lambda w: (to_ours(w),),
+                lambda k: (to_hf(k),))
+
+
+def _copy(path: Path, name: str, shape) -> Rule:
+    return _one(path, name, shape, lambda w: w, lambda k: k)
+
+
+def _reshaped(path: Path, name: str, hf_shape, shape, post=None) -> Rule:
+    """Same element order, another shape (Conv1D kernels, biases); `post` (an involution
+    pair (to_ours, to_hf)) permutes the last axis of ours afterwards."""
+    fwd, inv = post or (lambda x: x, lambda x: x)
+    return _one(path, name, hf_shape, lambda w: fwd(w.reshape(shape)),
+                lambda k: inv(k).reshape(hf_shape))
+
+
+def _linear(path: Path, name: str, hf_shape, shape, post=None) -> Rule:
+    """torch Linear weight [out, in] -> kernel [in, out] reshaped to `shape`."""
+    fwd, inv = post or (lambda x: x, lambda x: x)
+    return _one(path, name, hf_shape, lambda w: fwd(w.T.reshape(shape)),
+                lambda k: inv(k).reshape(hf_shape[::-1]).T)
+
+
+def gpt2_rules(cfg: ModelConfig) -> list[Rule]:
+    d, n, h, f, v = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    t = PREFIX["gpt2"]
+    rules = [_copy(("embed", "embedding"), f"{t}wte.weight", (v, d)),
+             _copy(("pos_embed", "embedding"), f"{t}wpe.weight", (cfg.max_seq_len, d))]
+    for i in range(cfg.n_layers):
+        b, p = f"block_{i}", f"{t}h.{i}."
+        attn = [(b, "attn", x) for x in ("query", "key", "value")]
+        rules += [
+            _copy((b, "attn_norm", "scale"), f"{p}ln_1.weight", (d,)),
+            _copy((b, "attn_norm", "bias"), f"{p}ln_1.bias", (d,)),
+            Rule(tuple(a + ("kernel",) for a in attn), (f"{p}attn.c_attn.weight",), ((d, 3 * d),),
+                 lambda w: tuple(x.reshape(d, n, h) for x in np.split(w, 3, axis=1)),
+                 lambda *qkv: (np.concatenate([x.reshape(d, d) for x in qkv], axis=1),)),
+            Rule(tuple(a + ("bias",) for a in attn), (f"{p}attn.c_attn.bias",), ((3 * d,),),
+                 lambda w: tuple(x.reshape(n, h) for x in np.split(w, 3)),
+                 lambda *qkv: (np.concatenate([x.reshape(d) for x in qkv]),)),
+            _reshaped((b, "attn", "out", "kernel"), f"{p}attn.c_proj.weight", (d, d), (n, h, d)),
+            _copy((b, "attn", "out", "bias"), f"{p}attn.c_proj.bias", (d,)),
+            _copy((b, "ffn_norm", "scale"), f"{p}ln_2.weight", (d,)),
+            _copy((b, "ffn_norm", "bias"), f"{p}ln_2.bias", (d,)),
+            _copy((b, "ffn", "wi", "kernel"), f"{p}mlp.c_fc.weight", (d, f)),
+            _copy((b, "ffn", "wi", "bias"), f"{p}mlp.c_fc.bias", (f,)),
+            _copy((b, "ffn", "wo", "kernel"), f"{p}mlp.c_proj.weight", (f, d)),
+            _copy((b, "ffn", "wo", "bias"), f"{p}mlp.c_proj.bias", (d,)),
+        ]
+    rules += [_copy(("final_norm", "scale"), f"{t}ln_f.weight", (d,)),
+              _copy(("final_norm", "bias"), f"{t}ln_f.bias", (d,))]
+    if not cfg.tie_embeddings:
+        rules.append(_linear(("lm_head", "kernel"), "lm_head.weight", (v, d), (d, v)))
+    return rules
+
+
+def llama_rules(cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
+    """Llama / Mistral / Qwen2. rope_layout="interleaved": the checkpoint's q/k weights
+    (and biases) rotate interleaved pairs; they are permuted to half rotation on load and
+    back on save."""
+    if rope_layout not in ROPE_LAYOUTS:
+        raise ValueError(f"rope_layout={rope_layout!r} is not one of {', '.join(ROPE_LAYOUTS)}")
+    d, n, k, h, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                        cfg.vocab_size)
+    rope = (permute_interleaved_to_half, permute_half_to_interleaved) \
+        if rope_layout == "interleaved" else None
+    t = PREFIX["llama"]
+    rules = [_copy(("embed", "embedding"), f"{t}embed_tokens.weight", (v, d))]
+    for i in range(cfg.n_layers):
+        b, p = f"block_{i}", f"{t}layers.{i}."
+        for ours, hf, heads, post in (("query", "q_proj", n, rope), ("key", "k_proj", k, rope),
+                                      ("value", "v_proj", k, None)):
+            rules.append(_linear((b, "attn", ours, "kernel"), f"{p}self_attn.{hf}.weight",
+                                 (heads * h, d), (d, heads, h), post))
+            if cfg.qkv_bias:
+                rules.append(_reshaped((b, "attn", ours, "bias"), f"{p}self_attn.{hf}.bias",
+                                       (heads * h,), (heads, h), post))
+        rules.append(_linear((b, "attn", "out", "kernel"), f"{p}self_attn.o_proj.weight",
+                             (d, n * h), (n, h, d)))
+        rules += [_copy((b, "attn_norm", "scale"), f"{p}input_layernorm.weight", (d,)),
+                  _copy((b, "ffn_norm", "scale"), f"{p}post_attention_layernorm.weight", (d,))]
+        mlp = (("wi_gate", "gate_proj", (f, d)), ("wi_up", "up_proj", (f, d)),
+               ("wo", "down_proj", (d, f)))
+        for ours, hf, shape in mlp:
+            rules.append(_linear((b, "ffn", ours, "kernel"), f"{p}mlp.{hf}.weight", shape,
+                                 shape[::-1]))
+        if cfg.use_bias:
+            rules.append(_copy((b, "attn", "out", "bias"), f"{p}self_attn.o_proj.bias", (d,)))
+            rules += [_copy((b, "ffn", ours, "bias"), f"{p}mlp.{hf}.bias", shape[:1])
+                      for ours, hf, shape in mlp]
+    rules.append(_copy(("final_norm", "scale"), f"{t}norm.weight", (d,)))
+    if not cfg.tie_embeddings:
+        rules.append(_linear(("lm_head", "kernel"), "lm_head.weight", (v, d), (d, v)))
+    return rules
+
+
+def rules_for(family: str, cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
+    if family == "gpt2":
+        if rope_layout != "half":
+            raise ValueError("rope_layout applies to RoPE models; GPT-2 has learned positions")
+        return gpt2_rules(cfg)
+    return llama_rules(cfg, rope_layout)

@@ -1,0 +1,472 @@
+"""Hugging Face interop (jaxformer.convert) against transformers itself.
+
+Every model is built from a config with fresh random weights (norm weights and biases
+perturbed too, so a swapped or dropped one shows), saved with save_pretrained, converted,
+and compared: logits on 512 tokens (short prompts hide RoPE bugs), greedy decoding, round
+trips, sharded loading, the CLI, and the errors for bad inputs. Relative error is
+max |ours - transformers| / max |transformers| over all logits, in float32.
+"""
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
+transformers = pytest.importorskip("transformers", reason="the interop extra")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noqa: E402
+from jaxformer.convert import (from_hf, permute_half_to_interleaved,  # noqa: E402
+                               permute_interleaved_to_half, read_hf_config, to_hf)
+from jaxformer.decoding import generate  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+
+torch.set_num_threads(2)
+rng = np.random.default_rng()
+T = transformers
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, bos_token_id=None, eos_token_id=None)
+GPT2 = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, bos_token_id=None,
+            eos_token_id=None)
+HF_CASES = {  # name: (model class, config): GQA/MQA, every RoPE scaling HF and we share
+    "gpt2": (T.GPT2LMHeadModel, T.GPT2Config(**GPT2, n_positions=512)),
+    "llama-gqa-llama3": (T.LlamaForCausalLM, T.LlamaConfig(
+        **SMALL, num_key_value_heads=2, max_position_embeddings=512, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama-mqa-bias-tied-yarn": (T.LlamaForCausalLM, T.LlamaConfig(
+        **SMALL, num_key_value_heads=1, max_position_embeddings=512, attention_bias=True,
+        mlp_bias=True, tie_word_embeddings=True, head_dim=32,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128))),
+    "llama-linear": (T.LlamaForCausalLM, T.LlamaConfig(
+        **SMALL, num_key_value_heads=2, rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "mistral-window": (T.MistralForCausalLM, T.MistralConfig(
+        **SMALL, num_key_value_heads=2, sliding_window=64)),
+    "qwen2-qkv-bias": (T.Qwen2ForCausalLM, T.Qwen2Config(**SMALL, num_key_value_heads=2)),
+}
+
+
+def hf_model(name, **changes):
+    """A fresh random transformers model of HF_CASES[name]; 1-D params (norms, biases)
+    perturbed away from their 1 / 0 init."""
+    cls, config = HF_CASES[name]
+    config = type(config).from_dict({**config.to_dict(), **changes})
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.5 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def our_logits(cfg, params, tokens):
+    return np.asarray(jitted_apply(cfg)({"params": params}, tokens))
+
+
+@functools.lru_cache
+def jitted_apply(cfg):
+    return jax.jit(Transformer(cfg).apply)
+
+
+def rel_err(ours, ref):
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def tree_equal(a, b):
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def tensors(folder):
+    out = {}
+    for file in sorted(pathlib.Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "numpy") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+# ---- logits and decoding against transformers ---------------------------------------
+
+
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_logits_match_transformers_on_512_tokens(name, tmp_path):
+    model = hf_model(name)
+    model.save_pretrained(tmp_path)
+    cfg, params = from_hf(tmp_path)
+    tokens = rng.integers(0, 256, (1, 512))
+    ref = hf_logits(model, tokens)
+    err = rel_err(our_logits(cfg, params, tokens), ref)
+    print(f"{name}: max relative logit error {err:.2e}")
+    assert err < 1e-4
+    if name == "mistral-window":  # the window (64 < 512) is really in play
+        assert cfg.sliding_window == 64
+        assert rel_err(our_logits(cfg.replace(sliding_window=None), params, tokens), ref) > 1e-2
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-llama3"])
+def test_greedy_decoding_matches_hf_generate(name, tmp_path):
+    # init std 0.3: peaked, varied next-token distributions rather than a near-uniform
+    # one that repeats a token
+    model = hf_model(name, initializer_range=0.3)
+    model.save_pretrained(tmp_path)
+    cfg, params = from_hf(tmp_path)
+    prompts = rng.integers(0, 256, (2, 16))
+    ours = np.asarray(generate(Transformer(cfg), params, prompts, max_new_tokens=32,
+                               rng=jax.random.key(0), temperature=0).tokens)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(prompts), attention_mask=torch.ones(2, 16, dtype=int),
+                                do_sample=False, max_new_tokens=32, pad_token_id=0)
+    theirs = theirs.numpy()[:, 16:]
+    assert len(set(ours.ravel().tolist())) >= 4, ours  # not one repeated token
+    # the top-2 logit gap at each step: a difference is allowed only at a near-tie, where
+    # float32 rounding may legitimately pick the other token (then the rest is moot)
+    logits = our_logits(cfg, params, np.concatenate([prompts, ours], 1))[:, 15:-1]
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    gap = top2[..., 1] - top2[..., 0]  # [2, 32]
+    for row in range(2):
+        diff = np.flatnonzero(ours[row] != theirs[row])
+        if diff.size:
+            assert gap[row, diff[0]] < 1e-4, (row, diff[0], ours[row], theirs[row])
+
+
+# ---- round trips ------------------------------------------------------------------
+
+
+OUR_CASES = {
+    "gpt2-untied": dict(position="learned", tie_embeddings=False, max_seq_len=128),
+    "llama-gqa-scan-llama3": dict(
+        n_kv_heads=2, norm="rmsnorm", ffn="swiglu", use_bias=False, tie_embeddings=False,
+        scan_layers=True, rope_theta=500000.0,
+        rope_scaling=dict(kind="llama3", factor=8.0, original_max_seq_len=32)),
+    "qwen2-geglu-window": dict(n_kv_heads=2, norm="rmsnorm", ffn="geglu", use_bias=False,
+                               qkv_bias=True, sliding_window=16),
+    "llama-bias-yarn": dict(n_kv_heads=1, norm="rmsnorm", ffn="swiglu", use_bias=True,
+                            head_dim=32, rope_scaling=dict(kind="yarn", factor=2.0,
+                                                           original_max_seq_len=64)),
+    "mistral-window": dict(n_kv_heads=2, norm="rmsnorm", ffn="swiglu", use_bias=False,
+                           sliding_window=32, max_seq_len=128),
+}
+
+
+def our_model(name):
+    cfg = ModelConfig(**{**dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4,
+                                max_seq_len=256), **OUR_CASES[name]})
+    return cfg, init_params(cfg)
+
+
+def init_params(cfg, std=0.2):
+    """Fresh random params (no init to compile): norm scales 1 + N(0, std), every other
+    leaf (biases included) N(0, std)."""
+    def draw(path, x):
+        base = 1.0 if path[-1].key == "scale" else 0.0
+        return (base + rng.normal(0, std, x.shape)).astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg))
+
+
+@pytest.mark.parametrize("name", list(OUR_CASES))
+def test_round_trip_ours_hf_ours(name, tmp_path):
+    cfg, params = our_model(name)
+    shard = 60_000 if name == "gpt2-untied" else None  # also an index and several shards
+    hf = to_hf(cfg, params, tmp_path, max_shard_bytes=shard)
+    assert (tmp_path / ("model.safetensors.index.json" if shard else "model.safetensors")).is_file()
+    assert hf["model_type"] == name.split("-")[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = rng.integers(0, 256, (2, 128))
+    err = rel_err(our_logits(cfg, params, tokens), hf_logits(model, tokens))
+    assert err < 1e-4, err
+    cfg2, params2 = from_hf(tmp_path, scan_layers=cfg.scan_layers)
+    assert cfg2 == cfg
+    assert tree_equal(params2, params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_hf_ours_hf_keeps_every_tensor(tmp_path, dtype):
+    model = hf_model("qwen2-qkv-bias").to(getattr(torch, dtype))
+    model.save_pretrained(tmp_path / "a")
+    cfg, params = from_hf(tmp_path / "a", scan_layers=True, dtype=dtype)
+    assert cfg.param_dtype == dtype and {x.dtype.name for x in jax.tree.leaves(params)} == {dtype}
+    to_hf(cfg, params, tmp_path / "b", dtype=dtype)
+    a, b = tensors(tmp_path / "a"), tensors(tmp_path / "b")
+    assert sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype == dtype for k in a)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    if dtype == "bfloat16":  # read as float32 by default: the exact upcast
+        _, upcast = from_hf(tmp_path / "a", scan_layers=True)
+        assert tree_equal(upcast, jax.tree.map(lambda x: x.astype(np.float32), params))
+
+
+def test_interleaved_rope_layout(tmp_path):
+    x = rng.normal(size=(3, 5, 8))
+    assert np.array_equal(permute_half_to_interleaved(permute_interleaved_to_half(x)), x)
+    assert np.array_equal(permute_interleaved_to_half(permute_half_to_interleaved(x)), x)
+    model = hf_model("llama-gqa-llama3")
+    model.save_pretrained(tmp_path / "half")
+    c = model.config
+    # Meta's interleaved layout: the inverse of transformers' convert_llama_weights_to_hf
+    # permute, w.view(heads, dim // heads // 2, 2, in).transpose(1, 2)
+    inter = {}
+    for name, w in tensors(tmp_path / "half").items():
+        heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(
+            name.split(".")[-2])
+        if heads:
+            w = torch.tensor(w).view(heads, 2, c.head_dim // 2, -1).transpose(1, 2)
+            w = w.reshape(heads * c.head_dim, -1).numpy()
+        inter[name] = np.ascontiguousarray(w)
+    (tmp_path / "inter").mkdir()
+    save_file(inter, str(tmp_path / "inter" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "inter" / "config.json").write_text((tmp_path / "half" / "config.json").read_text())
+
+    cfg, params = from_hf(tmp_path / "half")
+    cfg_i, params_i = from_hf(tmp_path / "inter", rope_layout="interleaved")
+    assert cfg_i == cfg and tree_equal(params_i, params)
+    _, wrong = from_hf(tmp_path / "inter")  # read as half: other q/k kernels
+    assert not np.array_equal(wrong["block_0"]["attn"]["query"]["kernel"],
+                              params["block_0"]["attn"]["query"]["kernel"])
+    to_hf(cfg, params, tmp_path / "back", rope_layout="interleaved")
+    back = tensors(tmp_path / "back")
+    assert sorted(back) == sorted(inter) and all(np.array_equal(back[k], inter[k]) for k in inter)
+    tokens = rng.integers(0, 256, (1, 512))
+    assert np.array_equal(our_logits(cfg_i, params_i, tokens), our_logits(cfg, params, tokens))
+
+
+def test_old_gpt2_layout_without_prefix_and_with_mask_buffers(tmp_path):
+    cfg, params = our_model("gpt2-untied")
+    to_hf(cfg, params, tmp_path)
+    old = {k.removeprefix("transformer."): v for k, v in tensors(tmp_path).items()}
+    mask = np.tril(np.ones((1, 1, 128, 128), np.float32))
+    old.update({f"h.{i}.attn.bias": mask for i in range(cfg.n_layers)})
+    save_file(old, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    cfg2, params2 = from_hf(tmp_path)
+    assert cfg2 == cfg and tree_equal(params2, params)
+
+
+# ---- sharded loading ----------------------------------------------------------------
+
+
+SHARDED = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    from jaxformer import ModelConfig, Transformer
+    from jaxformer.convert import from_hf, to_hf
+    from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
+
+    assert jax.device_count() == 8, jax.devices()
+    path = sys.argv[1]
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                      norm="rmsnorm", ffn="swiglu", use_bias=False, tie_embeddings=False)
+    params = Transformer(cfg).init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
+    to_hf(cfg, params, path)
+    mesh = make_mesh(1, 2, 4)  # the library's rules: embed over fsdp, heads/mlp/vocab over tensor
+
+    def rules_for(c):
+        return param_shardings(Transformer(c), mesh, resolve_rules())
+
+    for scan in (False, True):
+        _, plain = from_hf(path, scan_layers=scan)
+        cfg2, sharded = from_hf(path, scan_layers=scan, shardings=rules_for)
+        assert cfg2.scan_layers == scan
+        wanted = jax.tree.leaves(rules_for(cfg2))
+        for (path_, x), y, want in zip(jax.tree_util.tree_leaves_with_path(sharded),
+                                       jax.tree.leaves(plain), wanted):
+            assert x.sharding == want, (path_, x.sharding, want)
+            shard_shape = want.shard_shape(y.shape)
+            assert len(x.addressable_shards) == 8
+            assert all(s.data.shape == shard_shape for s in x.addressable_shards), path_
+            assert np.array_equal(np.asarray(x), np.asarray(y)), path_
+        emb = sharded["embed"]["embedding"]
+        assert emb.addressable_shards[0].data.shape == (64, 32)  # [256, 64]: vocab/4, embed/2
+        head = sharded["lm_head"]["kernel"]
+        assert head.addressable_shards[0].data.shape == (32, 64)  # [64, 256]: embed/2, vocab/4
+    print("OK")
+""")
+
+
+def test_sharded_loading_puts_only_its_slice_on_each_device(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path / "hf")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+# ---- the CLI: HF -> training run -> HF -------------------------------------------------
+
+
+def test_cli_from_hf_makes_a_run_and_to_hf_exports_it(tmp_path, capsys):
+    from jaxformer.convert.__main__ import main
+    from jaxformer.generate import load_run
+
+    model = hf_model("llama-gqa-llama3")
+    model.save_pretrained(tmp_path / "hf")
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["from-hf", str(tmp_path / "hf"), str(run), "train.steps=5"]) == 0
+    printed = capsys.readouterr().out
+    assert "model_type llama" in printed and "n_kv_heads: 2" in printed and "llama3" in printed
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "0").is_dir()
+    cfg, params = from_hf(tmp_path / "hf")
+    jmodel, run_params, _ = load_run(str(run))  # what generate.py / train.py read
+    assert jmodel.cfg == cfg and tree_equal(run_params, params)
+    assert main(["from-hf", str(tmp_path / "hf"), str(run)]) == 2  # not over a run
+    assert main(["to-hf", str(run / "checkpoints" / "0"), str(out)]) == 0
+    assert '"model_type": "llama"' in capsys.readouterr().out
+    a, b = tensors(tmp_path / "hf"), tensors(out)
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "r2"), "model.d_model=32"]) == 2
+    assert "model.d_model" in capsys.readouterr().err
+
+
+# ---- errors -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path):
+    cfg, params = our_model("gpt2-untied")
+    to_hf(cfg, params, tmp_path / "gpt2")
+    return tmp_path / "gpt2"
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def edit_tensors(folder, fn):
+    t = tensors(folder)
+    fn(t)
+    save_file(t, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_files_are_named(tmp_path, gpt2_dir):
+    with pytest.raises(FileNotFoundError, match="nowhere.*is not a folder"):
+        from_hf(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json does not exist"):
+        from_hf(tmp_path / "empty")
+    (gpt2_dir / "model.safetensors").rename(gpt2_dir / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors.*pytorch_model.bin.*pickle"):
+        from_hf(gpt2_dir)
+    (gpt2_dir / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="shard.*model-00001-of-00002"):
+        from_hf(gpt2_dir)
+
+
+def test_bad_tensors_are_named(gpt2_dir):
+    name = "transformer.h.1.mlp.c_fc.weight"
+    edit_tensors(gpt2_dir, lambda t: t.update({name: t[name][:, :100]}))
+    with pytest.raises(ValueError, match=rf"{name} .* shape \[64, 100\].*implies \[64, 256\]"):
+        from_hf(gpt2_dir)
+    edit_tensors(gpt2_dir, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=rf"1 tensor\(s\) .* missing .*{name}"):
+        from_hf(gpt2_dir)
+    edit_tensors(gpt2_dir, lambda t: t.update({name: np.zeros((64, 256), np.float32),
+                                               "transformer.h.0.extra.weight": np.ones(3)}))
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\).*h\.0\.extra\.weight"):
+        from_hf(gpt2_dir)
+
+
+def test_tied_head_must_equal_the_embedding(gpt2_dir):
+    edit_config(gpt2_dir, tie_word_embeddings=True)
+    edit_tensors(gpt2_dir, lambda t: t.update({"lm_head.weight": t["transformer.wte.weight"]}))
+    cfg, params = from_hf(gpt2_dir)  # a redundant copy of the embedding is fine
+    assert cfg.tie_embeddings and "lm_head" not in params
+    edit_tensors(gpt2_dir, lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 1}))
+    with pytest.raises(ValueError, match="lm_head.weight .*differs"):
+        from_hf(gpt2_dir)
+
+
+DROP = object()
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(model_type="bert", architectures=["BertModel"]),
+     "unsupported model_type 'bert'.*gpt2, llama, mistral, qwen2"),
+    (dict(architectures=["GPT2ForSequenceClassification"]),
+     "GPT2ForSequenceClassification.*GPT2LMHeadModel"),
+    (dict(activation_function="gelu"), "activation_function='gelu'.*tanh"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    (dict(n_embd=DROP), "no 'n_embd'"),
+])
+def test_unsupported_gpt2_configs_are_named(gpt2_dir, changes, match):
+    config = {**json.loads((gpt2_dir / "config.json").read_text()), **changes}
+    config = {k: v for k, v in config.items() if v is not DROP}
+    (gpt2_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=match):
+        read_hf_config(gpt2_dir)
+    with pytest.raises(ConfigError, match=match):
+        from_hf(gpt2_dir)
+
+
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256,
+             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
+     "rope_type='dynamic'.*default, linear, llama3, yarn"),
+    (dict(rope_scaling=dict(type="linear", factor=2.0, mscale=1.0)), "unknown key.*mscale"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(attention_bias=True, mlp_bias=False), "attention_bias=True with mlp_bias=False"),
+    (dict(hidden_act="relu"), "hidden_act='relu'"),
+    (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+          sliding_window=16, max_window_layers=1), "layer_types"),
+])
+def test_unsupported_llama_configs_are_named(changes, match):
+    from jaxformer.convert import config_from_hf
+    with pytest.raises(ConfigError, match=match):
+        config_from_hf({**LLAMA, **changes})
+
+
+def test_llama_configs_of_both_transformers_generations():
+    from jaxformer.convert import config_from_hf
+    v4 = config_from_hf({**LLAMA, "rope_theta": 5e5, "rope_scaling": dict(
+        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)})
+    v5 = config_from_hf({**LLAMA, "rope_parameters": dict(
+        rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=64)})
+    assert v4 == v5 and v5.rope_theta == 5e5 and v5.rope_scaling.kind == "llama3"
+    assert v5.rope_scaling.original_max_seq_len == 64 and v5.n_kv_heads == 4
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(position="alibi"), "model.position='alibi'"),
+    (dict(position="sinusoidal"), "model.position='sinusoidal'"),
+    (dict(block="post_ln"), "model.block='post_ln'"),
+    (dict(norm="rmsnorm", ffn="relu", use_bias=False), "model.ffn='relu'"),
+    (dict(norm="layernorm", ffn="swiglu", use_bias=False), "model.norm='layernorm'"),
+    (dict(norm="rmsnorm", ffn="swiglu", rope_scaling="ntk"), "model.rope_scaling.kind='ntk'"),
+    (dict(norm="rmsnorm", ffn="swiglu", use_bias=True, qkv_bias=False), "model.qkv_bias"),
+    (dict(position="learned", n_kv_heads=2), "model.n_kv_heads=2"),
+])
+def test_models_hf_cannot_express_are_refused(tmp_path, changes, match):
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, **changes)
+    params = param_shapes(cfg)  # refused before any weight is read
+    with pytest.raises(ConfigError, match=match):
+        to_hf(cfg, params, tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_params_that_do_not_match_the_config_are_refused(tmp_path):
+    cfg, params = our_model("gpt2-untied")
+    with pytest.raises(ValueError, match="param block_0/ffn/wi/(kernel|bias) has shape"):
+        to_hf(cfg.replace(d_ff=128), params, tmp_path)
+    with pytest.raises(ValueError, match="missing lm_head/kernel"):
+        to_hf(cfg, {k: v for k, v in params.items() if k != "lm_head"}, tmp_path)
