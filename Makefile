@@ -12,14 +12,18 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,interop]'
 	touch $(STAMP)
 
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
+# The tests and the notebooks (run by nbmake at tiny sizes: JAXFORMER_SMALL=1);
+# e.g. `make test TEST_PATHS=tests/test_model.py` for one file.
+TEST_PATHS ?= tests notebooks
+
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+	JAXFORMER_SMALL=1 $(PY) -m pytest -n 2 -q --nbmake $(TEST_PATHS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/attention.py

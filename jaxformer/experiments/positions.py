@@ -1,0 +1,185 @@
+"""The positional-encoding study: one model per scheme on the same data, seed, token budget
+and architecture (only the positional part differs), trained at length L, then scored on
+the validation split at L, 2L, 4L and 8L.
+
+    python -m jaxformer.experiments.positions [configs/experiments/positions.yaml]
+        [--seeds N] [--out DIR] [--small] [section.key=value ...]
+
+Sections: study.* (StudySettings), model.* (ModelConfig fields, or model.preset; not
+position, rope_scaling or max_seq_len, which the study sets), data.*, optim.*, and
+train.steps / batch_size / seq_len (= L) / seed / log_every.
+
+Evaluation: the first N validation tokens (the same ones at every length) are cut into
+non-overlapping windows of n*L tokens; every token of every window is scored, with the
+tokens before it in its window as its context, and the perplexity is exp(mean negative
+log-likelihood per token). Longer windows give later tokens more context, so a scheme
+that extrapolates has a *lower* perplexity at 8L than at L. "rope+yarn" (study.rope_scaling)
+is the trained RoPE model evaluated at n*L with rope_scaling = {kind, factor: n,
+original_max_seq_len: L}: nothing is retrained. The learned table has L rows, so learned
+positions have no score beyond L (null in results.json, "n/a" in the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxformer.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.data import DataError, get_batch, load_dataset
+from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, StudyConfig,
+                                                    StudySettings, load_study_config)
+from jaxformer.experiments.report import summarize, write_outputs
+from jaxformer.model import Transformer, count_params
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.step import init_state, make_eval_step, make_train_step
+
+__all__ = ["DEFAULT_CONFIG", "SMALL", "StudyConfig", "StudySettings", "eval_config",
+           "load_study_config", "main", "perplexity", "run_study", "train_model"]
+
+
+# ---- training and evaluation ----------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _trainer(mcfg: ModelConfig, optim, steps: int):
+    """(init(seed) -> state, train step), both jitted once per model and shared by the seeds."""
+    model = Transformer(mcfg)
+    tx, schedule = make_optimizer(optim, mcfg, steps)
+    init = jax.jit(lambda seed: init_state(model, tx, seed))  # the seed traced: one compile
+    return init, make_train_step(model, tx, schedule, grad_accum=optim.grad_accum)
+
+
+@functools.lru_cache(maxsize=None)
+def _evaluator(mcfg: ModelConfig):
+    return make_eval_step(Transformer(mcfg))
+
+
+def train_model(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seed: int, log):
+    """(params, mean train loss over the last log_every steps) after train.steps steps."""
+    t = cfg.run.train
+    init, step_fn = _trainer(mcfg, cfg.run.optim, t.steps)
+    state, recent, t0 = init(seed), [], time.perf_counter()
+    for step in range(t.steps):
+        batch = get_batch(train_tokens, None, seed=seed, step=step, batch_size=t.batch_size,
+                          seq_len=t.seq_len)
+        state, metrics = step_fn(state, batch)
+        recent.append(metrics["loss"])
+        if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+            loss, recent = float(np.mean(jax.device_get(recent))), []
+            log(f"    step {step + 1}/{t.steps}  loss {loss:.3f}  "
+                f"({time.perf_counter() - t0:.0f} s)")
+    return state.params, loss
+
+
+def perplexity(mcfg: ModelConfig, params, tokens, length: int,
+               batch_tokens: int) -> float | None:
+    """exp(mean next-token NLL) over tokens[1:], the tokens cut into windows of `length`.
+
+    tokens: [n * length + 1] ints; each window is scored with no context from before it.
+    """
+    x = np.asarray(tokens, np.int32)
+    inputs, targets = x[:-1].reshape(-1, length), x[1:].reshape(-1, length)  # [W, length]
+    rows = min(max(1, batch_tokens // length), len(inputs))
+    eval_step, total, count = _evaluator(mcfg), 0.0, 0.0
+    for i in range(0, len(inputs), rows):
+        inp, tgt = inputs[i:i + rows], targets[i:i + rows]
+        mask = np.ones(inp.shape, np.float32)
+        pad = ((0, rows - len(inp)), (0, 0))  # the last batch padded: one shape per length
+        t, c = eval_step(params, {"inputs": np.pad(inp, pad), "targets": np.pad(tgt, pad),
+                                  "loss_mask": np.pad(mask, pad)})
+        total, count = total + float(t), count + float(c)
+    loss = total / count
+    return math.exp(min(loss, 700.0)) if math.isfinite(loss) else None
+
+
+def eval_config(mcfg: ModelConfig, scaling: str | None, multiple: int, train_len: int):
+    """The trained model's config at multiple * L: with RoPE scaling of that factor, if any."""
+    if scaling is None or multiple == 1:
+        return mcfg
+    return mcfg.replace(rope_scaling=RopeScaling(kind=scaling, factor=float(multiple),
+                                                 original_max_seq_len=train_len))
+
+
+def _print(*args):
+    print(*args, flush=True)  # progress shows at once, also through a pipe or into a file
+
+
+def run_study(cfg: StudyConfig, *, log=_print) -> dict:
+    """Train every scheme for every seed, evaluate at every length; the results dict."""
+    s, t = cfg.study, cfg.run.train
+    log = log if s.progress else (lambda *a, **k: None)
+    lengths, n_eval, started = cfg.eval_lengths, cfg.eval_tokens, time.perf_counter()
+    ds = load_dataset(cfg.run.data, vocab_size=cfg.run.model.vocab_size)
+    if len(ds.val) < n_eval + 1:
+        raise DataError(f"the validation split has {len(ds.val):,} tokens; study.eval_tokens "
+                        f"needs {n_eval + 1:,}: lower it, or raise data.val_fraction")
+    val = np.asarray(ds.val[:n_eval + 1])
+    seeds = [t.seed + i for i in range(s.seeds)]
+    log(f"data: {ds.source}; {len(s.schemes)} schemes x {len(seeds)} seed(s), each {t.steps} "
+        f"steps of {t.batch_size} x {t.seq_len} tokens; evaluated on {n_eval:,} validation "
+        f"tokens at lengths {', '.join(map(str, lengths))}")
+    rows: dict[str, dict] = {}
+    for i, scheme in enumerate(s.schemes):
+        mcfg = cfg.model_config(scheme)
+        scalings = [None] + (list(s.rope_scaling) if scheme == "rope" else [])
+        names = [scheme if k is None else f"{scheme}+{k}" for k in scalings]
+        for name, scaling in zip(names, scalings):
+            rows[name] = {"scheme": scheme, "scaling": scaling, "params": count_params(mcfg),
+                          "ppl": [], **({"train_loss": [], "train_seconds": []}
+                                        if scaling is None else {})}
+        for seed in seeds:
+            log(f"[{i + 1}/{len(s.schemes)}] {scheme}, seed {seed}: {rows[scheme]['params']:,} "
+                f"params ({time.perf_counter() - started:.0f} s since the start)")
+            t0 = time.perf_counter()
+            params, loss = train_model(cfg, mcfg, ds.train, seed, log)
+            rows[scheme]["train_loss"].append(loss if math.isfinite(loss) else None)
+            rows[scheme]["train_seconds"].append(round(time.perf_counter() - t0, 1))
+            for name, scaling in zip(names, scalings):
+                ppl = [perplexity(eval_config(mcfg, scaling, m, t.seq_len), params, val, n,
+                                  s.eval_batch_tokens) if n <= mcfg.max_seq_len else None
+                       for m, n in zip(s.eval_multiples, lengths)]
+                rows[name]["ppl"].append(ppl)
+                log(f"    {name} val ppl: " + "  ".join(
+                    f"{n}: {'n/a' if p is None else f'{p:.3f}'}" for n, p in zip(lengths, ppl)))
+    results = {"train_len": t.seq_len, "eval_multiples": list(s.eval_multiples),
+               "eval_lengths": lengths, "eval_tokens": n_eval, "seeds": seeds,
+               "data": ds.source, "config": cfg.to_dict(), "rows": rows,
+               "seconds": round(time.perf_counter() - started, 1)}
+    return summarize(results)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxformer.experiments.positions",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [section.key=value]")
+    parser.add_argument("--seeds", type=int, help="repeat with N seeds; report mean and std")
+    parser.add_argument("--out", help="output directory (study.out_dir)")
+    parser.add_argument("--small", action="store_true", help="tiny sizes: well under a minute")
+    a = parser.parse_intermixed_args(argv)
+    path = a.args[0] if a.args and "=" not in a.args[0] else str(DEFAULT_CONFIG)
+    overrides = [x for x in a.args if "=" in x]
+    stray = [x for x in a.args if "=" not in x and x != path]
+    if stray:
+        parser.error(f"unexpected argument(s) {' '.join(stray)}")
+    overrides = [*(SMALL if a.small else ()), *overrides,
+                 *([f"study.seeds={a.seeds}"] if a.seeds is not None else []),
+                 *([f"study.out_dir={a.out}"] if a.out else [])]
+    try:
+        cfg = load_study_config(path, overrides)
+        results = run_study(cfg)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = write_outputs(results, cfg.study.out_dir)
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {results['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

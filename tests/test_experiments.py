@@ -1,0 +1,173 @@
+"""The positional-encoding study: end to end at a tiny size (files, schema, statistics over
+seeds), its evaluation against a direct computation, and its config errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.config import ConfigError
+from jaxformer.experiments import positions as study
+from jaxformer.experiments.report import markdown_table, row_title, summarize
+from tests.conftest import REPO
+
+ROWS = ["rope", "rope+yarn", "learned", "alibi"]  # notebook 2 runs all five schemes
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text whose statistics a tiny model can learn in a few dozen steps."""
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "None", "x", "y"]
+    lines = [" ".join(rng.choice(words, size=rng.integers(3, 9))) for _ in range(3000)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def study_run(corpus, tmp_path_factory):
+    """The study through its command line: --small, two seeds, the schemes whose rows the
+    study treats differently (RoPE and its eval-time scaling, learned) and ALiBi."""
+    tmp = tmp_path_factory.mktemp("study")
+    code = study.main(["--small", "--seeds", "2", "--out", str(tmp / "out"),
+                       f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}",
+                       "study.schemes=rope,learned,alibi", "study.eval_multiples=1,2,4",
+                       "study.progress=false"])
+    assert code == 0
+    return tmp / "out", json.loads((tmp / "out" / "results.json").read_text())
+
+
+def test_study_writes_every_output(study_run):
+    out, results = study_run
+    assert (out / "positions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert results["train_len"] == 16 and results["eval_lengths"] == [16, 32, 64]
+    assert results["eval_tokens"] == 2048 - 2048 % 64 and results["seeds"] == [0, 1]
+    assert list(results["rows"]) == ROWS
+    table = (out / "results.md").read_text()
+    assert table == markdown_table(results)
+    for name, row in results["rows"].items():
+        assert len(row["ppl"]) == 2 and all(len(p) == 3 for p in row["ppl"])
+        values = [p for per_seed in row["ppl"] for p in per_seed]
+        if name == "learned":  # a table of L rows: nothing beyond L
+            assert all(p[1:] == [None, None] for p in row["ppl"])
+            assert row["mean"][1:] == [None, None] and row["std"][1:] == [None, None]
+            values = [p[0] for p in row["ppl"]]
+        # finite, above 1, and below chance (256 bytes): every model learned something
+        assert all(np.isfinite(v) and 1 < v < 256 for v in values), (name, values)
+        line = next(line for line in table.splitlines()
+                    if line.startswith(f"| {row_title(name, row)} |"))
+        assert line.count("n/a") == (3 if name == "learned" else 0)  # 2 lengths + the ratio
+    assert results["rows"]["learned"]["params"] == results["rows"]["rope"]["params"] + 16 * 32
+
+
+def test_seeds_report_mean_and_sample_std(study_run):
+    out, results = study_run
+    table = (out / "results.md").read_text()
+    for name, row in results["rows"].items():
+        for i, column in enumerate(zip(*row["ppl"])):
+            if None in column:
+                continue
+            assert row["mean"][i] == pytest.approx(np.mean(column), rel=1e-12)
+            assert row["std"][i] == pytest.approx(np.std(column, ddof=1), rel=1e-12)
+            assert row["std"][i] > 0  # the seeds trained different models
+            assert f"{row['mean'][i]:.2f} ± {row['std'][i]:.2f}" in table
+        if "train_loss" in row:
+            assert row["train_loss_mean"] == pytest.approx(np.mean(row["train_loss"]))
+
+
+def test_rope_scaling_applies_only_beyond_the_training_length(study_run):
+    rows = study_run[1]["rows"]
+    for rope, yarn in zip(rows["rope"]["ppl"], rows["rope+yarn"]["ppl"]):
+        assert yarn[0] == rope[0]  # factor 1: the same model
+        assert yarn[1] != rope[1] and yarn[2] != rope[2]
+
+
+def test_summarize_and_table_from_known_numbers():
+    results = summarize({
+        "train_len": 8, "eval_multiples": [1, 2], "eval_lengths": [8, 16], "eval_tokens": 64,
+        "seeds": [0, 1, 2], "data": "x", "seconds": 1.0,
+        "rows": {"alibi": {"scheme": "alibi", "scaling": None, "params": 10,
+                           "ppl": [[2.0, 4.0], [3.0, 5.0], [4.0, 9.0]],
+                           "train_loss": [1.0, 2.0, 3.0], "train_seconds": [1, 1, 1]},
+                 "learned": {"scheme": "learned", "scaling": None, "params": 12,
+                             "ppl": [[5.0, None], [6.0, None], [7.0, None]],
+                             "train_loss": [1.0, 1.0, 1.0], "train_seconds": [1, 1, 1]}}})
+    alibi, learned = results["rows"]["alibi"], results["rows"]["learned"]
+    assert alibi["mean"] == [3.0, 6.0] and alibi["std"] == pytest.approx([1.0, np.sqrt(7.0)])
+    assert learned["mean"] == [6.0, None] and learned["std"] == [1.0, None]
+    table = markdown_table(results)
+    assert "| alibi | 10 | 2.000 | 3.00 ± 1.00 | 6.00 ± 2.65 | 2.00 |" in table
+    assert "| learned | 12 | 1.000 | 6.00 ± 1.00 | n/a | n/a |" in table
+
+
+def test_perplexity_is_the_mean_over_windows_of_each_length():
+    """Windows of `length`, batched with a padded last batch, give exp(mean NLL) exactly as
+    one forward per window does."""
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64, position="alibi")
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    tokens = np.random.default_rng(0).integers(0, 256, 5 * 8 + 1)
+    windows = jnp.asarray(np.stack([tokens[w * 8:(w + 1) * 8 + 1] for w in range(5)]))
+    logits = jax.jit(model.apply)({"params": params}, windows[:, :-1])  # 5 windows at once
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
+    expected = float(np.exp(np.mean(nll)))
+    got = study.perplexity(cfg, params, tokens, 8, batch_tokens=16)  # 2 windows a batch
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert study.perplexity(cfg, params, tokens, 40, batch_tokens=16) != pytest.approx(got)
+
+
+def test_eval_config_scales_rope_by_the_length_multiple():
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, position="rope")
+    assert study.eval_config(cfg, None, 4, 16) is cfg
+    assert study.eval_config(cfg, "yarn", 1, 16) is cfg
+    scaled = study.eval_config(cfg, "yarn", 4, 16).rope_scaling
+    assert (scaled.kind, scaled.factor, scaled.original_max_seq_len) == ("yarn", 4.0, 16)
+
+
+@pytest.mark.parametrize("name", ["positions", "gpu"])
+def test_shipped_configs_load(name):
+    cfg = study.load_study_config(str(REPO / f"configs/experiments/{name}.yaml"))
+    assert set(cfg.study.schemes) == {"rope", "alibi", "sinusoidal", "learned", "none"}
+    assert [n // cfg.run.train.seq_len for n in cfg.eval_lengths] == [1, 2, 4, 8]
+    assert cfg.model_config("learned").max_seq_len == cfg.run.train.seq_len
+    assert cfg.model_config("alibi").max_seq_len == 8 * cfg.run.train.seq_len
+    assert cfg.eval_tokens > 0 and cfg.eval_tokens % (8 * cfg.run.train.seq_len) == 0
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["study.schemez=rope"], ["study.schemez", "valid study keys", "schemes"]),
+    (["study.schemes=rope,rotary"], ["study.schemes='rotary'", "alibi", "sinusoidal"]),
+    (["study.schemes=rope,rope"], ["study.schemes", "twice"]),
+    (["study.rope_scaling=stretch"], ["study.rope_scaling='stretch'", "yarn", "ntk"]),
+    (["study.eval_multiples=1,4,2"], ["study.eval_multiples", "increase"]),
+    (["study.eval_multiples=1,x"], ["study.eval_multiples='x'", "int"]),
+    (["study.seeds=0"], ["study.seeds=0", ">= 1"]),
+    (["study.eval_tokens=100"], ["study.eval_tokens=100", "512"]),
+    (["checkpoint.every=5"], ["checkpoint", "study, model, data, optim, train"]),
+    (["model.position=alibi"], ["model.position", "study.schemes"]),
+    (["model.rope_scaling.kind=yarn"], ["model.rope_scaling", "study.rope_scaling"]),
+    (["model.max_seq_len=512"], ["model.max_seq_len", "train.seq_len"]),
+    (["model.d_modle=64"], ["model.d_modle", "d_model"]),
+    (["train.run_dir=x"], ["train.run_dir", "steps, batch_size, seq_len, seed, log_every"]),
+    (["train.steps=many"], ["train.steps='many'", "int"]),
+    (["data.pack=true"], ["data.pack"]),
+    (["model.d_model=63"], ["d_model=63"]),
+    (["steps=3"], ["section.field"]),
+])
+def test_config_errors_name_the_key(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        study.load_study_config(str(study.DEFAULT_CONFIG), overrides)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_command_line_reports_config_errors(capsys):
+    assert study.main(["study.schemes=rotary", "--seeds", "2"]) == 2
+    assert "error: study.schemes='rotary' is not one of" in capsys.readouterr().err
+    assert study.main(["--seeds", "0"]) == 2
+    assert "study.seeds=0" in capsys.readouterr().err
