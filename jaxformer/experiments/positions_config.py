@@ -9,11 +9,10 @@ import math
 import pathlib
 from typing import Any, Mapping
 
-import yaml
 
 from jaxformer.config import (POSITIONS, ROPE_SCALINGS, ConfigError, ModelConfig, RopeScaling,
                               _check_choice, _check_number)
-from jaxformer.training.config import RunConfig
+from jaxformer.training.config import RunConfig, read_config_file
 
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")
@@ -154,18 +153,7 @@ def _as_int(value, key: str):
 
 def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
     """A YAML file of sections (study, model, data, optim, train) with key=value overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = pathlib.Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist; e.g. "
-                              "configs/experiments/positions.yaml")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    raw = read_config_file(path, "configs/experiments/positions.yaml")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=100)")

@@ -288,18 +288,23 @@ def _merge(base: dict, extra: Mapping) -> dict:
     return merged
 
 
+def read_config_file(path: str | None, example: str = "configs/tiny.yaml") -> dict[str, Any]:
+    """The mapping of sections in a YAML config file (yaml.safe_load); {} for None."""
+    if path is None:
+        return {}
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist; configs live in configs/, "
+                          f"e.g. {example}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return raw
+
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
     """A YAML file (or nothing: the defaults) with key=value overrides applied on top."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = pathlib.Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist; configs live in configs/, "
-                              "e.g. configs/tiny.yaml")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return RunConfig.from_dict(_merge(raw, parse_overrides(list(overrides))))
+    return RunConfig.from_dict(_merge(read_config_file(path), parse_overrides(list(overrides))))
