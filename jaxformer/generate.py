@@ -16,9 +16,9 @@ import jax
 import numpy as np
 
 
-def load_run(run_dir: str, *, best: bool = False):
-    """(model, params, tokenizer) of a training run directory."""
-    from jaxformer.data import load_tokenizer
+def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
+    """(RunConfig, params) of a training run directory: the checkpoint at `step` (default
+    the latest), or the best one."""
     from jaxformer.model import Transformer
     from jaxformer.training.checkpoint import Checkpointer, abstract_like
     from jaxformer.training.config import load_config
@@ -35,13 +35,22 @@ def load_run(run_dir: str, *, best: bool = False):
     abstract = jax.eval_shape(lambda: init_state(model, tx, 0))
     ckpt = Checkpointer(run, keep=cfg.checkpoint.keep, async_save=False)
     try:
-        state = ckpt.restore(abstract_like(abstract), cfg.model, best=best)
+        state = ckpt.restore(abstract_like(abstract), cfg.model, step=step, best=best)
     except FileNotFoundError:
         raise FileNotFoundError(f"{run} has no {'best ' if best else ''}checkpoint yet; train "
                                 f"it first (python train.py train.run_dir={run})") from None
     finally:
         ckpt.close()
-    return model, state.params, load_tokenizer(run)
+    return cfg, state.params
+
+
+def load_run(run_dir: str, *, best: bool = False):
+    """(model, params, tokenizer) of a training run directory."""
+    from jaxformer.data import load_tokenizer
+    from jaxformer.model import Transformer
+
+    cfg, params = load_run_params(run_dir, best=best)
+    return Transformer(cfg.model), params, load_tokenizer(run_dir)
 
 
 def main(argv=None) -> int:

@@ -103,13 +103,7 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
 def load_run_params(path: str, *, best: bool = False):
     """(RunConfig, params, run dir) of a run dir (latest or best checkpoint) or of one
     checkpoint step dir (RUN/checkpoints/STEP or RUN/best/STEP)."""
-    import jax
-
-    from jaxformer.model import Transformer
-    from jaxformer.training.checkpoint import Checkpointer, abstract_like
-    from jaxformer.training.config import load_config
-    from jaxformer.training.optim import make_optimizer
-    from jaxformer.training.step import init_state
+    from jaxformer.generate import load_run_params as restore
 
     src, step = pathlib.Path(path), None
     if not (src / "config.yaml").is_file() and src.name.isdigit() and \
@@ -118,16 +112,8 @@ def load_run_params(path: str, *, best: bool = False):
     if not (src / "config.yaml").is_file():
         raise FileNotFoundError(f"{path} is neither a training run dir (with config.yaml) nor a "
                                 "checkpoint step dir (RUN_DIR/checkpoints/STEP)")
-    cfg = load_config(str(src / "config.yaml"))
-    model = Transformer(cfg.model)
-    tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
-    abstract = jax.eval_shape(lambda: init_state(model, tx, 0))
-    ckpt = Checkpointer(src, keep=cfg.checkpoint.keep, async_save=False)
-    try:
-        state = ckpt.restore(abstract_like(abstract), cfg.model, step=step, best=best)
-    finally:
-        ckpt.close()
-    return cfg, state.params, src
+    cfg, params = restore(src, step=step, best=best)
+    return cfg, params, src
 
 
 def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layout="half",
