@@ -3,14 +3,19 @@ sequence for every token, and (with torch and transformers installed) HF transfo
 generate() on a GPT-2 of the same shape in PyTorch; tokens/s and ratios, one run.
 
     python bench/decode.py [--layers 4 --d-model 256 --heads 4 --vocab 256 --prompt 16
-        --new-tokens 256 --batches 1 16 --repeats 3]
+        --new-tokens 256 --batches 1 16 --repeats 3 --torch-threads 1 2]
 
-Greedy decoding, float32. Prints a table; asserts nothing.
+Greedy decoding, float32. Every decoder runs once to compile / warm up, then once per round,
+rounds interleaved (load from other processes on a shared machine falls on all alike);
+times are medians over rounds. HF runs at each --torch-threads count: on a busy 2-core
+machine two OpenMP threads can be many times slower than one, so compare with the faster.
+Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -23,14 +28,17 @@ from jaxformer.config import PRESETS
 from jaxformer.decoding import generate
 
 
-def best_of(fn, repeats):
-    fn()  # compile / warm up
-    times = []
+def median_times(fns, repeats):
+    """{name: median seconds}: each fn once to warm up, then `repeats` rounds of each once."""
+    for fn in fns.values():
+        fn()  # compile / warm up
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def recompute_fn(model, new_tokens):
@@ -59,6 +67,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--torch-threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--no-torch", action="store_true")
     a = p.parse_args()
 
@@ -90,20 +99,22 @@ def main():
     print("-" * len(header))
     for batch in a.batches:
         prompts = np.random.default_rng(0).integers(0, a.vocab, (batch, a.prompt)).astype(np.int32)
-        rows = [("jaxformer scan + KV cache", best_of(lambda: generate(
+        fns = {"jaxformer scan + KV cache": lambda: generate(
             model, params, prompts, max_new_tokens=a.new_tokens, rng=jax.random.key(0),
-            temperature=0.0).tokens.block_until_ready(), a.repeats))]
-        rows.append(("jitted recompute-everything loop", best_of(
-            lambda: recompute(params, prompts).block_until_ready(), a.repeats)))
+            temperature=0.0).tokens.block_until_ready(),
+            "jitted recompute-everything loop":
+                lambda: recompute(params, prompts).block_until_ready()}
         if hf is not None:
             x = torch.from_numpy(prompts.astype(np.int64))
 
-            def hf_generate():
+            def hf_generate(threads):
+                torch.set_num_threads(threads)
                 with torch.no_grad():
                     hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                 max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens)
-            rows.append((f"HF generate, PyTorch ({torch.get_num_threads()} thr)",
-                         best_of(hf_generate, a.repeats)))
+            for n in a.torch_threads:
+                fns[f"HF generate, PyTorch ({n} thr)"] = functools.partial(hf_generate, n)
+        rows = list(median_times(fns, a.repeats).items())
         for name, sec in rows:
             tok_s = batch * a.new_tokens / sec
             print(f"{name:<36} {batch:>5} {sec:>9.3f} {tok_s:>10,.0f} {sec / rows[0][1]:>9.1f}x")

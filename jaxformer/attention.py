@@ -72,17 +72,24 @@ def _group(x, n_kv_heads: int):
     return x.reshape(x.shape[0], n_kv_heads, x.shape[1] // n_kv_heads, *x.shape[2:])
 
 
-def _grouped_logits(q, k, *, mask, bias, scale, kv="bskh", precision=HIGHEST):
+def _grouped_logits(q, k, *, mask, bias, scale, precision=HIGHEST):
     """Float32 logits [B, K, G, Tq, Tk], masked entries -inf. GQA groups the query heads,
-    so K/V are never copied per query head. kv: k's layout, "bskh" or "bksh" (a cache)."""
+    so K/V are never copied per query head."""
     b, t, n, h = q.shape
-    n_kv = k.shape[kv.index("k")]
+    n_kv = k.shape[2]
     if n % n_kv:
         raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({n_kv})")
     q = q.reshape(b, t, n_kv, n // n_kv, h)  # [B, T, K, G, H]
-    logits = jnp.einsum(f"btkgh,{kv}->bkgts", q, k, precision=precision,
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=precision,
                         preferred_element_type=jnp.float32)
-    logits = logits * jnp.float32(1.0 / math.sqrt(h) if scale is None else scale)
+    return _scale_and_mask(logits, mask=mask, bias=bias,
+                           scale=1.0 / math.sqrt(h) if scale is None else scale)
+
+
+def _scale_and_mask(logits, *, mask, bias, scale):
+    """logits [B, K, G, Tq, Tk] * scale (+ bias), masked entries -inf."""
+    n_kv = logits.shape[1]
+    logits = logits * jnp.float32(scale)
     if bias is not None:
         logits = logits + _group(bias.astype(jnp.float32), n_kv)
     if mask is not None:
@@ -105,10 +112,10 @@ def attention_weights(q, k, *, mask=None, bias=None, scale=None):
     return w.reshape(w.shape[0], -1, *w.shape[3:])  # [B, K, G, T, S] -> [B, N, T, S]
 
 
-def _reference(q, k, v, *, mask, bias, scale, kv="bskh", precision=HIGHEST):
-    w = _softmax(_grouped_logits(q, k, mask=mask, bias=bias, scale=scale, kv=kv,
+def _reference(q, k, v, *, mask, bias, scale, precision=HIGHEST):
+    w = _softmax(_grouped_logits(q, k, mask=mask, bias=bias, scale=scale,
                                  precision=precision))  # [B, K, G, T, S]
-    out = jnp.einsum(f"bkgts,{kv}->btkgh", w.astype(v.dtype), v, precision=precision,
+    out = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v, precision=precision,
                      preferred_element_type=jnp.float32)
     return out.reshape(q.shape).astype(q.dtype)  # [B, T, N, H]
 
@@ -130,12 +137,26 @@ def _fused(q, k, v, *, mask, bias, scale, implementation):
 
 
 def cached_attention(q, k, v, *, mask=None, bias=None):
-    """Attention of q [B, T, N, H] over a KV cache k, v [B, K, S, H] (heads before slots).
+    """Attention of q [B, T, N, H] over a KV cache k, v [B * K, S, H]: one row of slots per
+    (batch row, K/V head), batch-major.
 
-    The cache keeps heads before slots because that is the layout the two batched matmuls
-    read directly; in [B, S, K, H] XLA transposes the whole cache on every decode step
-    (bench/decode.py: 1.15 s -> 0.69 s for 256 tokens at batch 16 on 2 CPU cores)."""
-    return _reference(q, k, v, mask=mask, bias=bias, scale=None, kv="bksh", precision=None)
+    One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
+    matmuls, and the reshape that then sits between the in-place cache update and the matmul
+    made XLA:CPU copy each layer's K four times and transpose V on every decode step
+    (bench/decode.py, batch 1: ~0.45 -> ~0.2 ms per token). B * K == 1 (MQA at batch 1)
+    still collapses, and still copies. [B, S, K, H] transposes the cache at every batch."""
+    b, t, n, h = q.shape
+    rows, s, _ = k.shape
+    n_kv = rows // b
+    g = n // n_kv
+    q = q.reshape(b, t, n_kv, g, h).transpose(0, 2, 3, 1, 4).reshape(rows, g * t, h)
+    logits = jnp.einsum("rqh,rsh->rqs", q, k, preferred_element_type=jnp.float32)
+    logits = _scale_and_mask(logits.reshape(b, n_kv, g, t, s), mask=mask, bias=bias,
+                             scale=1.0 / math.sqrt(h))
+    w = _softmax(logits).reshape(rows, g * t, s)
+    out = jnp.einsum("rqs,rsh->rqh", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.reshape(b, n_kv, g, t, h).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
+    return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 def resolve_impl(impl: str, dtype, head_dim: int) -> str:
@@ -221,7 +242,7 @@ class Attention(nn.Module):
         return self.dropout(self.out(z), deterministic=self.deterministic)
 
     def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None):
-        """Without a cache: attention within x. With a layer cache {"k", "v": [B, K, S, H]}:
+        """Without a cache: attention within x. With a layer cache {"k", "v": [B*K, S, H]}:
         the new keys/values are written at slots [cache_index, cache_index + T) (the caller
         keeps that within S: dynamic_update_slice clamps, it does not grow), attention runs
         over all S slots (the mask hides slots not written or not valid), and the updated
@@ -230,11 +251,16 @@ class Attention(nn.Module):
         if cache is None:
             return self.finish(dot_product_attention(q, k, v, mask=mask, bias=bias,
                                                      impl=self.cfg.attention_impl))
-        at = (0, 0, cache_index, 0)  # the cache is [B, K, S, H]: see cached_attention
-        cache = {name: constrain(jax.lax.dynamic_update_slice(
-                     cache[name], jnp.swapaxes(new, 1, 2).astype(cache[name].dtype), at),
-                     "act_batch", "act_kv_heads", "act_seq", "head_dim")
-                 for name, new in (("k", k), ("v", v))}
+        b, t, n_kv, h = k.shape  # the cache is [B * K, S, H]: see cached_attention
+
+        def update(cache, new):  # sharded as [B, K, S, H]: rows over batch, then heads
+            cache = jax.lax.dynamic_update_slice(
+                cache, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, h).astype(cache.dtype),
+                (0, cache_index, 0))
+            return constrain(cache.reshape(b, n_kv, -1, h), "act_batch", "act_kv_heads",
+                             "act_seq", "head_dim").reshape(cache.shape)
+
+        cache = {name: update(cache[name], new) for name, new in (("k", k), ("v", v))}
         z = cached_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype),
                              mask=mask, bias=bias)
         return self.finish(z), cache

@@ -3,8 +3,8 @@ jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p and beam s
 
 The cache is an explicit pytree: ``layers`` laid out like the params, per layer
 (``block_i``) or stacked along a leading layer axis (``blocks``, with scan_layers), each
-holding ``k`` and ``v`` [batch, n_kv_heads, max_len, head_dim] (heads before slots: see
-jaxformer.attention.cached_attention); ``positions`` [batch,
+holding ``k`` and ``v`` [batch * n_kv_heads, max_len, head_dim] (row b * n_kv_heads + h:
+batch row b's head h; see jaxformer.attention.cached_attention); ``positions`` [batch,
 max_len], the position of the token in each slot (EMPTY_SLOT for none, e.g. a prompt's
 padding); and ``index``, the next slot to write. Every row writes its next token into the
 same slot, so rows with prompts of different lengths decode together, each at its own
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import ModelConfig
-from jaxformer.model import EMPTY_SLOT, Transformer
+from jaxformer.model import EMPTY_SLOT, Transformer, unstack_layers
 
 
 def kv_cache_bytes(cfg: ModelConfig, batch: int, seq_len: int, dtype=None) -> int:
@@ -33,8 +33,7 @@ def kv_cache_bytes(cfg: ModelConfig, batch: int, seq_len: int, dtype=None) -> in
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
     """An empty cache for `batch` rows of up to `max_len` tokens."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)  # heads before slots: see
-    # jaxformer.attention.cached_attention
+    shape = (batch * cfg.n_kv_heads, max_len, cfg.head_dim)  # see cached_attention
     if cfg.scan_layers:
         layers = {"blocks": {"k": jnp.zeros((cfg.n_layers, *shape), dtype),
                              "v": jnp.zeros((cfg.n_layers, *shape), dtype)}}
@@ -132,6 +131,14 @@ def _prefill(model, params, prompts, lengths, max_len, cache_dtype):
     return logits[jnp.arange(b), lengths - 1], cache
 
 
+def _take_rows(cache, rows, n_kv_heads: int):
+    """The cache of batch rows `rows` [R] (each owns n_kv_heads consecutive K/V rows)."""
+    kv_rows = (rows[:, None] * n_kv_heads + jnp.arange(n_kv_heads)).reshape(-1)
+    return dict(cache, layers=jax.tree.map(lambda x: jnp.take(x, kv_rows, axis=-3),
+                                           cache["layers"]),  # [(L,) R * K, S, H]
+                positions=jnp.take(cache["positions"], rows, axis=0))
+
+
 def _forward_one(model, params, tokens, positions, cache):
     """tokens, positions [B] -> logits [B, V], cache."""
     logits, cache = model.apply({"params": params}, tokens[:, None], positions[:, None],
@@ -139,13 +146,23 @@ def _forward_one(model, params, tokens, positions, cache):
     return logits[:, 0], cache
 
 
+def _looped(cfg: ModelConfig):
+    """The model decoding runs, and a map to its params from the caller's: scanned layers
+    run as a Python loop over unstacked params, since inside the decode loop nn.scan slices
+    every layer's params and cache out of the stacked arrays on every step (4-6x slower)."""
+    if not cfg.scan_layers:
+        return Transformer(cfg), lambda params: params
+    return Transformer(cfg.replace(scan_layers=False)), unstack_layers
+
+
 @functools.lru_cache(maxsize=64)
 def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
                  cache_dtype):
-    model = Transformer(cfg)
+    model, unstack = _looped(cfg)
 
     def run(params, prompts, lengths, rng):
         b, w = prompts.shape
+        params = unstack(params)
         last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, cache_dtype)
 
         def emit(logits, rng, done):
@@ -208,17 +225,16 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
 
 @functools.lru_cache(maxsize=16)
 def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_id, pad_id):
-    model = Transformer(cfg)
+    model, unstack = _looped(cfg)
     k = beam_width
 
     def run(params, prompts, lengths):
         b, w = prompts.shape
+        params = unstack(params)
         last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, None)
         v = last.shape[-1]
         # every beam starts as a copy of its row; only beam 0 is live at first
-        cache = dict(cache, layers=jax.tree.map(lambda x: jnp.repeat(x, k, axis=-4),
-                                                cache["layers"]),  # [(L,) B*k, K, S, H]
-                     positions=jnp.repeat(cache["positions"], k, axis=0))
+        cache = _take_rows(cache, jnp.repeat(jnp.arange(b), k), cfg.n_kv_heads)  # B * k rows
         logits = jnp.repeat(last, k, axis=0)  # [B*k, V]
         scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # [B, k]
         state = dict(cache=cache, logits=logits, scores=scores,
@@ -241,10 +257,7 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
             length = take(state["length"]) + (~was_done).astype(jnp.int32)
             done = was_done | (tok == eos_id) if eos_id is not None else was_done
             flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
-            cache = state["cache"]
-            cache = dict(cache, layers=jax.tree.map(lambda x: jnp.take(x, flat_parent, axis=-4),
-                                                    cache["layers"]),
-                         positions=jnp.take(cache["positions"], flat_parent, axis=0))
+            cache = _take_rows(state["cache"], flat_parent, cfg.n_kv_heads)
             pos = jnp.take(state["pos"], flat_parent)
             logits, cache = _forward_one(model, params, tok.reshape(-1), pos, cache)
             return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,

@@ -2,6 +2,8 @@
 beam search against exhaustive search. Fresh random weights and prompts every run."""
 
 import itertools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +228,25 @@ def test_jit_and_vmap_over_prompts():
     batched = jax.jit(jax.vmap(fn))(prompts)
     for i in range(3):
         np.testing.assert_array_equal(batched[i], fn(prompts[i]))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="reads XLA:CPU's compiled loop")
+@pytest.mark.parametrize("scan", [False, True])
+def test_decode_loop_updates_cache_in_place(scan):
+    """In the compiled decode loop each layer's K and V are only updated in place: no copy
+    or transpose of a cache-sized array (a [B, K, S, H] cache at batch 1 was copied four
+    times per layer per step, and scanned layers sliced it out of the stacked cache)."""
+    model, params = make(n_kv_heads=2, scan=scan)
+    run = jax.jit(lambda params, prompts: generate(model, params, prompts, max_new_tokens=8,
+                                                   rng=jax.random.key(0), temperature=0.0))
+    hlo = run.lower(params, jnp.zeros((1, 4), jnp.int32)).compile().as_text()
+    name = re.search(r"while\(.*body=(%[\w.\-]+)", hlo).group(1)
+    start = hlo.index(f"\n{name} ")
+    body = hlo[start:hlo.index("\n}\n", start)]
+    cache_size = 1 * 2 * (4 + 8) * model.cfg.head_dim  # batch * kv heads * slots * head_dim
+    ops = [op for dims, op in re.findall(r"= f32\[([\d,]+)\]\S* ([\w-]+)\(", body)
+           if math.prod(map(int, dims.split(","))) == cache_size]
+    assert "copy" not in ops and ops.count("fusion") == 2 * model.cfg.n_layers, ops
 
 
 @pytest.mark.parametrize("scan", [False, True])

@@ -3,6 +3,7 @@ subprocesses, tests/mesh_worker.py) and on two processes through train.py."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -241,9 +242,11 @@ def test_two_processes_train_like_one(tmp_path):
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    assert "8 cpu device(s), 2 process(es)" in outs[0][0]
-    # process 1 prints nothing (gloo's connection lines aside): process 0 speaks for the run
-    assert [ln for ln in outs[1][0].splitlines() if not ln.startswith("[Gloo]")] == []
+    # gloo's C++ connection messages share stdout with Python's and can land mid-line
+    gloo = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                      r"Expected number of connected peer ranks is : \d+\n?")
+    assert "8 cpu device(s), 2 process(es)" in gloo.sub("", outs[0][0])
+    assert gloo.sub("", outs[1][0]).strip() == ""  # process 0 alone speaks for the run
 
     def losses(run_dir, key):
         return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
