@@ -37,7 +37,7 @@ def main(argv):
     from jaxformer.sharding import batch_sharding, make_mesh, resolve_rules
     from jaxformer.training import load_config
     from jaxformer.training.optim import make_optimizer
-    from jaxformer.training.step import _init_fn, make_train_step, state_shardings
+    from jaxformer.training.step import abstract_state, make_train_step, state_shardings
 
     cfg = load_config(args.config, overrides)
     model = Transformer(cfg.model)
@@ -56,7 +56,7 @@ def main(argv):
     for shape in meshes:
         mesh = make_mesh(*shape)
         shardings = state_shardings(model, tx, mesh, rules)
-        abstract = jax.eval_shape(_init_fn(model, tx), jax.random.PRNGKey(0))
+        abstract = abstract_state(model, tx)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              abstract, shardings)
         bs = batch_sharding(mesh, rules)

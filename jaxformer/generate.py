@@ -23,7 +23,7 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     from jaxformer.training.checkpoint import Checkpointer, abstract_like
     from jaxformer.training.config import load_config
     from jaxformer.training.optim import make_optimizer
-    from jaxformer.training.step import init_state
+    from jaxformer.training.step import abstract_state
 
     run = pathlib.Path(run_dir)
     if not (run / "config.yaml").is_file():
@@ -32,7 +32,7 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     cfg = load_config(str(run / "config.yaml"))
     model = Transformer(cfg.model)
     tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
-    abstract = jax.eval_shape(lambda: init_state(model, tx, 0))
+    abstract = abstract_state(model, tx)
     ckpt = Checkpointer(run, keep=cfg.checkpoint.keep, async_save=False)
     try:
         state = ckpt.restore(abstract_like(abstract), cfg.model, step=step, best=best)

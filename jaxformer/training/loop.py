@@ -113,7 +113,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     def place(batch):
         return place_batch(batch, batch_sh, t.batch_size)
 
-    state = init_state(model, tx, t.seed, mesh=mesh, rules=rules)
+    state = init_state(model, tx, t.seed, mesh=mesh, rules=rules, shardings=shardings)
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     if ckpt.latest_step() is not None:
         if t.resume == "never":

@@ -33,10 +33,15 @@ def _init_fn(model: Transformer, tx: optax.GradientTransformation):
     return init
 
 
+def abstract_state(model: Transformer, tx: optax.GradientTransformation) -> TrainState:
+    """The TrainState's shapes and dtypes (jax.ShapeDtypeStructs): nothing is allocated."""
+    return jax.eval_shape(_init_fn(model, tx), jax.random.PRNGKey(0))
+
+
 def state_shardings(model: Transformer, tx: optax.GradientTransformation, mesh, rules):
     """NamedShardings of a TrainState: params by their logical names and `rules`, the
     optimizer's per-param moments like their params, scalars replicated."""
-    abstract = jax.eval_shape(_init_fn(model, tx), jax.random.PRNGKey(0))
+    abstract = abstract_state(model, tx)
     params = shardings_for(logical_axes(model), abstract.params, mesh, rules)
     replicated = NamedSharding(mesh, P())
     opt_state = optax.tree_utils.tree_map_params(
@@ -46,14 +51,15 @@ def state_shardings(model: Transformer, tx: optax.GradientTransformation, mesh, 
 
 
 def init_state(model: Transformer, tx: optax.GradientTransformation, seed: int, *,
-               mesh=None, rules=None) -> TrainState:
+               mesh=None, rules=None, shardings=None) -> TrainState:
     """Fresh params and optimizer state, built inside jit. With a mesh they are born
-    sharded (jit out_shardings): no device ever holds the whole model."""
+    sharded (jit out_shardings; `shardings`: state_shardings, if already at hand): no
+    device ever holds the whole model."""
     init, key = _init_fn(model, tx), jax.random.PRNGKey(seed)
     if mesh is None:
         return jax.jit(init)(key)
-    return jax.jit(traced_under(mesh, rules, init),
-                   out_shardings=state_shardings(model, tx, mesh, rules))(key)
+    shardings = shardings or state_shardings(model, tx, mesh, rules)
+    return jax.jit(traced_under(mesh, rules, init), out_shardings=shardings)(key)
 
 
 def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
