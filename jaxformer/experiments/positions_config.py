@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from jaxformer.config import (POSITIONS, ROPE_SCALINGS, ConfigError, ModelConfig, RopeScaling,
                               _check_choice, _check_number)
-from jaxformer.training.config import RunConfig, read_config_file
+from jaxformer.training.config import RunConfig, _coerce, read_config_file
 
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")
@@ -131,24 +131,13 @@ def _study_settings(raw: Mapping[str, Any]) -> StudySettings:
             if not isinstance(value, (list, tuple)):
                 raise ConfigError(f"study.{key}={value!r} must be a list, e.g. {list(default)}")
             if key == "eval_multiples":
-                value = [_as_int(v, f"study.{key}") for v in value]
-        elif isinstance(default, bool) and isinstance(value, str):
-            if value.lower() not in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-                raise ConfigError(f"study.{key}={value!r} must be true or false")
-            value = value.lower() in ("true", "yes", "1", "on")
-        elif isinstance(default, int) and not isinstance(default, bool):
-            value = _as_int(value, f"study.{key}")
+                value = [_coerce(v, "int", f"study.{key}") for v in value]
+        elif isinstance(default, bool):
+            value = _coerce(value, "bool", f"study.{key}")
+        elif isinstance(default, int):
+            value = _coerce(value, "int", f"study.{key}")
         values[key] = tuple(value) if isinstance(value, list) else value
     return StudySettings(**values)
-
-
-def _as_int(value, key: str):
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} must be an int") from None
-    return value  # other types are checked by StudySettings
 
 
 def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
