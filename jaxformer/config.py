@@ -12,7 +12,7 @@ NORMS = ("layernorm", "rmsnorm")
 BLOCKS = ("pre_ln", "post_ln")
 FFNS = ("gelu", "relu", "swiglu", "geglu")
 REMATS = ("none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -9,6 +9,7 @@ import jax
 
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
+from jaxformer.matmul import flat_dot_general
 from jaxformer.sharding import constrain, init_with_names
 
 
@@ -43,7 +44,8 @@ class FeedForward(nn.Module):
         def dense(feats, name, names, std=0.02):  # names: the kernel's logical axes
             return nn.Dense(feats, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
                             kernel_init=init_with_names(dense_init(std), *names),
-                            bias_init=init_with_names(nn.initializers.zeros, names[1]), name=name)
+                            bias_init=init_with_names(nn.initializers.zeros, names[1]),
+                            dot_general=flat_dot_general, name=name)
 
         act, up = ACTIVATIONS[c.ffn], ("embed", "mlp")
         if c.gated_ffn:

@@ -6,6 +6,8 @@ block params between per-layer (block_0, block_1, ...) and stacked (blocks) form
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,10 +16,13 @@ import numpy as np
 from jaxformer.attention import dense_init, make_attention_mask, position_bias
 from jaxformer.config import ModelConfig
 from jaxformer.layers import Block, make_norm
+from jaxformer.matmul import flat_dot_general
 from jaxformer.positions import sinusoidal
 from jaxformer.sharding import constrain, init_with_names
 
 EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
+
+head_dot = functools.partial(flat_dot_general, preferred_element_type=jnp.float32)  # f32 logits
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: recompute it all in the backward pass
@@ -119,13 +124,13 @@ class Transformer(nn.Module):
         if c.block == "pre_ln":  # post-LN blocks already end in a norm
             x = make_norm(c, "final_norm")(x)
         if c.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, embed.embedding.astype(c.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = head_dot(x, embed.embedding.astype(c.dtype),
+                              (((2,), (1,)), ((), ())))  # [B, T, D] x [V, D]
         else:
-            logits = nn.Einsum((c.d_model, c.vocab_size), "btd,dv->btv", use_bias=False,
-                               dtype=c.dtype, param_dtype=c.param_dtype,
-                               kernel_init=init_with_names(dense_init(), "embed", "vocab"),
-                               preferred_element_type=jnp.float32, name="lm_head")(x)
+            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype,
+                              param_dtype=c.param_dtype, dot_general=head_dot,
+                              kernel_init=init_with_names(dense_init(), "embed", "vocab"),
+                              name="lm_head")(x)
         logits = constrain(logits.astype(jnp.float32), "act_batch", "act_seq", "act_vocab")
         return logits if cache is None else (logits, cache)
 

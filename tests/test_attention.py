@@ -11,6 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from jaxformer import attention
 from jaxformer.attention import (
     IMPLS,
     attention_weights,
@@ -23,7 +24,7 @@ from jaxformer.attention import (
     sliding_window_mask,
 )
 
-BACKENDS = ["reference", "xla"]
+BACKENDS = ["reference", "xla", "chunked"]
 # (query heads N, key/value heads K, Tq, Tk): every GQA ratio (K = N is MHA, K = 1 is MQA),
 # self-attention (Tq = Tk) and decoding against a cache (Tq < Tk, query positions offset).
 # Few distinct shapes, because each new one costs JAX a compilation.
@@ -44,6 +45,13 @@ MASK_KINDS = [
     "causal+alibi",
     "packing+alibi",
 ]
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Causal blocks of 3 query rows, so the chunked backend's block edges fall inside the
+    short test sequences (8 keys: blocks of 3, 3 and 2)."""
+    monkeypatch.setattr(attention, "CHUNK", 3)
 
 
 @pytest.fixture
@@ -243,6 +251,61 @@ def test_dot_product_attention_matches_reference(rng, kind, n, kv, tq, tk, impl)
     assert out.dtype == jnp.float32 and out.shape == (B, tq, n, H)
     _, expected = np_attention(q, k, v, mask=mask, bias=bias)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
+
+
+# ---- 2b. is_causal: keys after the query's index hidden too, on every mask kind -----
+
+
+def np_index_causal(mask, t):
+    causal = np.tril(np.ones((t, t), bool))[None, None]
+    return causal if mask is None else mask & causal
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("n,kv", [(4, 2), (6, 3)])  # MHA and MQA: test_gqa_equals_mha
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_is_causal_matches_reference(rng, kind, n, kv, impl):
+    t = 8  # three causal blocks in the chunked backend
+    q, k, v = random_qkv(rng, B, t, t, n, kv)
+    mask, bias = build_case(rng, kind, B, t, t, n)
+    jmask, jbias = as_jnp(mask, bias)
+    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl, is_causal=True)
+    _, expected = np_attention(q, k, v, mask=np_index_causal(mask, t), bias=bias)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("mask_shape,bias_shape", [("B11T", "1N1T"), ("BNTT", "B1TT"),
+                                                    ("11TT", "11TT")])
+def test_is_causal_with_broadcast_masks_and_gradients(rng, impl, mask_shape, bias_shape):
+    """Masks and biases with size-1 axes (a key-padding mask [B, 1, 1, T], a per-key bias),
+    against the float64 reference; the gradients against the reference backend's."""
+    n, kv, t = 4, 2, 8
+    q, k, v = random_qkv(rng, B, t, t, n, kv)
+    sizes = {"B": B, "N": n, "T": t, "1": 1}
+    mask = rng.random(size=[sizes[c] for c in mask_shape]) < 0.7
+    bias = rng.normal(size=[sizes[c] for c in bias_shape]).astype(np.float32)
+    jmask, jbias = as_jnp(mask, bias)
+    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl, is_causal=True)
+    _, expected = np_attention(q, k, v, mask=np_index_causal(mask, t), bias=bias)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
+
+    cot = jnp.asarray(rng.normal(size=(B, t, n, H)), jnp.float32)
+    def grads(impl):
+        def loss(q, k, v):
+            out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl,
+                                        is_causal=True)
+            return jnp.sum(out * cot)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads(impl), grads("reference")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_is_causal_needs_square_attention(rng):
+    q, k, v = random_qkv(rng, 1, 3, 8, 4, 2)
+    for impl in BACKENDS:
+        with pytest.raises(ValueError, match="is_causal needs as many keys as queries"):
+            dot_product_attention(q, k, v, impl=impl, is_causal=True)
 
 
 @pytest.mark.parametrize("impl", BACKENDS)
@@ -493,14 +556,15 @@ def test_unknown_impl_raises_naming_allowed_values(rng):
 
 
 def test_resolve_impl():
-    assert set(IMPLS) == {"auto", "reference", "xla", "cudnn"}
-    for impl in ("reference", "xla", "cudnn"):
+    assert set(IMPLS) == {"auto", "reference", "xla", "cudnn", "chunked"}
+    for impl in ("reference", "xla", "cudnn", "chunked"):
         assert resolve_impl(impl, jnp.float32, 64) == impl
-    assert resolve_impl("auto", jnp.float32, 64) == "xla"
-    on_gpu = jax.default_backend() == "gpu"
-    assert resolve_impl("auto", jnp.bfloat16, 64) == ("cudnn" if on_gpu else "xla")
-    assert resolve_impl("auto", jnp.bfloat16, 60) == "xla"  # head_dim % 8 != 0
-    assert resolve_impl("auto", jnp.bfloat16, 256) == "xla"  # head_dim > 128
+    backend = jax.default_backend()
+    other = {"cpu": "chunked"}.get(backend, "xla")
+    assert resolve_impl("auto", jnp.float32, 64) == other
+    assert resolve_impl("auto", jnp.bfloat16, 64) == ("cudnn" if backend == "gpu" else other)
+    assert resolve_impl("auto", jnp.bfloat16, 60) == other  # head_dim % 8 != 0
+    assert resolve_impl("auto", jnp.bfloat16, 256) == other  # head_dim > 128
 
 
 @pytest.mark.parametrize("impl", BACKENDS)

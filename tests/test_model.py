@@ -1,6 +1,7 @@
 """The Transformer against a float64 NumPy forward pass, and its invariants."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -298,3 +299,33 @@ def test_dropout_only_when_not_deterministic():
     noisy = [model.apply({"params": params}, tokens, deterministic=False,
                          rngs={"dropout": jax.random.key(i)}) for i in (1, 2)]
     assert np.abs(noisy[0] - clean).max() > 1e-3 and np.abs(noisy[0] - noisy[1]).max() > 1e-3
+
+
+# ---- compiled backward pass: no transposed activations ---------------------------------
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
+@pytest.mark.parametrize("extra", [{}, dict(position="rope", norm="rmsnorm", ffn="swiglu",
+                                            use_bias=False, tie_embeddings=False, n_kv_heads=2)])
+def test_backward_has_no_transposed_activation(extra):
+    """Every weight matmul is a 2-D dot (jaxformer.matmul): XLA:CPU then computes the
+    weight gradients X^T dY without materialising any activation transposed to
+    [features, tokens] (3-D dots made it copy one per weight, fusing the elementwise work
+    that produced X or dY into a strided loop: a third of the bench step's backward)."""
+    from jaxformer.training.step import loss_sums
+    b, t = 2, 64  # 128 tokens: no feature size below equals it
+    cfg = ModelConfig(**{**dict(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=t,
+                                position="learned"), **extra})
+    model = Transformer(cfg)
+    tokens = np.random.default_rng(0).integers(0, 96, (b, t + 1)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": np.ones((b, t), np.float32)}
+    params = model.init(jax.random.key(0), tokens[:, :8])["params"]
+    hlo = jax.jit(jax.grad(lambda p: loss_sums(model, p, batch)[0])).lower(params) \
+        .compile().as_text()
+    features = {cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.head_dim,
+                cfg.n_kv_heads * cfg.head_dim, cfg.vocab_size}
+    assert b * t not in features
+    transposed = re.compile(r"= f32\[(%s),%d\]" % ("|".join(map(str, features)), b * t))
+    found = [line.strip()[:120] for line in hlo.splitlines() if transposed.search(line)]
+    assert not found, f"{len(found)} activations transposed to [features, tokens]: {found[:3]}"
