@@ -1,8 +1,12 @@
 """Attention backends side by side: compile seconds, forward and forward+backward time,
-and temporary bytes, for causal self-attention in [batch, seq, heads, head_dim] layout.
+and temporary bytes, for causal self-attention in [batch, seq, heads, head_dim] layout
+(a causal mask from positions plus is_causal, as the model calls it).
 
     python bench/attention.py [--batch 4] [--seq 512 1024] [--heads 8] [--kv-heads 8 2]
-        [--head-dim 64] [--dtype float32] [--impls reference xla] [--repeats 20]
+        [--head-dim 64] [--dtype float32] [--impls reference xla chunked] [--repeats 20]
+        [--chunk 128 ...]
+
+--chunk sets the chunked backend's query rows per causal block (one row per value).
 
 Prints a table; asserts nothing about speed. Timings are medians over --repeats calls.
 """
@@ -16,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxformer import attention
 from jaxformer.attention import causal_mask, dot_product_attention, resolve_impl
 
 
@@ -42,7 +47,8 @@ def main():
     p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--impls", nargs="+", default=["reference", "xla"])
+    p.add_argument("--impls", nargs="+", default=["reference", "xla", "chunked"])
+    p.add_argument("--chunk", type=int, nargs="+", default=[attention.CHUNK])
     p.add_argument("--repeats", type=int, default=20)
     a = p.parse_args()
 
@@ -50,7 +56,7 @@ def main():
     print(f"backend={jax.default_backend()} devices={jax.device_count()} dtype={a.dtype} "
           f"batch={a.batch} heads={a.heads} head_dim={a.head_dim}; auto -> "
           f"{resolve_impl('auto', dtype, a.head_dim)}")
-    header = (f"{'impl':>10} {'seq':>6} {'kv':>3} {'compile s':>10} {'fwd ms':>9} "
+    header = (f"{'impl':>14} {'seq':>6} {'kv':>3} {'compile s':>10} {'fwd ms':>9} "
               f"{'fwd+bwd ms':>11} {'fwd Mtok/s':>11} {'fwd+bwd temp MiB':>17}")
     print(header)
     print("-" * len(header))
@@ -62,9 +68,14 @@ def main():
             v = jax.random.normal(keys[2], (a.batch, seq, kv, a.head_dim), dtype)
             pos = jnp.broadcast_to(jnp.arange(seq), (a.batch, seq))
             mask = causal_mask(pos, pos)
-            for impl in a.impls:
+            runs = [(impl, None) for impl in a.impls if impl != "chunked"]
+            runs += [("chunked", c) for c in a.chunk if "chunked" in a.impls]
+            for impl, chunk in runs:
+                attention.CHUNK = chunk or attention.CHUNK  # read when traced
+                name = impl if chunk is None else f"chunked/{chunk}"
+
                 def fwd(q, k, v, mask, impl=impl):
-                    return dot_product_attention(q, k, v, mask=mask, impl=impl)
+                    return dot_product_attention(q, k, v, mask=mask, impl=impl, is_causal=True)
 
                 def fwd_bwd(q, k, v, mask, fwd=fwd):
                     return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, mask).astype(
@@ -72,7 +83,7 @@ def main():
 
                 c_s, f_s, _ = timed(fwd, q, k, v, mask, repeats=a.repeats)
                 _, fb_s, temp = timed(fwd_bwd, q, k, v, mask, repeats=a.repeats)
-                print(f"{impl:>10} {seq:>6} {kv:>3} {c_s:>10.2f} {f_s * 1e3:>9.2f} "
+                print(f"{name:>14} {seq:>6} {kv:>3} {c_s:>10.2f} {f_s * 1e3:>9.2f} "
                       f"{fb_s * 1e3:>11.2f} {a.batch * seq / f_s / 1e6:>11.3f} "
                       f"{temp / 2**20:>17.1f}")
 

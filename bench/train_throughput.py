@@ -1,12 +1,17 @@
-"""Training throughput: tokens/s, achieved GFLOP/s and MFU of the jitted train step, and
-(with torch and transformers installed) an HF GPT-2 of the same shape trained in PyTorch
-in the same run, with the ratio.
+"""Training throughput: the jitted train step against Hugging Face models of the same shape
+trained in eager PyTorch, in the same run.
 
-    python bench/train_throughput.py [--layers 6 --d-model 384 --heads 6 --seq 256
-        --batch 8 --vocab 256 --dtype float32 --steps 20] [model.key=value ...]
+    python bench/train_throughput.py [--shapes gpt2,llama --layers 6 --d-model 384 --heads 6
+        --kv-heads 2 --seq 256 --batch 8 --vocab 256 --dtype float32 --steps 10]
+        [model.key=value ...]
 
-The peak behind MFU is measured in the same run with a large matmul on the same device.
-Prints a table; asserts nothing.
+Shapes: gpt2 (learned positions, LayerNorm, GELU, biases, tied head) against
+GPT2LMHeadModel, and llama (RoPE, RMSNorm, SwiGLU, GQA with --kv-heads, untied head)
+against LlamaForCausalLM. Each row splits the step into forward, backward and optimizer
+milliseconds (medians; backward = value_and_grad - forward, optimizer = step -
+value_and_grad on our side, timed phases on PyTorch's), with tokens/s and MFU against the
+matmul peak measured in the same run. `model.key=value` overrides are typed as train.py
+types them. Prints tables; asserts nothing.
 """
 
 from __future__ import annotations
@@ -18,127 +23,182 @@ import time
 import jax
 import numpy as np
 
-from jaxformer import ModelConfig, Transformer, count_params, flops_per_token
+from jaxformer import Transformer, count_params, flops_per_token
 from jaxformer.config import PRESETS
-from jaxformer.training.config import OptimConfig, parse_overrides
+from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides
 from jaxformer.training.metrics import measured_matmul_flops
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training.step import init_state, make_train_step
+from jaxformer.training.step import init_state, loss_sums, make_train_step
+
+SHAPES = {  # model fields of each shape beyond the command line's sizes
+    "gpt2": dict(PRESETS["gpt2-small"]),
+    "llama": dict(position="rope", norm="rmsnorm", block="pre_ln", ffn="swiglu",
+                  use_bias=False, tie_embeddings=False, norm_eps=1e-5, rope_theta=10000.0),
+}
 
 
-def time_steps(step_fn, n):
+def median_ms(fn, n):
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        step_fn()
+        fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times) * 1e3
 
 
-def bench_jax(cfg: ModelConfig, batch: int, seq: int, steps: int):
+def bench_jax(cfg, batch: int, seq: int, steps: int):
+    """(first step s, forward ms, forward+backward ms, step ms)."""
     model = Transformer(cfg)
     tx, schedule = make_optimizer(OptimConfig(), cfg, 1000)
     state = init_state(model, tx, 0)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "loss_mask": np.ones((batch, seq), np.float32)}
+    loss = lambda p: loss_sums(model, p, data)[0]  # noqa: E731
+    fwd, fwd_bwd = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
     step = make_train_step(model, tx, schedule)
     t0 = time.perf_counter()
-    state, m = step(state, data)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    box = [state]
+    box = list(step(state, data))
+    jax.block_until_ready(box)
+    first_s = time.perf_counter() - t0
 
-    def one():
-        box[0], m = step(box[0], data)
-        jax.block_until_ready(m)
+    def one_step():
+        box[:] = step(box[0], data)
+        jax.block_until_ready(box)
 
-    one()
-    return compile_s, time_steps(one, steps)
+    params = lambda: box[0].params  # noqa: E731
+    for f in (lambda: fwd(params()), lambda: fwd_bwd(params())):
+        jax.block_until_ready(f())  # compile
+    one_step()
+    return (first_s, median_ms(lambda: jax.block_until_ready(fwd(params())), steps),
+            median_ms(lambda: jax.block_until_ready(fwd_bwd(params())), steps),
+            median_ms(one_step, steps))
 
 
-def bench_torch(cfg: ModelConfig, batch: int, seq: int, steps: int):
+def hf_model(shape: str, cfg, seq: int):
+    import transformers as T
+    if shape == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=seq, n_embd=cfg.d_model,
+            n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ff, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new",
+            bos_token_id=0, eos_token_id=0))
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=seq,
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=0, eos_token_id=0))
+
+
+def bench_torch(shape: str, cfg, batch: int, seq: int, steps: int):
+    """(first step s, forward ms, forward+backward ms, step ms, threads), or None without
+    torch and transformers."""
     try:
         import torch
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import transformers  # noqa: F401
     except ImportError:
         return None
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
-        n_layer=cfg.n_layers, n_head=cfg.n_heads, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, activation_function="gelu_new"))
+    hf = hf_model(shape, cfg, seq)
     hf.train()
     opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
     x = torch.randint(0, cfg.vocab_size, (batch, seq))
+    phases = {"fwd": [], "bwd": [], "opt": []}
 
     def one():
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = hf(input_ids=x, labels=x).loss
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
+        t3 = time.perf_counter()
+        for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+            phases[name].append(dt * 1e3)
 
     t0 = time.perf_counter()
     one()
     first_s = time.perf_counter() - t0
     one()
-    return first_s, time_steps(one, steps), torch.get_num_threads()
+    for p in phases.values():
+        p.clear()
+    for _ in range(steps):
+        one()
+    fwd, bwd, opt_ms = (statistics.median(p) for p in phases.values())
+    return first_s, fwd, fwd + bwd, fwd + bwd + opt_ms, torch.get_num_threads()
+
+
+def model_config(shape: str, a, overrides):
+    """The shape's ModelConfig at the command line's sizes, with the model.* overrides typed
+    and checked as train.py does it."""
+    model = dict(SHAPES[shape], n_layers=a.layers, d_model=a.d_model, n_heads=a.heads,
+                 max_seq_len=a.seq, vocab_size=a.vocab, dtype=a.dtype)
+    if shape == "llama":
+        model["n_kv_heads"] = a.kv_heads
+    model.update(overrides.get("model", {}))
+    return RunConfig.from_dict({"model": model,
+                                "train": {"seq_len": a.seq, "batch_size": a.batch}}).model
+
+
+def print_table(rows, tokens: int, flops_tok: float, peak: float):
+    header = (f"{'implementation':<36} {'first s':>8} {'fwd ms':>8} {'bwd ms':>8} "
+              f"{'opt ms':>7} {'step ms':>8} {'bwd/fwd':>7} {'tokens/s':>9} {'MFU':>6}")
+    print(header)
+    print("-" * len(header))
+    for name, first_s, fwd, fwd_bwd, step in rows:
+        tok_s = tokens / (step / 1e3)
+        print(f"{name:<36} {first_s:>8.2f} {fwd:>8.1f} {fwd_bwd - fwd:>8.1f} "
+              f"{step - fwd_bwd:>7.1f} {step:>8.1f} {(fwd_bwd - fwd) / fwd:>7.2f} "
+              f"{tok_s:>9,.0f} {tok_s * flops_tok / peak:>6.1%}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="gpt2,llama", help="comma-separated: gpt2, llama")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2, help="llama shape only (GQA)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("overrides", nargs="*", help="model.key=value")
     a = p.parse_args()
+    overrides = parse_overrides(a.overrides)
+    shapes = [s.strip() for s in a.shapes.split(",")]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape(s) {', '.join(unknown)}; shapes are: {', '.join(SHAPES)}")
 
-    # GPT-2 shaped (learned positions, GELU, LayerNorm, biases, tied head) unless overridden
-    base = dict(PRESETS["gpt2-small"])
-    base.update(n_layers=a.layers, d_model=a.d_model, n_heads=a.heads, max_seq_len=a.seq,
-                vocab_size=a.vocab, dtype=a.dtype)
-    base.update(parse_overrides(a.overrides).get("model", {}))
-    cfg = ModelConfig.from_dict(base)
-
-    peak = measured_matmul_flops(2048 if jax.default_backend() != "cpu" else 1024,
-                                 np.dtype(a.dtype) if a.dtype != "bfloat16" else jax.numpy.bfloat16)
-    flops_tok = flops_per_token(cfg, a.seq)
-    tokens = a.batch * a.seq
-    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  "
-          f"measured matmul peak: {peak / 1e9:,.1f} GFLOP/s ({a.dtype})")
-    print(f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads, "
-          f"vocab {cfg.vocab_size}, seq {a.seq}, batch {a.batch}, {cfg.dtype}; "
-          f"{count_params(cfg):,} params; {flops_tok / 1e6:.1f} MFLOP/token "
-          f"(position={cfg.position}, scan_layers={cfg.scan_layers}, remat={cfg.remat}, "
-          f"attention_impl={cfg.attention_impl})")
-
-    rows = []
-    c_s, step_s = bench_jax(cfg, a.batch, a.seq, a.steps)
-    rows.append(("jaxformer (jit)", c_s, step_s))
-    torch_res = None if a.no_torch else bench_torch(cfg, a.batch, a.seq, a.steps)
-    if torch_res is not None:
-        rows.append((f"HF GPT-2, PyTorch ({torch_res[2]} threads)", torch_res[0], torch_res[1]))
-
-    header = (f"{'implementation':<34} {'first step s':>12} {'step ms':>9} {'tokens/s':>10} "
-              f"{'GFLOP/s':>9} {'MFU':>7}")
-    print(header)
-    print("-" * len(header))
-    for name, first_s, step_s in rows:
-        tok_s = tokens / step_s
-        print(f"{name:<34} {first_s:>12.2f} {step_s * 1e3:>9.1f} {tok_s:>10,.0f} "
-              f"{tok_s * flops_tok / 1e9:>9.1f} {tok_s * flops_tok / peak:>7.1%}")
-    if torch_res is not None:
-        print(f"jaxformer / PyTorch tokens/s: {rows[1][2] / rows[0][2]:.2f}x")
-    else:
-        print("(PyTorch comparison skipped: torch and transformers not installed)")
+    dtype = jax.numpy.bfloat16 if a.dtype == "bfloat16" else np.dtype(a.dtype)
+    peak = measured_matmul_flops(2048 if jax.default_backend() != "cpu" else 1024, dtype,
+                                 repeats=20)
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  measured matmul "
+          f"peak: {peak / 1e9:,.1f} GFLOP/s ({a.dtype}); batch {a.batch} x seq {a.seq}\n")
+    for shape in shapes:
+        cfg = model_config(shape, a, overrides)
+        flops_tok = flops_per_token(cfg, a.seq)
+        print(f"[{shape}] {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads "
+              f"({cfg.n_kv_heads} kv), d_ff {cfg.d_ff}, vocab {cfg.vocab_size}, {cfg.dtype}; "
+              f"{count_params(cfg):,} params; {flops_tok / 1e6:.1f} MFLOP/token "
+              f"(position={cfg.position}, scan_layers={cfg.scan_layers}, remat={cfg.remat}, "
+              f"attention_impl={cfg.attention_impl})")
+        rows = [("jaxformer (jit)", *bench_jax(cfg, a.batch, a.seq, a.steps))]
+        torch_res = None if a.no_torch else bench_torch(shape, cfg, a.batch, a.seq, a.steps)
+        if torch_res is not None:
+            hf_name = "GPT2LMHeadModel" if shape == "gpt2" else "LlamaForCausalLM"
+            rows.append((f"HF {hf_name}, PyTorch ({torch_res[-1]} thr)", *torch_res[:-1]))
+        print_table(rows, a.batch * a.seq, flops_tok, peak)
+        if torch_res is not None:
+            print(f"jaxformer / PyTorch tokens/s: {rows[1][4] / rows[0][4]:.2f}x\n")
+        else:
+            print("(PyTorch comparison skipped: torch and transformers not installed)\n")
 
 
 if __name__ == "__main__":
