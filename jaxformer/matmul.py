@@ -4,8 +4,8 @@ A projection contracts the trailing axes of its input [B, T, ...] with the leadi
 of its kernel. Written as one dot_general over 3-D or 4-D arrays, its weight gradient
 contracts the batch and sequence axes together, and XLA:CPU lowers that to a transpose
 copy of an activation (with the elementwise work that produced it fused in) plus a dot
-outside its fast matmul library: bench/profile.py showed these transposes and dots as a
-third of the backward pass at the bench shape. Flattened to 2-D first, every forward and
+outside its fast matmul library: a jax.profiler trace of the bench step showed these
+transposes at ~0.5 s of a ~2.5 s step. Flattened to 2-D first, every forward and
 backward matmul is a library call on row-major operands, with no copy. The reshapes are
 free (row-major bitcasts) and keep shardings: the merged axes are major-to-minor, so a
 batch split over data/fsdp or heads split over tensor stays one contiguous block.
