@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import ATTENTION_IMPLS, ModelConfig
-from jaxformer.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.matmul import flat_dot_general
+from jaxformer.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.sharding import constrain, init_with_names
 
 IMPLS = ATTENTION_IMPLS  # auto, reference, xla, cudnn, chunked
@@ -182,7 +182,7 @@ def _rows(x, start, stop, keys):
 
 
 def _chunked(q, k, v, *, mask, bias, scale, is_causal):
-    """Heads-first attention in blocks of `chunk` query rows; with is_causal a block reads
+    """Heads-first attention in blocks of CHUNK query rows; with is_causal a block reads
     only the keys up to its last row, skipping the masked upper triangle's work.
 
     Each block's softmax runs over every key the block can see, so no online rescaling is

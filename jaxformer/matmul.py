@@ -23,8 +23,8 @@ def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
     contracted with the first k of rhs (a kernel [in..., out...]) or its last k (a table
     [out..., in...], e.g. a tied embedding), no batch axes. Anything else goes to
     lax.dot_general as given."""
-    (l_contract, r_contract), batch = tuple(map(tuple, dimension_numbers[0])), \
-        dimension_numbers[1]
+    (l_contract, r_contract), batch = dimension_numbers
+    l_contract, r_contract = tuple(l_contract), tuple(r_contract)
     k = len(l_contract)
     kernel_first = r_contract == tuple(range(k))
     table_last = r_contract == tuple(range(rhs.ndim - k, rhs.ndim))
