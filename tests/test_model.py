@@ -23,8 +23,7 @@ def init(cfg, batch=2, seq=12):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq)))
     params = Transformer(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
     # random (not init-time) norm scales and biases, so a swapped or missing one shows
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(
-        jax.random.key(int(rng.integers(1 << 30))), x.shape), params)
+    params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32), params)
     return tokens, params
 
 
