@@ -39,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from attention import timed  # noqa: E402  (bench/attention.py: compile s, median s, bytes)
 
 from jaxformer import ModelConfig, Transformer, count_params, flops_per_token  # noqa: E402
 from jaxformer.attention import dot_product_attention, make_attention_mask  # noqa: E402
@@ -86,20 +88,6 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def compile_and_time(fn, *args, repeats: int):
-    """(compile seconds, median seconds per call) of jit(fn)(*args)."""
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    compile_s = time.perf_counter() - t0
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return compile_s, statistics.median(times)
-
-
 def first_line(err: Exception) -> str:
     return f"failed: {type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
 
@@ -109,7 +97,7 @@ def first_line(err: Exception) -> str:
 def copy_bandwidth(nbytes: int, repeats: int) -> float:
     """Bytes/s of x + 1 over a large float32 array: every byte read once and written once."""
     x = jnp.zeros(nbytes // 4, jnp.float32)
-    _, seconds = compile_and_time(lambda x: x + 1, x, repeats=repeats)
+    _, seconds, _ = timed(lambda x: x + 1, x, repeats=repeats)
     return 2 * nbytes / seconds
 
 
@@ -173,8 +161,8 @@ def attention_rows(sizes: Sizes, repeats: int) -> list[dict]:
                 try:
                     out = jax.jit(fwd)(qb, kb, vb)
                     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - truth)))
-                    _, fwd_s = compile_and_time(fwd, qb, kb, vb, repeats=repeats)
-                    _, bwd_s = compile_and_time(grad, qb, kb, vb, repeats=repeats)
+                    _, fwd_s, _ = timed(fwd, qb, kb, vb, repeats=repeats)
+                    _, bwd_s, _ = timed(grad, qb, kb, vb, repeats=repeats)
                 except Exception as e:  # e.g. cuDNN refusing a shape, or out of memory
                     row["status"] = first_line(e)
                     continue
