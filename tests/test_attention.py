@@ -54,13 +54,6 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(attention, "CHUNK", 3)
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"numpy seed: {seed}")  # shown by pytest if the test fails
-    return np.random.default_rng(seed)
-
-
 # ---- float64 NumPy definitions -----------------------------------------------------
 
 

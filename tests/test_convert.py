@@ -32,7 +32,7 @@ from jaxformer.decoding import generate  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 
 torch.set_num_threads(2)
-rng = np.random.default_rng()
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 T = transformers
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, bos_token_id=None, eos_token_id=None)

@@ -16,7 +16,7 @@ from jaxformer import ModelConfig, Transformer
 from jaxformer.decoding import (beam_search, filter_logits, generate, init_cache, kv_cache_bytes,
                                 sample_logits)
 
-rng = np.random.default_rng()
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 SCHEMES = ["rope", "alibi", "sinusoidal", "learned", "none"]
 # (n_kv_heads, scan_layers, block): an orthogonal array, so every pair of settings meets
 # every position scheme (5 x 4 cases instead of the full 5 x 8)

@@ -20,8 +20,7 @@ CASES = [  # lhs shape, rhs shape, dimension numbers, einsum of the same contrac
 
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,dims,spec", CASES)
-def test_flat_dot_general_matches_einsum(lhs_shape, rhs_shape, dims, spec):
-    rng = np.random.default_rng()
+def test_flat_dot_general_matches_einsum(lhs_shape, rhs_shape, dims, spec, rng):
     lhs, rhs = rng.normal(size=lhs_shape), rng.normal(size=rhs_shape)
     out = flat_dot_general(jnp.asarray(lhs, jnp.float32), jnp.asarray(rhs, jnp.float32), dims,
                            precision=jax.lax.Precision.HIGHEST)
@@ -30,8 +29,7 @@ def test_flat_dot_general_matches_einsum(lhs_shape, rhs_shape, dims, spec):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_preferred_element_type_and_gradients():
-    rng = np.random.default_rng()
+def test_preferred_element_type_and_gradients(rng):
     x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(8, 3, 4)), jnp.bfloat16)
     dims = (((2,), (0,)), ((), ()))

@@ -11,7 +11,7 @@ import pytest
 from jaxformer import ModelConfig, Transformer, stack_layers, unstack_layers
 from jaxformer.positions import segment_positions
 
-rng = np.random.default_rng()
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
 
 def small(**kw):

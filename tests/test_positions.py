@@ -1,7 +1,7 @@
 """Tests for jaxformer.positions against float64 NumPy references and textbook numbers.
 
-Every random input comes from a fresh seed; the ``rng`` fixture prints it, so a failing
-run shows the seed it needs to be reproduced (np.random.default_rng(seed)).
+Every random input comes from a fresh seed; the ``rng`` fixture (tests/conftest.py) prints
+it, so a failing run shows the JAXFORMER_TEST_SEED that reproduces it.
 """
 
 import math
@@ -22,13 +22,6 @@ from jaxformer.positions import (
 )
 
 EPS32 = float(np.finfo(np.float32).eps)
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"numpy seed: {seed}")
-    return np.random.default_rng(seed)
 
 
 def angle_atol(max_position, magnitude=1.0):
@@ -157,7 +150,7 @@ def test_sinusoidal_position_zero_is_sin0_cos0():
 
 
 def test_sinusoidal_odd_d_model_raises():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sinusoidal positions need an even d_model, got 7"):
         sinusoidal(jnp.arange(4), 7)
 
 
@@ -242,9 +235,9 @@ def test_missing_original_max_seq_len_raises(kind):
 
 
 def test_odd_head_dim_raises():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="RoPE needs an even head_dim, got 63"):
         rope_frequencies(63, 10000.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="RoPE needs an even head_dim, got 5"):
         apply_rope(jnp.ones((1, 2, 1, 5)), jnp.zeros((1, 2), jnp.int32))
 
 
@@ -369,7 +362,7 @@ def test_alibi_slopes_textbook_values(n, exponents):
 
 
 def test_alibi_slopes_rejects_zero_heads():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="alibi_slopes needs n_heads >= 1, got 0"):
         alibi_slopes(0)
 
 

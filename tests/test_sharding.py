@@ -22,12 +22,14 @@ from jaxformer.training import load_config
 from jaxformer.training.metrics import read_metrics
 from tests.conftest import REPO
 
-rng = np.random.default_rng()
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
 
 def run_worker(task, tmp_path):
     out = tmp_path / f"{task}.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), SEED=str(rng.integers(1 << 30)))
+    seed = int(rng.integers(1 << 30))
+    print(f"{task} worker: SEED={seed}")  # shown if a test using it fails
+    env = dict(os.environ, PYTHONPATH=str(REPO), SEED=str(seed))
     proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", task, str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -148,10 +148,9 @@ def test_decay_mask_only_kernels():
         assert not flat[name], name
 
 
-def test_nonfinite_update_is_skipped_exactly():
+def test_nonfinite_update_is_skipped_exactly(rng):
     """A NaN gradient leaves params and optimizer state bitwise unchanged."""
-    params = {"w": {"kernel": jnp.asarray(np.random.default_rng().normal(size=(3, 3)),
-                                          jnp.float32)}}
+    params = {"w": {"kernel": jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)}}
     tx, _ = make_optimizer(OptimConfig(lr=0.1, warmup_steps=0), ModelConfig(), 10)
     state = tx.init(params)
     good = {"w": {"kernel": jnp.ones((3, 3))}}
@@ -165,3 +164,58 @@ def test_nonfinite_update_is_skipped_exactly():
                         state.inner_state)
     assert all(jax.tree.leaves(same))
     assert int(state2.notfinite_count) == 1 and int(state2.total_notfinite) == 1
+
+
+def model_params(rng, **kw):
+    """A model's params with every kind of leaf (kernels, biases, norm scales, token and
+    position embeddings, an untied head), drawn from `rng`."""
+    cfg = ModelConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=2, max_seq_len=8,
+                      position="learned", tie_embeddings=False, **kw)
+    shapes = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32),
+                        shapes["params"])
+
+
+def test_weight_decay_shrinks_kernels_by_lr_times_wd_and_nothing_else(rng):
+    """A step with zero gradient moves only the decayed params (matmul kernels), each by
+    exactly -lr * wd * p (AdamW's decoupled decay; Adam's own update is 0 / eps = 0); norm
+    scales, biases and embeddings stay bitwise as they were, as the README promises."""
+    params = model_params(rng)
+    lr, wd = 0.05, 0.3
+    tx, _ = make_optimizer(OptimConfig(lr=lr, weight_decay=wd, warmup_steps=0,
+                                       schedule="constant"), ModelConfig(), 10)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zero, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    kinds = set()
+    for (path, p), q in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                            jax.tree.leaves(new)):
+        name, p64 = "/".join(k.key for k in path), np.asarray(p, np.float64)
+        kind = path[-1].key
+        kinds.add(kind)
+        assert kind in ("kernel", "bias", "scale", "embedding"), f"{name}: decay it or not?"
+        if kind == "kernel":
+            np.testing.assert_allclose(q, p64 * (1 - lr * wd), rtol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(q, p, err_msg=name)
+    assert kinds == {"kernel", "bias", "scale", "embedding"}
+
+
+@pytest.mark.parametrize("scale", [1e3, 0.3])
+def test_clipping_gives_adam_the_clipped_global_norm(rng, scale):
+    """Adam's first moment after one step is (1 - b1) * g for the gradient g it was given:
+    g / |g| * clip_norm when |g| > clip_norm, g itself otherwise (and with clipping off)."""
+    params = model_params(rng)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2)
+                             for g in jax.tree.leaves(grads))))
+    grads = jax.tree.map(lambda g: g * (scale / norm), grads)  # global norm = scale
+    for clip in (1.0, None):
+        cfg = OptimConfig(lr=0.01, clip_norm=clip, warmup_steps=0)
+        tx, _ = make_optimizer(cfg, ModelConfig(), 10)
+        _, state = tx.update(grads, tx.init(params), params)
+        mu = optax.tree_utils.tree_get(state, "mu")
+        factor = clip / scale if clip is not None and scale > clip else 1.0
+        jax.tree.map(lambda m, g: np.testing.assert_allclose(
+            np.asarray(m, np.float64) / (1 - cfg.b1), np.asarray(g, np.float64) * factor,
+            rtol=1e-5, atol=1e-7 * scale), mu, grads)

@@ -8,6 +8,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from jaxformer.training.config import OptimConfig
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import init_state, make_train_step
-from jaxformer.model import Transformer
+from jaxformer.model import Transformer, flops_per_token
 from tests.conftest import REPO
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
@@ -27,8 +28,9 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_se
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A small text whose statistics a tiny model can learn in a few dozen steps."""
-    rng = np.random.default_rng()
+    """A small text whose statistics a tiny model can learn in a few dozen steps (the
+    same text every run: it is the setting, not an input under test)."""
+    rng = np.random.default_rng(0)
     words = ["def", "return", "self", "import", "class", "for", "in", "if", "None", "x", "y"]
     lines = [" ".join(rng.choice(words, size=rng.integers(3, 9))) for _ in range(3000)]
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
@@ -46,10 +48,39 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
-def test_short_run_learns_and_writes_everything(corpus, tmp_path):
+def cosine_lr(step, peak, warmup, total, min_ratio):
+    """The cosine schedule by its definition: linear warmup from 0, then half a cosine from
+    peak to peak * min_ratio, reached at `total`."""
+    if step < warmup:
+        return peak * step / warmup
+    end = peak * min_ratio
+    return end + (peak - end) * 0.5 * (1 + np.cos(np.pi * (step - warmup) / (total - warmup)))
+
+
+def hand_val_loss(cfg, run, step):
+    """The validation loss by hand: the params saved at `step`, over the first
+    eval_batches x batch_size windows of the val split (window j = tokens j*T .. j*T + T)."""
+    from jaxformer.data import load_dataset
+    from jaxformer.training.checkpoint import Checkpointer
+    from jaxformer.training.step import abstract_state
+    model = Transformer(cfg.model)
+    tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    ckpt = Checkpointer(run, keep=5)
+    params = ckpt.restore(abstract_state(model, tx), cfg.model, step=step).params
+    ckpt.close()
+    val = np.asarray(load_dataset(cfg.data, run_dir=str(run)).val)
+    T, n = cfg.train.seq_len, cfg.train.eval_batches * cfg.train.batch_size
+    windows = np.stack([val[j * T:j * T + T + 1] for j in range(n)]).astype(np.int32)
+    logits = jax.jit(model.apply)({"params": params}, windows[:, :-1])
+    return float(np_nll(logits, windows[:, 1:]).mean())
+
+
+def test_short_run_learns_and_writes_everything(corpus, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    summary = train(config(corpus, run, "train.steps=40", "train.eval_every=20",
-                           "checkpoint.every=20"), log=lambda *a: None)
+    monkeypatch.setattr(loop, "peak_flops", lambda dtype: (1e9, "a test's peak"))
+    cfg = config(corpus, run, "train.steps=40", "train.eval_every=20", "checkpoint.every=20",
+                 "train.log_every=4")
+    summary = train(cfg, log=lambda *a: None)
     records = read_metrics(run)
     train_losses = [r["loss"] for r in records if "loss" in r]
     assert train_losses[-1] < 0.6 * train_losses[0]
@@ -57,8 +88,15 @@ def test_short_run_learns_and_writes_everything(corpus, tmp_path):
     assert [r["step"] for r in vals] == [20, 40]
     assert summary["val_loss"] == vals[-1]["val_loss"] < np.log(256) * 0.6
     assert vals[-1]["val_ppl"] == pytest.approx(np.exp(vals[-1]["val_loss"]))
-    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-        assert key in records[0]
+    for v in vals:  # evaluation reads the val split, with the params of that step
+        assert v["val_loss"] == pytest.approx(hand_val_loss(cfg, run, v["step"]), rel=1e-5)
+    o = cfg.optim
+    assert [r["step"] for r in records if "loss" in r] == list(range(4, 41, 4))
+    for r in (r for r in records if "loss" in r):  # step k logs the lr it used: the k-th
+        assert r["lr"] == pytest.approx(cosine_lr(r["step"] - 1, o.lr, o.warmup_steps, 40,
+                                                  o.min_lr_ratio), rel=1e-5, abs=1e-12)
+        assert r["grad_norm"] > 0 and r["skipped"] == 0
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops_per_token(cfg.model, 32) / 1e9)
     for name in ("config.yaml", "tokenizer.json", "metrics.jsonl", "loss.png", "sample.txt"):
         assert (run / name).is_file(), name
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [20, 40]
@@ -100,7 +138,7 @@ def test_sigkill_mid_run_then_resume(corpus, tmp_path):
     run = tmp_path / "run"
     args = [sys.executable, str(REPO / "train.py"), *TINY, f"data.path={corpus}",
             f"train.run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=60",
-            "checkpoint.every=3", "train.eval_every=1000"]
+            "checkpoint.every=3", "train.eval_every=1000", "model.dropout=0.1"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -113,10 +151,19 @@ def test_sigkill_mid_run_then_resume(corpus, tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     summary = train(config(corpus, run, "train.steps=60", "checkpoint.every=3",
-                           "train.eval_every=1000", "train.sample_tokens=0"),
+                           "train.eval_every=1000", "train.sample_tokens=0", "model.dropout=0.1"),
                     log=lambda *a: None)
     assert summary["start_step"] > 0 and summary["start_step"] % 3 == 0
     assert summary["step"] == 60
+    # every step logged, by the killed run or the resumed one, is the uninterrupted run's
+    straight = tmp_path / "straight"
+    train(config(corpus, straight, "train.steps=60", "checkpoint.every=100",
+                 "train.eval_every=1000", "train.sample_tokens=0", "model.dropout=0.1"),
+          log=lambda *a: None)
+    want, logged = losses(straight), [r for r in read_metrics(run) if "loss" in r]
+    assert {r["step"] for r in logged} == set(range(1, 61))
+    for r in logged:
+        assert r["loss"] == want[r["step"]], (r, want[r["step"]])
 
 
 def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
@@ -138,12 +185,11 @@ def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
     assert len(saved) == 1 and saved[0] >= last_logged
 
 
-def test_nonfinite_step_leaves_state_unchanged():
+def test_nonfinite_step_leaves_state_unchanged(rng):
     cfg = load_config(str(REPO / "configs/tiny.yaml"), TINY).model
     model = Transformer(cfg)
     tx, schedule = make_optimizer(OptimConfig(), cfg, 10)
     step = make_train_step(model, tx, schedule)
-    rng = np.random.default_rng()
     tokens = rng.integers(0, cfg.vocab_size, (4, 33)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "loss_mask": np.ones((4, 32), np.float32)}
@@ -190,11 +236,103 @@ def test_restore_with_another_model_config_fails_clearly(corpus, tmp_path):
         "'swiglu'" in msg and "train.run_dir" in msg
 
 
-def test_grad_accumulation_equals_full_batch():
+def tiny_step_setup(*overrides, steps=10):
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), [*TINY, *overrides])
+    model = Transformer(cfg.model)
+    tx, schedule = make_optimizer(cfg.optim, cfg.model, steps)
+    return cfg.model, model, tx, schedule
+
+
+def np_nll(logits, targets):
+    """float64 next-token negative log-likelihoods: logits [..., V], targets [...]."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
+
+
+def test_packed_batch_loss_is_its_documents_run_apart(rng):
+    """A row packed from several documents trains on what each document would give alone:
+    the train step's loss equals the mean over the documents' own next-token losses, each
+    run as its own sequence from position 0 (RoPE: positions matter too)."""
+    mcfg, model, tx, schedule = tiny_step_setup("model.position=rope")
+    T, rows = 32, []
+    for _ in range(4):
+        cuts = np.sort(rng.choice(np.arange(2, T - 1), size=3, replace=False))
+        rows.append(np.split(rng.integers(0, mcfg.vocab_size, T + 1), cuts))  # 4 documents
+    doc = [np.repeat(np.arange(len(r)), [len(d) for d in r]) for r in rows]  # [T + 1] each
+    start = [np.concatenate([[0], np.cumsum([len(d) for d in r])[:-1]]) for r in rows]
+    tokens = np.stack([np.concatenate(r) for r in rows]).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "segment_ids": np.stack([d[:-1] + 1 for d in doc]).astype(np.int32),
+             "positions": np.stack([np.arange(T) - s[d[:-1]] for d, s in zip(doc, start)]
+                                   ).astype(np.int32),
+             "loss_mask": np.stack([d[1:] == d[:-1] for d in doc]).astype(np.float32)}
+    state = init_state(model, tx, int(rng.integers(1 << 30)))
+    params = jax.device_get(state.params)
+    docs = [d for r in rows for d in r]  # each alone, at the start of its own row
+    alone = np.zeros((len(docs), T + 1), np.int32)
+    for i, d in enumerate(docs):
+        alone[i, :len(d)] = d  # (causal: what follows a document does not change it)
+    logits = jax.jit(model.apply)({"params": params}, alone[:, :-1])
+    nll = [np_nll(logits[i, :len(d) - 1], d[1:]) for i, d in enumerate(docs)]
+    _, m = make_train_step(model, tx, schedule)(state, batch)
+    want = sum(x.sum() for x in nll) / sum(x.size for x in nll)
+    np.testing.assert_allclose(float(m["loss"]), want, rtol=2e-6)
+
+
+def test_dropout_mask_changes_with_the_step_and_repeats_for_the_same_step(rng):
+    """The step's dropout draws depend on (state.rng, step) alone: the same step on the same
+    state gives the same loss, another step number another mask (so another loss), and
+    the loss differs from the deterministic one."""
+    mcfg, model, tx, schedule = tiny_step_setup("model.dropout=0.2")
+    tokens = rng.integers(0, mcfg.vocab_size, (4, 33)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": np.ones((4, 32), np.float32)}
+    step = make_train_step(model, tx, schedule)
+    state = jax.device_get(init_state(model, tx, int(rng.integers(1 << 30))))
+
+    def loss_at(k):  # a fresh copy each time: the step donates its input
+        fresh = jax.tree.map(jnp.asarray, state).replace(step=jnp.int32(k))
+        return float(step(fresh, batch)[1]["loss"])
+
+    losses = [loss_at(k) for k in (0, 1, 2, 1)]
+    plain = np_nll(jax.jit(model.apply)({"params": state.params}, batch["inputs"]),
+                   batch["targets"]).mean()
+    assert losses[1] == losses[3]
+    assert len({*losses[:3], round(float(plain), 7)}) == 4, (losses, plain)
+
+
+def test_grad_norm_and_lr_metrics_are_the_true_values(rng):
+    """grad_norm is the global norm of the mean-loss gradient before clipping (a huge one is
+    reported as it is); lr is the schedule at the step's own index."""
+    mcfg, model, tx, schedule = tiny_step_setup("optim.clip_norm=0.01", "optim.warmup_steps=3")
+    tokens = rng.integers(0, mcfg.vocab_size, (4, 33)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": (rng.random((4, 32)) < 0.7).astype(np.float32)}
+    state = init_state(model, tx, int(rng.integers(1 << 30)))
+    step = make_train_step(model, tx, schedule)
+
+    @jax.jit
+    @jax.grad
+    def mean_loss_grad(p):
+        logp = jax.nn.log_softmax(model.apply({"params": p}, batch["inputs"]))
+        nll = -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+        return jnp.sum(nll * batch["loss_mask"]) / batch["loss_mask"].sum()
+
+    for k in range(3):
+        grads = mean_loss_grad(jax.device_get(state.params))
+        norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+        state, m = step(state, batch)
+        np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=1e-4)
+        assert float(m["grad_norm"]) > 0.01  # so clipping had work to do
+        np.testing.assert_allclose(float(m["lr"]), 3e-3 * k / 3, rtol=1e-6)  # linear warmup
+
+
+def test_grad_accumulation_equals_full_batch(rng):
     cfg = load_config(str(REPO / "configs/tiny.yaml"), TINY).model
     model = Transformer(cfg)
     tx, schedule = make_optimizer(OptimConfig(), cfg, 10)
-    rng = np.random.default_rng()
     tokens = rng.integers(0, cfg.vocab_size, (8, 33)).astype(np.int32)
     mask = (rng.random((8, 32)) < 0.8).astype(np.float32)  # uneven token counts per micro-batch
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
