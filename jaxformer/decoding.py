@@ -61,8 +61,14 @@ class Beams(NamedTuple):
 def filter_logits(logits, *, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float | None = None):
     """The logits sampling draws from: divided by the temperature, then only the top_k
-    largest kept, then only the smallest set whose probability reaches top_p (the most
-    likely token always stays). Removed entries are -inf. logits: [..., V] float32."""
+    largest kept, then only the smallest set whose probability reaches top_p. Removed
+    entries are -inf. logits: [..., V] float32.
+
+    top_p: a token stays when the probability of the tokens ranked above it is below
+    top_p, so the most likely token always stays and a token for which it equals top_p
+    exactly goes (the rule of transformers' TopPLogitsWarper). Tokens tied with the last
+    one kept all stay, as with top_k (HF's top-p keeps only the part of a tie that its sort
+    puts first)."""
     logits = logits.astype(jnp.float32) / temperature
     if top_k is not None:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
