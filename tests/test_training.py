@@ -17,7 +17,7 @@ from jaxformer.training import TrainingStopped, load_config, loop, train
 from jaxformer.training.config import OptimConfig
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training.step import init_state, make_train_step
+from jaxformer.training.step import init_state, make_eval_step, make_train_step
 from jaxformer.model import Transformer, flops_per_token
 from tests.conftest import REPO
 
@@ -251,6 +251,36 @@ def np_nll(logits, targets):
     return -np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
 
 
+def nll_alone(model, params, docs, width):
+    """float64 next-token NLLs of each document run alone, from position 0 ([len(d) - 1]
+    each); they share one forward, each in its own row (causal: what follows a document in
+    its row does not change it)."""
+    alone = np.zeros((len(docs), width), np.int32)
+    for i, d in enumerate(docs):
+        alone[i, :len(d)] = d
+    logits = jax.jit(model.apply)({"params": params}, alone[:, :-1])
+    return [np_nll(logits[i, :len(d) - 1], d[1:]) for i, d in enumerate(docs)]
+
+
+def test_packed_evaluation_is_its_documents_run_apart(rng):
+    """With data.pack, the validation loss over windows that cut across documents is the
+    mean of each document piece's own next-token losses, each piece run alone."""
+    cfg = load_config(str(REPO / "configs/tiny.yaml"),
+                      [*TINY, "data.pack=true", "train.batch_size=2", "train.eval_batches=2"])
+    model, T = Transformer(cfg.model), cfg.train.seq_len
+    docs = [rng.integers(0, cfg.model.vocab_size, n) for n in rng.integers(3, 20, 16)]
+    tokens, starts = np.concatenate(docs), np.cumsum([0] + [len(d) for d in docs[:-1]])
+    tx, _ = make_optimizer(cfg.optim, cfg.model, 10)
+    params = jax.device_get(init_state(model, tx, int(rng.integers(1 << 30))).params)
+    got = loop.evaluate(make_eval_step(model), params, tokens, starts, cfg)["val_loss"]
+    pieces = []
+    for j in range(4):  # the windows: tokens j*T .. j*T + T
+        doc = np.searchsorted(starts, np.arange(j * T, j * T + T + 1), side="right") - 1
+        pieces += np.split(tokens[j * T:j * T + T + 1], np.flatnonzero(np.diff(doc)) + 1)
+    nll = nll_alone(model, params, pieces, T + 1)
+    assert got == pytest.approx(sum(x.sum() for x in nll) / sum(x.size for x in nll), rel=2e-6)
+
+
 def test_packed_batch_loss_is_its_documents_run_apart(rng):
     """A row packed from several documents trains on what each document would give alone:
     the train step's loss equals the mean over the documents' own next-token losses, each
@@ -269,13 +299,7 @@ def test_packed_batch_loss_is_its_documents_run_apart(rng):
                                    ).astype(np.int32),
              "loss_mask": np.stack([d[1:] == d[:-1] for d in doc]).astype(np.float32)}
     state = init_state(model, tx, int(rng.integers(1 << 30)))
-    params = jax.device_get(state.params)
-    docs = [d for r in rows for d in r]  # each alone, at the start of its own row
-    alone = np.zeros((len(docs), T + 1), np.int32)
-    for i, d in enumerate(docs):
-        alone[i, :len(d)] = d  # (causal: what follows a document does not change it)
-    logits = jax.jit(model.apply)({"params": params}, alone[:, :-1])
-    nll = [np_nll(logits[i, :len(d) - 1], d[1:]) for i, d in enumerate(docs)]
+    nll = nll_alone(model, jax.device_get(state.params), [d for r in rows for d in r], T + 1)
     _, m = make_train_step(model, tx, schedule)(state, batch)
     want = sum(x.sum() for x in nll) / sum(x.size for x in nll)
     np.testing.assert_allclose(float(m["loss"]), want, rtol=2e-6)
