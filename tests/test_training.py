@@ -225,6 +225,41 @@ def test_too_many_skips_stop_the_run_with_a_checkpoint(corpus, tmp_path):
     assert saved and max(saved) >= 7
 
 
+def test_nonfinite_validation_loss_stops_the_run(corpus, tmp_path, monkeypatch):
+    real = loop.make_eval_step
+
+    def diverged(*args, **kwargs):  # the model's loss turns NaN
+        step = real(*args, **kwargs)
+        return lambda params, batch: (step(params, batch)[0] * np.nan, step(params, batch)[1])
+
+    monkeypatch.setattr(loop, "make_eval_step", diverged)
+    said = []
+    with pytest.raises(TrainingStopped, match="validation loss at step 4 is nan: the model "
+                                              "has diverged.*lower optim.lr"):
+        train(config(corpus, tmp_path / "run", "train.steps=8", "train.eval_every=4"),
+              log=said.append)
+    assert not any("final:" in line for line in said)
+
+
+def test_nonfinite_params_in_the_checkpoint_stop_the_resume(corpus, tmp_path):
+    from jaxformer.training.checkpoint import Checkpointer
+    from jaxformer.training.step import abstract_state
+    run = tmp_path / "run"
+    cfg = config(corpus, run, "train.steps=2", "train.sample_tokens=0")
+    train(cfg, log=lambda *a: None)
+    model = Transformer(cfg.model)
+    tx, _ = make_optimizer(cfg.optim, cfg.model, 2)
+    ckpt = Checkpointer(run, keep=5, async_save=False)
+    state = ckpt.restore(abstract_state(model, tx), cfg.model)
+    params = jax.tree.map(np.array, state.params)  # (writable copies)
+    params["block_1"]["ffn"]["wi"]["kernel"][0, 0] = np.inf
+    ckpt.save(3, state.replace(params=params, step=jnp.int32(3)), cfg.model)
+    ckpt.close()
+    with pytest.raises(TrainingStopped, match=r"checkpoints/3 holds non-finite params \(1 "
+                                              r"arrays, e.g. \['block_1'\]\['ffn'\]"):
+        train(config(corpus, run, "train.steps=6"), log=lambda *a: None)
+
+
 def test_restore_with_another_model_config_fails_clearly(corpus, tmp_path):
     run = tmp_path / "run"
     train(config(corpus, run, "train.steps=2", "train.sample_tokens=0"), log=lambda *a: None)

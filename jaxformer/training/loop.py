@@ -8,6 +8,7 @@ import signal
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.multihost_utils import process_allgather
 import yaml
@@ -115,13 +116,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
 
     state = init_state(model, tx, t.seed, mesh=mesh, rules=rules, shardings=shardings)
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    if ckpt.latest_step() is not None:
-        if t.resume == "never":
-            raise ConfigError(f"{run_dir} already holds checkpoints (up to step "
-                              f"{ckpt.latest_step()}); continue it with train.resume=auto, or "
-                              "start over in a new train.run_dir (nothing is deleted)")
-        state = ckpt.restore(abstract_like(state), mcfg)
-        log(f"resumed from {run_dir}/checkpoints/{int(state.step)}")
+    state = resume(ckpt, state, cfg, log)
     start = int(state.step)
 
     n_params = count_params(mcfg)
@@ -149,10 +144,17 @@ def train(cfg: RunConfig, *, log=print) -> dict:
                                rows=rows))
 
     def evaluate_and_keep_best(step):
-        """Validation loss now; a new best is saved under best/ with its loss."""
+        """Validation loss now; a new best is saved under best/ with its loss. A non-finite
+        one stops the run."""
         nonlocal best
         ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg, place, rows)
         metrics.write({"step": step, **ev})
+        if not math.isfinite(ev["val_loss"]):
+            ckpt.wait()  # the earlier saves in flight
+            raise TrainingStopped(
+                f"the validation loss at step {step} is {ev['val_loss']}: the model has "
+                f"diverged. Nothing of step {step} was saved; resume from an earlier checkpoint "
+                f"in {run_dir}/checkpoints or best/ with a lower optim.lr")
         if ev["val_loss"] < best:
             best = ev["val_loss"]
             ckpt.save(step, state, mcfg, val_loss=best, best=True)
@@ -230,6 +232,28 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     if lead and (run_dir / "metrics.jsonl").exists():
         summary["plot"] = str(plot_loss_curve(run_dir))
     return summary
+
+
+def resume(ckpt: Checkpointer, state, cfg: RunConfig, log):
+    """The latest checkpoint's state when there is one (train.resume=auto), else `state`.
+    Params that are not all finite stop the run: training on from them cannot recover."""
+    latest, run_dir = ckpt.latest_step(), cfg.train.run_dir
+    if latest is None:
+        return state
+    if cfg.train.resume == "never":
+        raise ConfigError(f"{run_dir} already holds checkpoints (up to step {latest}); "
+                          "continue it with train.resume=auto, or start over in a new "
+                          "train.run_dir (nothing is deleted)")
+    state = ckpt.restore(abstract_like(state), cfg.model)
+    finite = jax.jit(lambda p: jax.tree.map(lambda x: jnp.isfinite(x).all(), p))(state.params)
+    bad = [jax.tree_util.keystr(path) for path, ok in
+           jax.tree_util.tree_flatten_with_path(jax.device_get(finite))[0] if not ok]
+    if bad:
+        raise TrainingStopped(f"checkpoint {run_dir}/checkpoints/{latest} holds non-finite "
+                              f"params ({len(bad)} arrays, e.g. {bad[0]}); resume from an "
+                              "earlier checkpoint or start a new train.run_dir")
+    log(f"resumed from {run_dir}/checkpoints/{int(state.step)}")
+    return state
 
 
 def sample_text(model, params, tokenizer, cfg: RunConfig) -> str | None:
