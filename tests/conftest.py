@@ -22,3 +22,10 @@ def rng(request, monkeypatch):
     if isinstance(getattr(request.module, "rng", None), np.random.Generator):
         monkeypatch.setattr(request.module, "rng", gen)
     return gen
+
+
+def np_log_softmax(logits):
+    """float64 log-softmax over the last axis: the tests' reference for log-probs."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))

@@ -15,6 +15,7 @@ import jaxformer
 from jaxformer import ModelConfig, Transformer
 from jaxformer.decoding import (beam_search, filter_logits, generate, init_cache, kv_cache_bytes,
                                 sample_logits)
+from tests.conftest import np_log_softmax
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 SCHEMES = ["rope", "alibi", "sinusoidal", "learned", "none"]
@@ -333,12 +334,6 @@ def test_bf16_cache_close_to_float32():
 
 
 # ---- beam search --------------------------------------------------------------------
-
-def np_log_softmax(logits):
-    z = np.asarray(logits, np.float64)
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
 
 def test_beam_width_1_is_greedy():
     model, params = make("rope", 2, scan=True)

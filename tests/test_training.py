@@ -19,7 +19,7 @@ from jaxformer.training.metrics import read_metrics
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import init_state, make_eval_step, make_train_step
 from jaxformer.model import Transformer, flops_per_token
-from tests.conftest import REPO
+from tests.conftest import REPO, np_log_softmax
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
         "train.seq_len=32", "train.batch_size=4", "train.log_every=1", "train.eval_batches=2",
@@ -280,9 +280,7 @@ def tiny_step_setup(*overrides, steps=10):
 
 def np_nll(logits, targets):
     """float64 next-token negative log-likelihoods: logits [..., V], targets [...]."""
-    z = np.asarray(logits, np.float64)
-    z = z - z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    logp = np_log_softmax(logits)
     return -np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
 
 

@@ -153,8 +153,8 @@ def train(cfg: RunConfig, *, log=print) -> dict:
             ckpt.wait()  # the earlier saves in flight
             raise TrainingStopped(
                 f"the validation loss at step {step} is {ev['val_loss']}: the model has "
-                f"diverged. Nothing of step {step} was saved; resume from an earlier checkpoint "
-                f"in {run_dir}/checkpoints or best/ with a lower optim.lr")
+                f"diverged. Resume from a checkpoint from before it (in {run_dir}/checkpoints "
+                "or best/) with a lower optim.lr")
         if ev["val_loss"] < best:
             best = ev["val_loss"]
             ckpt.save(step, state, mcfg, val_loss=best, best=True)
