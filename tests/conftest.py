@@ -29,3 +29,10 @@ def np_log_softmax(logits):
     z = np.asarray(logits, np.float64)
     z = z - z.max(-1, keepdims=True)
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def np_global_norm(tree):
+    """float64 global L2 norm of a pytree's leaves (what clipping and grad_norm use)."""
+    import jax
+    return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
+                             for x in jax.tree.leaves(tree))))

@@ -112,18 +112,25 @@ def test_each_row_of_a_ragged_batch_decodes_as_alone():
         np.testing.assert_allclose(alone.logprobs[0], batch.logprobs[b], rtol=1e-5, atol=1e-6)
 
 
+def continuation_logprobs(model, params, prompts, lengths, tokens):
+    """float64 log p(token) of each row's generated `tokens` [B, n] after its prompt, from
+    one jitted full forward over prompt + continuation (eager ops and per-index reads
+    would each compile on their own)."""
+    b, n = tokens.shape
+    seqs = np.zeros((b, prompts.shape[1] + n), np.int32)
+    for r in range(b):
+        seqs[r, :lengths[r] + n] = np.concatenate([prompts[r, :lengths[r]], tokens[r]])
+    logp = np_log_softmax(jax.jit(model.apply)({"params": params}, seqs))
+    return np.stack([logp[r, lengths[r] - 1 + np.arange(n), tokens[r]] for r in range(b)])
+
+
 def test_logprobs_are_the_models():
     model, params = make("alibi", 2)
     prompts, lengths = ragged_prompts(2, 5, model.cfg.vocab_size)
     out = generate(model, params, prompts, prompt_lengths=lengths, max_new_tokens=4,
                    rng=jax.random.key(int(rng.integers(1 << 30))), temperature=1.3)
-    seqs = np.zeros((2, 9), np.int32)  # prompt + continuation, in one jitted forward (eager
-    for b in range(2):                 # ops and per-index reads each compile on their own)
-        seqs[b, :lengths[b] + 4] = np.concatenate([prompts[b, :lengths[b]], out.tokens[b]])
-    logp = np_log_softmax(jax.jit(model.apply)({"params": params}, seqs))
-    for b in range(2):
-        want = logp[b, lengths[b] - 1 + np.arange(4), np.asarray(out.tokens[b])]
-        np.testing.assert_allclose(out.logprobs[b], want, rtol=1e-4, atol=1e-5)
+    want = continuation_logprobs(model, params, prompts, lengths, np.asarray(out.tokens))
+    np.testing.assert_allclose(out.logprobs, want, rtol=1e-4, atol=1e-5)
 
 
 def test_top_k_1_is_greedy_and_rng_reproducible():
@@ -324,11 +331,7 @@ def test_bf16_cache_close_to_float32():
     prompts, lengths = ragged_prompts(4, 6, model.cfg.vocab_size)
     out = generate(model, params, prompts, prompt_lengths=lengths, max_new_tokens=6,
                    rng=jax.random.key(0), temperature=0.0, cache_dtype="bfloat16")
-    seqs = np.zeros((4, 12), np.int32)
-    for r in range(4):
-        seqs[r, :lengths[r] + 6] = np.concatenate([prompts[r, :lengths[r]], out.tokens[r]])
-    logp = np_log_softmax(jax.jit(model.apply)({"params": params}, seqs))
-    want = np.stack([logp[r, lengths[r] - 1 + np.arange(6), out.tokens[r]] for r in range(4)])
+    want = continuation_logprobs(model, params, prompts, lengths, np.asarray(out.tokens))
     err = np.abs(np.asarray(out.logprobs, np.float64) - want).max()
     assert 1e-5 < err < 2e-2, err
 

@@ -14,7 +14,7 @@ from jaxformer.config import ConfigError
 from jaxformer.training import load_config
 from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides
 from jaxformer.training.optim import decay_mask, learning_rate_schedule, make_optimizer
-from tests.conftest import REPO
+from tests.conftest import REPO, np_global_norm
 
 
 def test_tiny_yaml_loads_with_overrides():
@@ -207,9 +207,7 @@ def test_clipping_gives_adam_the_clipped_global_norm(rng, scale):
     g / |g| * clip_norm when |g| > clip_norm, g itself otherwise (and with clipping off)."""
     params = model_params(rng)
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
-    norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2)
-                             for g in jax.tree.leaves(grads))))
-    grads = jax.tree.map(lambda g: g * (scale / norm), grads)  # global norm = scale
+    grads = jax.tree.map(lambda g: g * (scale / np_global_norm(grads)), grads)  # global norm = scale
     for clip in (1.0, None):
         cfg = OptimConfig(lr=0.01, clip_norm=clip, warmup_steps=0)
         tx, _ = make_optimizer(cfg, ModelConfig(), 10)

@@ -19,7 +19,7 @@ from jaxformer.training.metrics import read_metrics
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import init_state, make_eval_step, make_train_step
 from jaxformer.model import Transformer, flops_per_token
-from tests.conftest import REPO, np_log_softmax
+from tests.conftest import REPO, np_global_norm, np_log_softmax
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
         "train.seq_len=32", "train.batch_size=4", "train.log_every=1", "train.eval_batches=2",
@@ -44,6 +44,27 @@ def config(corpus, run_dir, *extra):
                         f"data.cache_dir={run_dir.parent / 'cache'}", *extra])
 
 
+def random_batch(rng, vocab_size, rows, keep=1.0):
+    """A batch of `rows` random windows of 32 tokens; each target counts with probability
+    `keep` (loss_mask)."""
+    tokens = rng.integers(0, vocab_size, (rows, 33)).astype(np.int32)
+    mask = np.ones((rows, 32), np.float32) if keep == 1 else rng.random((rows, 32)) < keep
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "loss_mask": mask.astype(np.float32)}
+
+
+def restored_state(cfg, run, step=None):
+    """The train state saved in `run` at `step` (default: the latest)."""
+    from jaxformer.training.checkpoint import Checkpointer
+    from jaxformer.training.step import abstract_state
+    model = Transformer(cfg.model)
+    tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    ckpt = Checkpointer(run, keep=5)
+    state = ckpt.restore(abstract_state(model, tx), cfg.model, step=step)
+    ckpt.close()
+    return state
+
+
 def losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
@@ -61,13 +82,7 @@ def hand_val_loss(cfg, run, step):
     """The validation loss by hand: the params saved at `step`, over the first
     eval_batches x batch_size windows of the val split (window j = tokens j*T .. j*T + T)."""
     from jaxformer.data import load_dataset
-    from jaxformer.training.checkpoint import Checkpointer
-    from jaxformer.training.step import abstract_state
-    model = Transformer(cfg.model)
-    tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
-    ckpt = Checkpointer(run, keep=5)
-    params = ckpt.restore(abstract_state(model, tx), cfg.model, step=step).params
-    ckpt.close()
+    model, params = Transformer(cfg.model), restored_state(cfg, run, step).params
     val = np.asarray(load_dataset(cfg.data, run_dir=str(run)).val)
     T, n = cfg.train.seq_len, cfg.train.eval_batches * cfg.train.batch_size
     windows = np.stack([val[j * T:j * T + T + 1] for j in range(n)]).astype(np.int32)
@@ -190,9 +205,7 @@ def test_nonfinite_step_leaves_state_unchanged(rng):
     model = Transformer(cfg)
     tx, schedule = make_optimizer(OptimConfig(), cfg, 10)
     step = make_train_step(model, tx, schedule)
-    tokens = rng.integers(0, cfg.vocab_size, (4, 33)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-             "loss_mask": np.ones((4, 32), np.float32)}
+    batch = random_batch(rng, cfg.vocab_size, 4)
     state, _ = step(init_state(model, tx, 0), batch)
     before = jax.tree.map(np.asarray, (state.params, state.opt_state.inner_state))
     bad = dict(batch, loss_mask=np.where(rng.random((4, 32)) < 0.1, np.nan, 1.0).astype(np.float32))
@@ -230,7 +243,11 @@ def test_nonfinite_validation_loss_stops_the_run(corpus, tmp_path, monkeypatch):
 
     def diverged(*args, **kwargs):  # the model's loss turns NaN
         step = real(*args, **kwargs)
-        return lambda params, batch: (step(params, batch)[0] * np.nan, step(params, batch)[1])
+
+        def nan_step(params, batch):
+            total, count = step(params, batch)
+            return total * np.nan, count
+        return nan_step
 
     monkeypatch.setattr(loop, "make_eval_step", diverged)
     said = []
@@ -243,14 +260,11 @@ def test_nonfinite_validation_loss_stops_the_run(corpus, tmp_path, monkeypatch):
 
 def test_nonfinite_params_in_the_checkpoint_stop_the_resume(corpus, tmp_path):
     from jaxformer.training.checkpoint import Checkpointer
-    from jaxformer.training.step import abstract_state
     run = tmp_path / "run"
     cfg = config(corpus, run, "train.steps=2", "train.sample_tokens=0")
     train(cfg, log=lambda *a: None)
-    model = Transformer(cfg.model)
-    tx, _ = make_optimizer(cfg.optim, cfg.model, 2)
+    state = restored_state(cfg, run)
     ckpt = Checkpointer(run, keep=5, async_save=False)
-    state = ckpt.restore(abstract_state(model, tx), cfg.model)
     params = jax.tree.map(np.array, state.params)  # (writable copies)
     params["block_1"]["ffn"]["wi"]["kernel"][0, 0] = np.inf
     ckpt.save(3, state.replace(params=params, step=jnp.int32(3)), cfg.model)
@@ -343,9 +357,7 @@ def test_dropout_mask_changes_with_the_step_and_repeats_for_the_same_step(rng):
     state gives the same loss, another step number another mask (so another loss), and
     the loss differs from the deterministic one."""
     mcfg, model, tx, schedule = tiny_step_setup("model.dropout=0.2")
-    tokens = rng.integers(0, mcfg.vocab_size, (4, 33)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-             "loss_mask": np.ones((4, 32), np.float32)}
+    batch = random_batch(rng, mcfg.vocab_size, 4)
     step = make_train_step(model, tx, schedule)
     state = jax.device_get(init_state(model, tx, int(rng.integers(1 << 30))))
 
@@ -364,9 +376,7 @@ def test_grad_norm_and_lr_metrics_are_the_true_values(rng):
     """grad_norm is the global norm of the mean-loss gradient before clipping (a huge one is
     reported as it is); lr is the schedule at the step's own index."""
     mcfg, model, tx, schedule = tiny_step_setup("optim.clip_norm=0.01", "optim.warmup_steps=3")
-    tokens = rng.integers(0, mcfg.vocab_size, (4, 33)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-             "loss_mask": (rng.random((4, 32)) < 0.7).astype(np.float32)}
+    batch = random_batch(rng, mcfg.vocab_size, 4, keep=0.7)
     state = init_state(model, tx, int(rng.integers(1 << 30)))
     step = make_train_step(model, tx, schedule)
 
@@ -379,9 +389,8 @@ def test_grad_norm_and_lr_metrics_are_the_true_values(rng):
 
     for k in range(3):
         grads = mean_loss_grad(jax.device_get(state.params))
-        norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
         state, m = step(state, batch)
-        np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=1e-4)
+        np.testing.assert_allclose(float(m["grad_norm"]), np_global_norm(grads), rtol=1e-4)
         assert float(m["grad_norm"]) > 0.01  # so clipping had work to do
         np.testing.assert_allclose(float(m["lr"]), 3e-3 * k / 3, rtol=1e-6)  # linear warmup
 
@@ -390,9 +399,7 @@ def test_grad_accumulation_equals_full_batch(rng):
     cfg = load_config(str(REPO / "configs/tiny.yaml"), TINY).model
     model = Transformer(cfg)
     tx, schedule = make_optimizer(OptimConfig(), cfg, 10)
-    tokens = rng.integers(0, cfg.vocab_size, (8, 33)).astype(np.int32)
-    mask = (rng.random((8, 32)) < 0.8).astype(np.float32)  # uneven token counts per micro-batch
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+    batch = random_batch(rng, cfg.vocab_size, 8, keep=0.8)  # uneven counts per micro-batch
     full, m_full = make_train_step(model, tx, schedule)(init_state(model, tx, 0), batch)
     acc, m_acc = make_train_step(model, tx, schedule, grad_accum=4)(init_state(model, tx, 0),
                                                                     batch)
