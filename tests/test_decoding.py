@@ -217,8 +217,9 @@ def test_generated_tokens_are_drawn_from_the_models_conditionals(temperature, to
     obs, exp = counts[big], expected[big]
     if pool.any():  # the rare cells as one
         obs, exp = np.append(obs, counts[pool].sum()), np.append(exp, expected[pool].sum())
-    pvalue = stats.chisquare(obs, exp).pvalue
-    assert pvalue > 1e-6, (pvalue, counts, expected.round(1))
+    if len(obs) > 1:  # (a single possible continuation: the assertion above says it all)
+        pvalue = stats.chisquare(obs, exp).pvalue
+        assert pvalue > 1e-6, (pvalue, counts, expected.round(1))
 
 
 def test_top_p_boundary_is_hfs():
