@@ -36,3 +36,13 @@ def np_global_norm(tree):
     import jax
     return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
                              for x in jax.tree.leaves(tree))))
+
+
+def xla_flags(devices=None):
+    """This process's XLA_FLAGS (e.g. the tests' -O0) for a subprocess, with `devices`
+    fake CPU devices instead of any count set here."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)

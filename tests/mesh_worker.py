@@ -4,7 +4,7 @@ python -m tests.mesh_worker TASK OUT_JSON. Prints nothing; writes its findings a
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import json  # noqa: E402
 

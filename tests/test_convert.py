@@ -29,7 +29,7 @@ from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noq
 from jaxformer.convert import (from_hf, permute_half_to_interleaved,  # noqa: E402
                                permute_interleaved_to_half, read_hf_config, to_hf)
 from jaxformer.decoding import generate  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+from tests.conftest import REPO, xla_flags  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -299,7 +299,7 @@ SHARDED = textwrap.dedent("""
 
 
 def test_sharded_loading_puts_only_its_slice_on_each_device(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=8),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path / "hf")], env=env,
                          capture_output=True, text=True, timeout=300)

@@ -20,7 +20,7 @@ from jaxformer.sharding import (DEFAULT_RULES, MESH_AXES, cluster_detected, logi
                                 resolve_rules)
 from jaxformer.training import load_config
 from jaxformer.training.metrics import read_metrics
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
@@ -227,13 +227,12 @@ def test_two_processes_train_like_one(tmp_path):
               "train.eval_batches=1", "train.sample_tokens=4", "train.progress=false",
               f"train.seed={seed}", "optim.warmup_steps=1", f"data.path={corpus}",
               f"data.cache_dir={tmp_path / 'cache'}"]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=xla_flags())
     one = subprocess.run([sys.executable, "train.py", *common, f"train.run_dir={tmp_path / 'one'}"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
 
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = xla_flags(devices=4)
     port, run = _free_port(), tmp_path / "two"
     procs = [subprocess.Popen(
         [sys.executable, "train.py", *common, f"train.run_dir={run}", "mesh.data=2",
