@@ -26,11 +26,13 @@ def main(argv: list[str]) -> int:
     from jaxformer.config import ConfigError
     from jaxformer.data import DataError
     from jaxformer.training import TrainingStopped, load_config, train
+    from jaxformer.training.checkpoint import CheckpointError
+    from jaxformer.training.lock import RunDirInUse
 
     try:
         cfg = load_config(path, overrides)
         train(cfg)
-    except (ConfigError, DataError, TrainingStopped) as e:
+    except (ConfigError, DataError, TrainingStopped, CheckpointError, RunDirInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -33,7 +33,8 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     model = Transformer(cfg.model)
     tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     abstract = abstract_state(model, tx)
-    ckpt = Checkpointer(run, keep=cfg.checkpoint.keep, async_save=False)
+    ckpt = Checkpointer(run, keep=cfg.checkpoint.keep, async_save=False,
+                        log=lambda message: print(message, file=sys.stderr))
     try:
         state = ckpt.restore(abstract_like(abstract), cfg.model, step=step, best=best)
     except FileNotFoundError:
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from jaxformer.decoding import beam_search, generate
+    from jaxformer.training.checkpoint import CheckpointError
     from jaxformer.training.loop import continuation_text
     try:
         model, params, tok = load_run(a.run, best=a.best)
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
             out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
                            rng=jax.random.key(a.seed), temperature=a.temperature,
                            top_k=a.top_k, top_p=a.top_p, eos_id=tok.eot_id)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(continuation_text(tok, prompt[0], out.tokens[0], out.lengths[0]))

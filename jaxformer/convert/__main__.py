@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from jaxformer.config import ConfigError
+    from jaxformer.training.checkpoint import CheckpointError
     try:
         if args.command == "from-hf":
             from_hf_run(args.hf_dir, args.run_dir, args.overrides, dtype=args.dtype,
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
             shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
             to_hf_run(args.run, args.hf_dir, best=args.best, dtype=args.dtype or "float32",
                       rope_layout=args.rope_layout, max_shard_bytes=shard)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

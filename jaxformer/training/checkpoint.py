@@ -2,18 +2,34 @@
 under best/, each holding the train state and the model config it was made with.
 
 Orbax writes a step into a temporary directory and renames it when complete, so a save
-killed half-way leaves nothing that `latest_step` would pick up.
+killed half-way leaves nothing that `latest_step` would pick up. Saves are asynchronous:
+the step loop goes on while the files are written, and the next save (or `wait`) first
+completes the one in flight.
+
+Before that rename, `checksums.json` records the size and CRC-32 of every file the step
+wrote. A restore checks them before it reads a value; a step whose files do not match is
+damaged. Resuming skips damaged steps, newest first, and sets each aside as STEP.damaged,
+which orbax neither restores nor deletes.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pathlib
+import zlib
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxformer.config import ConfigError, ModelConfig
+
+MANIFEST = "checksums.json"
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint that was asked for (or none at all) is intact."""
 
 
 def config_diff(saved: dict, current: dict) -> list[str]:
@@ -23,52 +39,160 @@ def config_diff(saved: dict, current: dict) -> list[str]:
             if saved.get(k) != current.get(k)]
 
 
+def crc32(path: pathlib.Path) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def file_checksums(step_dir: pathlib.Path) -> dict[str, list[int]]:
+    """{path: [bytes, crc32]} of every file in the step's item directories (state/,
+    model/, info/). The files at the top (orbax's step metadata, this manifest) are
+    written or updated after the checksums; they are checked by being parsed."""
+    return {str(p.relative_to(step_dir)): [p.stat().st_size, crc32(p)]
+            for p in sorted(step_dir.rglob("*")) if p.is_file() and p.parent != step_dir}
+
+
+def write_manifest(step_dir: pathlib.Path):
+    tmp = step_dir / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(file_checksums(step_dir)))
+    os.replace(tmp, step_dir / MANIFEST)
+
+
+def damage(step_dir: pathlib.Path) -> str | None:
+    """What is wrong with a checkpoint step directory, or None when every file it
+    recorded is there with the size and checksum it was written with."""
+    try:
+        recorded = json.loads((step_dir / MANIFEST).read_text())
+        assert isinstance(recorded, dict) and recorded
+        for name, (size, _) in recorded.items():
+            assert isinstance(name, str) and isinstance(size, int)
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing (a partial copy, or saved before checksums existed)"
+    except (ValueError, TypeError, AssertionError):
+        return f"{MANIFEST} is unreadable"
+    for name, (size, crc) in recorded.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes where {size} were written"
+        if crc32(path) != crc:
+            return f"{name} does not match its checksum"
+    metadata = step_dir / "_CHECKPOINT_METADATA"
+    try:
+        json.loads(metadata.read_text())
+    except FileNotFoundError:
+        pass
+    except (ValueError, UnicodeDecodeError):
+        return f"{metadata.name} is unreadable"
+    return None
+
+
 class Checkpointer:
-    def __init__(self, run_dir: str | pathlib.Path, *, keep: int, async_save: bool = True):
+    def __init__(self, run_dir: str | pathlib.Path, *, keep: int, async_save: bool = True,
+                 log=print):
         run_dir = pathlib.Path(run_dir).absolute()
+        self.async_save, self.log = async_save, log
+        self.latest = self._manager(run_dir / "checkpoints", keep)
+        self.best = self._manager(run_dir / "best", 1)
 
-        def manager(sub, max_to_keep):
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                cleanup_tmp_directories=True, create=True)
-            return ocp.CheckpointManager(run_dir / sub, options=options,
-                                         item_names=("state", "model", "info"))
+    @staticmethod
+    def _manager(directory: pathlib.Path, max_to_keep: int):
+        saving = {}  # the step in flight: one at a time per manager
 
-        self.latest = manager("checkpoints", keep)
-        self.best = manager("best", 1)
+        def seal():  # in orbax's commit thread, before the temporary directory is renamed
+            step = saving["step"]
+            tmp = list(directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            write_manifest(tmp[0] if len(tmp) == 1 else directory / str(step))
+
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=seal),
+            cleanup_tmp_directories=True, create=True)
+        mngr = ocp.CheckpointManager(directory, options=options,
+                                     item_names=("state", "model", "info"))
+        mngr.saving = saving
+        return mngr
 
     def save(self, step: int, state, model_cfg: ModelConfig, *, val_loss: float | None = None,
              best: bool = False):
         """Save under checkpoints/ (or, with best=True, as the one under best/). A step that
-        is already saved there is left as it is: the state at a step is always the same."""
+        is already saved there is left as it is: the state at a step is always the same.
+        The save runs in the background unless async_save=False."""
         mngr = self.best if best else self.latest
         if step in mngr.all_steps():
             return
+        mngr.wait_until_finished()  # the previous save is sealed before `saving` moves on
+        mngr.saving["step"] = step
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   model=ocp.args.JsonSave(model_cfg.to_dict()),
                                   info=ocp.args.JsonSave({"step": step, "val_loss": val_loss}))
         mngr.save(step, args=args, force=True)
+        if not self.async_save:
+            mngr.wait_until_finished()
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
 
     def best_val_loss(self) -> float:
-        """The validation loss of the checkpoint under best/ (inf when there is none)."""
-        step = self.best.latest_step()
+        """The validation loss of the checkpoint under best/ (inf when there is none or it
+        is damaged: then it is set aside, and the next evaluation saves a new best)."""
+        step, problems = self._newest_intact(self.best, None, set_aside=True)
         if step is None:
+            self._report(self.best, problems, True, "the next evaluation saves a new best")
             return math.inf
         info = self.best.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))
         value = info["info"].get("val_loss")
         return math.inf if value is None else float(value)
 
+    def _newest_intact(self, mngr, step, *, set_aside: bool) -> tuple[int | None, list]:
+        """(the newest intact step, or `step` if it is intact, or None; [(step, damage)] of
+        the newer ones). When an intact one is found, each damaged one is reported in a
+        line, and set aside if asked. (When none is, nothing moves and nothing is said
+        here: the caller's error names the damage, and a rerun meets it again instead of
+        quietly starting over.)"""
+        problems = []
+        for s in [step] if step is not None else sorted(mngr.all_steps(), reverse=True):
+            problem = damage(pathlib.Path(mngr.directory) / str(s))
+            if problem is None:
+                self._report(mngr, problems, set_aside, f"using step {s}")
+                return s, problems
+            problems.append((s, problem))
+        return None, problems
+
+    def _report(self, mngr, problems, set_aside: bool, then: str):
+        """One warning line per damaged step; with set_aside, process 0 renames each
+        STEP.damaged, out of orbax's sight (neither restored nor deleted by `keep`)."""
+        for s, problem in problems:
+            path, moved = pathlib.Path(mngr.directory) / str(s), ""
+            if set_aside and jax.process_index() == 0:
+                path.rename(aside := _free_name(path))
+                moved = f"; set aside as {aside.name}"
+            self.log(f"warning: checkpoint {path} is damaged ({problem}){moved}; {then}")
+        if set_aside and problems:
+            mngr.reload()
+
     def restore(self, abstract_state, model_cfg: ModelConfig, *, step: int | None = None,
-                best: bool = False):
-        """The state saved at `step` (default: the latest), after checking that it was made
-        with the same model config. abstract_state: jax.eval_shape of a fresh state."""
+                best: bool = False, set_aside: bool = False):
+        """The state saved at `step`, or else in the newest intact checkpoint, after checking
+        its files against their checksums and its model config against `model_cfg`.
+        Damaged checkpoints are skipped with a warning (and renamed STEP.damaged when
+        set_aside, as resuming does). abstract_state: jax.eval_shape of a fresh state."""
         mngr = self.best if best else self.latest
-        step = mngr.latest_step() if step is None else step
-        if step is None:
+        if step is None and mngr.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
+        if step is not None and step not in mngr.all_steps():
+            raise FileNotFoundError(f"no checkpoint {mngr.directory}/{step}; saved steps: "
+                                    f"{sorted(mngr.all_steps())}")
+        step, problems = self._newest_intact(mngr, step, set_aside=set_aside)
+        if step is None:
+            damaged = "; ".join(f"{s}: {p}" for s, p in problems)
+            raise CheckpointError(f"no intact checkpoint in {mngr.directory} (damaged: "
+                                  f"{damaged}); nothing was restored or moved. Resume from a "
+                                  "copy of the run dir, or start a new train.run_dir")
         saved = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
         diff = config_diff(saved, model_cfg.to_dict())
         if diff:
@@ -87,12 +211,21 @@ class Checkpointer:
         return restored["state"]
 
     def wait(self):
+        """Complete the saves in flight."""
         self.latest.wait_until_finished()
         self.best.wait_until_finished()
 
     def close(self):
         self.latest.close()
         self.best.close()
+
+
+def _free_name(path: pathlib.Path) -> pathlib.Path:
+    """STEP.damaged, or STEP.damaged-2, ... when that is taken."""
+    aside, n = path.with_name(f"{path.name}.damaged"), 2
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.damaged-{n}"), n + 1
+    return aside
 
 
 def abstract_like(state):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
 import signal
@@ -19,6 +20,7 @@ from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
+from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
 from jaxformer.sharding import (batch_sharding, initialize_distributed, make_mesh,
@@ -78,7 +80,8 @@ def train(cfg: RunConfig, *, log=print) -> dict:
 
     On several processes (cfg.distributed, or a detected launcher) every process runs this
     same function: each reads only its rows of each batch, checkpoints are written by all
-    together, and process 0 alone writes metrics, the sample and the progress bar."""
+    together, and process 0 alone writes metrics, the sample and the progress bar (and
+    holds the run dir's lock: one run per run dir)."""
     d = cfg.distributed
     initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
                            d.cpu_collectives)
@@ -87,100 +90,134 @@ def train(cfg: RunConfig, *, log=print) -> dict:
         log = lambda *args, **kwargs: None  # noqa: E731 (process 0 speaks for the run)
     run_dir = pathlib.Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    t, mcfg = cfg.train, cfg.model
+    with run_dir_lock(run_dir, log=log) if lead else contextlib.nullcontext(), \
+            contextlib.ExitStack() as cleanup:
+        run = _Run(cfg, run_dir, lead, log, cleanup)
+        stopped_early = run.steps()
+        return run.finish(stopped_early)
 
-    data = load_dataset(cfg.data, run_dir=str(run_dir), vocab_size=mcfg.vocab_size)
-    if lead:  # load_dataset has saved the tokenizer beside it
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    try:
-        eval_batches(data.val, data.val_docs, batch_size=t.batch_size, seq_len=t.seq_len,
-                     max_batches=1, pack=cfg.data.pack)
-        can_eval = True
-    except DataError as e:
-        can_eval = False
-        log(f"no evaluation: {e}")
-    model = Transformer(mcfg)
-    tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    rules = resolve_rules(cfg.mesh.rules)
-    split = mesh.shape["data"] * mesh.shape["fsdp"] * cfg.optim.grad_accum
-    if t.batch_size % split:
-        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of mesh.data x "
-                          f"mesh.fsdp x optim.grad_accum = {split} (mesh {dict(mesh.shape)})")
-    shardings = state_shardings(model, tx, mesh, rules)
-    batch_sh = batch_sharding(mesh, rules)
-    rows = process_rows(batch_sh, t.batch_size)
 
-    def place(batch):
-        return place_batch(batch, batch_sh, t.batch_size)
+class _Run:
+    """One run's data, model, state and checkpoints, and the stages that use them."""
 
-    state = init_state(model, tx, t.seed, mesh=mesh, rules=rules, shardings=shardings)
-    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    state = resume(ckpt, state, cfg, log)
-    start = int(state.step)
+    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, lead: bool, log, cleanup):
+        self.cfg, self.run_dir, self.lead, self.log = cfg, run_dir, lead, log
+        t, mcfg = cfg.train, cfg.model
+        self.data = data = load_dataset(cfg.data, run_dir=str(run_dir),
+                                        vocab_size=mcfg.vocab_size)
+        if lead:  # load_dataset has saved the tokenizer beside it
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        try:
+            eval_batches(data.val, data.val_docs, batch_size=t.batch_size, seq_len=t.seq_len,
+                         max_batches=1, pack=cfg.data.pack)
+            self.can_eval = True
+        except DataError as e:
+            self.can_eval = False
+            log(f"no evaluation: {e}")
+        self.model = model = Transformer(mcfg)
+        tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
+        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        rules = resolve_rules(cfg.mesh.rules)
+        split = mesh.shape["data"] * mesh.shape["fsdp"] * cfg.optim.grad_accum
+        if t.batch_size % split:
+            raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of mesh.data "
+                              f"x mesh.fsdp x optim.grad_accum = {split} (mesh {dict(mesh.shape)})")
+        shardings = state_shardings(model, tx, mesh, rules)
+        batch_sh = batch_sharding(mesh, rules)
+        self.rows = process_rows(batch_sh, t.batch_size)
+        self.place = lambda batch: place_batch(batch, batch_sh, t.batch_size)
+        state = init_state(model, tx, t.seed, mesh=mesh, rules=rules, shardings=shardings)
+        self.ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, log=log,
+                                 async_save=cfg.checkpoint.async_save)
+        cleanup.callback(self.ckpt.close)  # completes the saves in flight, however we leave
+        self.state = resume(self.ckpt, state, cfg, log)
+        self.start = int(self.state.step)
+        self.tokens_per_step = t.batch_size * t.seq_len
+        self.flops_per_step = flops_per_token(mcfg, t.seq_len) * self.tokens_per_step
+        self.peak, peak_source = peak_flops(mcfg.dtype)
+        log(f"data: {data.source}; train {len(data.train):,} tokens, val {len(data.val):,}")
+        log(f"model: {count_params(mcfg):,} params; {t.steps} steps x "
+            f"{self.tokens_per_step:,} tokens; peak {self.peak / 1e9:,.0f} GFLOP/s "
+            f"({peak_source}); run dir {run_dir}")
+        log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} "
+            f"device(s), {jax.process_count()} process(es); params per device "
+            f"{per_device_bytes(self.state.params) / 2**20:,.1f} MiB")
+        self.train_step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
+                                          mesh=mesh, rules=rules, shardings=shardings)
+        self.eval_step = make_eval_step(model, mesh=mesh, rules=rules,
+                                        param_shardings=shardings.params)
+        self.metrics = MetricsLog(run_dir, enabled=lead)
+        cleanup.callback(self.metrics.close)
+        self.bar = _progress(t.steps, self.start, t.progress and lead)
+        self.best = self.ckpt.best_val_loss()  # carried across resumes
+        self.summary: dict = {"run_dir": str(run_dir), "start_step": self.start}
+        self.window = {"t0": time.perf_counter(), "losses": []}
 
-    n_params = count_params(mcfg)
-    tokens_per_step = t.batch_size * t.seq_len
-    peak, peak_source = peak_flops(mcfg.dtype)
-    flops_per_step = flops_per_token(mcfg, t.seq_len) * tokens_per_step
-    log(f"data: {data.source}; train {len(data.train):,} tokens, val {len(data.val):,}")
-    log(f"model: {n_params:,} params; {t.steps} steps x {tokens_per_step:,} tokens; "
-        f"peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}); run dir {run_dir}")
-    log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} "
-        f"device(s), {jax.process_count()} process(es); params per device "
-        f"{per_device_bytes(state.params) / 2**20:,.1f} MiB")
+    def batch_at(self, step):
+        t = self.cfg.train
+        return self.place(get_batch(self.data.train, self.data.train_docs, seed=t.seed,
+                                    step=step, batch_size=t.batch_size, seq_len=t.seq_len,
+                                    pack=self.cfg.data.pack, rows=self.rows))
 
-    train_step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
-                                 mesh=mesh, rules=rules, shardings=shardings)
-    eval_step = make_eval_step(model, mesh=mesh, rules=rules, param_shardings=shardings.params)
-    metrics = MetricsLog(run_dir, enabled=lead)
-    bar = _progress(t.steps, start, t.progress and lead)
-    best = ckpt.best_val_loss()  # carried across resumes
-    summary: dict = {"run_dir": str(run_dir), "start_step": start}
+    def steps(self) -> bool:
+        """Train to train.steps, evaluating and saving on the way; True when stopped early
+        by SIGTERM / Ctrl-C. A step's metrics are read once the next step is queued."""
+        t, every = self.cfg.train, self.cfg.checkpoint.every
+        with _StopFlag() as stop:
+            step, pending = self.start, None
+            while step < t.steps and not stop.requested:
+                self.state, m = self.train_step(self.state, self.batch_at(step))
+                step += 1
+                if pending is not None:
+                    self.record(*pending)
+                pending = (step, m)
+                if self.can_eval and step % t.eval_every == 0 and step < t.steps:
+                    eval_t0 = time.perf_counter()
+                    ev = self.evaluate_and_keep_best(step)
+                    self.log(f"step {step}: val_loss {ev['val_loss']:.4f}, "
+                             f"val_ppl {ev['val_ppl']:.2f}")
+                    self.window["t0"] += time.perf_counter() - eval_t0  # tokens/s: training
+                if step % every == 0:
+                    self.ckpt.save(step, self.state, self.cfg.model)
+            if pending is not None:
+                self.summary["final_loss"] = self.record(*pending)
+            return stop.requested
 
-    def batch_at(step):
-        return place(get_batch(data.train, data.train_docs, seed=t.seed, step=step,
-                               batch_size=t.batch_size, seq_len=t.seq_len, pack=cfg.data.pack,
-                               rows=rows))
-
-    def evaluate_and_keep_best(step):
+    def evaluate_and_keep_best(self, step):
         """Validation loss now; a new best is saved under best/ with its loss. A non-finite
         one stops the run."""
-        nonlocal best
-        ev = evaluate(eval_step, state.params, data.val, data.val_docs, cfg, place, rows)
-        metrics.write({"step": step, **ev})
+        ev = evaluate(self.eval_step, self.state.params, self.data.val, self.data.val_docs,
+                      self.cfg, self.place, self.rows)
+        self.metrics.write({"step": step, **ev})
         if not math.isfinite(ev["val_loss"]):
-            ckpt.wait()  # the earlier saves in flight
             raise TrainingStopped(
                 f"the validation loss at step {step} is {ev['val_loss']}: the model has "
-                f"diverged. Resume from a checkpoint from before it (in {run_dir}/checkpoints "
-                "or best/) with a lower optim.lr")
-        if ev["val_loss"] < best:
-            best = ev["val_loss"]
-            ckpt.save(step, state, mcfg, val_loss=best, best=True)
+                f"diverged. Resume from a checkpoint from before it (in {self.run_dir}/"
+                "checkpoints or best/) with a lower optim.lr")
+        if ev["val_loss"] < self.best:
+            self.best = ev["val_loss"]
+            self.ckpt.save(step, self.state, self.cfg.model, val_loss=self.best, best=True)
         return ev
 
-    window = {"t0": time.perf_counter(), "losses": []}
-
-    def record(done_step, m):
+    def record(self, done_step, m):
         """Log step `done_step` from its (now finished) metrics; stop on too many skips."""
+        t, window, bar = self.cfg.train, self.window, self.bar
         m = jax.device_get(m)
         window["losses"].append(float(m["loss"]))
-        if int(m["consecutive_skips"]) >= cfg.optim.max_skips:
-            ckpt.save(int(state.step), state, mcfg)
-            ckpt.wait()
+        if int(m["consecutive_skips"]) >= self.cfg.optim.max_skips:
+            self.ckpt.save(int(self.state.step), self.state, self.cfg.model)
             raise TrainingStopped(
                 f"{int(m['consecutive_skips'])} consecutive steps had non-finite gradients "
                 f"(up to step {done_step}); params are unchanged since the last good step and "
-                f"saved in {run_dir}/checkpoints. Lower optim.lr or check the data.")
+                f"saved in {self.run_dir}/checkpoints. Lower optim.lr or check the data.")
         if done_step % t.log_every == 0 or done_step == t.steps:
             n, elapsed = len(window["losses"]), time.perf_counter() - window["t0"]
-            tok_s = n * tokens_per_step / elapsed
+            tok_s = n * self.tokens_per_step / elapsed
             rec = {"step": done_step, "loss": float(np.mean(window["losses"])),
                    "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                    "skipped": int(m["skipped"]), "tokens_per_s": tok_s,
-                   "mfu": flops_per_step * n / elapsed / peak}
-            metrics.write(rec)
+                   "mfu": self.flops_per_step * n / elapsed / self.peak}
+            self.metrics.write(rec)
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
             window.update(t0=time.perf_counter(), losses=[])
@@ -188,54 +225,39 @@ def train(cfg: RunConfig, *, log=print) -> dict:
             bar.update(done_step - bar.n)
         return float(m["loss"])
 
-    with _StopFlag() as stop:
-        step, pending = start, None
-        while step < t.steps and not stop.requested:
-            state, m = train_step(state, batch_at(step))
-            step += 1
-            if pending is not None:  # read the previous step once this one is queued
-                record(*pending)
-            pending = (step, m)
-            if can_eval and step % t.eval_every == 0 and step < t.steps:
-                eval_t0 = time.perf_counter()
-                ev = evaluate_and_keep_best(step)
-                log(f"step {step}: val_loss {ev['val_loss']:.4f}, val_ppl {ev['val_ppl']:.2f}")
-                window["t0"] += time.perf_counter() - eval_t0  # tokens/s counts training only
-            if step % cfg.checkpoint.every == 0:
-                ckpt.save(step, state, mcfg)
-        if pending is not None:
-            summary["final_loss"] = record(*pending)
-        stopped_early = stop.requested
-
-    end_step = int(state.step)
-    ckpt.save(end_step, state, mcfg)  # a step saved already is left as it is
-    if bar is not None:
-        bar.update(end_step - bar.n)
-        bar.close()
-    summary.update(step=end_step, stopped_early=stopped_early)
-    if stopped_early:
-        log(f"stopped at step {end_step}; checkpoint saved, resume with the same command")
-    elif can_eval:
-        ev = evaluate_and_keep_best(end_step)
-        summary.update(ev)
-        log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) at step {end_step}")
-    if not stopped_early and t.sample_tokens:  # every process decodes; process 0 writes
-        text = sample_text(model, state.params, data.tokenizer, cfg)
-        if text is None:
-            log("no sample: train.sample_prompt is empty or fills model.max_seq_len")
-        elif lead:
-            (run_dir / "sample.txt").write_text(text)
-            log(f"--- sample (temperature {t.sample_temperature}) ---\n{text}\n---")
-    ckpt.wait()
-    ckpt.close()
-    metrics.close()
-    if lead and (run_dir / "metrics.jsonl").exists():
-        summary["plot"] = str(plot_loss_curve(run_dir))
-    return summary
+    def finish(self, stopped_early: bool) -> dict:
+        """The last save; then, unless stopped early, the final evaluation and a sample."""
+        cfg, log, summary = self.cfg, self.log, self.summary
+        end_step = int(self.state.step)
+        self.ckpt.save(end_step, self.state, cfg.model)  # a step saved already is left as is
+        if self.bar is not None:
+            self.bar.update(end_step - self.bar.n)
+            self.bar.close()
+        summary.update(step=end_step, stopped_early=stopped_early)
+        if stopped_early:
+            log(f"stopped at step {end_step}; checkpoint saved, resume with the same command")
+        elif self.can_eval:
+            ev = self.evaluate_and_keep_best(end_step)
+            summary.update(ev)
+            log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) "
+                f"at step {end_step}")
+        if not stopped_early and cfg.train.sample_tokens:  # every process decodes
+            text = sample_text(self.model, self.state.params, self.data.tokenizer, cfg)
+            if text is None:
+                log("no sample: train.sample_prompt is empty or fills model.max_seq_len")
+            elif self.lead:
+                (self.run_dir / "sample.txt").write_text(text)
+                log(f"--- sample (temperature {cfg.train.sample_temperature}) ---\n{text}\n---")
+        self.ckpt.wait()
+        self.metrics.close()
+        if self.lead and (self.run_dir / "metrics.jsonl").exists():
+            summary["plot"] = str(plot_loss_curve(self.run_dir))
+        return summary
 
 
 def resume(ckpt: Checkpointer, state, cfg: RunConfig, log):
-    """The latest checkpoint's state when there is one (train.resume=auto), else `state`.
+    """The newest intact checkpoint's state when there is one (train.resume=auto), else
+    `state`. Damaged checkpoints are set aside with a warning (see training/checkpoint.py).
     Params that are not all finite stop the run: training on from them cannot recover."""
     latest, run_dir = ckpt.latest_step(), cfg.train.run_dir
     if latest is None:
@@ -244,15 +266,16 @@ def resume(ckpt: Checkpointer, state, cfg: RunConfig, log):
         raise ConfigError(f"{run_dir} already holds checkpoints (up to step {latest}); "
                           "continue it with train.resume=auto, or start over in a new "
                           "train.run_dir (nothing is deleted)")
-    state = ckpt.restore(abstract_like(state), cfg.model)
+    state = ckpt.restore(abstract_like(state), cfg.model, set_aside=True)
+    step = int(state.step)
     finite = jax.jit(lambda p: jax.tree.map(lambda x: jnp.isfinite(x).all(), p))(state.params)
     bad = [jax.tree_util.keystr(path) for path, ok in
            jax.tree_util.tree_flatten_with_path(jax.device_get(finite))[0] if not ok]
     if bad:
-        raise TrainingStopped(f"checkpoint {run_dir}/checkpoints/{latest} holds non-finite "
+        raise TrainingStopped(f"checkpoint {run_dir}/checkpoints/{step} holds non-finite "
                               f"params ({len(bad)} arrays, e.g. {bad[0]}); resume from an "
                               "earlier checkpoint or start a new train.run_dir")
-    log(f"resumed from {run_dir}/checkpoints/{int(state.step)}")
+    log(f"resumed from {run_dir}/checkpoints/{step}")
     return state
 
 

@@ -1,0 +1,91 @@
+"""What checkpointing costs the step loop: configs/tiny.yaml trained with a save every
+`--every` steps (asynchronous, then synchronous) against no saves, in the same run.
+
+    python bench/checkpoint.py [--steps 100 --every 10 --repeats 2] [section.key=value ...]
+
+Each row is one setting, its runs interleaved with the others'. Time per step is the loop's
+own (metrics.jsonl: evaluation excluded, saves included), median over the repeats; the
+overhead is against "no saves". Also: bytes per checkpoint, and the milliseconds to verify
+one (checksums) and to restore it. Prints a table; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import platform
+import statistics
+import tempfile
+import time
+
+import jax
+
+from jaxformer.model import Transformer
+from jaxformer.training import load_config, train
+from jaxformer.training.checkpoint import Checkpointer, abstract_like, damage
+from jaxformer.training.metrics import read_metrics
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.step import abstract_state
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def ms_per_step(run_dir) -> float:
+    """The loop's wall time per step: each logged window's steps / (tokens/s) summed."""
+    cfg = load_config(str(pathlib.Path(run_dir) / "config.yaml"))
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}] + rows, rows)]
+    seconds = sum(n * tokens / r["tokens_per_s"] for n, r in zip(steps, rows))
+    return seconds / rows[-1]["step"] * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=2)
+    args, overrides = p.parse_known_args()
+    settings = {"no saves": [f"checkpoint.every={10**9}"],
+                f"every {args.every}, async": [f"checkpoint.every={args.every}"],
+                f"every {args.every}, sync": [f"checkpoint.every={args.every}",
+                                              "checkpoint.async_save=false"]}
+    base = [f"train.steps={args.steps}", f"train.eval_every={10**9}", "train.sample_tokens=0",
+            "train.progress=false", "train.log_every=10", *overrides]
+    times = {name: [] for name in settings}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats + 1):  # the first round warms the caches, uncounted
+            for i, (name, extra) in enumerate(settings.items()):
+                run = pathlib.Path(tmp) / f"{rep}-{i}"
+                train(load_config(str(REPO / "configs/tiny.yaml"),
+                                  [*base, *extra, f"train.run_dir={run}"]), log=lambda *a: None)
+                if rep:
+                    times[name].append(ms_per_step(run))
+        cfg = load_config(str(run / "config.yaml"))
+        step_dir = run / "checkpoints" / str(args.steps)
+        size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
+        t0 = time.perf_counter()
+        assert damage(step_dir) is None
+        verify_ms = (time.perf_counter() - t0) * 1e3
+        tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+        ckpt = Checkpointer(run, keep=2)
+        abstract = abstract_like(abstract_state(Transformer(cfg.model), tx))
+        t0 = time.perf_counter()
+        jax.block_until_ready(ckpt.restore(abstract, cfg.model))
+        restore_ms = (time.perf_counter() - t0) * 1e3
+        ckpt.close()
+
+    none = statistics.median(times["no saves"])
+    print(f"configs/tiny.yaml, {args.steps} steps, {args.repeats} repeats; "
+          f"{platform.processor() or platform.machine()}, jax {jax.__version__}")
+    print(f"| setting | ms / step (median) | runs | overhead |\n|---|---|---|---|")
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        print(f"| {name} | {ms:.1f} | {', '.join(f'{t:.1f}' for t in ts)} | "
+              f"{(ms / none - 1) * 100:+.1f}% |")
+    print(f"\none checkpoint: {size / 2**20:.2f} MiB; verify (CRC-32 of every file) "
+          f"{verify_ms:.1f} ms; verify + restore {restore_ms:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Checkpoints you can trust: damage is found by checksums and passed over, async saves
+hold what sync ones do, and one run owns a run dir. Faults are met where a user meets
+them: train.py's and generate's main (exit code, messages), run in this process."""
+
+import importlib.util
+import os
+import shutil
+import socket
+
+import jax
+import numpy as np
+import pytest
+
+from jaxformer.generate import main as generate_main
+from jaxformer.training import train
+from jaxformer.training.checkpoint import MANIFEST, damage
+from jaxformer.training.lock import run_dir_lock
+from jaxformer.training.metrics import read_metrics
+from tests.conftest import REPO
+from tests.test_training import TINY, config, corpus, restored_state  # noqa: F401 (fixture)
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+
+_spec = importlib.util.spec_from_file_location("train_cli", REPO / "train.py")
+cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cli)
+
+RUN = ["train.steps=9", "checkpoint.every=3", "train.eval_every=3", "train.sample_tokens=0"]
+
+
+@pytest.fixture(scope="module")
+def run9(corpus, tmp_path_factory):  # noqa: F811
+    """A run trained to step 9 with asynchronous saves: checkpoints 6 and 9, best/."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    train(config(corpus, run, *RUN), log=lambda *a: None)
+    return run
+
+
+def copy_of(run9, tmp_path):
+    shutil.copytree(run9, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def cli_args(corpus, run, *extra):  # noqa: F811
+    return [*TINY, f"data.path={corpus}", f"train.run_dir={run}",
+            f"data.cache_dir={run.parent / 'cache'}", *RUN, *extra]
+
+
+def largest_state_file(step_dir):
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+
+
+def flip_bits(step_dir):
+    """Three bits flipped in the middle of the largest file of the saved state."""
+    path = largest_state_file(step_dir)
+    data = bytearray(path.read_bytes())
+    for i in rng.integers(len(data) // 4, 3 * len(data) // 4, 3):
+        data[i] ^= 1 << int(rng.integers(8))
+    path.write_bytes(bytes(data))
+
+
+def truncate(step_dir):
+    path = largest_state_file(step_dir)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def lose_manifest(step_dir):
+    (step_dir / MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("harm", [flip_bits, truncate, lose_manifest], ids=lambda f: f.__name__)
+def test_damaged_latest_checkpoint_is_set_aside_and_the_one_before_resumed(
+        run9, corpus, tmp_path, capsys, harm):  # noqa: F811
+    run = copy_of(run9, tmp_path)
+    harm(run / "checkpoints/9")
+    (run / ".lock").write_text("process 999999 on a-dead-host\n")  # left by a killed run
+    assert cli.main(cli_args(corpus, run, "checkpoint.keep=1")) == 0
+    out = capsys.readouterr().out
+    warned = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"warning: checkpoint {run.absolute()}/checkpoints/9 is damaged (") and \
+        warned[0].endswith("; set aside as 9.damaged; using step 6"), out
+    assert {"lose_manifest": MANIFEST, "truncate": "bytes where"}.get(harm.__name__, "checksum") \
+        in warned[0]
+    assert f"resumed from {run}/checkpoints/6" in out
+    assert "taking over the lock of process 999999 on a-dead-host" in out
+    # 9 is kept apart, out of orbax's sight: keep=1 removed 6 when the new 9 was saved
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["9", "9.damaged"]
+    # steps 7-9 ran again from checkpoint 6, and lost the same as the first time
+    records = [r for r in read_metrics(run) if "loss" in r]
+    first, again = records[:9], records[9:]
+    assert [r["step"] for r in first] == list(range(1, 10))
+    assert [r["step"] for r in again] == [7, 8, 9]
+    for r in again:
+        assert r["loss"] == first[r["step"] - 1]["loss"], r
+
+
+def test_no_intact_checkpoint_is_one_line_that_names_the_damage(run9, corpus, tmp_path,
+                                                                capsys):  # noqa: F811
+    run = copy_of(run9, tmp_path)
+    flip_bits(run / "checkpoints/9")
+    truncate(run / "checkpoints/6")
+    assert generate_main(["--run", str(run), "--prompt", "def", "--max-new-tokens", "4"]) == 2  # a reader of runs
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: no intact checkpoint in {run.absolute()}/checkpoints "
+                              "(damaged: 9: state/") and "; 6: state/" in err[-1], err
+    assert cli.main(cli_args(corpus, run)) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no intact checkpoint in"), out.err
+    assert "Traceback" not in out.err and "another" not in lines[0]
+    # nothing was moved: a rerun meets the same error instead of starting over
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["6", "9"]
+
+
+def test_a_save_killed_half_way_is_ignored_and_cleaned_up(run9, corpus, tmp_path,
+                                                           capsys):  # noqa: F811
+    """What SIGKILL during an async save leaves: orbax's temporary directory, half
+    written, never renamed to its step."""
+    run = copy_of(run9, tmp_path)
+    half = run / "checkpoints/12.orbax-checkpoint-tmp"
+    shutil.copytree(run / "checkpoints/9", half)
+    lose_manifest(half)
+    truncate(half)
+    assert cli.main(cli_args(corpus, run, "train.steps=12")) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {run}/checkpoints/9" in out and "warning" not in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["12", "9"]
+    assert damage(run / "checkpoints/12") is None
+
+
+def test_a_second_run_on_a_busy_run_dir_stops_and_names_the_first(corpus, tmp_path,
+                                                                  capsys):  # noqa: F811
+    run = tmp_path / "run"
+    run.mkdir()
+    with run_dir_lock(run):
+        assert cli.main(cli_args(corpus, run)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"error: {run} is in use by process {os.getpid()} on {socket.gethostname()}"), err
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]  # it touched nothing
+
+
+def test_async_saves_hold_bitwise_what_sync_saves_hold(run9, corpus, tmp_path):  # noqa: F811
+    sync = tmp_path / "sync"
+    train(config(corpus, sync, *RUN, "checkpoint.async_save=false"), log=lambda *a: None)
+    cfg = config(corpus, run9, *RUN)
+    for step in (6, 9):
+        a, b = restored_state(cfg, run9, step), restored_state(cfg, sync, step)
+        leaves = jax.tree.leaves(jax.tree.map(np.array_equal, a, b))
+        assert len(leaves) > 10 and all(leaves), step
+    for step_dir in [*run9.glob("checkpoints/*"), *run9.glob("best/*")]:
+        assert damage(step_dir) is None, step_dir  # every save recorded its checksums
