@@ -1,10 +1,11 @@
 """What checkpointing costs the step loop: configs/tiny.yaml trained with a save every
 `--every` steps (asynchronous, then synchronous) against no saves, in the same run.
 
-    python bench/checkpoint.py [--steps 100 --every 10 --repeats 2] [section.key=value ...]
+    python bench/checkpoint.py [--steps 40 --every 10 --repeats 2] [section.key=value ...]
 
 Each row is one setting, its runs interleaved with the others'. Time per step is the loop's
-own (metrics.jsonl: evaluation excluded, saves included), median over the repeats; the
+own (metrics.jsonl, after the first 10 steps, which compile: evaluation excluded, saves
+included), median over the repeats; the
 overhead is against "no saves". Also: bytes per checkpoint, and the milliseconds to verify
 one (checksums) and to restore it. Prints a table; asserts nothing.
 """
@@ -31,18 +32,29 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def ms_per_step(run_dir) -> float:
-    """The loop's wall time per step: each logged window's steps / (tokens/s) summed."""
+    """The loop's wall time per step after the first logged window (which compiles):
+    each window's steps / (tokens/s), summed."""
     cfg = load_config(str(pathlib.Path(run_dir) / "config.yaml"))
     tokens = cfg.train.batch_size * cfg.train.seq_len
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
-    steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}] + rows, rows)]
-    seconds = sum(n * tokens / r["tokens_per_s"] for n, r in zip(steps, rows))
-    return seconds / rows[-1]["step"] * 1e3
+    steps = [b["step"] - a["step"] for a, b in zip(rows, rows[1:])]
+    seconds = sum(n * tokens / r["tokens_per_s"] for n, r in zip(steps, rows[1:]))
+    return seconds / sum(steps) * 1e3
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
     args, overrides = p.parse_known_args()
@@ -54,13 +66,12 @@ def main():
             "train.progress=false", "train.log_every=10", *overrides]
     times = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.repeats + 1):  # the first round warms the caches, uncounted
+        for rep in range(args.repeats):
             for i, (name, extra) in enumerate(settings.items()):
                 run = pathlib.Path(tmp) / f"{rep}-{i}"
                 train(load_config(str(REPO / "configs/tiny.yaml"),
                                   [*base, *extra, f"train.run_dir={run}"]), log=lambda *a: None)
-                if rep:
-                    times[name].append(ms_per_step(run))
+                times[name].append(ms_per_step(run))
         cfg = load_config(str(run / "config.yaml"))
         step_dir = run / "checkpoints" / str(args.steps)
         size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
@@ -76,9 +87,9 @@ def main():
         ckpt.close()
 
     none = statistics.median(times["no saves"])
-    print(f"configs/tiny.yaml, {args.steps} steps, {args.repeats} repeats; "
-          f"{platform.processor() or platform.machine()}, jax {jax.__version__}")
-    print(f"| setting | ms / step (median) | runs | overhead |\n|---|---|---|---|")
+    print(f"configs/tiny.yaml, {args.steps} steps, {args.repeats} repeats; {cpu_name()}, "
+          f"jax {jax.__version__}")
+    print("| setting | ms / step (median) | runs | overhead |\n|---|---|---|---|")
     for name, ts in times.items():
         ms = statistics.median(ts)
         print(f"| {name} | {ms:.1f} | {', '.join(f'{t:.1f}' for t in ts)} | "

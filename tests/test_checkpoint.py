@@ -13,13 +13,14 @@ import pytest
 
 from jaxformer.generate import main as generate_main
 from jaxformer.training import train
-from jaxformer.training.checkpoint import MANIFEST, damage
+from jaxformer.training.checkpoint import MANIFEST, Checkpointer, damage
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import read_metrics
 from tests.conftest import REPO
 from tests.test_training import TINY, config, corpus, restored_state  # noqa: F401 (fixture)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+pytestmark = pytest.mark.xdist_group("run9")  # one worker builds the trained run
 
 _spec = importlib.util.spec_from_file_location("train_cli", REPO / "train.py")
 cli = importlib.util.module_from_spec(_spec)
@@ -69,7 +70,46 @@ def lose_manifest(step_dir):
     (step_dir / MANIFEST).unlink()
 
 
-@pytest.mark.parametrize("harm", [flip_bits, truncate, lose_manifest], ids=lambda f: f.__name__)
+def lose_a_file(step_dir):
+    min((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=str).unlink()
+
+
+def garble_metadata(step_dir):
+    (step_dir / "_CHECKPOINT_METADATA").write_text('{"item_handlers": {"state": ')
+
+
+def garble_manifest(step_dir):
+    (step_dir / MANIFEST).write_text('{"state/x": [1, ')
+
+
+HARMS = {flip_bits: "does not match its checksum", truncate: "bytes where",
+         lose_manifest: f"{MANIFEST} is missing", lose_a_file: "is missing",
+         garble_metadata: "_CHECKPOINT_METADATA is unreadable",
+         garble_manifest: f"{MANIFEST} is unreadable"}
+
+
+def test_damage_names_each_fault_and_passes_intact_steps(run9, tmp_path):
+    for step_dir in [*run9.glob("checkpoints/*"), *run9.glob("best/*")]:
+        assert damage(step_dir) is None, step_dir  # every save recorded its checksums
+    for harm, words in HARMS.items():
+        step_dir = tmp_path / harm.__name__
+        shutil.copytree(run9 / "checkpoints/9", step_dir)
+        harm(step_dir)
+        assert words in (damage(step_dir) or ""), (harm.__name__, damage(step_dir))
+
+
+def test_a_damaged_best_is_set_aside_for_a_new_one(run9, tmp_path, capsys):
+    run = copy_of(run9, tmp_path)
+    [best] = (run / "best").iterdir()
+    truncate(best)
+    ckpt = Checkpointer(run, keep=2)
+    assert ckpt.best_val_loss() == np.inf  # so the next evaluation saves a new best
+    ckpt.close()
+    assert [p.name for p in (run / "best").iterdir()] == [f"{best.name}.damaged"]
+    assert "saves a new best" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("harm", [flip_bits, truncate], ids=lambda f: f.__name__)
 def test_damaged_latest_checkpoint_is_set_aside_and_the_one_before_resumed(
         run9, corpus, tmp_path, capsys, harm):  # noqa: F811
     run = copy_of(run9, tmp_path)
@@ -81,8 +121,7 @@ def test_damaged_latest_checkpoint_is_set_aside_and_the_one_before_resumed(
     assert len(warned) == 1 and warned[0].startswith(
         f"warning: checkpoint {run.absolute()}/checkpoints/9 is damaged (") and \
         warned[0].endswith("; set aside as 9.damaged; using step 6"), out
-    assert {"lose_manifest": MANIFEST, "truncate": "bytes where"}.get(harm.__name__, "checksum") \
-        in warned[0]
+    assert HARMS[harm] in warned[0]
     assert f"resumed from {run}/checkpoints/6" in out
     assert "taking over the lock of process 999999 on a-dead-host" in out
     # 9 is kept apart, out of orbax's sight: keep=1 removed 6 when the new 9 was saved
@@ -150,5 +189,3 @@ def test_async_saves_hold_bitwise_what_sync_saves_hold(run9, corpus, tmp_path): 
         a, b = restored_state(cfg, run9, step), restored_state(cfg, sync, step)
         leaves = jax.tree.leaves(jax.tree.map(np.array_equal, a, b))
         assert len(leaves) > 10 and all(leaves), step
-    for step_dir in [*run9.glob("checkpoints/*"), *run9.glob("best/*")]:
-        assert damage(step_dir) is None, step_dir  # every save recorded its checksums
