@@ -22,7 +22,6 @@ train: $(STAMP)
 # e.g. `make test TEST_PATHS=tests/test_model.py` for one file.
 TEST_PATHS ?= tests notebooks
 
-# Two workers; tests marked xdist_group share a worker, so its module fixture is built once.
 # Most of the suite's time is XLA:CPU compiling small programs. LLVM runs at -O0 for the
 # tests (the optimized HLO, which the HLO tests read, is unchanged; only machine-code
 # optimisation is skipped), and the test processes (workers, train.py and mesh
@@ -31,7 +30,7 @@ TEST_ENV := JAXFORMER_SMALL=1 JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache \
 	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 XLA_FLAGS=--xla_backend_optimization_level=0
 
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadgroup -q --nbmake $(TEST_PATHS) $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -n 2 -q --nbmake $(TEST_PATHS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/attention.py

@@ -13,14 +13,13 @@ import pytest
 
 from jaxformer.generate import main as generate_main
 from jaxformer.training import train
-from jaxformer.training.checkpoint import MANIFEST, Checkpointer, damage
+from jaxformer.training.checkpoint import MANIFEST, Checkpointer, damage, seal
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import read_metrics
 from tests.conftest import REPO
 from tests.test_training import TINY, config, corpus, restored_state  # noqa: F401 (fixture)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
-pytestmark = pytest.mark.xdist_group("run9")  # one worker builds the trained run
 
 _spec = importlib.util.spec_from_file_location("train_cli", REPO / "train.py")
 cli = importlib.util.module_from_spec(_spec)
@@ -98,6 +97,15 @@ def test_damage_names_each_fault_and_passes_intact_steps(run9, tmp_path):
         assert words in (damage(step_dir) or ""), (harm.__name__, damage(step_dir))
 
 
+def test_seal_records_checksums_only_for_steps_without_them(run9, tmp_path):
+    run = copy_of(run9, tmp_path)
+    lose_manifest(run / "checkpoints/9")
+    truncate(run / "checkpoints/6")  # has its checksums: stays damaged
+    assert "seal RUN_DIR" in damage(run / "checkpoints/9")
+    assert seal(run) == [run / "checkpoints/9"]
+    assert damage(run / "checkpoints/9") is None and "bytes where" in damage(run / "checkpoints/6")
+
+
 def test_a_damaged_best_is_set_aside_for_a_new_one(run9, tmp_path, capsys):
     run = copy_of(run9, tmp_path)
     [best] = (run / "best").iterdir()
@@ -140,7 +148,8 @@ def test_no_intact_checkpoint_is_one_line_that_names_the_damage(run9, corpus, tm
     run = copy_of(run9, tmp_path)
     flip_bits(run / "checkpoints/9")
     truncate(run / "checkpoints/6")
-    assert generate_main(["--run", str(run), "--prompt", "def", "--max-new-tokens", "4"]) == 2  # a reader of runs
+    # a reader of runs first
+    assert generate_main(["--run", str(run), "--prompt", "def", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: no intact checkpoint in {run.absolute()}/checkpoints "
                               "(damaged: 9: state/") and "; 6: state/" in err[-1], err

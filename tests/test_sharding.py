@@ -125,7 +125,6 @@ def mesh_runs(tmp_path_factory):
     return run_worker("losses", tmp_path_factory.mktemp("mesh"))
 
 
-@pytest.mark.xdist_group("mesh_runs")  # the fixture runs once, on one worker
 def test_every_mesh_trains_like_one_device(mesh_runs):
     ref = mesh_runs["None"]
     assert ref["losses"][2] != ref["losses"][0]  # the steps did something
@@ -166,7 +165,6 @@ def _expected_spec(path, shape, mesh):
     return spec
 
 
-@pytest.mark.xdist_group("mesh_runs")  # the fixture runs once, on one worker
 def test_params_and_optimizer_state_are_sharded_as_the_rules_say(mesh_runs):
     for name in MESHES:
         mesh = tuple(int(s) for s in name.strip("()").split(","))
@@ -179,7 +177,6 @@ def test_params_and_optimizer_state_are_sharded_as_the_rules_say(mesh_runs):
     assert mesh_runs["(2, 1, 4)"]["specs"]["['blocks']['attn']['key']['kernel']"][2] == []
 
 
-@pytest.mark.xdist_group("mesh_runs")  # the fixture runs once, on one worker
 def test_per_device_bytes_shrink_by_the_expected_factor(mesh_runs):
     full = mesh_runs["None"]["bytes"]
     assert mesh_runs["(8, 1, 1)"]["bytes"] == full  # data parallel: every device a copy

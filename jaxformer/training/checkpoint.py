@@ -70,7 +70,8 @@ def damage(step_dir: pathlib.Path) -> str | None:
         for name, (size, _) in recorded.items():
             assert isinstance(name, str) and isinstance(size, int)
     except FileNotFoundError:
-        return f"{MANIFEST} is missing (a partial copy, or saved before checksums existed)"
+        return (f"{MANIFEST} is missing: a partial copy, or saved before checksums existed "
+                "(if so and you trust it: python -m jaxformer.training.checkpoint seal RUN_DIR)")
     except (ValueError, TypeError, AssertionError):
         return f"{MANIFEST} is unreadable"
     for name, (size, crc) in recorded.items():
@@ -231,3 +232,22 @@ def _free_name(path: pathlib.Path) -> pathlib.Path:
 def abstract_like(state):
     """ShapeDtypeStructs (with shardings) for a state, to restore into."""
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+
+
+def seal(run_dir) -> list[pathlib.Path]:
+    """Record checksums for the steps of a run dir that have none (saved before jaxformer
+    wrote them), trusting their files as they are now; returns the steps sealed."""
+    run_dir = pathlib.Path(run_dir)
+    steps = [p for p in sorted([*run_dir.glob("checkpoints/*"), *run_dir.glob("best/*")])
+             if p.name.isdigit() and p.is_dir() and not (p / MANIFEST).exists()]
+    for step_dir in steps:
+        write_manifest(step_dir)
+    return steps
+
+
+if __name__ == "__main__":  # python -m jaxformer.training.checkpoint seal RUN_DIR
+    import sys
+    if len(sys.argv) != 3 or sys.argv[1] != "seal":
+        sys.exit("usage: python -m jaxformer.training.checkpoint seal RUN_DIR")
+    for sealed in seal(sys.argv[2]):
+        print(f"sealed {sealed}")
