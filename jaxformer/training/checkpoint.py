@@ -66,13 +66,14 @@ def damage(step_dir: pathlib.Path) -> str | None:
     recorded is there with the size and checksum it was written with."""
     try:
         recorded = json.loads((step_dir / MANIFEST).read_text())
-        assert isinstance(recorded, dict) and recorded
-        for name, (size, _) in recorded.items():
-            assert isinstance(name, str) and isinstance(size, int)
     except FileNotFoundError:
         return (f"{MANIFEST} is missing: a partial copy, or saved before checksums existed "
                 "(if so and you trust it: python -m jaxformer.training.checkpoint seal RUN_DIR)")
-    except (ValueError, TypeError, AssertionError):
+    except (ValueError, UnicodeDecodeError):
+        recorded = None
+    if not isinstance(recorded, dict) or not recorded or not all(
+            isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+            for v in recorded.values()):
         return f"{MANIFEST} is unreadable"
     for name, (size, crc) in recorded.items():
         path = step_dir / name
@@ -104,14 +105,14 @@ class Checkpointer:
     def _manager(directory: pathlib.Path, max_to_keep: int):
         saving = {}  # the step in flight: one at a time per manager
 
-        def seal():  # in orbax's commit thread, before the temporary directory is renamed
+        def record_checksums():  # in orbax's commit thread, before the rename to the step
             step = saving["step"]
             tmp = list(directory.glob(f"{step}.orbax-checkpoint-tmp*"))
             write_manifest(tmp[0] if len(tmp) == 1 else directory / str(step))
 
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=seal),
+            async_options=ocp.AsyncOptions(post_finalization_callback=record_checksums),
             cleanup_tmp_directories=True, create=True)
         mngr = ocp.CheckpointManager(directory, options=options,
                                      item_names=("state", "model", "info"))
