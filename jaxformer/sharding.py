@@ -156,12 +156,17 @@ def traced_under(mesh, rules, fn):
 # ---- params ---------------------------------------------------------------------------
 
 
+def _abstract_params(model, *args):
+    """The params of model.init as ShapeDtypeStructs, still boxed with their logical names
+    (allocates nothing). args: example inputs after the rng (default: one token)."""
+    args = args or (jax.ShapeDtypeStruct((1, 1), jnp.int32),)
+    return jax.eval_shape(lambda: nn.Module.init(model, jax.random.key(0), *args))["params"]
+
+
 def logical_axes(model, *args):
     """The params' logical PartitionSpecs, from an abstract init (allocates nothing).
     args: example inputs of model.init after the rng (default: one token)."""
-    args = args or (jax.ShapeDtypeStruct((1, 1), jnp.int32),)
-    boxed = jax.eval_shape(lambda: nn.Module.init(model, jax.random.key(0), *args))
-    return nn.get_partition_spec(boxed)["params"]
+    return nn.get_partition_spec(_abstract_params(model, *args))
 
 
 def _fit(spec: P, shape, mesh) -> P:
@@ -184,8 +189,8 @@ def shardings_for(specs, shapes, mesh, rules):
 
 def param_shardings(model, mesh, rules):
     """The params' NamedShardings on `mesh` as `rules` map their logical names."""
-    from jaxformer.model import param_shapes
-    return shardings_for(logical_axes(model), param_shapes(model.cfg), mesh, rules)
+    boxed = _abstract_params(model)
+    return shardings_for(nn.get_partition_spec(boxed), nn.unbox(boxed), mesh, rules)
 
 
 def per_device_bytes(tree) -> int:
