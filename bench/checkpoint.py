@@ -6,8 +6,10 @@
 Each row is one setting, its runs interleaved with the others'. Time per step is the loop's
 own (metrics.jsonl, after the first 10 steps, which compile: evaluation excluded, saves
 included), median over the repeats; the
-overhead is against "no saves". Also: bytes per checkpoint, and the milliseconds to verify
-one (checksums) and to restore it. Prints a table; asserts nothing.
+overhead is against "no saves". Also: bytes per checkpoint, the milliseconds to verify
+one (checksums) and to restore it, and how long one save call holds the loop (async: the
+copy to host; sync: the whole write), which is the cost the step times are too noisy to
+show. Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
@@ -21,12 +23,10 @@ import time
 
 import jax
 
-from jaxformer.model import Transformer
+from jaxformer.generate import load_run_params
 from jaxformer.training import load_config, train
-from jaxformer.training.checkpoint import Checkpointer, abstract_like, damage
+from jaxformer.training.checkpoint import damage
 from jaxformer.training.metrics import read_metrics
-from jaxformer.training.optim import make_optimizer
-from jaxformer.training.step import abstract_state
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -52,6 +52,27 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def blocking_ms(cfg, async_save: bool, saves: int = 6) -> float:
+    """Median time a save call holds the step loop (after the first, which compiles the
+    host copy), each save starting with the previous one finished, as at checkpoint.every."""
+    from jaxformer.model import Transformer
+    from jaxformer.training.checkpoint import Checkpointer
+    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.step import init_state
+    tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    state = init_state(Transformer(cfg.model), tx, 0)
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Checkpointer(tmp, keep=2, async_save=async_save, log=lambda *a: None)
+        for step in range(saves):
+            ckpt.wait()
+            t0 = time.perf_counter()
+            ckpt.save(step, state, cfg.model)
+            times.append(time.perf_counter() - t0)
+        ckpt.close()
+    return statistics.median(times[1:]) * 1e3
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
@@ -72,19 +93,14 @@ def main():
                 train(load_config(str(REPO / "configs/tiny.yaml"),
                                   [*base, *extra, f"train.run_dir={run}"]), log=lambda *a: None)
                 times[name].append(ms_per_step(run))
-        cfg = load_config(str(run / "config.yaml"))
         step_dir = run / "checkpoints" / str(args.steps)
         size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
         t0 = time.perf_counter()
         assert damage(step_dir) is None
         verify_ms = (time.perf_counter() - t0) * 1e3
-        tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
-        ckpt = Checkpointer(run, keep=2)
-        abstract = abstract_like(abstract_state(Transformer(cfg.model), tx))
         t0 = time.perf_counter()
-        jax.block_until_ready(ckpt.restore(abstract, cfg.model))
+        jax.block_until_ready(load_run_params(run))  # the whole state, as a resume reads it
         restore_ms = (time.perf_counter() - t0) * 1e3
-        ckpt.close()
 
     none = statistics.median(times["no saves"])
     print(f"configs/tiny.yaml, {args.steps} steps, {args.repeats} repeats; {cpu_name()}, "
@@ -96,6 +112,9 @@ def main():
               f"{(ms / none - 1) * 100:+.1f}% |")
     print(f"\none checkpoint: {size / 2**20:.2f} MiB; verify (CRC-32 of every file) "
           f"{verify_ms:.1f} ms; verify + restore {restore_ms:.1f} ms")
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), list(overrides))
+    print("a save holds the step loop for (median of 5): "
+          f"{blocking_ms(cfg, True):.0f} ms async, {blocking_ms(cfg, False):.0f} ms sync")
 
 
 if __name__ == "__main__":

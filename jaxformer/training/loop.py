@@ -226,7 +226,8 @@ class _Run:
         return float(m["loss"])
 
     def finish(self, stopped_early: bool) -> dict:
-        """The last save; then, unless stopped early, the final evaluation and a sample."""
+        """The last save; then, unless stopped early, the final evaluation and a sample.
+        (`train`'s exit stack completes the saves and closes the metrics.)"""
         cfg, log, summary = self.cfg, self.log, self.summary
         end_step = int(self.state.step)
         self.ckpt.save(end_step, self.state, cfg.model)  # a step saved already is left as is
@@ -248,8 +249,6 @@ class _Run:
             elif self.lead:
                 (self.run_dir / "sample.txt").write_text(text)
                 log(f"--- sample (temperature {cfg.train.sample_temperature}) ---\n{text}\n---")
-        self.ckpt.wait()
-        self.metrics.close()
         if self.lead and (self.run_dir / "metrics.jsonl").exists():
             summary["plot"] = str(plot_loss_curve(self.run_dir))
         return summary
