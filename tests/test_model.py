@@ -276,8 +276,9 @@ def test_remat_gives_equal_gradients(remat, scan):
 
     grad = jax.jit(jax.grad(loss), static_argnums=1)
     g_plain, g_remat = grad(params, cfg), grad(params, cfg.replace(remat=remat))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                 g_remat, g_plain)
+    # the same math, fused differently: float32 rounding apart, relative to each leaf's scale
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max())), g_remat, g_plain)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
@@ -305,16 +306,13 @@ def test_dropout_only_when_not_deterministic():
 # ---- compiled backward pass: no transposed activations ---------------------------------
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
-@pytest.mark.parametrize("extra", [{}, dict(position="rope", norm="rmsnorm", ffn="swiglu",
-                                            use_bias=False, tie_embeddings=False, n_kv_heads=2)])
-def test_backward_has_no_transposed_activation(extra):
-    """Every weight matmul is a 2-D dot (jaxformer.matmul): XLA:CPU then computes the
-    weight gradients X^T dY without materialising any activation transposed to
-    [features, tokens] (3-D dots made it copy one per weight, fusing the elementwise work
-    that produced X or dY into a strided loop: a third of the bench step's backward)."""
+LLAMA = dict(position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
+             tie_embeddings=False, n_kv_heads=2)
+
+
+def grad_hlo(extra, b=2, t=64):
+    """(config, optimized HLO text) of the loss gradient of a 2-layer model."""
     from jaxformer.training.step import loss_sums
-    b, t = 2, 64  # 128 tokens: no feature size below equals it
     cfg = ModelConfig(**{**dict(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=t,
                                 position="learned"), **extra})
     model = Transformer(cfg)
@@ -322,11 +320,32 @@ def test_backward_has_no_transposed_activation(extra):
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "loss_mask": np.ones((b, t), np.float32)}
     params = model.init(jax.random.key(0), tokens[:, :8])["params"]
-    hlo = jax.jit(jax.grad(lambda p: loss_sums(model, p, batch)[0])).lower(params) \
+    return cfg, jax.jit(jax.grad(lambda p: loss_sums(model, p, batch)[0])).lower(params) \
         .compile().as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
+@pytest.mark.parametrize("extra", [{}, LLAMA])
+def test_backward_has_no_transposed_activation(extra):
+    """Every weight matmul is a 2-D dot (jaxformer.matmul): XLA:CPU then computes the
+    weight gradients X^T dY without materialising any activation transposed to
+    [features, tokens] (3-D dots made it copy one per weight, fusing the elementwise work
+    that produced X or dY into a strided loop: a third of the bench step's backward)."""
+    b, t = 2, 64  # 128 tokens: no feature size below equals it
+    cfg, hlo = grad_hlo(extra, b, t)
     features = {cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.head_dim,
                 cfg.n_kv_heads * cfg.head_dim, cfg.vocab_size}
     assert b * t not in features
     transposed = re.compile(r"= f32\[(%s),%d\]" % ("|".join(map(str, features)), b * t))
     found = [line.strip()[:120] for line in hlo.splitlines() if transposed.search(line)]
     assert not found, f"{len(found)} activations transposed to [features, tokens]: {found[:3]}"
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_rope_angles_are_computed_once_per_step(scan):
+    """Every layer rotates q and k by the same angles: the compiled train-step gradient
+    holds one cosine and one sine, not one per layer and per use (fused into each rotation,
+    they were recomputed per element of q and k: ~8% of the Llama bench step)."""
+    _, hlo = grad_hlo({**LLAMA, "scan_layers": scan})
+    counts = {op: hlo.count(f" {op}(") for op in ("cosine", "sine")}
+    assert counts == {"cosine": 1, "sine": 1}, counts

@@ -1,0 +1,173 @@
+"""Where the train step's forward+backward spends its time, by compiled op.
+
+    python bench/profile.py [--shape gpt2|llama --layers 6 --d-model 384 --heads 6
+        --kv-heads 2 --seq 256 --batch 8 --vocab 256 --dtype float32 --calls 3 --top 25]
+        [--serial] [model.key=value ...]
+
+Traces `jax.value_and_grad` of the training loss with `jax.profiler`, sums the trace's
+events by name (one event per compiled op: `ynn_fusion.N` is a matmul, `fusion.N` an
+elementwise loop, `copy_bitcast_fusion.N` a transpose, ...), and prints the top ops with
+their share, the optimized HLO's result shape and, for dots, the contracting dims. The
+same shapes and flags as bench/train_throughput.py. XLA:CPU runs independent ops
+concurrently, so the event times overlap and sum to more than the wall time; --serial
+turns that off (`--xla_cpu_enable_concurrency_optimized_scheduler=false` and one
+intra-op thread pool), for per-op numbers that add up. Prints tables; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="gpt2", help="gpt2 or llama (bench/train_throughput.py)")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--calls", type=int, default=3, help="traced calls (after one warm-up)")
+    p.add_argument("--top", type=int, default=25, help="ops to list")
+    p.add_argument("--forward", action="store_true", help="the forward pass only")
+    p.add_argument("--serial", action="store_true", help="run ops one at a time (see above)")
+    p.add_argument("overrides", nargs="*", help="model.key=value")
+    return p.parse_args()
+
+
+def _dims(shape: str) -> list[int]:
+    m = re.match(r"\w+\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _dot_flops(lines: list[str]) -> float:
+    """FLOPs of the dot in a computation's lines (0 if none): 2 * |out| * |contracted|."""
+    shapes = {}
+    for line in lines:
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(([^)]*)\)", line)
+        if not m:
+            continue
+        name, shape, op, args = m.groups()
+        shapes[name] = _dims(shape)
+        if op == "dot":
+            lhs = shapes.get(args.split(",")[0].strip().lstrip("%"), [])
+            contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
+            k = math.prod(lhs[int(d)] for d in contract.split(",") if d) if lhs else 0
+            return 2.0 * math.prod(_dims(shape)) * k
+    return 0.0
+
+
+def hlo_ops(hlo_text: str) -> dict:
+    """Instruction name -> (result shape, where it comes from, FLOPs if a dot) from
+    optimized HLO text; where: "bwd"/"fwd" and the jax op's name path (e.g.
+    block_0/ffn/wi/dot_general)."""
+    computations, current = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"(?:ENTRY )?%?([\w.\-]+) \(", line)
+        if head and not line.startswith(" "):
+            current = computations.setdefault(head.group(1), [])
+        elif current is not None:
+            current.append(line)
+    ops = {}
+    for lines in computations.values():
+        for line in lines:
+            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(", line)
+            if not m:
+                continue
+            name, shape, op = m.groups()
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            flops = _dot_flops(computations.get(called.group(1), []) if called else [line])
+            source = re.search(r'op_name="([^"]*)"', line)
+            source = source.group(1) if source else op
+            phase = "bwd" if "transpose(" in source else "fwd"
+            where = re.sub(r"^.*\)/", "", source.split(";")[0])
+            ops.setdefault(name, (shape, f"{phase} {where}", flops))
+    return ops
+
+
+def trace_events(trace_dir: str) -> collections.Counter:
+    """Sum of each event name's durations (ms) over the trace's complete ("X") events."""
+    path = next(os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs
+                if f.endswith("perfetto_trace.json.gz"))
+    with gzip.open(path) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    total = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            total[e["name"]] += e["dur"] / 1e3
+    return total
+
+
+def main():
+    a = parse_args()
+    if a.serial:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_cpu_enable_concurrency_optimized_scheduler=false")
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from train_throughput import model_config
+
+    from jaxformer import Transformer
+    from jaxformer.training.config import parse_overrides
+    from jaxformer.training.step import loss_sums
+
+    cfg = model_config(a.shape, a, parse_overrides(a.overrides))
+    model = Transformer(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1), np.int32)
+    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "loss_mask": np.ones((a.batch, a.seq), np.float32)}
+    params = model.init(jax.random.key(0), data["inputs"][:1])["params"]
+    loss = lambda p: loss_sums(model, p, data)[0]  # noqa: E731
+    fn = jax.jit(loss if a.forward else jax.value_and_grad(loss))
+    compiled = fn.lower(params).compile()
+    ops = hlo_ops(compiled.as_text())
+    jax.block_until_ready(compiled(params))
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(a.calls):
+                jax.block_until_ready(compiled(params))
+        wall = (time.perf_counter() - t0) * 1e3 / a.calls
+        totals = trace_events(tmp)
+    known = {n: ms / a.calls for n, ms in totals.items() if n in ops}
+    busy = sum(known.values())
+    what = "forward" if a.forward else "forward+backward"
+    print(f"[{a.shape}] {what}: {wall:.1f} ms per call traced (wall, tracing on); compiled ops "
+          f"busy {busy:.1f} ms per call{' (serial)' if a.serial else ' (overlapping)'}; "
+          f"{len(known)} ops\n")
+    by_kind = collections.Counter()
+    for n, ms in known.items():
+        by_kind[re.sub(r"[.\d]+$", "", n)] += ms
+    print(f"{'kind':<32} {'ms':>8} {'share':>6}")
+    for kind, ms in by_kind.most_common(12):
+        print(f"{kind:<32} {ms:>8.1f} {ms / busy:>6.1%}")
+
+    by_source = collections.defaultdict(lambda: [0.0, 0, 0.0])  # ms, ops, flops
+    for n, ms in known.items():
+        _, where, flops = ops[n]
+        row = by_source[re.sub(r"block_\d+/", "block_*/", where)]
+        row[0] += ms
+        row[1] += 1
+        row[2] += flops
+    print(f"\n{'source (all layers)':<58} {'ops':>4} {'ms':>8} {'share':>6} {'GFLOP/s':>8}")
+    for where, (ms, count, flops) in sorted(by_source.items(), key=lambda kv: -kv[1][0])[:a.top]:
+        rate = f"{flops / ms / 1e6:8.1f}" if flops else f"{'':>8}"
+        print(f"{where[:58]:<58} {count:>4} {ms:>8.1f} {ms / busy:>6.1%} {rate}")
+
+if __name__ == "__main__":
+    main()
