@@ -1,6 +1,6 @@
 """Where the train step's forward+backward spends its time, by compiled op.
 
-    python bench/profile.py [--shape gpt2|llama --layers 6 --d-model 384 --heads 6
+    python bench/op_profile.py [--shape gpt2|llama --layers 6 --d-model 384 --heads 6
         --kv-heads 2 --seq 256 --batch 8 --vocab 256 --dtype float32 --calls 3 --top 25]
         [--serial] [model.key=value ...]
 
