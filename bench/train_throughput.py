@@ -10,7 +10,8 @@ GPT2LMHeadModel, and llama (RoPE, RMSNorm, SwiGLU, GQA with --kv-heads, untied h
 against LlamaForCausalLM. Each row splits the step into forward, backward and optimizer
 milliseconds (medians; backward = value_and_grad - forward, optimizer = step -
 value_and_grad on our side, timed phases on PyTorch's), with tokens/s and MFU against the
-matmul peak measured in the same run. `model.key=value` overrides are typed as train.py
+matmul peak measured in the same run. The two implementations take turns step by step, so
+that a shared machine's drifting speed does not tilt their ratio. `model.key=value` overrides are typed as train.py
 types them. Prints tables; asserts nothing.
 """
 
@@ -37,17 +38,15 @@ SHAPES = {  # model fields of each shape beyond the command line's sizes
 }
 
 
-def median_ms(fn, n):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
-def bench_jax(cfg, batch: int, seq: int, steps: int):
-    """(first step s, forward ms, forward+backward ms, step ms)."""
+def bench_jax(cfg, batch: int, seq: int):
+    """(first step s, one()): one() times a forward, a forward+backward and a whole train
+    step once each, in ms."""
     model = Transformer(cfg)
     tx, schedule = make_optimizer(OptimConfig(), cfg, 1000)
     state = init_state(model, tx, 0)
@@ -70,9 +69,9 @@ def bench_jax(cfg, batch: int, seq: int, steps: int):
     for f in (lambda: fwd(params()), lambda: fwd_bwd(params())):
         jax.block_until_ready(f())  # compile
     one_step()
-    return (first_s, median_ms(lambda: jax.block_until_ready(fwd(params())), steps),
-            median_ms(lambda: jax.block_until_ready(fwd_bwd(params())), steps),
-            median_ms(one_step, steps))
+    return first_s, lambda: (timed(lambda: jax.block_until_ready(fwd(params()))),
+                             timed(lambda: jax.block_until_ready(fwd_bwd(params()))),
+                             timed(one_step))
 
 
 def hf_model(shape: str, cfg, seq: int):
@@ -91,9 +90,9 @@ def hf_model(shape: str, cfg, seq: int):
         attention_bias=False, bos_token_id=0, eos_token_id=0))
 
 
-def bench_torch(shape: str, cfg, batch: int, seq: int, steps: int):
-    """(first step s, forward ms, forward+backward ms, step ms, threads), or None without
-    torch and transformers."""
+def bench_torch(shape: str, cfg, batch: int, seq: int):
+    """(first step s, one(), threads), or None without torch and transformers: one() runs a
+    train step and returns its forward, forward+backward and whole-step ms."""
     try:
         import torch
         import transformers  # noqa: F401
@@ -104,7 +103,6 @@ def bench_torch(shape: str, cfg, batch: int, seq: int, steps: int):
     hf.train()
     opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
     x = torch.randint(0, cfg.vocab_size, (batch, seq))
-    phases = {"fwd": [], "bwd": [], "opt": []}
 
     def one():
         t0 = time.perf_counter()
@@ -116,19 +114,24 @@ def bench_torch(shape: str, cfg, batch: int, seq: int, steps: int):
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
         t3 = time.perf_counter()
-        for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-            phases[name].append(dt * 1e3)
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3, (t3 - t0) * 1e3
 
     t0 = time.perf_counter()
     one()
     first_s = time.perf_counter() - t0
     one()
-    for p in phases.values():
-        p.clear()
+    return first_s, one, torch.get_num_threads()
+
+
+def interleaved(runners, steps: int):
+    """Medians of each runner's (fwd, fwd+bwd, step) ms over `steps` rounds, the runners
+    taking turns within each round, so that a machine whose speed drifts (a shared host)
+    slows them alike."""
+    times = [[] for _ in runners]
     for _ in range(steps):
-        one()
-    fwd, bwd, opt_ms = (statistics.median(p) for p in phases.values())
-    return first_s, fwd, fwd + bwd, fwd + bwd + opt_ms, torch.get_num_threads()
+        for one, out in zip(runners, times):
+            out.append(one())
+    return [tuple(statistics.median(col) for col in zip(*out)) for out in times]
 
 
 def model_config(shape: str, a, overrides):
@@ -189,11 +192,15 @@ def main():
               f"{count_params(cfg):,} params; {flops_tok / 1e6:.1f} MFLOP/token "
               f"(position={cfg.position}, scan_layers={cfg.scan_layers}, remat={cfg.remat}, "
               f"attention_impl={cfg.attention_impl})")
-        rows = [("jaxformer (jit)", *bench_jax(cfg, a.batch, a.seq, a.steps))]
-        torch_res = None if a.no_torch else bench_torch(shape, cfg, a.batch, a.seq, a.steps)
+        first_jax, one_jax = bench_jax(cfg, a.batch, a.seq)
+        torch_res = None if a.no_torch else bench_torch(shape, cfg, a.batch, a.seq)
+        runners = [one_jax] + ([torch_res[1]] if torch_res else [])
+        medians = interleaved(runners, a.steps)
+        rows = [("jaxformer (jit)", first_jax, *medians[0])]
         if torch_res is not None:
             hf_name = "GPT2LMHeadModel" if shape == "gpt2" else "LlamaForCausalLM"
-            rows.append((f"HF {hf_name}, PyTorch ({torch_res[-1]} thr)", *torch_res[:-1]))
+            rows.append((f"HF {hf_name}, PyTorch ({torch_res[2]} thr)", torch_res[0],
+                         *medians[1]))
         print_table(rows, a.batch * a.seq, flops_tok, peak)
         if torch_res is not None:
             print(f"jaxformer / PyTorch tokens/s: {rows[1][4] / rows[0][4]:.2f}x\n")

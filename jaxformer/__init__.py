@@ -1,5 +1,9 @@
 """jaxformer: a decoder-only transformer in JAX, written as pure-function Flax modules."""
 
+from jaxformer.host_memory import keep_freed_memory
+
+keep_freed_memory()  # before jax starts its CPU backend: see jaxformer/host_memory.py
+
 from jaxformer.config import ConfigError, ModelConfig, RopeScaling
 from jaxformer.decoding import beam_search, generate, kv_cache_bytes
 from jaxformer.model import (
