@@ -2,17 +2,23 @@
 
 Each call of a compiled function allocates its temporary buffer (all the activations a
 train step keeps for its backward pass: ~570 MB for the Llama shape of
-bench/train_throughput.py) and frees it at the end. XLA:CPU allocates from its worker
-threads, and glibc serves a block that large to a thread with a fresh mmap and returns it
-with munmap: every step then faults in every page of it again, ~140,000 page faults and
-~0.4 s of kernel time in a ~1.3 s step on a 2-core machine (bench/op_profile.py reports
-the faults). With one malloc arena, no mmap and no trimming, the freed block stays in the
-heap and the next step's allocation takes it back: no faults after the first step.
+bench/train_throughput.py) and frees it at the end. By default jax runs a CPU computation
+on a worker thread, and glibc serves a block that large to a thread with a fresh mmap and
+returns it with munmap: every step then faulted in every page of it again, ~140,000 page
+faults and ~0.4 s of kernel time in a ~1.3 s step on a 2-core machine.
 
-This is glibc's `mallopt`, process-wide, and must run before jax starts its CPU backend
-(the worker threads pick their arena on their first allocation): `import jaxformer` does
-it. It does nothing on other C libraries or systems, or with JAXFORMER_KEEP_HOST_MEMORY=0.
-The cost is that the process keeps its peak heap until it exits.
+Two settings fix it, both process-wide and both needing to come before jax starts its CPU
+backend (`import jaxformer` does it):
+- jax runs single-device CPU computations in the calling thread
+  (`jax_cpu_enable_async_dispatch=False`), so the buffer comes from glibc's main arena,
+  the only one that can hold a block that large without mmap. The calling thread then
+  waits for each computation: for a train step of ~1 s, the ~1 ms of Python between steps
+  no longer overlaps it. Computations over several devices stay asynchronous.
+- glibc's malloc uses no mmap and keeps freed memory (`mallopt`): the block stays in the
+  heap and the next call takes it back. The process keeps its peak heap until it exits.
+(Forcing one malloc arena for every thread also works, but it made the `tokenizers`
+library's multi-threaded BPE training 3.5x slower.) Nothing changes on other C libraries
+or systems, or with JAXFORMER_KEEP_HOST_MEMORY=0.
 """
 
 from __future__ import annotations
@@ -21,16 +27,21 @@ import ctypes
 import os
 import sys
 
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc <malloc.h>
+import jax
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc <malloc.h>
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's malloc to keep freed blocks (see the module docstring). True if set."""
+    """Apply the settings above, before jax's CPU backend starts. True if they were set."""
     if os.environ.get("JAXFORMER_KEEP_HOST_MEMORY", "1") == "0" or sys.platform != "linux":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl)
         return False
-    settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
-    return all(mallopt(option, value) == 1 for option, value in settings)
+    if not all(mallopt(option, value) == 1
+               for option, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))):
+        return False
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return True
