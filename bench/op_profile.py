@@ -2,16 +2,16 @@
 
     python bench/op_profile.py [--shape gpt2|llama --layers 6 --d-model 384 --heads 6
         --kv-heads 2 --seq 256 --batch 8 --vocab 256 --dtype float32 --calls 3 --top 25]
-        [--serial] [model.key=value ...]
+        [--forward] [model.key=value ...]
 
-Traces `jax.value_and_grad` of the training loss with `jax.profiler`, sums the trace's
-events by name (one event per compiled op: `ynn_fusion.N` is a matmul, `fusion.N` an
-elementwise loop, `copy_bitcast_fusion.N` a transpose, ...), and prints the top ops with
-their share, the optimized HLO's result shape and, for dots, the contracting dims. The
-same shapes and flags as bench/train_throughput.py. XLA:CPU runs independent ops
-concurrently, so the event times overlap and sum to more than the wall time; --serial
-turns that off (`--xla_cpu_enable_concurrency_optimized_scheduler=false` and one
-intra-op thread pool), for per-op numbers that add up. Prints tables; asserts nothing.
+Traces `jax.value_and_grad` of the training loss with `jax.profiler` and sums the trace's
+events by compiled op (`ynn_fusion.N` is a matmul, `copy_bitcast_fusion.N` a transpose,
+...). Prints the time by kind of op, then by the jax op each came from, layers folded
+(e.g. `bwd block_*/ffn/wi/dot_general`), with GFLOP/s for dots. The same shapes and
+overrides as bench/train_throughput.py. XLA:CPU may run independent ops at the same time
+on different cores, and matmuls hand work to a thread pool the trace does not show, so
+per-op times only bound each op: take step times from train_throughput.py. Prints
+tables; asserts nothing.
 """
 
 from __future__ import annotations
@@ -23,27 +23,25 @@ import json
 import math
 import os
 import re
-import sys
 import tempfile
 import time
+
+import jax
+import numpy as np
+from train_throughput import add_size_arguments, model_config
+
+from jaxformer import Transformer
+from jaxformer.training.config import parse_overrides
+from jaxformer.training.step import loss_sums
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="gpt2", help="gpt2 or llama (bench/train_throughput.py)")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--dtype", default="float32")
+    add_size_arguments(p)
     p.add_argument("--calls", type=int, default=3, help="traced calls (after one warm-up)")
     p.add_argument("--top", type=int, default=25, help="ops to list")
     p.add_argument("--forward", action="store_true", help="the forward pass only")
-    p.add_argument("--serial", action="store_true", help="run ops one at a time (see above)")
-    p.add_argument("overrides", nargs="*", help="model.key=value")
     return p.parse_args()
 
 
@@ -113,19 +111,6 @@ def trace_events(trace_dir: str) -> collections.Counter:
 
 def main():
     a = parse_args()
-    if a.serial:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_cpu_enable_concurrency_optimized_scheduler=false")
-    import jax
-    import numpy as np
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from train_throughput import model_config
-
-    from jaxformer import Transformer
-    from jaxformer.training.config import parse_overrides
-    from jaxformer.training.step import loss_sums
-
     cfg = model_config(a.shape, a, parse_overrides(a.overrides))
     model = Transformer(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.seq + 1), np.int32)
@@ -148,7 +133,7 @@ def main():
     busy = sum(known.values())
     what = "forward" if a.forward else "forward+backward"
     print(f"[{a.shape}] {what}: {wall:.1f} ms per call traced (wall, tracing on); compiled ops "
-          f"busy {busy:.1f} ms per call{' (serial)' if a.serial else ' (overlapping)'}; "
+          f"busy {busy:.1f} ms per call; "
           f"{len(known)} ops\n")
     by_kind = collections.Counter()
     for n, ms in known.items():

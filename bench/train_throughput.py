@@ -158,9 +158,8 @@ def print_table(rows, tokens: int, flops_tok: float, peak: float):
               f"{tok_s:>9,.0f} {tok_s * flops_tok / peak:>6.1%}")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="gpt2,llama", help="comma-separated: gpt2, llama")
+def add_size_arguments(p: argparse.ArgumentParser):
+    """The model and batch sizes, dtype and model.key=value overrides (model_config)."""
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
@@ -169,9 +168,15 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("overrides", nargs="*", help="model.key=value")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="gpt2,llama", help="comma-separated: gpt2, llama")
+    add_size_arguments(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("overrides", nargs="*", help="model.key=value")
     a = p.parse_args()
     overrides = parse_overrides(a.overrides)
     shapes = [s.strip() for s in a.shapes.split(",")]
