@@ -114,7 +114,8 @@ def apply_rope(x, positions, *, theta: float = 10000.0, scaling: RopeScaling | N
     # Full-width tables, x * [cos, cos] + [x2, x1] * [-sin, sin]: the same products and
     # sums as the split form. Written with the halves, XLA:CPU fused cos and sin into every
     # layer's rotation and recomputed them per element (~8% of a Llama-shaped train step);
-    # through the concatenated tables they are computed once (test_models: rope HLO).
+    # through the concatenated tables they are computed once
+    # (tests/test_model.py::test_rope_angles_are_computed_once_per_step).
     cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)  # [B, T, N, H/2] each
