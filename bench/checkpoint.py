@@ -24,9 +24,12 @@ import time
 import jax
 
 from jaxformer.generate import load_run_params
+from jaxformer.model import Transformer
 from jaxformer.training import load_config, train
-from jaxformer.training.checkpoint import damage
+from jaxformer.training.checkpoint import Checkpointer, damage
 from jaxformer.training.metrics import read_metrics
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.step import init_state
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -55,10 +58,6 @@ def cpu_name() -> str:
 def blocking_ms(cfg, async_save: bool, saves: int = 6) -> float:
     """Median time a save call holds the step loop (after the first, which compiles the
     host copy), each save starting with the previous one finished, as at checkpoint.every."""
-    from jaxformer.model import Transformer
-    from jaxformer.training.checkpoint import Checkpointer
-    from jaxformer.training.optim import make_optimizer
-    from jaxformer.training.step import init_state
     tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     state = init_state(Transformer(cfg.model), tx, 0)
     times = []

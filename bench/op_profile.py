@@ -45,32 +45,31 @@ def parse_args():
     return p.parse_args()
 
 
+INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(([^)]*)\)")
+
+
 def _dims(shape: str) -> list[int]:
     m = re.match(r"\w+\[([\d,]*)\]", shape)
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
-def _dot_flops(lines: list[str]) -> float:
-    """FLOPs of the dot in a computation's lines (0 if none): 2 * |out| * |contracted|."""
-    shapes = {}
+def _dot_flops(lines: list[str], shapes: dict) -> float:
+    """FLOPs of the dot among an op's lines (0 if none): 2 * |out| * |contracted|; shapes:
+    every instruction's dims, for the dot's operands."""
     for line in lines:
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(([^)]*)\)", line)
-        if not m:
-            continue
-        name, shape, op, args = m.groups()
-        shapes[name] = _dims(shape)
-        if op == "dot":
-            lhs = shapes.get(args.split(",")[0].strip().lstrip("%"), [])
+        m = INSTRUCTION.match(line)
+        if m and m.group(3) == "dot":
+            lhs = shapes.get(m.group(4).split(",")[0].strip().lstrip("%"), [])
             contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
             k = math.prod(lhs[int(d)] for d in contract.split(",") if d) if lhs else 0
-            return 2.0 * math.prod(_dims(shape)) * k
+            return 2.0 * math.prod(_dims(m.group(2))) * k
     return 0.0
 
 
 def hlo_ops(hlo_text: str) -> dict:
     """Instruction name -> (result shape, where it comes from, FLOPs if a dot) from
     optimized HLO text; where: "bwd"/"fwd" and the jax op's name path (e.g.
-    block_0/ffn/wi/dot_general)."""
+    block_0/ffn/wi/dot_general). A fusion's FLOPs are those of the dot it calls."""
     computations, current = {}, None
     for line in hlo_text.splitlines():
         head = re.match(r"(?:ENTRY )?%?([\w.\-]+) \(", line)
@@ -78,20 +77,21 @@ def hlo_ops(hlo_text: str) -> dict:
             current = computations.setdefault(head.group(1), [])
         elif current is not None:
             current.append(line)
+    lines = [line for body in computations.values() for line in body]
+    shapes = {m.group(1): _dims(m.group(2)) for m in map(INSTRUCTION.match, lines) if m}
     ops = {}
-    for lines in computations.values():
-        for line in lines:
-            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(", line)
-            if not m:
-                continue
-            name, shape, op = m.groups()
-            called = re.search(r"calls=%?([\w.\-]+)", line)
-            flops = _dot_flops(computations.get(called.group(1), []) if called else [line])
-            source = re.search(r'op_name="([^"]*)"', line)
-            source = source.group(1) if source else op
-            phase = "bwd" if "transpose(" in source else "fwd"
-            where = re.sub(r"^.*\)/", "", source.split(";")[0])
-            ops.setdefault(name, (shape, f"{phase} {where}", flops))
+    for line in lines:
+        m = INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, shape, op, _ = m.groups()
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        flops = _dot_flops(computations.get(called.group(1), []) if called else [line], shapes)
+        source = re.search(r'op_name="([^"]*)"', line)
+        source = source.group(1) if source else op
+        phase = "bwd" if "transpose(" in source else "fwd"
+        where = re.sub(r"^.*\)/", "", source.split(";")[0])
+        ops.setdefault(name, (shape, f"{phase} {where}", flops))
     return ops
 
 
@@ -133,8 +133,7 @@ def main():
     busy = sum(known.values())
     what = "forward" if a.forward else "forward+backward"
     print(f"[{a.shape}] {what}: {wall:.1f} ms per call traced (wall, tracing on); compiled ops "
-          f"busy {busy:.1f} ms per call; "
-          f"{len(known)} ops\n")
+          f"busy {busy:.1f} ms per call; {len(known)} ops\n")
     by_kind = collections.Counter()
     for n, ms in known.items():
         by_kind[re.sub(r"[.\d]+$", "", n)] += ms
@@ -153,6 +152,7 @@ def main():
     for where, (ms, count, flops) in sorted(by_source.items(), key=lambda kv: -kv[1][0])[:a.top]:
         rate = f"{flops / ms / 1e6:8.1f}" if flops else f"{'':>8}"
         print(f"{where[:58]:<58} {count:>4} {ms:>8.1f} {ms / busy:>6.1%} {rate}")
+
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,8 @@ against LlamaForCausalLM. Each row splits the step into forward, backward and op
 milliseconds (medians; backward = value_and_grad - forward, optimizer = step -
 value_and_grad on our side, timed phases on PyTorch's), with tokens/s and MFU against the
 matmul peak measured in the same run. The two implementations take turns step by step, so
-that a shared machine's drifting speed does not tilt their ratio. `model.key=value` overrides are typed as train.py
-types them. Prints tables; asserts nothing.
+that a shared machine's drifting speed does not tilt their ratio. `model.key=value`
+overrides are typed as train.py types them. Prints tables; asserts nothing.
 """
 
 from __future__ import annotations
