@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from jaxformer.config import ATTENTION_IMPLS, ModelConfig
 from jaxformer.matmul import flat_dot_general
-from jaxformer.positions import alibi_bias, alibi_slopes, apply_rope
+from jaxformer.positions import (FIRE_THRESHOLD, alibi_bias, alibi_slopes, apply_rope,
+                                 fire_distance, t5_bias)
 from jaxformer.sharding import constrain, init_with_names
 
 IMPLS = ATTENTION_IMPLS  # auto, reference, xla, cudnn, chunked
@@ -334,8 +335,50 @@ class Attention(nn.Module):
         return self.finish(z), cache
 
 
-def position_bias(cfg: ModelConfig, q_positions, k_positions):
-    """The attention-logit bias a position scheme adds (ALiBi), or None."""
-    if cfg.position != "alibi":
-        return None
+def _alibi(module, cfg: ModelConfig, q_positions, k_positions):
     return alibi_bias(alibi_slopes(cfg.n_heads), q_positions, k_positions)
+
+
+def _t5(module, cfg: ModelConfig, q_positions, k_positions):
+    table = module.param("relative_bias", init_with_names(dense_init(), "table", "heads"),
+                         (cfg.t5_num_buckets, cfg.n_heads), cfg.param_dtype)
+    return t5_bias(table, q_positions, k_positions, max_distance=cfg.t5_max_distance)
+
+
+def _fire(module, cfg: ModelConfig, q_positions, k_positions):
+    """FIRE's bias, with the reference code's settings: an MLP 1 -> 32 -> heads (ReLU),
+    c initialised at 0.1, the threshold at FIRE_THRESHOLD (learned as a multiple of it)."""
+    c = module.param("c", init_with_names(nn.initializers.constant(0.1)), (), jnp.float32)
+    scale = module.param("threshold_scale", init_with_names(nn.initializers.ones), (),
+                         jnp.float32)
+    x = fire_distance(q_positions, k_positions, c, jnp.abs(scale * FIRE_THRESHOLD))[..., None]
+    param = lambda name, init, shape, *names: module.param(  # noqa: E731
+        name, init_with_names(init, *names), shape, cfg.param_dtype)
+    w_in = param("hidden_kernel", nn.initializers.normal(1.0), (FIRE_WIDTH,), "pos_mlp")
+    b_in = param("hidden_bias", nn.initializers.zeros, (FIRE_WIDTH,), "pos_mlp")
+    w_out = param("out_kernel", nn.initializers.lecun_normal(), (FIRE_WIDTH, cfg.n_heads),
+                  "pos_mlp", "heads")
+    b_out = param("out_bias", nn.initializers.zeros, (cfg.n_heads,), "heads")
+    h = nn.relu(x * w_in.astype(jnp.float32) + b_in.astype(jnp.float32))  # [B, T, S, W]
+    out = jnp.einsum("btsw,wn->bnts", h, w_out.astype(jnp.float32))
+    return out + b_out.astype(jnp.float32)[:, None, None]
+
+
+FIRE_WIDTH = 32  # FIRE's hidden layer
+# position scheme -> its logit bias [B, N, Tq, Tk] from (module, cfg, q and k positions)
+POSITION_BIASES = {"alibi": _alibi, "t5": _t5, "fire": _fire}
+
+
+class PositionBias(nn.Module):
+    """The attention-logit bias of the position scheme, computed once per forward pass and
+    shared by every layer (as T5 does), or None for a scheme without one.
+
+    Keys may be cache slots: an empty slot's far-future position gives a finite bias that
+    the mask then hides."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, q_positions, k_positions):
+        bias = POSITION_BIASES.get(self.cfg.position)
+        return None if bias is None else bias(self, self.cfg, q_positions, k_positions)

@@ -6,7 +6,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-POSITIONS = ("rope", "alibi", "sinusoidal", "learned", "none")
+POSITIONS = ("rope", "alibi", "sinusoidal", "learned", "none", "t5", "fire")
+SINUSOIDAL_SCALES = ("table", "tokens", "unit")
 ROPE_SCALINGS = ("none", "linear", "ntk", "yarn", "llama3")
 NORMS = ("layernorm", "rmsnorm")
 BLOCKS = ("pre_ln", "post_ln")
@@ -101,6 +102,17 @@ class ModelConfig:
     None fields are resolved at construction: n_kv_heads -> n_heads, qkv_bias -> use_bias,
     head_dim -> d_model // n_heads, d_ff -> 4 * d_model (gelu/relu) or
     8/3 * d_model rounded up to a multiple of 64 (swiglu/geglu).
+
+    position (jaxformer.positions): rope, alibi, t5 (T5's learned bias per head and
+    relative-position bucket; t5_num_buckets and t5_max_distance as in T5), fire (Li et
+    al. 2023's MLP of the normalised log distance), sinusoidal, learned (a table of
+    max_seq_len rows), none (NoPE). The t5 and fire biases are computed once per forward
+    and shared by every layer.
+    sinusoidal_scale: how the unit-amplitude sinusoidal table meets token embeddings
+    initialised at std 0.02. table: the table / sqrt(d_model), the token-to-position ratio
+    of Vaswani et al.'s embeddings * sqrt(d_model) with the embeddings left as they are;
+    tokens: Vaswani et al.'s form, embeddings * sqrt(d_model) + table; unit: table as is
+    (its RMS of 0.71 per dimension swamps the tokens ~35:1).
     """
 
     vocab_size: int = 256
@@ -114,6 +126,9 @@ class ModelConfig:
     position: str = "rope"
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
+    sinusoidal_scale: str = "table"
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     block: str = "pre_ln"
@@ -139,7 +154,8 @@ class ModelConfig:
         elif not isinstance(self.rope_scaling, RopeScaling):
             raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} must be a RopeScaling, "
                               "a mapping of its fields, or a kind name")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len",
+                     "t5_max_distance"):
             _check_number(o, name, getattr(self, name), int, low=1)
         for name in ("n_kv_heads", "head_dim", "d_ff", "sliding_window"):
             _check_number(o, name, getattr(self, name), int, low=1, optional=True)
@@ -152,6 +168,8 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         _check_choice(o, "position", self.position, POSITIONS)
+        _check_choice(o, "sinusoidal_scale", self.sinusoidal_scale, SINUSOIDAL_SCALES)
+        _check_number(o, "t5_num_buckets", self.t5_num_buckets, int, low=4)
         _check_choice(o, "norm", self.norm, NORMS)
         _check_choice(o, "block", self.block, BLOCKS)
         _check_choice(o, "ffn", self.ffn, FFNS)
@@ -179,6 +197,11 @@ class ModelConfig:
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"model.d_model={self.d_model} is odd; sinusoidal positions "
                               "pair sin and cos and need an even d_model")
+        if self.t5_max_distance <= self.t5_num_buckets // 2:
+            raise ConfigError(f"model.t5_max_distance={self.t5_max_distance} must exceed "
+                              f"half of model.t5_num_buckets={self.t5_num_buckets}: the first "
+                              "half of the buckets are exact distances, the rest log-spaced up "
+                              "to t5_max_distance")
         if self.rope_scaling.kind in ("yarn", "llama3") and \
                 self.rope_scaling.original_max_seq_len is None:
             set_("rope_scaling", dataclasses.replace(self.rope_scaling,

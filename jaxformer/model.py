@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.attention import dense_init, make_attention_mask, position_bias
+from jaxformer.attention import PositionBias, dense_init, make_attention_mask
 from jaxformer.config import ModelConfig
 from jaxformer.layers import Block, make_norm
 from jaxformer.matmul import flat_dot_general
@@ -42,6 +42,17 @@ def block_stack(cfg: ModelConfig, deterministic: bool):
                       in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
                       length=cfg.n_layers)  # positions, mask, bias, cache (per layer), index
     return scanned(cfg, deterministic, scanned=True, name="blocks")
+
+
+def add_sinusoidal(x, positions, cfg: ModelConfig):
+    """Token embeddings x [B, T, D] plus the sinusoidal table, at cfg.sinusoidal_scale."""
+    table = sinusoidal(positions, cfg.d_model, dtype=jnp.float32)
+    root = jnp.float32(np.sqrt(cfg.d_model))
+    if cfg.sinusoidal_scale == "table":
+        table = table / root
+    elif cfg.sinusoidal_scale == "tokens":
+        x = x * root.astype(x.dtype)
+    return x + table.astype(x.dtype)
 
 
 class Transformer(nn.Module):
@@ -93,7 +104,7 @@ class Transformer(nn.Module):
                              embedding_init=init_with_names(dense_init(0.01), "table", "embed"),
                              name="pos_embed")(positions)
         elif c.position == "sinusoidal":
-            x = x + sinusoidal(positions, c.d_model, dtype=c.dtype)
+            x = add_sinusoidal(x, positions, c)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         x = constrain(x, "act_batch", "act_seq", "act_embed")
 
@@ -106,7 +117,7 @@ class Transformer(nn.Module):
             k_segments = segment_ids = None
         mask = make_attention_mask(positions, k_positions, segment_ids, k_segments,
                                    causal=True, window=c.sliding_window)  # [B, 1, T, S]
-        bias = position_bias(c, positions, k_positions)  # [B, N, T, S] or None
+        bias = PositionBias(c, name="position_bias")(positions, k_positions)  # [B, N, T, S]
         blocks = block_stack(c, deterministic)
         if c.scan_layers:
             x, stacked = blocks(x, positions, mask, bias, layers and layers["blocks"], index)

@@ -7,6 +7,10 @@ packed, padded and cached sequences all get the right ones:
   learned table is an ``nn.Embed`` in the model);
 - rope: rotates queries and keys inside attention (``apply_rope``);
 - alibi: a per-head linear distance bias on the attention logits (``alibi_bias``);
+- t5: a learned bias per head and bucket of relative position (``relative_position_bucket``,
+  ``t5_bias``);
+- fire: a learned MLP of the normalised log distance (``fire_distance``; the MLP is
+  ``jaxformer.attention.PositionBias``);
 - none: nothing (NoPE; the causal mask alone carries order).
 """
 
@@ -153,3 +157,64 @@ def alibi_bias(slopes, q_positions, k_positions):
     """
     distance = jnp.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(jnp.float32)
     return -jnp.asarray(slopes, jnp.float32)[None, :, None, None] * distance[:, None]
+
+
+# ---- T5 relative buckets --------------------------------------------------------------
+
+def relative_position_bucket(relative_position, *, bidirectional: bool = False,
+                             num_buckets: int = 32, max_distance: int = 128):
+    """T5's bucket of relative_position = key position - query position (int32).
+
+    Unidirectional (a decoder): only keys at or before the query count, distance =
+    max(-relative_position, 0). The first half of the buckets hold the distances
+    0 .. num_buckets/2 - 1 one each; the rest are log-spaced up to max_distance, and every
+    farther distance shares the last bucket. Bidirectional: half the buckets for keys
+    after the query. The log is taken in float32 and truncated toward zero, as in Hugging
+    Face's T5 (tests/test_positions.py checks every distance against it).
+    """
+    rel = jnp.asarray(relative_position, jnp.int32)
+    offset = jnp.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        offset = (rel > 0).astype(jnp.int32) * num_buckets
+        distance = jnp.abs(rel)
+    else:
+        distance = -jnp.minimum(rel, 0)
+    exact = num_buckets // 2
+    far = jnp.maximum(distance, exact).astype(jnp.float32)  # log >= 0 where it is used
+    log_bucket = exact + (jnp.log(far / exact) / math.log(max_distance / exact)
+                          * (num_buckets - exact)).astype(jnp.int32)
+    log_bucket = jnp.minimum(log_bucket, num_buckets - 1)
+    return offset + jnp.where(distance < exact, distance, log_bucket)
+
+
+def t5_bias(table, q_positions, k_positions, *, max_distance: int = 128):
+    """T5's (decoder) logit bias: [batch, heads, q_len, k_len] float32.
+
+    table: [num_buckets, heads], a learned scalar per bucket and head; positions
+    [batch, q_len] and [batch, k_len].
+    """
+    buckets = relative_position_bucket(k_positions[:, None, :] - q_positions[:, :, None],
+                                       num_buckets=table.shape[0], max_distance=max_distance)
+    return jnp.moveaxis(jnp.take(table.astype(jnp.float32), buckets, axis=0), -1, 1)
+
+
+# ---- FIRE -----------------------------------------------------------------------------
+
+FIRE_THRESHOLD = 512.0  # the initial L of FIRE's max(L, i); learned as a multiple of it
+FIRE_EPS = 1e-6
+
+
+def fire_distance(q_positions, k_positions, c, threshold):
+    """FIRE's input: psi(i - j) / psi(max(L, i)), psi(x) = log(|c x| + 1), float32
+    [batch, q_len, k_len] (Li et al. 2023, eq. 3 and their progressive interpolation).
+
+    i is the query's position, j the key's; c > 0 and the threshold L are learned. Beyond
+    L the distances are rescaled by the query's position, so a longer context maps into
+    the range seen in training. Finite for any int32 positions (cache slots included).
+    """
+    q = q_positions.astype(jnp.float32)
+    rel = q[:, :, None] - k_positions.astype(jnp.float32)[:, None, :]
+    num = jnp.log(jnp.abs(c * rel) + 1.0)
+    den = jnp.log(jnp.abs(c * jnp.maximum(q, threshold)) + 1.0) + FIRE_EPS
+    return num / den[:, :, None]

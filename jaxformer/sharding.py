@@ -44,7 +44,8 @@ DEFAULT_RULES: dict[str, Any] = {
     "mlp": "tensor",
     "layers": None,
     "norm": None,
-    "table": None,         # learned position table rows
+    "table": None,         # learned position table rows, T5 buckets
+    "pos_mlp": None,       # FIRE's hidden layer
     "act_batch": ("data", "fsdp"),
     "act_seq": None,
     "act_embed": None,

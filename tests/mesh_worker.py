@@ -22,7 +22,9 @@ from jaxformer.training.step import init_state, make_train_step, state_shardings
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 1, 4), (2, 2, 2)]
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                  max_seq_len=16, ffn="swiglu", d_ff=64, norm="rmsnorm", scan_layers=True)
+                  max_seq_len=16, ffn="swiglu", d_ff=64, norm="rmsnorm", scan_layers=True,
+                  position="t5", t5_num_buckets=8, t5_max_distance=12,  # a learned bias
+                  qkv_bias=False)  # a key bias is a no-op without RoPE: its update is noise
 BATCH = 16
 RULES = resolve_rules()
 

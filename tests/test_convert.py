@@ -449,6 +449,8 @@ def test_llama_configs_of_both_transformers_generations():
 @pytest.mark.parametrize("changes, match", [
     (dict(position="alibi"), "model.position='alibi'"),
     (dict(position="sinusoidal"), "model.position='sinusoidal'"),
+    (dict(position="t5"), "model.position='t5'"),
+    (dict(position="fire"), "model.position='fire'"),
     (dict(block="post_ln"), "model.block='post_ln'"),
     (dict(norm="rmsnorm", ffn="relu", use_bias=False), "model.ffn='relu'"),
     (dict(norm="layernorm", ffn="swiglu", use_bias=False), "model.norm='layernorm'"),

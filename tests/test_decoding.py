@@ -18,7 +18,7 @@ from jaxformer.decoding import (beam_search, filter_logits, generate, init_cache
 from tests.conftest import np_log_softmax
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
-SCHEMES = ["rope", "alibi", "sinusoidal", "learned", "none"]
+SCHEMES = ["rope", "alibi", "sinusoidal", "learned", "none", "t5", "fire"]
 # (n_kv_heads, scan_layers, block): an orthogonal array, so every pair of settings meets
 # every position scheme (5 x 4 cases instead of the full 5 x 8)
 COMBOS = [(4, False, "pre_ln"), (4, True, "post_ln"), (2, False, "post_ln"), (2, True, "pre_ln")]

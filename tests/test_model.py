@@ -24,6 +24,9 @@ def init(cfg, batch=2, seq=12):
     params = Transformer(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
     # random (not init-time) norm scales and biases, so a swapped or missing one shows
     params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32), params)
+    if cfg.position == "fire":  # FIRE's threshold L (512 at init) inside the sequence, so
+        # queries on both sides of it are tested
+        params["position_bias"]["threshold_scale"] = jnp.float32(rng.uniform(1, 4) / 512)
     return tokens, params
 
 
@@ -57,7 +60,31 @@ def np_dense(p, x, spec):
     return np.einsum(spec, x, p["kernel"]) + p.get("bias", 0.0)
 
 
-def np_attention(cfg, p, x, pos, allowed):
+def np_t5_bucket(cfg, distance):
+    """T5's decoder bucket of a distance >= 0, from the textbook formula in float64."""
+    exact = cfg.t5_num_buckets // 2
+    far = exact + np.floor(np.log(np.maximum(distance, exact) / exact)
+                           / math.log(cfg.t5_max_distance / exact) * exact)
+    return np.where(distance < exact, distance, np.minimum(far, cfg.t5_num_buckets - 1))
+
+
+def np_position_bias(cfg, p, pos):
+    """The t5 or fire logit bias [B, N, T, T] in float64, or 0."""
+    rel = pos[:, :, None] - pos[:, None, :]  # query - key
+    if cfg.position == "t5":
+        table = p["position_bias"]["relative_bias"]
+        return np.moveaxis(table[np_t5_bucket(cfg, np.maximum(rel, 0)).astype(int)], -1, 1)
+    if cfg.position == "fire":
+        f = p["position_bias"]
+        psi = lambda d: np.log(np.abs(f["c"] * d) + 1)  # noqa: E731
+        threshold = np.abs(f["threshold_scale"] * 512.0)
+        x = psi(rel) / (psi(np.maximum(threshold, pos))[:, :, None] + 1e-6)
+        h = np.maximum(x[..., None] * f["hidden_kernel"] + f["hidden_bias"], 0)  # 1 -> 32, ReLU
+        return np.moveaxis(h @ f["out_kernel"] + f["out_bias"], -1, 1)  # 32 -> heads
+    return 0.0
+
+
+def np_attention(cfg, p, x, pos, allowed, bias=0.0):
     q = np_dense(p["query"], x, "btd,dnh->btnh")
     k = np_dense(p["key"], x, "btd,dkh->btkh")
     v = np_dense(p["value"], x, "btd,dkh->btkh")
@@ -69,6 +96,7 @@ def np_attention(cfg, p, x, pos, allowed):
     if cfg.position == "alibi":  # n_heads = 4: slopes 2^-2, 2^-4, 2^-6, 2^-8
         slopes = 2.0 ** (-2.0 * np.arange(1, 5))
         s = s - slopes[None, :, None, None] * np.abs(pos[:, None, :, None] - pos[:, None, None, :])
+    s = s + bias
     s = np.where(allowed[:, None], s, -np.inf)
     m = np.max(s, -1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0))
@@ -99,20 +127,25 @@ def np_forward(cfg, params, tokens, positions=None, segment_ids=None):
         ang = pos[..., None] / 10000.0 ** (2 * i / cfg.d_model)
         pe = np.zeros((b, t, cfg.d_model))
         pe[..., 0::2], pe[..., 1::2] = np.sin(ang), np.cos(ang)
-        x = x + pe
+        scale = {"table": (1.0, 1 / math.sqrt(cfg.d_model)), "tokens": (math.sqrt(cfg.d_model), 1.0),
+                 "unit": (1.0, 1.0)}[cfg.sinusoidal_scale]
+        x = scale[0] * x + scale[1] * pe
     allowed = pos[:, None, :] <= pos[:, :, None]  # [B, Tq, Tk]
     if cfg.sliding_window:
         allowed &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
     if segment_ids is not None:
         seg = np.asarray(segment_ids)
         allowed &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    bias = np_position_bias(cfg, p, pos)  # one for every layer
     for i in range(cfg.n_layers):
         blk = p[f"block_{i}"]
         if cfg.block == "pre_ln":
-            x = x + np_attention(cfg, blk["attn"], np_norm(cfg, blk["attn_norm"], x), pos, allowed)
+            x = x + np_attention(cfg, blk["attn"], np_norm(cfg, blk["attn_norm"], x), pos, allowed,
+                                 bias)
             x = x + np_ffn(cfg, blk["ffn"], np_norm(cfg, blk["ffn_norm"], x))
         else:
-            x = np_norm(cfg, blk["attn_norm"], x + np_attention(cfg, blk["attn"], x, pos, allowed))
+            x = np_norm(cfg, blk["attn_norm"], x + np_attention(cfg, blk["attn"], x, pos, allowed,
+                                                                bias))
             x = np_norm(cfg, blk["ffn_norm"], x + np_ffn(cfg, blk["ffn"], x))
     if cfg.block == "pre_ln":
         x = np_norm(cfg, p["final_norm"], x)
@@ -128,6 +161,11 @@ VARIANTS = {
     "mqa-geglu": dict(position="rope", ffn="geglu", n_kv_heads=1),
     "alibi-post-ln": dict(position="alibi", block="post_ln", ffn="relu"),
     "sinusoidal": dict(position="sinusoidal", norm="rmsnorm"),
+    "sinusoidal-tokens-scaled": dict(position="sinusoidal", sinusoidal_scale="tokens"),
+    "sinusoidal-unit": dict(position="sinusoidal", sinusoidal_scale="unit", block="post_ln"),
+    "t5-gqa": dict(position="t5", n_kv_heads=2, t5_num_buckets=8, t5_max_distance=20),
+    "t5-post-ln": dict(position="t5", block="post_ln", t5_num_buckets=6, t5_max_distance=9),
+    "fire-gqa": dict(position="fire", n_kv_heads=2, norm="rmsnorm", ffn="swiglu"),
     "nope-window": dict(position="none", sliding_window=3),
     "rope-window-headdim": dict(position="rope", head_dim=12, sliding_window=5),
     "qwen2-qkv-bias": dict(position="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2,
@@ -152,7 +190,7 @@ def test_matches_float64_reference(name):
     np.testing.assert_allclose(got, np_forward(cfg, params, tokens), rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "alibi-post-ln", "gpt2"])
+@pytest.mark.parametrize("name", ["llama-gqa", "alibi-post-ln", "gpt2", "t5-gqa", "fire-gqa"])
 def test_packed_matches_reference(name):
     cfg = small(**VARIANTS[name])
     tokens, params = init(cfg, batch=2, seq=12)
@@ -165,7 +203,7 @@ def test_packed_matches_reference(name):
 
 # ---- invariants for every position scheme and block kind ---------------------------
 
-SCHEMES = ["rope", "alibi", "sinusoidal", "learned", "none"]
+SCHEMES = ["rope", "alibi", "sinusoidal", "learned", "none", "t5", "fire"]
 
 
 @pytest.mark.parametrize("block", ["pre_ln", "post_ln"])
@@ -226,9 +264,10 @@ def test_default_positions_are_arange_and_shift_matters():
     assert np.abs(shifted - logits_of(cfg, params, tokens)).max() > 1e-4
 
 
-def test_rope_and_alibi_are_shift_invariant():
-    """Relative schemes see only offsets: shifting every position by s changes nothing."""
-    for position in ("rope", "alibi"):
+def test_relative_schemes_are_shift_invariant():
+    """Relative schemes see only offsets: shifting every position by s changes nothing.
+    (FIRE is not: it normalises by the query's position.)"""
+    for position in ("rope", "alibi", "t5"):
         cfg = small(position=position)
         tokens, params = init(cfg, batch=2, seq=10)
         pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
@@ -246,7 +285,7 @@ def test_learned_positions_beyond_table_is_an_error():
 
 # ---- scan / remat / precision / dropout --------------------------------------------
 
-@pytest.mark.parametrize("position", ["rope", "alibi"])
+@pytest.mark.parametrize("position", ["rope", "alibi", "t5", "fire"])
 def test_scan_equals_loop(position):
     cfg = small(position=position, n_layers=3)
     tokens, params = init(cfg)

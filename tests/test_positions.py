@@ -13,12 +13,16 @@ import pytest
 
 from jaxformer.config import ConfigError, RopeScaling
 from jaxformer.positions import (
+    FIRE_EPS,
     alibi_bias,
     alibi_slopes,
     apply_rope,
+    fire_distance,
+    relative_position_bucket,
     rope_frequencies,
     segment_positions,
     sinusoidal,
+    t5_bias,
 )
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -381,6 +385,78 @@ def test_alibi_bias_matches_numpy(rng):
                 for c in range(tk):
                     want[b, h, a, c] = -slopes[h] * abs(int(q_pos[b, a]) - int(k_pos[b, c]))
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-7, atol=0)
+
+
+# ---- T5 buckets and FIRE ----------------------------------------------------------------
+
+BUCKETINGS = [(False, 32, 128), (True, 32, 128), (False, 8, 20), (True, 12, 40), (False, 64, 512)]
+
+
+@pytest.mark.parametrize("bidirectional,num_buckets,max_distance", BUCKETINGS)
+def test_relative_position_bucket_matches_hf_t5(rng, bidirectional, num_buckets, max_distance):
+    """Every relative position out to 3x max_distance, and random far ones, fall in the
+    bucket Hugging Face's T5 gives them."""
+    torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5", reason="the interop extra")
+    near = np.arange(-3 * max_distance, 3 * max_distance + 1)
+    far = rng.integers(-(1 << 30), 1 << 30, size=1000)
+    rel = np.concatenate([near, far, rng.permutation(near)]).astype(np.int32)
+    want = t5.T5Attention._relative_position_bucket(
+        torch.from_numpy(rel), bidirectional=bidirectional, num_buckets=num_buckets,
+        max_distance=max_distance).numpy()
+    got = relative_position_bucket(jnp.asarray(rel), bidirectional=bidirectional,
+                                   num_buckets=num_buckets, max_distance=max_distance)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_relative_position_bucket_textbook_values():
+    """T5's decoder defaults: distances 0-15 exact, 16-127 log-spaced, 128 on the last."""
+    rel = -jnp.asarray([0, 1, 15, 16, 22, 45, 90, 127, 128, 10**6, 3, -0], jnp.int32)
+    got = relative_position_bucket(rel)
+    # 16 + floor(log(d / 16) / log(8) * 16): 22 -> 18, 45 -> 23, 90 -> 29, 127 -> 31
+    np.testing.assert_array_equal(np.asarray(got), [0, 1, 15, 16, 18, 23, 29, 31, 31, 31, 3, 0])
+    future = relative_position_bucket(jnp.asarray([1, 5, 1000]))  # keys after the query
+    np.testing.assert_array_equal(np.asarray(future), [0, 0, 0])
+
+
+def test_t5_bias_gathers_per_head_and_bucket(rng):
+    buckets, heads, tq, tk = 8, int(rng.integers(1, 5)), int(rng.integers(1, 9)), 11
+    table = rng.standard_normal((buckets, heads)).astype(np.float32)
+    q_pos = rng.integers(0, 60, size=(2, tq))
+    k_pos = rng.integers(0, 60, size=(2, tk))
+    got = np.asarray(t5_bias(jnp.asarray(table), jnp.asarray(q_pos), jnp.asarray(k_pos),
+                             max_distance=20))
+    assert got.shape == (2, heads, tq, tk)
+
+    def bucket(d):  # float64 textbook: exact below 4, log-spaced to 20, then the last
+        return d if d < 4 else min(4 + int(math.log(d / 4) / math.log(5) * 4), 7)
+
+    for b, i, j in np.ndindex(2, tq, tk):
+        d = max(int(q_pos[b, i]) - int(k_pos[b, j]), 0)
+        np.testing.assert_array_equal(got[b, :, i, j], table[bucket(d)])
+
+
+def test_fire_distance_matches_formula(rng):
+    """psi(i - j) / psi(max(L, i)) with psi(x) = log(|c x| + 1), in float64."""
+    c, threshold = float(rng.uniform(0.01, 2)), float(rng.uniform(1, 40))
+    q_pos = rng.integers(0, 100, size=(2, 7))
+    k_pos = rng.integers(0, 100, size=(2, 9))
+    got = np.asarray(fire_distance(jnp.asarray(q_pos), jnp.asarray(k_pos), c, threshold))
+    psi = lambda x: np.log(np.abs(c * x) + 1)  # noqa: E731
+    i, j = q_pos[:, :, None].astype(np.float64), k_pos[:, None, :].astype(np.float64)
+    want = psi(i - j) / (psi(np.maximum(threshold, i)) + FIRE_EPS)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_fire_distance_to_the_first_token_is_one_beyond_the_threshold(rng):
+    """Progressive interpolation: past L the distance to position 0 is normalised to 1, so
+    every longer context maps into [0, 1]; before L it is below 1."""
+    threshold = float(rng.integers(5, 50))
+    q = jnp.arange(200)[None]
+    got = np.asarray(fire_distance(q, jnp.zeros((1, 1), jnp.int32), 0.1, threshold))[0, :, 0]
+    beyond = np.arange(200) >= threshold
+    np.testing.assert_allclose(got[beyond], 1.0, rtol=1e-5)
+    assert (got[~beyond] < 1.0).all() and np.isfinite(got).all()
 
 
 # ---- segment_positions ---------------------------------------------------------------

@@ -77,7 +77,8 @@ def test_rules_overrides_and_their_errors():
 
 
 @pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.parametrize("kw", [dict(position="learned"),
+@pytest.mark.parametrize("kw", [dict(position="learned"), dict(position="t5"),
+                                dict(position="fire"),
                                 dict(ffn="swiglu", norm="rmsnorm", tie_embeddings=False,
                                      n_kv_heads=1, qkv_bias=True, use_bias=False)])
 def test_every_param_has_one_logical_name_per_dim(scan, kw):
@@ -93,7 +94,7 @@ def test_every_param_has_one_logical_name_per_dim(scan, kw):
     for path, x in flat:
         names = tuple(spec_of[path])
         assert len(names) == x.ndim and all(n in DEFAULT_RULES for n in names), (path, names)
-        assert (names[0] == "layers") == (scan and "blocks" in jax.tree_util.keystr(path))
+        assert (names[:1] == ("layers",)) == (scan and "blocks" in jax.tree_util.keystr(path))
 
 
 def test_process_rows_on_one_process_is_the_whole_batch():
@@ -153,7 +154,8 @@ def _expected_spec(path, shape, mesh):
              ("wi_up", "kernel"): ["layers", "embed", "mlp"],
              ("wi_gate", "bias"): ["layers", "mlp"], ("wi_up", "bias"): ["layers", "mlp"],
              ("wo", "kernel"): ["layers", "mlp", "embed"],
-             ("embed", "embedding"): ["vocab", "embed"]}
+             ("embed", "embedding"): ["vocab", "embed"],
+             ("position_bias", "relative_bias"): ["table", "heads"]}
     key = tuple(part.strip("[]'") for part in leaf)
     logical = names.get(key, ["layers", "norm"] if "blocks" in path else ["norm"])
     axis = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
