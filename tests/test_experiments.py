@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.config import ConfigError
+from jaxformer.config import POSITIONS, ConfigError
 from jaxformer.experiments import positions as study
 from jaxformer.experiments.report import markdown_table, row_title, summarize
 from tests.conftest import REPO
@@ -132,7 +132,7 @@ def test_eval_config_scales_rope_by_the_length_multiple():
 @pytest.mark.parametrize("name", ["positions", "gpu"])
 def test_shipped_configs_load(name):
     cfg = study.load_study_config(str(REPO / f"configs/experiments/{name}.yaml"))
-    assert set(cfg.study.schemes) == {"rope", "alibi", "sinusoidal", "learned", "none"}
+    assert set(cfg.study.schemes) == set(POSITIONS)  # every scheme
     assert [n // cfg.run.train.seq_len for n in cfg.eval_lengths] == [1, 2, 4, 8]
     assert cfg.model_config("learned").max_seq_len == cfg.run.train.seq_len
     assert cfg.model_config("alibi").max_seq_len == 8 * cfg.run.train.seq_len

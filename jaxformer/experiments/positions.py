@@ -21,59 +21,45 @@ positions have no score beyond L (null in results.json, "n/a" in the table).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import sys
 import time
 
-import jax
 import numpy as np
 
 from jaxformer.config import ConfigError, ModelConfig, RopeScaling
 from jaxformer.data import DataError, get_batch, load_dataset
 from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, StudyConfig,
-                                                    StudySettings, load_study_config)
+                                                    StudySettings, load_study_config,
+                                                    parse_study_args)
 from jaxformer.experiments.report import summarize, write_outputs
+from jaxformer.experiments.seeds import seed_slice, train_seeds
 from jaxformer.model import Transformer, count_params
-from jaxformer.training.optim import make_optimizer
-from jaxformer.training.step import init_state, make_eval_step, make_train_step
+from jaxformer.training.step import make_eval_step
 
 __all__ = ["DEFAULT_CONFIG", "SMALL", "StudyConfig", "StudySettings", "eval_config",
-           "load_study_config", "main", "perplexity", "run_study", "train_model"]
+           "load_study_config", "main", "perplexity", "run_study", "train_models"]
 
 
 # ---- training and evaluation ----------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _trainer(mcfg: ModelConfig, optim, steps: int):
-    """(init(seed) -> state, train step), both jitted once per model and shared by the seeds."""
-    model = Transformer(mcfg)
-    tx, schedule = make_optimizer(optim, mcfg, steps)
-    init = jax.jit(lambda seed: init_state(model, tx, seed))  # the seed traced: one compile
-    return init, make_train_step(model, tx, schedule, grad_accum=optim.grad_accum)
-
 
 @functools.lru_cache(maxsize=None)
 def _evaluator(mcfg: ModelConfig):
     return make_eval_step(Transformer(mcfg))
 
 
-def train_model(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seed: int, log):
-    """(params, mean train loss over the last log_every steps) after train.steps steps."""
+def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log):
+    """(params stacked over the seeds, each seed's mean train loss over the last log_every
+    steps) after train.steps steps: the seeds trained at once, as one vmapped program."""
     t = cfg.run.train
-    init, step_fn = _trainer(mcfg, cfg.run.optim, t.steps)
-    state, recent, t0 = init(seed), [], time.perf_counter()
-    for step in range(t.steps):
-        batch = get_batch(train_tokens, None, seed=seed, step=step, batch_size=t.batch_size,
-                          seq_len=t.seq_len)
-        state, metrics = step_fn(state, batch)
-        recent.append(metrics["loss"])
-        if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-            loss, recent = float(np.mean(jax.device_get(recent))), []
-            log(f"    step {step + 1}/{t.steps}  loss {loss:.3f}  "
-                f"({time.perf_counter() - t0:.0f} s)")
-    return state.params, loss
+
+    def batch(seed, step):
+        return get_batch(train_tokens, None, seed=seed, step=step, batch_size=t.batch_size,
+                         seq_len=t.seq_len)
+
+    return train_seeds(mcfg, cfg.run.optim, t.steps, seeds, batch, log_every=t.log_every,
+                       log=log)
 
 
 def perplexity(mcfg: ModelConfig, params, tokens, length: int,
@@ -132,19 +118,22 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
             rows[name] = {"scheme": scheme, "scaling": scaling, "params": count_params(mcfg),
                           "ppl": [], **({"train_loss": [], "train_seconds": []}
                                         if scaling is None else {})}
-        for seed in seeds:
-            log(f"[{i + 1}/{len(s.schemes)}] {scheme}, seed {seed}: {rows[scheme]['params']:,} "
-                f"params ({time.perf_counter() - started:.0f} s since the start)")
-            t0 = time.perf_counter()
-            params, loss = train_model(cfg, mcfg, ds.train, seed, log)
+        log(f"[{i + 1}/{len(s.schemes)}] {scheme}, seed(s) {', '.join(map(str, seeds))}: "
+            f"{rows[scheme]['params']:,} params ({time.perf_counter() - started:.0f} s since "
+            "the start)")
+        t0 = time.perf_counter()
+        stacked, losses = train_models(cfg, mcfg, ds.train, seeds, log)
+        seconds = round(time.perf_counter() - t0, 1)
+        for k, (seed, loss) in enumerate(zip(seeds, losses)):
             rows[scheme]["train_loss"].append(loss if math.isfinite(loss) else None)
-            rows[scheme]["train_seconds"].append(round(time.perf_counter() - t0, 1))
+            rows[scheme]["train_seconds"].append(seconds)
+            params = seed_slice(stacked, k)
             for name, scaling in zip(names, scalings):
                 ppl = [perplexity(eval_config(mcfg, scaling, m, t.seq_len), params, val, n,
                                   s.eval_batch_tokens) if n <= mcfg.max_seq_len else None
                        for m, n in zip(s.eval_multiples, lengths)]
                 rows[name]["ppl"].append(ppl)
-                log(f"    {name} val ppl: " + "  ".join(
+                log(f"    {name}, seed {seed}, val ppl: " + "  ".join(
                     f"{n}: {'n/a' if p is None else f'{p:.3f}'}" for n, p in zip(lengths, ppl)))
     results = {"train_len": t.seq_len, "eval_multiples": list(s.eval_multiples),
                "eval_lengths": lengths, "eval_tokens": n_eval, "seeds": seeds,
@@ -154,21 +143,9 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxformer.experiments.positions",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [section.key=value]")
-    parser.add_argument("--seeds", type=int, help="repeat with N seeds; report mean and std")
-    parser.add_argument("--out", help="output directory (study.out_dir)")
-    parser.add_argument("--small", action="store_true", help="tiny sizes: well under a minute")
-    a = parser.parse_intermixed_args(argv)
-    path = a.args[0] if a.args and "=" not in a.args[0] else str(DEFAULT_CONFIG)
-    overrides = [x for x in a.args if "=" in x]
-    stray = [x for x in a.args if "=" not in x and x != path]
-    if stray:
-        parser.error(f"unexpected argument(s) {' '.join(stray)}")
-    overrides = [*(SMALL if a.small else ()), *overrides,
-                 *([f"study.seeds={a.seeds}"] if a.seeds is not None else []),
-                 *([f"study.out_dir={a.out}"] if a.out else [])]
+    path, overrides = parse_study_args(argv, prog="python -m jaxformer.experiments.positions",
+                                       description=__doc__.split("\n\n")[0],
+                                       default_config=DEFAULT_CONFIG, small=SMALL)
     try:
         cfg = load_study_config(path, overrides)
         results = run_study(cfg)

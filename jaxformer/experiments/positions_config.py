@@ -4,11 +4,11 @@ overrides; unknown keys and settings the study makes itself fail with one line."
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import pathlib
 from typing import Any, Mapping
-
 
 from jaxformer.config import (POSITIONS, ROPE_SCALINGS, ConfigError, ModelConfig, RopeScaling,
                               _check_choice, _check_number)
@@ -114,35 +114,37 @@ class StudyConfig:
                 "data": run["data"], "optim": run["optim"], "train": train}
 
 
-def _study_settings(raw: Mapping[str, Any]) -> StudySettings:
-    """study.* values from YAML or the command line ('rope,alibi' is a list) to their types."""
-    fields = {f.name: f.default for f in dataclasses.fields(StudySettings)}
+def settings_from_dict(cls, raw: Mapping[str, Any], section: str = "study"):
+    """A settings dataclass from YAML or command-line values, each coerced to its field's
+    type ('rope,alibi' is a list; '1,2' a list of ints where the field holds ints)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join('study.' + k for k in unknown)}; valid "
-                          f"study keys are: {', '.join(fields)}")
+        raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
+                          f"valid {section} keys are: {', '.join(fields)}")
     values = {}
     for key, value in raw.items():
-        default = fields[key]
+        default, type_name, name = fields[key].default, str(fields[key].type), f"{section}.{key}"
         if isinstance(default, tuple):
             if isinstance(value, str):
                 value = [] if value.strip().lower() in ("", "none", "[]") else \
                     [v.strip() for v in value.strip("[]").split(",")]
             if not isinstance(value, (list, tuple)):
-                raise ConfigError(f"study.{key}={value!r} must be a list, e.g. {list(default)}")
-            if key == "eval_multiples":
-                value = [_coerce(v, "int", f"study.{key}") for v in value]
-        elif isinstance(default, bool):
-            value = _coerce(value, "bool", f"study.{key}")
-        elif isinstance(default, int):
-            value = _coerce(value, "int", f"study.{key}")
-        values[key] = tuple(value) if isinstance(value, list) else value
-    return StudySettings(**values)
+                raise ConfigError(f"{name}={value!r} must be a list, e.g. {list(default)}")
+            if "int" in type_name:
+                value = tuple(_coerce(v, "int", name) for v in value)
+            value = tuple(value)
+        elif isinstance(default, (bool, int)):
+            value = _coerce(value, "bool" if isinstance(default, bool) else "int", name)
+        values[key] = value
+    return cls(**values)
 
 
-def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
-    """A YAML file of sections (study, model, data, optim, train) with key=value overrides."""
-    raw = read_config_file(path, "configs/experiments/positions.yaml")
+def read_sections(path: str | None, overrides, sections: tuple[str, ...],
+                  example: str) -> dict[str, dict[str, Any]]:
+    """A study's YAML file of sections with dotted key=value overrides applied: {section:
+    its mapping} for every one of `sections`; any other section fails."""
+    raw = read_config_file(path, example)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=100)")
@@ -150,7 +152,7 @@ def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
         *parents, leaf = key.strip().split(".")
         if not parents:
             raise ConfigError(f"override key {key!r} must be section.field, with section one "
-                              f"of: {', '.join(SECTIONS)}")
+                              f"of: {', '.join(sections)}")
         node = raw
         for part in parents:
             if node.get(part) is None:
@@ -159,16 +161,21 @@ def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
                 raise ConfigError(f"override {key!r} sets a field inside a non-mapping value")
             node = node[part]
         node[leaf] = value
-    unknown = sorted(set(raw) - set(SECTIONS))
+    unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section(s) {', '.join(unknown)}; the study's sections are: "
-                          f"{', '.join(SECTIONS)} (it writes no checkpoints)")
-    bad = [name for name in SECTIONS if not isinstance(raw.get(name) or {}, Mapping)]
+                          f"{', '.join(sections)} (it writes no checkpoints)")
+    bad = [name for name in sections if not isinstance(raw.get(name) or {}, Mapping)]
     if bad:
         raise ConfigError(f"section {bad[0]} must be a mapping of keys to values, e.g. "
                           f"{bad[0]}: {{...}}")
-    sections = {name: dict(raw.get(name) or {}) for name in SECTIONS}
-    for key, hint in SET_BY_STUDY.items():
+    return {name: dict(raw.get(name) or {}) for name in sections}
+
+
+def check_run_sections(sections: dict[str, dict], set_by_study: Mapping[str, str]) -> None:
+    """Fails on model keys the study sets itself (`set_by_study`: key -> why) and on train
+    keys other than TRAIN_KEYS; turns the run's own progress printing off."""
+    for key, hint in set_by_study.items():
         if key in sections["model"]:
             raise ConfigError(f"model.{key} is set by the study: {hint}")
     unused = sorted(set(sections["train"]) - set(TRAIN_KEYS))
@@ -176,5 +183,31 @@ def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
         raise ConfigError(f"{', '.join('train.' + k for k in unused)} not used by the study; "
                           f"its train keys are: {', '.join(TRAIN_KEYS)}")
     sections["train"]["progress"] = False
-    study = _study_settings(sections.pop("study"))
+
+
+def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
+    """A YAML file of sections (study, model, data, optim, train) with key=value overrides."""
+    sections = read_sections(path, overrides, SECTIONS, "configs/experiments/positions.yaml")
+    check_run_sections(sections, SET_BY_STUDY)
+    study = settings_from_dict(StudySettings, sections.pop("study"))
     return StudyConfig(study, RunConfig.from_dict(sections))
+
+
+def parse_study_args(argv, *, prog: str, description: str, default_config,
+                     small: tuple[str, ...]) -> tuple[str, list[str]]:
+    """A study's command line, [CONFIG.yaml] [section.key=value ...] [--seeds N] [--out DIR]
+    [--small], as (config path, overrides): --small's first, then the command line's."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [section.key=value]")
+    parser.add_argument("--seeds", type=int, help="repeat with N seeds; report mean and std")
+    parser.add_argument("--out", help="output directory (study.out_dir)")
+    parser.add_argument("--small", action="store_true", help="tiny sizes: well under a minute")
+    a = parser.parse_intermixed_args(argv)
+    path = a.args[0] if a.args and "=" not in a.args[0] else str(default_config)
+    overrides = [x for x in a.args if "=" in x]
+    stray = [x for x in a.args if "=" not in x and x != path]
+    if stray:
+        parser.error(f"unexpected argument(s) {' '.join(stray)}")
+    return path, [*(small if a.small else ()), *overrides,
+                  *([f"study.seeds={a.seeds}"] if a.seeds is not None else []),
+                  *([f"study.out_dir={a.out}"] if a.out else [])]

@@ -13,13 +13,19 @@ import pathlib
 import numpy as np
 
 
+def seed_stats(per_seed: list[list]) -> tuple[list, list]:
+    """(mean, std) over the seeds of [seed][length] values, per length: None where any seed
+    has None; std is the sample standard deviation (ddof=1), None with one seed."""
+    columns = list(zip(*per_seed))  # [lengths][seeds]
+    mean = [None if None in c else float(np.mean(c)) for c in columns]
+    std = [None if None in c or len(c) < 2 else float(np.std(c, ddof=1)) for c in columns]
+    return mean, std
+
+
 def summarize(results: dict) -> dict:
     """Adds mean and std over the seeds to every row (None where any seed has None)."""
     for row in results["rows"].values():
-        columns = list(zip(*row["ppl"]))  # [lengths][seeds]
-        row["mean"] = [None if None in c else float(np.mean(c)) for c in columns]
-        row["std"] = [None if None in c or len(c) < 2 else float(np.std(c, ddof=1))
-                      for c in columns]
+        row["mean"], row["std"] = seed_stats(row["ppl"])
         if "train_loss" in row:
             losses = row["train_loss"]
             row["train_loss_mean"] = None if None in losses else float(np.mean(losses))

@@ -1,0 +1,279 @@
+"""Length generalisation on synthetic tasks: for every positional scheme and task, one model
+trained on examples of 1..study.train_max_len input symbols, then scored by exact match of
+greedy decoding on examples up to several times longer.
+
+    python -m jaxformer.experiments.length_gen [configs/experiments/length_gen.yaml]
+        [--seeds N] [--out DIR] [--small] [section.key=value ...]
+
+Sections: study.* (LengthGenSettings), model.* (ModelConfig fields, or model.preset; not
+position, rope_scaling, max_seq_len or vocab_size, which the study sets), optim.*, and
+train.steps / batch_size / seq_len (the packed row length) / seed / log_every.
+
+Tasks (jaxformer.experiments.tasks): copy, reverse and addition with reversed digits. The
+loss is on the answer tokens only; examples are packed several to a row, each a segment of
+its own (attention stays inside it) whose positions restart at 0, so every scheme sees
+each example start at position 0, in training and in evaluation alike.
+
+Evaluation: greedy decoding reproduces an answer exactly iff at every answer token, given
+the correct tokens before it, the argmax of the logits is that token (ties aside). So one
+teacher-forced forward pass over packed examples scores them all, for every seed at once.
+The seeds train as one vmapped program (jaxformer.experiments.seeds). The learned table has
+train.seq_len rows: an example longer than that has no score (null, "n/a").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.config import POSITIONS, ConfigError, ModelConfig, RopeScaling, _check_choice, \
+    _check_number
+from jaxformer.experiments import tasks
+from jaxformer.experiments.length_gen_report import summarize, write_outputs
+from jaxformer.experiments.positions_config import (TRAIN_KEYS, check_run_sections,
+                                                    parse_study_args, read_sections,
+                                                    settings_from_dict)
+from jaxformer.experiments.seeds import train_seeds
+from jaxformer.model import Transformer, count_params
+from jaxformer.training.config import RunConfig
+
+__all__ = ["DEFAULT_CONFIG", "SMALL", "LengthGenConfig", "LengthGenSettings", "exact_match",
+           "load_config", "main", "run_study"]
+
+DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
+                  "configs/experiments/length_gen.yaml")
+SECTIONS = ("study", "model", "optim", "train")
+SET_BY_STUDY = {"position": "choose schemes with study.schemes",
+                "rope_scaling": "every scheme trains and is scored unscaled",
+                "max_seq_len": "it is train.seq_len for learned positions, and fits the "
+                               "longest evaluation example for the others",
+                "vocab_size": f"it is the tasks' vocabulary of {tasks.VOCAB_SIZE} tokens"}
+# A run of well under a minute on a CPU (--small; tests and notebooks).
+SMALL = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_len=24",
+         "train.batch_size=8", "train.steps=60", "train.log_every=20", "optim.warmup_steps=5",
+         "study.train_max_len=3", "study.eval_lengths=1,3,6,9", "study.eval_examples=16")
+TRAIN_STREAM, EVAL_STREAM = 0, 1  # the training and evaluation examples' random streams
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthGenSettings:
+    """tasks: from jaxformer.experiments.tasks.TASKS; one model each per scheme and seed.
+    schemes: the model.position values compared (default: all of jaxformer.config.POSITIONS).
+    train_max_len: training examples have 1..train_max_len input symbols, uniformly.
+    eval_lengths: the input lengths scored (the same examples for every scheme and seed).
+    eval_examples: examples scored at each length.
+    eval_batch_tokens: tokens per evaluation forward pass (per seed).
+    seeds: repeats with train.seed, train.seed + 1, ..., trained as one vmapped program.
+    out_dir: where results.json, results.md and length_gen.png are written.
+    progress: print progress lines while it runs.
+    """
+
+    tasks: tuple[str, ...] = tasks.TASKS
+    schemes: tuple[str, ...] = POSITIONS
+    train_max_len: int = 8
+    eval_lengths: tuple[int, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24)
+    eval_examples: int = 100
+    eval_batch_tokens: int = 16384
+    seeds: int = 1
+    out_dir: str = "runs/length_gen"
+    progress: bool = True
+
+    def __post_init__(self):
+        for name, allowed in (("tasks", tasks.TASKS), ("schemes", POSITIONS)):
+            values = getattr(self, name)
+            if not values:
+                raise ConfigError(f"study.{name} is empty; choose from {', '.join(allowed)}")
+            for value in values:
+                _check_choice("study", name, value, allowed)
+            if len(set(values)) != len(values):
+                raise ConfigError(f"study.{name}={list(values)} names a value twice")
+        if not self.eval_lengths:
+            raise ConfigError("study.eval_lengths is empty; e.g. [1, 2, 4, 8, 16, 24]")
+        for n in self.eval_lengths:
+            _check_number("study", "eval_lengths", n, int, low=1)
+        if list(self.eval_lengths) != sorted(set(self.eval_lengths)):
+            raise ConfigError(f"study.eval_lengths={list(self.eval_lengths)} must increase")
+        for name in ("train_max_len", "eval_examples", "eval_batch_tokens", "seeds"):
+            _check_number("study", name, getattr(self, name), int, low=1)
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            raise ConfigError(f"study.out_dir={self.out_dir!r} must be a directory path")
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"study.progress={self.progress!r} must be true or false")
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthGenConfig:
+    study: LengthGenSettings
+    run: RunConfig  # model (its position unused), optim, train
+
+    def __post_init__(self):
+        s, row = self.study, self.run.train.seq_len
+        need = max(tasks.example_tokens(t, s.train_max_len) - 1 for t in s.tasks)
+        if need > row:
+            raise ConfigError(f"train.seq_len={row} cannot hold one training example of "
+                              f"study.train_max_len={s.train_max_len} input symbols ({need} "
+                              "tokens); raise train.seq_len or lower study.train_max_len")
+        for scheme in s.schemes:  # every model builds, before anything trains
+            self.model_config(scheme)
+
+    def row_len(self, scheme: str) -> int:
+        """The evaluation rows' length: the learned table's size, or enough for the longest
+        evaluation example (and no less than the training rows)."""
+        longest = max(tasks.example_tokens(t, self.study.eval_lengths[-1]) - 1
+                      for t in self.study.tasks)
+        row = self.run.train.seq_len
+        return row if scheme == "learned" else max(row, longest)
+
+    def model_config(self, scheme: str) -> ModelConfig:
+        return self.run.model.replace(position=scheme, rope_scaling=RopeScaling(),
+                                      vocab_size=tasks.VOCAB_SIZE,
+                                      max_seq_len=self.row_len(scheme))
+
+    def to_dict(self) -> dict[str, Any]:
+        run = self.run.to_dict()
+        return {"study": dataclasses.asdict(self.study), "model": run["model"],
+                "optim": run["optim"], "train": {k: run["train"][k] for k in TRAIN_KEYS}}
+
+
+def load_config(path: str | None = None, overrides=()) -> LengthGenConfig:
+    """A YAML file of sections (study, model, optim, train) with key=value overrides."""
+    sections = read_sections(path, overrides, SECTIONS, "configs/experiments/length_gen.yaml")
+    check_run_sections(sections, SET_BY_STUDY)
+    study = settings_from_dict(LengthGenSettings, sections.pop("study"))
+    return LengthGenConfig(study, RunConfig.from_dict(sections))
+
+
+# ---- training and evaluation ----------------------------------------------------------
+
+def train_rng(seed: int, task: str, step: int) -> np.random.Generator:
+    return np.random.default_rng([TRAIN_STREAM, seed, tasks.TASKS.index(task), step])
+
+
+def eval_examples(task: str, length: int, count: int) -> list[np.ndarray]:
+    """The examples scored at `length`: the same for every scheme, seed and config."""
+    rng = np.random.default_rng([EVAL_STREAM, tasks.TASKS.index(task), length])
+    return list(tasks.make_examples(task, length, count, rng))
+
+
+@functools.lru_cache(maxsize=None)
+def _predictor(mcfg: ModelConfig):
+    """predict(stacked params [N, ...], batch) -> argmax token ids [N, B, T]: every seed's
+    greedy choice at every position, given the true tokens before it."""
+    model = Transformer(mcfg)
+
+    def predict(params, batch):
+        logits = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
+                             segment_ids=batch["segment_ids"])  # [B, T, V]
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    return jax.jit(jax.vmap(predict, in_axes=(0, None)))
+
+
+def exact_match(mcfg: ModelConfig, params, examples, answer_starts, row_len: int,
+                batch_tokens: int) -> np.ndarray:
+    """bool [N, E]: whether greedy decoding from example e's prompt (its tokens before
+    answer_starts[e]) gives exactly its answer, for each of the N stacked params."""
+    packed = tasks.pack(examples, answer_starts, row_len)
+    rows = max(1, batch_tokens // row_len)
+    n_rows = -(-len(packed["inputs"]) // rows) * rows  # padded: one shape for every batch
+    packed = {k: np.pad(v, ((0, n_rows - len(v)), (0, 0)), constant_values=-1 if k == "example"
+                        else 0) for k, v in packed.items()}
+    predict, wrong = _predictor(mcfg), []
+    for i in range(0, n_rows, rows):
+        batch = {k: packed[k][i:i + rows] for k in ("inputs", "positions", "segment_ids")}
+        wrong.append(np.asarray(predict(params, batch)) != packed["targets"][i:i + rows])
+    wrong = np.concatenate(wrong, axis=1) & (packed["loss_mask"] > 0)  # [N, R, T]
+    answer = packed["example"] >= 0
+    counts = [np.bincount(packed["example"][answer], weights=w[answer],
+                          minlength=len(examples)) for w in wrong]
+    return np.stack(counts) == 0
+
+
+def accuracy(cfg: LengthGenConfig, mcfg: ModelConfig, params, task: str) -> list[list]:
+    """[seed][length] exact-match accuracy on the evaluation examples; None where they do not
+    fit the evaluation rows (beyond the learned table)."""
+    s, row_len = cfg.study, cfg.row_len(mcfg.position)
+    fits = [n for n in s.eval_lengths if tasks.example_tokens(task, n) - 1 <= row_len]
+    examples = [ex for n in fits for ex in eval_examples(task, n, s.eval_examples)]
+    starts = [tasks.answer_start(task, n) for n in fits for _ in range(s.eval_examples)]
+    solved = exact_match(mcfg, params, examples, starts, row_len, s.eval_batch_tokens)
+    by_length = solved.reshape(len(solved), len(fits), s.eval_examples).mean(-1)  # [N, F]
+    return [[float(by_length[i, fits.index(n)]) if n in fits else None
+             for n in s.eval_lengths] for i in range(len(solved))]
+
+
+def train_task(cfg: LengthGenConfig, mcfg: ModelConfig, task: str, seeds, log):
+    """(stacked params of one model per seed on `task`, each seed's final train loss)."""
+    s, t = cfg.study, cfg.run.train
+
+    def batch(seed, step):
+        return tasks.train_batch(task, s.train_max_len, t.batch_size, t.seq_len,
+                                 train_rng(seed, task, step))
+
+    return train_seeds(mcfg, cfg.run.optim, t.steps, seeds, batch, log_every=t.log_every,
+                       log=log)
+
+
+def _print(*args):
+    print(*args, flush=True)  # progress shows at once, also through a pipe or into a file
+
+
+def run_study(cfg: LengthGenConfig, *, log=_print) -> dict:
+    """Train every (scheme, task) for every seed and score it at every length; the results."""
+    s, t = cfg.study, cfg.run.train
+    log = log if s.progress else (lambda *a, **k: None)
+    seeds, started = [t.seed + i for i in range(s.seeds)], time.perf_counter()
+    log(f"{len(s.schemes)} schemes x {len(s.tasks)} tasks x {len(seeds)} seed(s) (vmapped), "
+        f"each {t.steps} steps of {t.batch_size} rows of {t.seq_len} tokens, lengths "
+        f"1..{s.train_max_len}; {s.eval_examples} examples at each of lengths "
+        f"{', '.join(map(str, s.eval_lengths))}")
+    rows, train, params_count = {}, {}, {}
+    for i, scheme in enumerate(s.schemes):
+        mcfg = cfg.model_config(scheme)
+        params_count[scheme] = count_params(mcfg)
+        rows[scheme], train[scheme] = {}, {}
+        for task in s.tasks:
+            log(f"[{i + 1}/{len(s.schemes)}] {scheme}, {task}: {params_count[scheme]:,} params "
+                f"({time.perf_counter() - started:.0f} s since the start)")
+            t0 = time.perf_counter()
+            params, losses = train_task(cfg, mcfg, task, seeds, log)
+            acc = accuracy(cfg, mcfg, params, task)
+            rows[scheme][task] = {"accuracy": acc}
+            train[scheme][task] = {"loss": losses, "seconds": round(time.perf_counter() - t0, 1)}
+            for seed, per_length in zip(seeds, acc):
+                log(f"    seed {seed} exact match: " + "  ".join(
+                    f"{n}: {'n/a' if a is None else f'{a:.2f}'}"
+                    for n, a in zip(s.eval_lengths, per_length)))
+    results = {"tasks": list(s.tasks), "seeds": seeds, "train_max_len": s.train_max_len,
+               "eval_lengths": list(s.eval_lengths), "rows": rows,
+               "eval_examples": s.eval_examples, "params": params_count, "train": train,
+               "config": cfg.to_dict(), "seconds": round(time.perf_counter() - started, 1)}
+    return summarize(results)
+
+
+def main(argv=None) -> int:
+    path, overrides = parse_study_args(argv, prog="python -m jaxformer.experiments.length_gen",
+                                       description=__doc__.split("\n\n")[0],
+                                       default_config=DEFAULT_CONFIG, small=SMALL)
+    try:
+        cfg = load_config(path, overrides)
+        results = run_study(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = write_outputs(results, cfg.study.out_dir)
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {results['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""What the length-generalisation study writes: results.json, Markdown tables (one per task)
+and a plot (one panel per task) of exact-match accuracy against input length.
+
+``results["rows"][scheme][task]["accuracy"]`` is [seed][length] (None where the scheme cannot
+run at that length); ``summarize`` adds ``mean`` and ``std`` over the seeds, per length.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from jaxformer.experiments.report import seed_stats
+
+
+def summarize(results: dict) -> dict:
+    """Adds mean and std (ddof=1; None with one seed) over the seeds to every (scheme, task)."""
+    for per_task in results["rows"].values():
+        for row in per_task.values():
+            row["mean"], row["std"] = seed_stats(row["accuracy"])
+    return results
+
+
+def range_stats(results: dict, scheme: str, task: str, trained: bool):
+    """(mean, std) over the seeds of each seed's mean accuracy over the training lengths
+    (trained=True) or the longer ones; None where a length in the range has no score, or
+    the range holds no evaluation length."""
+    cut = results["train_max_len"]
+    picked = [i for i, n in enumerate(results["eval_lengths"]) if (n <= cut) == trained]
+    per_seed = [[acc[i] for i in picked] for acc in results["rows"][scheme][task]["accuracy"]]
+    if not picked or any(None in s for s in per_seed):
+        return None, None
+    means = [float(np.mean(s)) for s in per_seed]
+    return float(np.mean(means)), (float(np.std(means, ddof=1)) if len(means) > 1 else None)
+
+
+def near_best(stats: dict[str, tuple]) -> set[str]:
+    """The schemes whose mean is the best, or within one std of it (the larger of the two
+    schemes' sample std): differences among them are smaller than the seed spread. With
+    one seed (no std) only the best."""
+    scored = {k: v for k, v in stats.items() if v[0] is not None}
+    if not scored:
+        return set()
+    best = max(scored, key=lambda k: scored[k][0])
+    top, top_std = scored[best]
+    return {k for k, (m, s) in scored.items()
+            if k == best or (s is not None and top_std is not None and
+                             top - m <= max(s, top_std))}
+
+
+def _cell(mean, std, bold=False) -> str:
+    if mean is None:
+        return "n/a"
+    text = f"{mean:.2f}" if std is None else f"{mean:.2f} ± {std:.2f}"
+    return f"**{text}**" if bold else text
+
+
+def task_table(results: dict, task: str) -> str:
+    """Schemes x evaluation lengths for one task (mean ± std), then the mean over the
+    training lengths and over the longer ones, bold where within one std of the best."""
+    lengths, cut = results["eval_lengths"], results["train_max_len"]
+    head = ["scheme"] + [f"{n}" if n <= cut else f"{n}*" for n in lengths]
+    head += [f"mean 1..{cut}", f"mean > {cut}"]
+    lines = [f"### {task}", "", "| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    ranges = {trained: {s: range_stats(results, s, task, trained) for s in results["rows"]}
+              for trained in (True, False)}
+    tops = {trained: near_best(stats) for trained, stats in ranges.items()}
+    for scheme, per_task in results["rows"].items():
+        row = per_task[task]
+        cells = [{"none": "none (NoPE)"}.get(scheme, scheme)]
+        cells += [_cell(m, s) for m, s in zip(row["mean"], row["std"])]
+        cells += [_cell(*ranges[t][scheme], bold=scheme in tops[t]) for t in (True, False)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    """Every task's table, then what the numbers are."""
+    seeds, cut = results["seeds"], results["train_max_len"]
+    notes = [
+        f"Exact-match accuracy of greedy decoding on {results['eval_examples']} examples per "
+        f"length (input symbols; digits per operand for addition), the same for every scheme. "
+        f"Models trained on lengths 1..{cut}; * marks lengths beyond them.",
+        "n/a: the example is longer than the learned position table (train.seq_len rows).",
+        "mean 1..L / mean > L: each seed's mean over those lengths, then mean ± std over seeds."
+        " Bold: the best scheme and every scheme within one standard deviation of it (the "
+        "larger of the two): differences among the bold ones are smaller than the seed "
+        "spread." + ("" if len(seeds) > 1 else " With one seed there is no spread to compare "
+                     "against, so only the best is bold: run with --seeds N."),
+        f"Seeds {', '.join(map(str, seeds))}" + (
+            ": mean ± sample standard deviation (ddof=1)." if len(seeds) > 1 else "."),
+        f"Wall time {results['seconds']:.0f} s.",
+    ]
+    tables = "\n\n".join(task_table(results, task) for task in results["tasks"])
+    return tables + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
+def draw(results: dict, axes) -> None:
+    """Accuracy against length, one line per scheme, on one matplotlib Axes per task; the
+    training lengths shaded."""
+    lengths, cut = results["eval_lengths"], results["train_max_len"]
+    for ax, task in zip(axes, results["tasks"]):
+        ax.axvspan(0.5, cut + 0.5, color="gray", alpha=0.15, label=f"training lengths 1..{cut}")
+        for scheme, per_task in results["rows"].items():
+            row = per_task[task]
+            xs = [n for n, m in zip(lengths, row["mean"]) if m is not None]
+            ys = [m for m in row["mean"] if m is not None]
+            err = [s for s, m in zip(row["std"], row["mean"]) if m is not None]
+            ax.errorbar(xs, ys, yerr=None if None in err else err, marker="o", markersize=4,
+                        capsize=3, label={"none": "none (NoPE)"}.get(scheme, scheme))
+        ax.set_xlim(0.5, lengths[-1] + 0.5)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(task)
+        ax.set_xlabel("input length (symbols)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("exact-match accuracy")
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def write_outputs(results: dict, out_dir) -> dict[str, pathlib.Path]:
+    """results.json, results.md and length_gen.png in out_dir (created if needed)."""
+    from matplotlib.figure import Figure  # no pyplot: leaves any notebook backend alone
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "markdown": out / "results.md",
+             "plot": out / "length_gen.png"}
+    paths["json"].write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    paths["markdown"].write_text(markdown(results))
+    n = len(results["tasks"])
+    fig = Figure(figsize=(3.6 * n + 1.8, 3.8))
+    axes = fig.subplots(1, n, sharey=True, squeeze=False)[0]
+    draw(results, axes)
+    fig.tight_layout()
+    fig.savefig(paths["plot"], dpi=110)
+    return paths

@@ -1,0 +1,145 @@
+"""The length-generalisation study: its tasks against Python's arithmetic, its packing, its
+one-pass exact match against greedy decoding, its vmapped seeds against separate runs, and
+the command line end to end."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.decoding import generate
+from jaxformer.experiments import length_gen, tasks
+from jaxformer.experiments.seeds import seed_slice, train_seeds
+from jaxformer.training.config import OptimConfig
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.step import init_state, make_train_step
+
+DIGITS = "0123456789"
+
+
+def text(example):
+    """An example's tokens as a string: digits, '+', '=', '$' (end), a task letter."""
+    names = {tasks.PLUS: "+", tasks.EQUALS: "=", tasks.EOS: "$", tasks.MARKERS["copy"]: "C",
+             tasks.MARKERS["reverse"]: "R", tasks.MARKERS["addition"]: "A"}
+    return "".join(names[int(t)] if int(t) in names else DIGITS[int(t) - tasks.DIGIT]
+                   for t in example)
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_examples_are_right(rng, task):
+    n = int(rng.integers(1, 12))
+    for ex in tasks.make_examples(task, n, 20, rng):
+        s = text(ex)
+        assert len(ex) == tasks.example_tokens(task, n) and s[-1] == "$"
+        prompt, answer = s[1:-1].split("=")
+        assert s[tasks.answer_start(task, n)] == answer[0]
+        if task == "copy":
+            assert answer == prompt and len(prompt) == n
+        elif task == "reverse":
+            assert answer == prompt[::-1]
+        else:  # least significant digit first, in the operands and the sum
+            a, b = prompt.split("+")
+            total = int(a[::-1]) + int(b[::-1])
+            assert len(a) == len(b) == n and len(answer) == n + 1
+            assert int(answer[::-1]) == total
+
+
+def test_pack_segments_positions_and_answer_mask(rng):
+    task = str(rng.choice(tasks.TASKS))
+    lengths = rng.integers(1, 6, 12)
+    examples = tasks.sample_examples(task, lengths, rng)
+    starts = tasks.answer_start(task, lengths)
+    b = tasks.pack(examples, starts, row_len=40)
+    seen = 0
+    for r in range(len(b["inputs"])):
+        for seg in np.unique(b["segment_ids"][r][b["segment_ids"][r] > 0]):
+            where = np.flatnonzero(b["segment_ids"][r] == seg)
+            i = b["example"][r, where[0]]
+            ex, seen = examples[i], seen + 1
+            assert (np.diff(where) == 1).all() and len(where) == len(ex) - 1
+            np.testing.assert_array_equal(b["positions"][r, where], np.arange(len(ex) - 1))
+            np.testing.assert_array_equal(b["inputs"][r, where], ex[:-1])
+            np.testing.assert_array_equal(b["targets"][r, where], ex[1:])
+            # the loss covers exactly the answer: '=' onwards is the input, answer the target
+            masked = b["targets"][r, where][b["loss_mask"][r, where] > 0]
+            np.testing.assert_array_equal(masked, ex[starts[i]:])
+        pad = b["segment_ids"][r] == 0
+        assert (b["loss_mask"][r, pad] == 0).all() and (b["inputs"][r, pad] == tasks.PAD).all()
+    assert seen == len(examples)
+
+
+def test_one_pass_exact_match_is_greedy_decoding(rng):
+    """Answers that are the model's own greedy continuations all count as solved; change
+    one token of an answer and that example does not."""
+    cfg = ModelConfig(vocab_size=tasks.VOCAB_SIZE, d_model=32, n_layers=2, n_heads=4,
+                      max_seq_len=32, position=str(rng.choice(["rope", "t5", "fire", "none"])))
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(int(rng.integers(1 << 30))),
+                        jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.tree.map(lambda x: x + 0.3 * rng.standard_normal(x.shape, np.float32), params)
+    n, count = 3, 6
+    prompts = tasks.make_examples("copy", n, count, rng)[:, :tasks.answer_start("copy", n)]
+    out = generate(model, params, prompts, max_new_tokens=n + 1, rng=jax.random.key(0),
+                   temperature=0.0)
+    examples = [np.concatenate([p, np.asarray(t)]) for p, t in zip(prompts, out.tokens)]
+    wrong = int(rng.integers(count))
+    examples[wrong] = examples[wrong].copy()
+    k = len(prompts[0]) + int(rng.integers(n + 1))
+    examples[wrong][k] = (examples[wrong][k] + 1) % tasks.VOCAB_SIZE
+    stacked = jax.tree.map(lambda x: x[None], params)
+    solved = length_gen.exact_match(cfg, stacked, examples, [len(prompts[0])] * count,
+                                    row_len=32, batch_tokens=64)
+    np.testing.assert_array_equal(solved[0], np.arange(count) != wrong)
+
+
+def test_vmapped_seeds_train_like_separate_runs(rng):
+    cfg = ModelConfig(vocab_size=tasks.VOCAB_SIZE, d_model=16, n_layers=1, n_heads=2,
+                      max_seq_len=24, position="t5")
+    optim, steps, seeds = OptimConfig(lr=3e-3, warmup_steps=1), 3, [int(rng.integers(99)), 7]
+
+    def batch(seed, step):
+        return tasks.train_batch("reverse", 3, 4, 24, np.random.default_rng([seed, step]))
+
+    params, _ = train_seeds(cfg, optim, steps, seeds, batch, log_every=steps, log=lambda *a: 0)
+    model = Transformer(cfg)
+    tx, schedule = make_optimizer(optim, cfg, steps)
+    step_fn = make_train_step(model, tx, schedule)
+    for i, seed in enumerate(seeds):
+        state = init_state(model, tx, seed)
+        for step in range(steps):
+            state, _ = step_fn(state, batch(seed, step))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+                     seed_slice(params, i), state.params)
+
+
+def test_command_line_writes_results(tmp_path, capsys):
+    out = tmp_path / "lg"
+    code = length_gen.main(["--small", "study.schemes=learned,alibi", "study.tasks=copy",
+                            "train.steps=4", "study.eval_lengths=1,2,12", "--seeds", "2",
+                            "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["tasks"] == ["copy"] and len(results["seeds"]) == 2
+    assert results["train_max_len"] == 3 and results["eval_lengths"] == [1, 2, 12]
+    learned, alibi = results["rows"]["learned"]["copy"], results["rows"]["alibi"]["copy"]
+    assert [a[2] for a in learned["accuracy"]] == [None, None]  # 25 slots: beyond the table of 24
+    assert learned["mean"][2] is None and all(0 <= a <= 1 for a in learned["mean"][:2])
+    acc = np.asarray(alibi["accuracy"])
+    np.testing.assert_allclose(alibi["mean"], acc.mean(0))
+    np.testing.assert_allclose(alibi["std"], acc.std(0, ddof=1))
+    assert (out / "results.md").read_text().startswith("#") and (out / "length_gen.png").stat().st_size
+
+
+@pytest.mark.parametrize("args, words", [
+    (["study.task=copy"], ["study.task", "tasks"]),
+    (["model.position=rope"], ["model.position", "study.schemes"]),
+    (["study.tasks=copy,multiply"], ["multiply", "addition"]),
+    (["train.seq_len=8"], ["train.seq_len=8", "train_max_len"]),
+])
+def test_bad_config_exits_2_naming_it(capsys, args, words):
+    assert length_gen.main(["--small", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and all(w in err for w in words), err
