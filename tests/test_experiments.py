@@ -101,7 +101,7 @@ def test_summarize_and_table_from_known_numbers():
     assert alibi["mean"] == [3.0, 6.0] and alibi["std"] == pytest.approx([1.0, np.sqrt(7.0)])
     assert learned["mean"] == [6.0, None] and learned["std"] == [1.0, None]
     table = markdown_table(results)
-    assert "| alibi | 10 | 2.000 | 3.00 ± 1.00 | 6.00 ± 2.65 | 2.00 |" in table
+    assert "| alibi | 10 | 2.000 | **3.00 ± 1.00** | **6.00 ± 2.65** | 2.00 |" in table  # best
     assert "| learned | 12 | 1.000 | 6.00 ± 1.00 | n/a | n/a |" in table
 
 
@@ -171,3 +171,16 @@ def test_command_line_reports_config_errors(capsys):
     assert "error: study.schemes='rotary' is not one of" in capsys.readouterr().err
     assert study.main(["--seeds", "0"]) == 2
     assert "study.seeds=0" in capsys.readouterr().err
+
+
+def test_near_best_marks_differences_within_the_seed_spread(rng):
+    """Within one std (the larger of the two) of the best is 'near'; beyond it is not."""
+    from jaxformer.experiments.report import near_best
+    base, spread = float(rng.uniform(1, 10)), float(rng.uniform(0.1, 1))
+    stats = {"best": (base, spread), "near": (base + 0.9 * spread, spread / 2),
+             "far": (base + 1.1 * spread, spread / 2), "none": (None, None)}
+    assert near_best(stats, lower_is_better=True) == {"best", "near"}
+    flipped = {k: (None if m is None else -m, s) for k, (m, s) in stats.items()}
+    assert near_best(flipped) == {"best", "near"}
+    one_seed = {k: (m, None) for k, (m, _) in stats.items()}
+    assert near_best(one_seed, lower_is_better=True) == {"best"}

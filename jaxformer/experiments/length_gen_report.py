@@ -12,7 +12,7 @@ import pathlib
 
 import numpy as np
 
-from jaxformer.experiments.report import seed_stats
+from jaxformer.experiments.report import near_best, seed_stats
 
 
 def summarize(results: dict) -> dict:
@@ -34,20 +34,6 @@ def range_stats(results: dict, scheme: str, task: str, trained: bool):
         return None, None
     means = [float(np.mean(s)) for s in per_seed]
     return float(np.mean(means)), (float(np.std(means, ddof=1)) if len(means) > 1 else None)
-
-
-def near_best(stats: dict[str, tuple]) -> set[str]:
-    """The schemes whose mean is the best, or within one std of it (the larger of the two
-    schemes' sample std): differences among them are smaller than the seed spread. With
-    one seed (no std) only the best."""
-    scored = {k: v for k, v in stats.items() if v[0] is not None}
-    if not scored:
-        return set()
-    best = max(scored, key=lambda k: scored[k][0])
-    top, top_std = scored[best]
-    return {k for k, (m, s) in scored.items()
-            if k == best or (s is not None and top_std is not None and
-                             top - m <= max(s, top_std))}
 
 
 def _cell(mean, std, bold=False) -> str:

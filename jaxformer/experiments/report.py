@@ -22,6 +22,21 @@ def seed_stats(per_seed: list[list]) -> tuple[list, list]:
     return mean, std
 
 
+def near_best(stats: dict[str, tuple], *, lower_is_better: bool = False) -> set[str]:
+    """The keys of {key: (mean, std)} whose mean is the best, or within one std of it (the
+    larger of the two sample stds): differences among them are smaller than the seed
+    spread. With one seed (std None) only the best; a None mean is never in."""
+    scored = {k: v for k, v in stats.items() if v[0] is not None}
+    if not scored:
+        return set()
+    sign = -1.0 if lower_is_better else 1.0
+    best = max(scored, key=lambda k: sign * scored[k][0])
+    top, top_std = scored[best]
+    return {k for k, (m, s) in scored.items()
+            if k == best or (s is not None and top_std is not None and
+                             sign * (top - m) <= max(s, top_std))}
+
+
 def summarize(results: dict) -> dict:
     """Adds mean and std over the seeds to every row (None where any seed has None)."""
     for row in results["rows"].values():
@@ -36,10 +51,11 @@ def _num(x: float) -> str:
     return f"{x:.2f}" if abs(x) < 1e4 else f"{x:.3g}"
 
 
-def _cell(mean, std) -> str:
+def _cell(mean, std, bold=False) -> str:
     if mean is None:
         return "n/a"
-    return _num(mean) if std is None else f"{_num(mean)} ± {_num(std)}"
+    text = _num(mean) if std is None else f"{_num(mean)} ± {_num(std)}"
+    return f"**{text}**" if bold else text
 
 
 def _label(multiple: int) -> str:
@@ -61,11 +77,13 @@ def markdown_table(results: dict) -> str:
     head += [f"{_label(mults[-1])} / L"] if ratio else []
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    tops = [near_best({name: (row["mean"][i], row["std"][i]) for name, row in rows.items()},
+                      lower_is_better=True) for i in range(len(lengths))]
     for name, row in rows.items():
         loss = (f"({row['scheme']}'s)" if "train_loss" not in row else
                 "n/a" if row["train_loss_mean"] is None else f"{row['train_loss_mean']:.3f}")
         cells = [row_title(name, row), f"{row['params']:,}", loss]
-        cells += [_cell(m, s) for m, s in zip(row["mean"], row["std"])]
+        cells += [_cell(m, s, name in top) for m, s, top in zip(row["mean"], row["std"], tops)]
         if ratio:
             first, last = row["mean"][mults.index(1)], row["mean"][-1]
             cells.append("n/a" if first is None or last is None else f"{last / first:.2f}")
@@ -88,6 +106,10 @@ def markdown_table(results: dict) -> str:
     if ratio:
         notes.append(f"{_label(mults[-1])} / L: perplexity at the longest length over that at L; "
                      "below 1 means the extra context helps (the scheme extrapolates).")
+    notes.append("Bold: the best at each length and every row within one standard deviation "
+                 "of it (the larger of the two): differences among the bold ones are smaller "
+                 "than the seed spread." + ("" if len(seeds) > 1 else " With one seed there is "
+                                            "no spread, so only the best: run with --seeds N."))
     notes.append(f"Seeds {', '.join(map(str, seeds))}" + (
         ": mean ± sample standard deviation (ddof=1) over the seeds." if len(seeds) > 1 else "."))
     notes.append(f"Data: {results['data']}. Wall time {results['seconds']:.0f} s.")
