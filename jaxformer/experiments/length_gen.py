@@ -34,13 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import POSITIONS, ConfigError, ModelConfig, RopeScaling, _check_choice, \
-    _check_number
+from jaxformer.config import POSITIONS, ConfigError, ModelConfig, RopeScaling
 from jaxformer.experiments import tasks
 from jaxformer.experiments.length_gen_report import summarize, write_outputs
 from jaxformer.experiments.positions_config import (TRAIN_KEYS, check_run_sections,
-                                                    parse_study_args, read_sections,
-                                                    settings_from_dict)
+                                                    check_settings, read_sections,
+                                                    settings_from_dict, study_main)
 from jaxformer.experiments.seeds import train_seeds
 from jaxformer.model import Transformer, count_params
 from jaxformer.training.config import RunConfig
@@ -87,26 +86,12 @@ class LengthGenSettings:
     progress: bool = True
 
     def __post_init__(self):
-        for name, allowed in (("tasks", tasks.TASKS), ("schemes", POSITIONS)):
-            values = getattr(self, name)
-            if not values:
-                raise ConfigError(f"study.{name} is empty; choose from {', '.join(allowed)}")
-            for value in values:
-                _check_choice("study", name, value, allowed)
-            if len(set(values)) != len(values):
-                raise ConfigError(f"study.{name}={list(values)} names a value twice")
-        if not self.eval_lengths:
-            raise ConfigError("study.eval_lengths is empty; e.g. [1, 2, 4, 8, 16, 24]")
-        for n in self.eval_lengths:
-            _check_number("study", "eval_lengths", n, int, low=1)
-        if list(self.eval_lengths) != sorted(set(self.eval_lengths)):
-            raise ConfigError(f"study.eval_lengths={list(self.eval_lengths)} must increase")
-        for name in ("train_max_len", "eval_examples", "eval_batch_tokens", "seeds"):
-            _check_number("study", name, getattr(self, name), int, low=1)
-        if not isinstance(self.out_dir, str) or not self.out_dir:
-            raise ConfigError(f"study.out_dir={self.out_dir!r} must be a directory path")
-        if not isinstance(self.progress, bool):
-            raise ConfigError(f"study.progress={self.progress!r} must be true or false")
+        if not self.tasks or not self.schemes:
+            name, allowed = ("tasks", tasks.TASKS) if not self.tasks else ("schemes", POSITIONS)
+            raise ConfigError(f"study.{name} is empty; choose from {', '.join(allowed)}")
+        check_settings(self, choices={"tasks": tasks.TASKS, "schemes": POSITIONS},
+                       increasing=("eval_lengths",),
+                       positive=("train_max_len", "eval_examples", "eval_batch_tokens", "seeds"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,19 +245,9 @@ def run_study(cfg: LengthGenConfig, *, log=_print) -> dict:
 
 
 def main(argv=None) -> int:
-    path, overrides = parse_study_args(argv, prog="python -m jaxformer.experiments.length_gen",
-                                       description=__doc__.split("\n\n")[0],
-                                       default_config=DEFAULT_CONFIG, small=SMALL)
-    try:
-        cfg = load_config(path, overrides)
-        results = run_study(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    paths = write_outputs(results, cfg.study.out_dir)
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())} in {results['seconds']:.0f} s")
-    return 0
+    return study_main(argv, doc=__doc__, prog="python -m jaxformer.experiments.length_gen",
+                      default_config=DEFAULT_CONFIG, small=SMALL, load=load_config,
+                      run=run_study, write=write_outputs)
 
 
 if __name__ == "__main__":

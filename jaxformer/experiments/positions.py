@@ -32,7 +32,7 @@ from jaxformer.config import ConfigError, ModelConfig, RopeScaling
 from jaxformer.data import DataError, get_batch, load_dataset
 from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, StudyConfig,
                                                     StudySettings, load_study_config,
-                                                    parse_study_args)
+                                                    study_main)
 from jaxformer.experiments.report import summarize, write_outputs
 from jaxformer.experiments.seeds import seed_slice, train_seeds
 from jaxformer.model import Transformer, count_params
@@ -143,19 +143,9 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
 
 
 def main(argv=None) -> int:
-    path, overrides = parse_study_args(argv, prog="python -m jaxformer.experiments.positions",
-                                       description=__doc__.split("\n\n")[0],
-                                       default_config=DEFAULT_CONFIG, small=SMALL)
-    try:
-        cfg = load_study_config(path, overrides)
-        results = run_study(cfg)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    paths = write_outputs(results, cfg.study.out_dir)
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())} in {results['seconds']:.0f} s")
-    return 0
+    return study_main(argv, doc=__doc__, prog="python -m jaxformer.experiments.positions",
+                      default_config=DEFAULT_CONFIG, small=SMALL, load=load_study_config,
+                      run=run_study, write=write_outputs, errors=(ConfigError, DataError))
 
 
 if __name__ == "__main__":

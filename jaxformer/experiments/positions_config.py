@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import math
 import pathlib
+import sys
 from typing import Any, Mapping
 
 from jaxformer.config import (POSITIONS, ROPE_SCALINGS, ConfigError, ModelConfig, RopeScaling,
@@ -52,26 +53,37 @@ class StudySettings:
     progress: bool = True
 
     def __post_init__(self):
-        for name, allowed in (("schemes", POSITIONS), ("rope_scaling", ROPE_SCALINGS[1:])):
-            values = getattr(self, name)
-            for value in values:
-                _check_choice("study", name, value, allowed)
-            if len(set(values)) != len(values):
-                raise ConfigError(f"study.{name}={list(values)} names a value twice")
+        check_settings(self, choices={"schemes": POSITIONS, "rope_scaling": ROPE_SCALINGS[1:]},
+                       increasing=("eval_multiples",),
+                       positive=("eval_tokens", "eval_batch_tokens", "seeds"))
         if not self.schemes:
             raise ConfigError(f"study.schemes is empty; choose from {', '.join(POSITIONS)}")
-        if not self.eval_multiples:
-            raise ConfigError("study.eval_multiples is empty; e.g. [1, 2, 4, 8]")
-        for m in self.eval_multiples:
-            _check_number("study", "eval_multiples", m, int, low=1)
-        if list(self.eval_multiples) != sorted(set(self.eval_multiples)):
-            raise ConfigError(f"study.eval_multiples={list(self.eval_multiples)} must increase")
-        for name in ("eval_tokens", "eval_batch_tokens", "seeds"):
-            _check_number("study", name, getattr(self, name), int, low=1)
-        if not isinstance(self.out_dir, str) or not self.out_dir:
-            raise ConfigError(f"study.out_dir={self.out_dir!r} must be a directory path")
-        if not isinstance(self.progress, bool):
-            raise ConfigError(f"study.progress={self.progress!r} must be true or false")
+
+
+def check_settings(settings, *, choices: Mapping[str, tuple[str, ...]],
+                   increasing: tuple[str, ...], positive: tuple[str, ...]) -> None:
+    """What every study's settings share: lists of choices without repeats, increasing
+    non-empty lists of ints >= 1, ints >= 1, an out_dir and a progress flag."""
+    for name, allowed in choices.items():
+        values = getattr(settings, name)
+        for value in values:
+            _check_choice("study", name, value, allowed)
+        if len(set(values)) != len(values):
+            raise ConfigError(f"study.{name}={list(values)} names a value twice")
+    for name in increasing:
+        values = getattr(settings, name)
+        if not values:
+            raise ConfigError(f"study.{name} is empty; e.g. [1, 2, 4, 8]")
+        for v in values:
+            _check_number("study", name, v, int, low=1)
+        if list(values) != sorted(set(values)):
+            raise ConfigError(f"study.{name}={list(values)} must increase")
+    for name in positive:
+        _check_number("study", name, getattr(settings, name), int, low=1)
+    if not isinstance(settings.out_dir, str) or not settings.out_dir:
+        raise ConfigError(f"study.out_dir={settings.out_dir!r} must be a directory path")
+    if not isinstance(settings.progress, bool):
+        raise ConfigError(f"study.progress={settings.progress!r} must be true or false")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,3 +223,22 @@ def parse_study_args(argv, *, prog: str, description: str, default_config,
     return path, [*(small if a.small else ()), *overrides,
                   *([f"study.seeds={a.seeds}"] if a.seeds is not None else []),
                   *([f"study.out_dir={a.out}"] if a.out else [])]
+
+
+def study_main(argv, *, doc: str, prog: str, default_config, small, load, run, write,
+               errors=(ConfigError,)) -> int:
+    """A study's command line: load(path, overrides) -> config, run(config) -> results,
+    write(results, out_dir) -> {kind: path}; the Markdown printed, an error in `errors`
+    one line on stderr and exit 2."""
+    path, overrides = parse_study_args(argv, prog=prog, description=doc.split("\n\n")[0],
+                                       default_config=default_config, small=small)
+    try:
+        cfg = load(path, overrides)
+        results = run(cfg)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = write(results, cfg.study.out_dir)
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {results['seconds']:.0f} s")
+    return 0
