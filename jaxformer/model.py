@@ -96,17 +96,7 @@ class Transformer(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=init_with_names(dense_init(), "vocab", "embed"),
                          name="embed")
-        # the lookup reads the table gathered over fsdp (vocab stays split over tensor)
-        x = jnp.take(constrain(embed.embedding, "vocab", "act_embed"), tokens, axis=0)
-        x = x.astype(c.dtype)  # [B, T, D]
-        if c.position == "learned":
-            x = x + nn.Embed(c.max_seq_len, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
-                             embedding_init=init_with_names(dense_init(0.01), "table", "embed"),
-                             name="pos_embed")(positions)
-        elif c.position == "sinusoidal":
-            x = add_sinusoidal(x, positions, c)
-        x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
-        x = constrain(x, "act_batch", "act_seq", "act_embed")
+        x = self.embed_inputs(embed, tokens, positions, deterministic)  # [B, T, D]
 
         k_positions, k_segments, index, layers = positions, segment_ids, None, None
         if cache is not None:  # keys are the cache's slots; padding slots hold EMPTY_SLOT
@@ -132,6 +122,27 @@ class Transformer(nn.Module):
         if cache is not None:
             cache = {"layers": layers, "positions": k_positions, "index": index + t}
 
+        logits = self.logits(embed, x)
+        return logits if cache is None else (logits, cache)
+
+    def embed_inputs(self, embed, tokens, positions, deterministic: bool):
+        """Token embeddings [B, T, D], with absolute positions added if the scheme has them."""
+        c = self.cfg
+        # the lookup reads the table gathered over fsdp (vocab stays split over tensor)
+        x = jnp.take(constrain(embed.embedding, "vocab", "act_embed"), tokens, axis=0)
+        x = x.astype(c.dtype)
+        if c.position == "learned":
+            x = x + nn.Embed(c.max_seq_len, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
+                             embedding_init=init_with_names(dense_init(0.01), "table", "embed"),
+                             name="pos_embed")(positions)
+        elif c.position == "sinusoidal":
+            x = add_sinusoidal(x, positions, c)
+        x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
+        return constrain(x, "act_batch", "act_seq", "act_embed")
+
+    def logits(self, embed, x):
+        """The final norm (pre-LN) and the LM head (tied to `embed` or not): float32 logits."""
+        c = self.cfg
         if c.block == "pre_ln":  # post-LN blocks already end in a norm
             x = make_norm(c, "final_norm")(x)
         if c.tie_embeddings:
@@ -142,8 +153,7 @@ class Transformer(nn.Module):
                               param_dtype=c.param_dtype, dot_general=head_dot,
                               kernel_init=init_with_names(dense_init(), "embed", "vocab"),
                               name="lm_head")(x)
-        logits = constrain(logits.astype(jnp.float32), "act_batch", "act_seq", "act_vocab")
-        return logits if cache is None else (logits, cache)
+        return constrain(logits.astype(jnp.float32), "act_batch", "act_seq", "act_vocab")
 
 
 # ---- params: counting and reshaping ------------------------------------------------
