@@ -7,12 +7,11 @@ run at that length); ``summarize`` adds ``mean`` and ``std`` over the seeds, per
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import numpy as np
 
-from jaxformer.experiments.report import near_best, seed_stats
+from jaxformer.experiments.report import near_best, seed_stats, write_files
 
 
 def summarize(results: dict) -> dict:
@@ -107,19 +106,8 @@ def draw(results: dict, axes) -> None:
 
 
 def write_outputs(results: dict, out_dir) -> dict[str, pathlib.Path]:
-    """results.json, results.md and length_gen.png in out_dir (created if needed)."""
-    from matplotlib.figure import Figure  # no pyplot: leaves any notebook backend alone
-
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "markdown": out / "results.md",
-             "plot": out / "length_gen.png"}
-    paths["json"].write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    paths["markdown"].write_text(markdown(results))
+    """results.json, results.md and length_gen.png (one panel per task) in out_dir."""
     n = len(results["tasks"])
-    fig = Figure(figsize=(3.6 * n + 1.8, 3.8))
-    axes = fig.subplots(1, n, sharey=True, squeeze=False)[0]
-    draw(results, axes)
-    fig.tight_layout()
-    fig.savefig(paths["plot"], dpi=110)
-    return paths
+    return write_files(results, out_dir, markdown=markdown(results), plot="length_gen.png",
+                       figsize=(3.6 * n + 1.8, 3.8), draw_on=lambda fig: draw(
+                           results, fig.subplots(1, n, sharey=True, squeeze=False)[0]))

@@ -143,18 +143,25 @@ def draw(results: dict, ax) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the plot
 
 
-def write_outputs(results: dict, out_dir) -> dict[str, pathlib.Path]:
-    """results.json, results.md and positions.png in out_dir (created if needed)."""
+def write_files(results: dict, out_dir, *, markdown: str, plot: str, figsize,
+                draw_on) -> dict[str, pathlib.Path]:
+    """results.json, results.md (the text `markdown`) and the PNG `plot` in out_dir (created
+    if needed); draw_on(figure) draws the plot."""
     from matplotlib.figure import Figure  # no pyplot: leaves any notebook backend alone
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "markdown": out / "results.md",
-             "plot": out / "positions.png"}
+    paths = {"json": out / "results.json", "markdown": out / "results.md", "plot": out / plot}
     paths["json"].write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    paths["markdown"].write_text(markdown_table(results))
-    fig = Figure(figsize=(9, 4.5))
-    draw(results, fig.subplots())
+    paths["markdown"].write_text(markdown)
+    fig = Figure(figsize=figsize)
+    draw_on(fig)
     fig.tight_layout()
     fig.savefig(paths["plot"], dpi=110)
     return paths
+
+
+def write_outputs(results: dict, out_dir) -> dict[str, pathlib.Path]:
+    """results.json, results.md and positions.png in out_dir."""
+    return write_files(results, out_dir, markdown=markdown_table(results), plot="positions.png",
+                       figsize=(9, 4.5), draw_on=lambda fig: draw(results, fig.subplots()))
