@@ -185,10 +185,14 @@ def _rows(x, start, stop, keys):
 
 def _blocks(t: int, s: int, is_causal: bool):
     """(first row, end row, keys read) of each block of query rows: with is_causal, blocks
-    of CHUNK rows that read the keys up to their last row; else one block over every key."""
+    of CHUNK rows (fewer if T < 2 CHUNK: at least two blocks, so the masked corner is
+    skipped) that read the keys up to their last row; else one block over every key.
+    Measured (train step, bench shapes, T 128: blocks of 64 rows 3% faster than 128; T 256:
+    128 rows, as fast as 64 for GPT-2 and 5% faster for Llama)."""
     if not is_causal:
         return ((0, t, s),)
-    return tuple((a, min(a + CHUNK, t), min(a + CHUNK, t)) for a in range(0, t, CHUNK))
+    rows = min(CHUNK, max(1, t // 2))
+    return tuple((a, min(a + rows, t), min(a + rows, t)) for a in range(0, t, rows))
 
 
 def _chunked(q, k, v, *, mask, bias, scale, is_causal):
