@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import ATTENTION_IMPLS, ModelConfig
+from jaxformer.hooks import active, hook_point
 from jaxformer.matmul import flat_dot_general
 from jaxformer.positions import (FIRE_THRESHOLD, alibi_bias, alibi_slopes, apply_rope,
                                  fire_distance, t5_bias)
@@ -373,15 +374,32 @@ class Attention(nn.Module):
 
     def project(self, x, positions):
         """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H]; RoPE applied to q and k."""
-        q, k, v = self.query(x), self.key(x), self.value(x)
+        q, k, v = (hook_point(self, f"hook_{n}", f(x))
+                   for n, f in (("q", self.query), ("k", self.key), ("v", self.value)))
         if self.cfg.position == "rope":
             theta, scaling = self.cfg.rope_theta, self.cfg.rope_scaling
-            q = apply_rope(q, positions, theta=theta, scaling=scaling)
-            k = apply_rope(k, positions, theta=theta, scaling=scaling)
+            q = hook_point(self, "hook_rot_q", apply_rope(q, positions, theta=theta,
+                                                          scaling=scaling))
+            k = hook_point(self, "hook_rot_k", apply_rope(k, positions, theta=theta,
+                                                          scaling=scaling))
         q = constrain(q, "act_batch", "act_seq", "act_heads", "head_dim")
         k = constrain(k, "act_batch", "act_seq", "act_kv_heads", "head_dim")
         v = constrain(v, "act_batch", "act_seq", "act_kv_heads", "head_dim")
         return q, k, v
+
+    def attend_with_pattern(self, q, k, v, mask, bias):
+        """The reference attention with hook points on the scores (scaled, biased, -inf where
+        masked) and the pattern [B, N, Tq, Tk]: for jaxformer.inspect, when asked for."""
+        causal = causal_index_mask(q.shape[1])
+        logits = _grouped_logits(q, k, mask=causal if mask is None else _as_4d(mask) & causal,
+                                 bias=_as_4d(bias), scale=None)  # [B, K, G, T, S]
+        scores = hook_point(self, "hook_attn_scores",
+                            logits.reshape(q.shape[0], -1, *logits.shape[3:]))  # [B, N, T, S]
+        pattern = hook_point(self, "hook_pattern", _softmax(scores))
+        w = _group(pattern, k.shape[2])  # [B, K, G, T, S]
+        z = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v, precision=HIGHEST,
+                       preferred_element_type=jnp.float32)
+        return z.reshape(q.shape).astype(q.dtype)  # [B, T, N, H]
 
     def finish(self, z):
         """Heads [B, T, N, H] -> output projection (+ dropout) [B, T, D]."""
@@ -395,9 +413,12 @@ class Attention(nn.Module):
         layer cache is returned beside the output."""
         q, k, v = self.project(x, positions)
         if cache is None:
-            return self.finish(dot_product_attention(q, k, v, mask=mask, bias=bias,
-                                                     impl=self.cfg.attention_impl,
-                                                     is_causal=True))
+            if active(self, "hook_attn_scores", "hook_pattern"):
+                z = self.attend_with_pattern(q, k, v, mask, bias)
+            else:
+                z = dot_product_attention(q, k, v, mask=mask, bias=bias,
+                                          impl=self.cfg.attention_impl, is_causal=True)
+            return self.finish(hook_point(self, "hook_z", z))
         b, t, n_kv, h = k.shape  # the cache is [B * K, S, H]: see cached_attention
 
         def update(cache, new):  # sharded as [B, K, S, H]: rows over batch, then heads

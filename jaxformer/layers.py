@@ -6,9 +6,11 @@ import math
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
+from jaxformer.hooks import active, hook_point
 from jaxformer.matmul import flat_dot_general
 from jaxformer.sharding import constrain, init_with_names
 
@@ -22,6 +24,31 @@ def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
     return nn.LayerNorm(epsilon=cfg.norm_eps, use_bias=cfg.use_bias, use_fast_variance=False,
                         dtype=cfg.dtype, param_dtype=cfg.param_dtype, scale_init=scale,
                         bias_init=init_with_names(nn.initializers.zeros, "norm"), name=name)
+
+
+def normalize(cfg: ModelConfig, x):
+    """x [..., D] normalised in float32, before the norm's scale and bias: (x - mean) /
+    std for LayerNorm, x / rms for RMSNorm."""
+    x = x.astype(jnp.float32)
+    if cfg.norm == "rmsnorm":
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.norm_eps)
+    centred = x - jnp.mean(x, axis=-1, keepdims=True)
+    return centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True)
+                                   + cfg.norm_eps)
+
+
+def apply_norm(cfg: ModelConfig, norm: nn.Module, x):
+    """norm(x). When jaxformer.inspect reads or hooks its `hook_normalized` (the normalised
+    x before the scale and bias, float32, as TransformerLens has it), the norm is computed
+    here from its params, around that hook point."""
+    y = norm(x)
+    if not active(norm, "hook_normalized"):
+        return y
+    p = norm.variables["params"]
+    h = hook_point(norm, "hook_normalized", normalize(cfg, x)) * p["scale"].astype(jnp.float32)
+    if "bias" in p:
+        h = h + p["bias"].astype(jnp.float32)
+    return h.astype(y.dtype)
 
 
 ACTIVATIONS = {
@@ -48,11 +75,11 @@ class FeedForward(nn.Module):
                             dot_general=flat_dot_general, name=name)
 
         act, up = ACTIVATIONS[c.ffn], ("embed", "mlp")
+        pre = hook_point(self, "hook_pre", dense(c.d_ff, "wi_gate" if c.gated_ffn else "wi", up)(x))
+        h = act(pre)  # [B, T, F]
         if c.gated_ffn:
-            h = act(dense(c.d_ff, "wi_gate", up)(x)) * dense(c.d_ff, "wi_up", up)(x)  # [B, T, F]
-        else:
-            h = act(dense(c.d_ff, "wi", up)(x))  # [B, T, F]
-        h = constrain(h, "act_batch", "act_seq", "act_mlp")
+            h = h * hook_point(self, "hook_pre_linear", dense(c.d_ff, "wi_up", up)(x))
+        h = hook_point(self, "hook_post", constrain(h, "act_batch", "act_seq", "act_mlp"))
         out = dense(c.d_model, "wo", ("mlp", "embed"), 0.02 / math.sqrt(2 * c.n_layers))(h)
         return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)
 
@@ -84,11 +111,15 @@ class Block(nn.Module):
                 out, cache = out
             return out
 
+        x = hook_point(self, "hook_resid_pre", x)
         if c.block == "pre_ln":
-            x = x + attention(attn_norm(x))
-            x = x + ffn(ffn_norm(x))
+            x = x + hook_point(self, "hook_attn_out", attention(apply_norm(c, attn_norm, x)))
+            x = hook_point(self, "hook_resid_mid", x)
+            x = x + hook_point(self, "hook_mlp_out", ffn(apply_norm(c, ffn_norm, x)))
         else:
-            x = attn_norm(x + attention(x))
-            x = ffn_norm(x + ffn(x))
-        x = constrain(x, "act_batch", "act_seq", "act_embed")
+            x = x + hook_point(self, "hook_attn_out", attention(x))
+            x = hook_point(self, "hook_resid_mid", apply_norm(c, attn_norm, x))
+            x = x + hook_point(self, "hook_mlp_out", ffn(x))
+            x = apply_norm(c, ffn_norm, x)
+        x = hook_point(self, "hook_resid_post", constrain(x, "act_batch", "act_seq", "act_embed"))
         return (x, cache) if self.scanned or cache is not None else x

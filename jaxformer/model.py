@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxformer.attention import PositionBias, dense_init, make_attention_mask
 from jaxformer.config import ModelConfig
-from jaxformer.layers import Block, make_norm
+from jaxformer.hooks import hook_point
+from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.matmul import flat_dot_general
 from jaxformer.positions import sinusoidal
 from jaxformer.sharding import constrain, init_with_names
@@ -44,15 +45,16 @@ def block_stack(cfg: ModelConfig, deterministic: bool):
     return scanned(cfg, deterministic, scanned=True, name="blocks")
 
 
-def add_sinusoidal(x, positions, cfg: ModelConfig):
-    """Token embeddings x [B, T, D] plus the sinusoidal table, at cfg.sinusoidal_scale."""
+def sinusoidal_terms(x, positions, cfg: ModelConfig):
+    """Token embeddings x [B, T, D] and the sinusoidal table, scaled as
+    cfg.sinusoidal_scale says; the input is their sum."""
     table = sinusoidal(positions, cfg.d_model, dtype=jnp.float32)
     root = jnp.float32(np.sqrt(cfg.d_model))
     if cfg.sinusoidal_scale == "table":
         table = table / root
     elif cfg.sinusoidal_scale == "tokens":
         x = x * root.astype(x.dtype)
-    return x + table.astype(x.dtype)
+    return x, table.astype(x.dtype)
 
 
 class Transformer(nn.Module):
@@ -130,13 +132,15 @@ class Transformer(nn.Module):
         c = self.cfg
         # the lookup reads the table gathered over fsdp (vocab stays split over tensor)
         x = jnp.take(constrain(embed.embedding, "vocab", "act_embed"), tokens, axis=0)
-        x = x.astype(c.dtype)
+        x = hook_point(self, "hook_embed", x.astype(c.dtype))
         if c.position == "learned":
-            x = x + nn.Embed(c.max_seq_len, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
-                             embedding_init=init_with_names(dense_init(0.01), "table", "embed"),
-                             name="pos_embed")(positions)
+            x = x + hook_point(self, "hook_pos_embed", nn.Embed(
+                c.max_seq_len, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
+                embedding_init=init_with_names(dense_init(0.01), "table", "embed"),
+                name="pos_embed")(positions))
         elif c.position == "sinusoidal":
-            x = add_sinusoidal(x, positions, c)
+            x, table = sinusoidal_terms(x, positions, c)
+            x = x + hook_point(self, "hook_pos_embed", table)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         return constrain(x, "act_batch", "act_seq", "act_embed")
 
@@ -144,7 +148,7 @@ class Transformer(nn.Module):
         """The final norm (pre-LN) and the LM head (tied to `embed` or not): float32 logits."""
         c = self.cfg
         if c.block == "pre_ln":  # post-LN blocks already end in a norm
-            x = make_norm(c, "final_norm")(x)
+            x = apply_norm(c, make_norm(c, "final_norm"), x)
         if c.tie_embeddings:
             logits = head_dot(x, embed.embedding.astype(c.dtype),
                               (((2,), (1,)), ((), ())))  # [B, T, D] x [V, D]

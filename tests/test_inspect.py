@@ -1,0 +1,306 @@
+"""jaxformer.inspect: cached activations against a float64 NumPy forward, hooks that change
+what flows on, and their composition with jit, vmap, grad and scan."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import ModelConfig, Transformer, hooks, stack_layers
+from jaxformer.inspect import logit_lens, run_with_cache, run_with_hooks
+from tests import test_model as tm
+from tests.test_model import (VARIANTS, np_dense, np_gelu, np_position_bias, np_rope, small)
+
+
+def np_normalized(cfg, x):
+    if cfg.norm == "rmsnorm":
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps)
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + cfg.norm_eps)
+
+
+def np_norm(cfg, p, x, name, out):
+    out[name] = np_normalized(cfg, x)
+    return out[name] * p["scale"] + p.get("bias", 0.0)
+
+
+def np_attention(cfg, p, x, pos, allowed, bias, pre, out):
+    """Float64 attention recording TransformerLens's names under the prefix `pre`."""
+    q = out[pre + "hook_q"] = np_dense(p["query"], x, "btd,dnh->btnh")
+    k = out[pre + "hook_k"] = np_dense(p["key"], x, "btd,dkh->btkh")
+    v = out[pre + "hook_v"] = np_dense(p["value"], x, "btd,dkh->btkh")
+    if cfg.position == "rope":
+        q = out[pre + "hook_rot_q"] = np_rope(q, pos, cfg.rope_theta)
+        k = out[pre + "hook_rot_k"] = np_rope(k, pos, cfg.rope_theta)
+    g = cfg.n_heads // cfg.n_kv_heads
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(cfg.head_dim) + bias
+    if cfg.position == "alibi":  # n_heads = 4: slopes 2^-2, 2^-4, 2^-6, 2^-8
+        slopes = 2.0 ** (-2.0 * np.arange(1, 5))
+        s = s - slopes[None, :, None, None] * np.abs(pos[:, None, :, None] - pos[:, None, None, :])
+    s = out[pre + "hook_attn_scores"] = np.where(allowed[:, None], s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    w = out[pre + "hook_pattern"] = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+    z = out[pre + "hook_z"] = np.einsum("bnts,bsnh->btnh", w, v)
+    return np.einsum("btnh,nhd->btd", z, p["out"]["kernel"]) + p["out"].get("bias", 0.0)
+
+
+def np_mlp(cfg, p, x, pre, out):
+    act = {"gelu": np_gelu, "geglu": np_gelu, "relu": lambda a: np.maximum(a, 0),
+           "swiglu": lambda a: a / (1 + np.exp(-a))}[cfg.ffn]
+    gated = cfg.ffn in ("swiglu", "geglu")
+    h = out[pre + "hook_pre"] = np_dense(p["wi_gate" if gated else "wi"], x, "btd,df->btf")
+    h = act(h)
+    if gated:
+        h = h * np_dense(p["wi_up"], x, "btd,df->btf")
+        out[pre + "hook_pre_linear"] = np_dense(p["wi_up"], x, "btd,df->btf")
+    out[pre + "hook_post"] = h
+    return np_dense(p["wo"], h, "btf,fd->btd")
+
+
+def np_cache(cfg, params, tokens, positions=None, segment_ids=None):
+    """Every hook point's value, from the textbook formulas in float64."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    b, t = tokens.shape
+    pos = np.broadcast_to(np.arange(t), (b, t)) if positions is None else np.asarray(positions)
+    out = {}
+    x = out["hook_embed"] = p["embed"]["embedding"][np.asarray(tokens)]
+    if cfg.position == "learned":
+        out["hook_pos_embed"] = p["pos_embed"]["embedding"][pos]
+        x = x + out["hook_pos_embed"]
+    elif cfg.position == "sinusoidal":  # hook_embed is the embedding before any scaling
+        i = np.arange(cfg.d_model // 2)
+        ang = pos[..., None] / 10000.0 ** (2 * i / cfg.d_model)
+        pe = np.zeros((b, t, cfg.d_model))
+        pe[..., 0::2], pe[..., 1::2] = np.sin(ang), np.cos(ang)
+        scale = {"table": (1.0, 1 / math.sqrt(cfg.d_model)), "tokens": (math.sqrt(cfg.d_model), 1.0),
+                 "unit": (1.0, 1.0)}[cfg.sinusoidal_scale]
+        out["hook_pos_embed"] = scale[1] * pe
+        x = scale[0] * x + out["hook_pos_embed"]
+    allowed = pos[:, None, :] <= pos[:, :, None]
+    if cfg.sliding_window:
+        allowed &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
+    if segment_ids is not None:
+        seg = np.asarray(segment_ids)
+        allowed &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    bias = np_position_bias(cfg, p, pos)
+    for i in range(cfg.n_layers):
+        blk, pre = p[f"block_{i}"], f"blocks.{i}."
+        out[pre + "hook_resid_pre"] = x
+        if cfg.block == "pre_ln":
+            a = np_norm(cfg, blk["attn_norm"], x, pre + "ln1.hook_normalized", out)
+            x = x + np_attention(cfg, blk["attn"], a, pos, allowed, bias, pre + "attn.", out)
+            out[pre + "hook_attn_out"] = x - out[pre + "hook_resid_pre"]
+            out[pre + "hook_resid_mid"] = x
+            f = np_norm(cfg, blk["ffn_norm"], x, pre + "ln2.hook_normalized", out)
+            out[pre + "hook_mlp_out"] = np_mlp(cfg, blk["ffn"], f, pre + "mlp.", out)
+            x = x + out[pre + "hook_mlp_out"]
+        else:
+            out[pre + "hook_attn_out"] = np_attention(cfg, blk["attn"], x, pos, allowed, bias,
+                                                      pre + "attn.", out)
+            x = np_norm(cfg, blk["attn_norm"], x + out[pre + "hook_attn_out"],
+                        pre + "ln1.hook_normalized", out)
+            out[pre + "hook_resid_mid"] = x
+            out[pre + "hook_mlp_out"] = np_mlp(cfg, blk["ffn"], x, pre + "mlp.", out)
+            x = np_norm(cfg, blk["ffn_norm"], x + out[pre + "hook_mlp_out"],
+                        pre + "ln2.hook_normalized", out)
+        out[pre + "hook_resid_post"] = x
+    if cfg.block == "pre_ln":
+        np_norm(cfg, p["final_norm"], x, "ln_final.hook_normalized", out)
+    return out
+
+
+CASES = ["gpt2", "llama-gqa", "alibi-post-ln", "t5-gqa", "fire-gqa", "nope-window", "sinusoidal",
+         "sinusoidal-tokens-scaled", "qwen2-qkv-bias"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_cached_value_matches_float64(rng, name):
+    cfg = small(**VARIANTS[name])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    logits, cache = jax.jit(lambda p, t: run_with_cache(Transformer(cfg), p, t))(params, tokens)
+    want = np_cache(cfg, params, tokens)
+    assert sorted(cache) == sorted(want)
+    for key, value in want.items():
+        got = np.asarray(cache[key])
+        assert got.shape == value.shape, key
+        finite = np.isfinite(value)
+        assert (np.isfinite(got) == finite).all(), key  # -inf exactly where masked
+        np.testing.assert_allclose(got[finite], value[finite], rtol=2e-4, atol=2e-5, err_msg=key)
+    np.testing.assert_allclose(np.asarray(logits), tm.np_forward(cfg, params, tokens),
+                               rtol=2e-4, atol=2e-5)
+
+
+def test_packed_and_padded_rows(rng):
+    """Segment ids reach the pattern: no weight across documents or on padding."""
+    cfg = small(**VARIANTS["llama-gqa"])
+    tm.rng = rng
+    tokens, params = tm.init(cfg, seq=10)
+    seg = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 2, 2, 2, 2, 2]])
+    pos = np.concatenate([np.arange(3), np.arange(4), np.arange(1), [0, 0]])
+    pos = np.stack([pos, np.concatenate([np.arange(5), np.arange(5)])])
+    _, cache = run_with_cache(Transformer(cfg), params, tokens, positions=pos, segment_ids=seg,
+                              names=lambda n: n.endswith("hook_pattern") or "resid_post" in n)
+    want = np_cache(cfg, params, tokens, pos, seg)
+    for key in cache:
+        valid = (seg != 0)[..., None] if "resid" in key else (seg != 0)[:, None, :, None]
+        np.testing.assert_allclose(*np.broadcast_arrays(
+            np.where(valid, np.asarray(cache[key]), 0), np.where(valid, want[key], 0)),
+            rtol=2e-4, atol=2e-5, err_msg=key)
+    assert set(cache) == {f"blocks.{i}.{n}" for i in range(2)
+                          for n in ("attn.hook_pattern", "hook_resid_post")}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "alibi-post-ln"])
+def test_identity_hooks_give_the_same_logits(rng, name):
+    cfg = small(**VARIANTS[name])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    model = Transformer(cfg)
+    names = list(run_with_cache(model, params, tokens)[1])
+    got = run_with_hooks(model, params, tokens, hooks={n: (lambda x: x) for n in names})
+    np.testing.assert_allclose(np.asarray(got), np.asarray(model.apply({"params": params},
+                                                                         tokens)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_patching_the_last_residual_gives_the_clean_runs_logits(rng):
+    cfg = small(**VARIANTS["gpt2"])
+    tm.rng = rng
+    clean, params = tm.init(cfg)
+    corrupt = jnp.asarray(rng.integers(0, cfg.vocab_size, clean.shape))
+    model = Transformer(cfg)
+    last = f"blocks.{cfg.n_layers - 1}.hook_resid_post"
+    clean_logits, cache = run_with_cache(model, params, clean, names=[last])
+    patched = run_with_hooks(model, params, corrupt, hooks={last: lambda _: cache[last]})
+    np.testing.assert_allclose(np.asarray(patched), np.asarray(clean_logits), rtol=1e-5,
+                               atol=1e-5)
+    other = run_with_hooks(model, params, corrupt, hooks={})
+    assert np.abs(np.asarray(other) - np.asarray(clean_logits)).max() > 1e-2
+
+
+def test_a_hook_changes_what_flows_on(rng):
+    """Zeroing head h's z equals the float64 forward with that head's output rows of the
+    out projection zeroed."""
+    cfg = small(**VARIANTS["llama-gqa"])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    h = int(rng.integers(cfg.n_heads))
+    got = run_with_hooks(Transformer(cfg), params, tokens,
+                         hooks={"blocks.1.attn.hook_z": lambda z: z.at[:, :, h].set(0.0)})
+    edited = jax.tree.map(lambda x: x, params)
+    edited["block_1"]["attn"]["out"]["kernel"] = params["block_1"]["attn"]["out"]["kernel"].at[
+        h].set(0.0)
+    np.testing.assert_allclose(np.asarray(got), tm.np_forward(cfg, edited, tokens), rtol=2e-4,
+                               atol=2e-5)
+
+
+def test_vmap_over_head_ablations_equals_one_run_each(rng):
+    cfg = small(**VARIANTS["gpt2"])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    model = Transformer(cfg)
+
+    def ablate(head):  # head: a traced index
+        keep = (jnp.arange(cfg.n_heads) != head)[None, None, :, None]
+        return run_with_hooks(model, params, tokens,
+                              hooks={"blocks.0.attn.hook_z": lambda z: z * keep})
+
+    swept = jax.jit(jax.vmap(ablate))(jnp.arange(cfg.n_heads))  # [N, B, T, V]
+    for head in range(cfg.n_heads):
+        one = run_with_hooks(model, params, tokens, hooks={
+            "blocks.0.attn.hook_z": lambda z, head=head: z.at[:, :, head].set(0.0)})
+        np.testing.assert_allclose(np.asarray(swept[head]), np.asarray(one), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_grad_through_a_hook_matches_finite_differences(rng):
+    """d loss / d alpha for a steering vector alpha * u added to a residual stream."""
+    cfg = small(**VARIANTS["llama-gqa"])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    model = Transformer(cfg)
+    u = jnp.asarray(rng.normal(size=cfg.d_model), jnp.float32)
+
+    def loss(alpha):
+        logits = run_with_hooks(model, params, tokens,
+                                hooks={"blocks.0.hook_resid_post": lambda x: x + alpha * u})
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    g = jax.jit(jax.grad(loss))(jnp.float32(0.3))
+    eps = 1e-2
+    fd = (loss(jnp.float32(0.3 + eps)) - loss(jnp.float32(0.3 - eps))) / (2 * eps)
+    np.testing.assert_allclose(float(g), float(fd), rtol=2e-2, atol=1e-5)
+    assert abs(float(g)) > 1e-4
+
+
+def test_scan_and_remat_keep_per_layer_names_and_values(rng):
+    cfg = small(**VARIANTS["gpt2"])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    loop_logits, loop = jax.jit(lambda p: run_with_cache(Transformer(cfg), p, tokens))(params)
+    scanned = Transformer(ModelConfig(**{**cfg.__dict__, "scan_layers": True, "remat": "full"}))
+    logits, cache = jax.jit(lambda p: run_with_cache(scanned, p, tokens))(
+        stack_layers(params, cfg.n_layers))
+    assert sorted(cache) == sorted(loop)
+    for key in loop:
+        np.testing.assert_allclose(np.asarray(cache[key]), np.asarray(loop[key]), rtol=1e-5,
+                                   atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(loop_logits), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "alibi-post-ln"])
+def test_logit_lens_last_layer_is_the_models_logits(rng, name):
+    cfg = small(**VARIANTS[name])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    logits, cache = run_with_cache(Transformer(cfg), params, tokens)
+    lens = logit_lens(Transformer(cfg), params, cache)
+    assert lens.shape == (cfg.n_layers, *logits.shape)
+    np.testing.assert_allclose(np.asarray(lens[-1]), np.asarray(logits), rtol=1e-5, atol=1e-5)
+    # an earlier layer, against float64: its residual through the final norm and the head
+    want = np_cache(cfg, params, tokens)["blocks.0.hook_resid_post"]
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    if cfg.block == "pre_ln":
+        want = tm.np_norm(cfg, p["final_norm"], want)
+    np.testing.assert_allclose(np.asarray(lens[0]), want @ p["embed"]["embedding"].T,
+                               rtol=2e-4, atol=2e-5)
+
+
+def test_bad_hooks_and_names_are_refused(rng):
+    cfg = small(**VARIANTS["gpt2"])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    model = Transformer(cfg)
+    with pytest.raises(ValueError, match=r"'blocks\.0\.attn\.hook_patern' \(did you mean "
+                                         r"'blocks\.0\.attn\.hook_pattern'"):
+        run_with_hooks(model, params, tokens, hooks={"blocks.0.attn.hook_patern": lambda x: x})
+    with pytest.raises(ValueError, match="must return its input's shape and dtype"):
+        run_with_hooks(model, params, tokens,
+                       hooks={"blocks.0.hook_resid_post": lambda x: x[..., :3]})
+    with pytest.raises(ValueError, match="names 'blocks.9.hook_resid_post'"):
+        run_with_cache(model, params, tokens, names=["blocks.9.hook_resid_post"])
+
+
+@pytest.mark.parametrize("extra", [{}, VARIANTS["llama-gqa"]])
+def test_the_default_forward_pays_nothing(extra):
+    """Without a session the hook points add nothing: the compiled gradient of the loss is
+    the HLO of the same model with hook_point and active replaced by plain identities."""
+    _, hlo = tm.grad_hlo(extra)
+
+    plain = {"hook_point": lambda module, name, x: x, "active": lambda module, *names: False}
+    with pytest.MonkeyPatch.context() as mp:
+        for module in ("jaxformer.attention", "jaxformer.layers", "jaxformer.model"):
+            for name, fn in plain.items():
+                if hasattr(__import__(module, fromlist=[name]), name):
+                    mp.setattr(f"{module}.{name}", fn)
+        _, plain_hlo = tm.grad_hlo(extra)
+    strip = lambda text: [line.split(", metadata=")[0] for line in text.splitlines()  # noqa: E731
+                          if re.match(r"\s*(ROOT )?%\S+ = ", line)]
+    assert strip(hlo) == strip(plain_hlo)
+    assert hooks._SESSION.get() is None
