@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 from typing import Callable, Iterable
 
+import jax
 import jax.numpy as jnp
 
 from jaxformer.hooks import session
@@ -101,3 +102,54 @@ def logit_lens(model: Transformer, params, cache):
     head = (params["embed"]["embedding"].T if cfg.tie_embeddings
             else params["lm_head"]["kernel"]).astype(cfg.dtype)  # [D, V]
     return jnp.einsum("lbtd,dv->lbtv", x, head, preferred_element_type=jnp.float32)
+
+
+def next_token_loss(logits, tokens):
+    """Mean next-token cross entropy of logits [B, T, V] on tokens [B, T] (T - 1 targets)."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def _sweep(fn, *sizes):
+    """fn(i, j) over the grid arange(sizes[0]) x arange(sizes[1]), as one vmapped call."""
+    return jax.vmap(jax.vmap(fn, (None, 0)), (0, None))(*map(jnp.arange, sizes))
+
+
+def head_ablation_sweep(model: Transformer, params, tokens, *, value: float = 0.0):
+    """The next-token loss change when one head is ablated (its `attn.hook_z` set to
+    `value`), for every (layer, head), all in one vmapped forward pass.
+    -> float32 [n_layers, n_heads]: ablated loss minus clean loss."""
+    cfg = model.cfg
+
+    def ablated(layer, head):
+        def ablate(i):
+            off = (layer == i) & (jnp.arange(cfg.n_heads) == head)[:, None]  # [N, 1]
+            return lambda z: jnp.where(off, jnp.asarray(value, z.dtype), z)
+
+        hooks = {f"blocks.{i}.attn.hook_z": ablate(i) for i in range(cfg.n_layers)}
+        return next_token_loss(run_with_hooks(model, params, tokens, hooks=hooks), tokens)
+
+    clean = next_token_loss(run_with_hooks(model, params, tokens, hooks={}), tokens)
+    return _sweep(ablated, cfg.n_layers, cfg.n_heads) - clean
+
+
+def patching_sweep(model: Transformer, params, clean, corrupted, metric, *,
+                   name: str = "hook_resid_pre"):
+    """Activation patching: metric(logits) of the corrupted run with `blocks.{layer}.{name}`
+    at one position replaced by the clean run's, for every (layer, position), in one
+    vmapped call. clean, corrupted: tokens [B, T] of the same shape; metric: logits
+    [B, T, V] -> a scalar (e.g. a logit difference). -> [n_layers, T]"""
+    cfg, t = model.cfg, clean.shape[1]
+    names = [f"blocks.{i}.{name}" for i in range(cfg.n_layers)]
+    _, cache = run_with_cache(model, params, clean, names=names)
+
+    def patched(layer, position):
+        def patch(i):
+            here = (layer == i) & (jnp.arange(t) == position)  # [T]
+            return lambda x: jnp.where(here.reshape(1, t, *(1,) * (x.ndim - 2)),
+                                       cache[names[i]], x)
+
+        hooks = {n: patch(i) for i, n in enumerate(names)}
+        return metric(run_with_hooks(model, params, corrupted, hooks=hooks))
+
+    return _sweep(patched, cfg.n_layers, t)

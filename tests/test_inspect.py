@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxformer import ModelConfig, Transformer, hooks, stack_layers
-from jaxformer.inspect import logit_lens, run_with_cache, run_with_hooks
+from jaxformer.inspect import (head_ablation_sweep, logit_lens, patching_sweep, run_with_cache,
+                               run_with_hooks)
 from tests import test_model as tm
 from tests.test_model import (VARIANTS, np_dense, np_gelu, np_position_bias, np_rope, small)
 
@@ -304,3 +305,57 @@ def test_the_default_forward_pays_nothing(extra):
                           if re.match(r"\s*(ROOT )?%\S+ = ", line)]
     assert strip(hlo) == strip(plain_hlo)
     assert hooks._SESSION.get() is None
+
+
+def np_loss(logits, tokens):
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    tokens = np.asarray(tokens)
+    return -np.mean(np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1))
+
+
+def test_head_ablation_sweep_is_the_float64_loss_change(rng):
+    """Each (layer, head) entry against the float64 forward with that head's rows of the
+    out projection zeroed (what zeroing its z does)."""
+    cfg = small(**VARIANTS["llama-gqa"])
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    got = np.asarray(jax.jit(lambda p: head_ablation_sweep(Transformer(cfg), p, tokens))(params))
+    assert got.shape == (cfg.n_layers, cfg.n_heads)
+    clean = np_loss(tm.np_forward(cfg, params, tokens), tokens)
+    for layer in range(cfg.n_layers):
+        for head in range(cfg.n_heads):
+            p = jax.tree.map(lambda x: x, params)
+            kernel = p[f"block_{layer}"]["attn"]["out"]["kernel"]
+            p[f"block_{layer}"]["attn"]["out"]["kernel"] = kernel.at[head].set(0.0)
+            want = np_loss(tm.np_forward(cfg, p, tokens), tokens) - clean
+            np.testing.assert_allclose(got[layer, head], want, rtol=1e-3, atol=2e-6)
+    assert np.abs(got).max() > 1e-4
+
+
+def test_patching_sweep_against_token_swaps_and_single_runs(rng):
+    """Patching the residual stream before layer 0 at position p is running the corrupted
+    tokens with token p taken from the clean run (float64); every other entry equals its
+    own run_with_hooks call."""
+    cfg = small(**VARIANTS["gpt2"])
+    tm.rng = rng
+    clean, params = tm.init(cfg, seq=6)
+    corrupted = np.asarray(clean).copy()
+    corrupted[:, 2] = (corrupted[:, 2] + 1 + rng.integers(0, cfg.vocab_size - 1)) % cfg.vocab_size
+    model = Transformer(cfg)
+    metric = lambda logits: logits[:, -1, 3].sum() - logits[:, -1, 5].sum()  # noqa: E731
+    got = np.asarray(patching_sweep(model, params, clean, jnp.asarray(corrupted), metric))
+    assert got.shape == (cfg.n_layers, clean.shape[1])
+    np_metric = lambda logits: logits[:, -1, 3].sum() - logits[:, -1, 5].sum()  # noqa: E731
+    for p in range(clean.shape[1]):
+        swapped = corrupted.copy()
+        swapped[:, p] = np.asarray(clean)[:, p]
+        np.testing.assert_allclose(got[0, p], np_metric(tm.np_forward(cfg, params, swapped)),
+                                   rtol=1e-4, atol=1e-4)
+    _, cache = run_with_cache(model, params, clean, names=["blocks.1.hook_resid_pre"])
+    one = run_with_hooks(model, params, jnp.asarray(corrupted), hooks={
+        "blocks.1.hook_resid_pre": lambda x: x.at[:, 2].set(cache["blocks.1.hook_resid_pre"][:, 2])})
+    np.testing.assert_allclose(got[1, 2], metric(one), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1, 0], metric(model.apply({"params": params},
+                                                             jnp.asarray(corrupted))),
+                               rtol=1e-5, atol=1e-5)  # position 0 is the same in both runs
