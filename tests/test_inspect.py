@@ -359,3 +359,41 @@ def test_patching_sweep_against_token_swaps_and_single_runs(rng):
     np.testing.assert_allclose(got[1, 0], metric(model.apply({"params": params},
                                                              jnp.asarray(corrupted))),
                                rtol=1e-5, atol=1e-5)  # position 0 is the same in both runs
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_every_name_matches_transformer_lens(rng, name, tmp_path):
+    """Parity with TransformerLens 4 on the same weights: the model exported through
+    jaxformer.convert, booted offline from its folder (with a tokenizer) by
+    TransformerBridge, weights unprocessed. Every one of our names is one of theirs, with
+    the same shape and values."""
+    tl = pytest.importorskip("transformer_lens.model_bridge")
+    import tokenizers
+    import torch
+    import transformers
+
+    from jaxformer.convert import to_hf
+    cfg = small(**{**VARIANTS[name], "norm_eps": 1e-5})
+    tm.rng = rng
+    tokens, params = tm.init(cfg)
+    to_hf(cfg, params, tmp_path)
+    vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=word_level, unk_token="t0", pad_token="t0", bos_token="t0",
+        eos_token="t0").save_pretrained(tmp_path)
+    bridge = tl.TransformerBridge.boot_transformers(
+        str(tmp_path), hf_model=transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+    bridge.enable_compatibility_mode(disable_warnings=True, no_processing=True)
+    their_logits, theirs = bridge.run_with_cache(torch.tensor(np.asarray(tokens)))
+    logits, ours = run_with_cache(Transformer(cfg), params, tokens)
+    assert set(ours) <= set(theirs.keys()), sorted(set(ours) - set(theirs.keys()))
+    for key, value in ours.items():
+        want = theirs[key].detach().numpy()
+        got = np.asarray(value)
+        assert got.shape == want.shape, key
+        assert (np.isfinite(got) == np.isfinite(want)).all(), key
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(np.asarray(logits), their_logits.detach().numpy(), rtol=1e-4,
+                               atol=1e-5)
