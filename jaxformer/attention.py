@@ -429,8 +429,8 @@ class Attention(nn.Module):
                              "act_seq", "head_dim").reshape(cache.shape)
 
         cache = {name: update(cache[name], new) for name, new in (("k", k), ("v", v))}
-        z = cached_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype),
-                             mask=mask, bias=bias)
+        z = hook_point(self, "hook_z", cached_attention(
+            q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=mask, bias=bias))
         return self.finish(z), cache
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import ModelConfig
+from jaxformer.hooks import session
 from jaxformer.model import EMPTY_SLOT, Transformer, unstack_layers
 
 
@@ -203,7 +204,7 @@ def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eo
 def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
              max_new_tokens: int, rng, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos_id: int | None = None, pad_id: int = 0,
-             cache_dtype=None) -> Generated:
+             cache_dtype=None, hooks=None) -> Generated:
     """Continue each row of `prompts` [batch, width] (right-padded; `prompt_lengths` [batch]
     gives the real lengths, None = all full) by `max_new_tokens` tokens.
 
@@ -211,7 +212,10 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     emits `pad_id` and its length stops growing. `logprobs` are log p(token) under the
     model's unmodified distribution. Compiles once per (config, shapes, settings); jittable
     and vmappable. cache_dtype: the KV cache's dtype (default the compute dtype; bf16 halves
-    its memory).
+    its memory). hooks: {name: fn} as jaxformer.inspect.run_with_hooks takes them, applied
+    through the KV-cached path: to the prompt's values in the prefill, then to each new
+    token's (e.g. a steering vector added to `blocks.1.hook_resid_post` at every step).
+    Attention patterns and scores are not computed there, so they cannot be hooked.
     """
     cfg = model.cfg
     prompts, lengths = _inputs(cfg, prompts, prompt_lengths, max_new_tokens)
@@ -221,10 +225,18 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
         raise ValueError(f"top_k must be in [1, vocab_size={cfg.vocab_size}], got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    fn = _generate_fn(cfg, max_new_tokens, float(temperature), top_k,
-                      None if top_p is None else float(top_p), eos_id, pad_id,
-                      None if cache_dtype is None else jnp.dtype(cache_dtype).name)
-    return fn(params, prompts, lengths, rng)
+    settings = (cfg, max_new_tokens, float(temperature), top_k,
+                None if top_p is None else float(top_p), eos_id, pad_id,
+                None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+    if not hooks:
+        return _generate_fn(*settings)(params, prompts, lengths, rng)
+    patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))
+    if patterns:
+        raise ValueError(f"generate cannot hook {', '.join(patterns)}: the KV-cached path "
+                         "computes no attention pattern; hook attn.hook_z or the residual "
+                         "stream, or use jaxformer.inspect.run_with_hooks on the full sequence")
+    with session(hooks, lambda _: False):  # traced (and checked) inside, compiled afresh
+        return _generate_fn.__wrapped__(*settings)(params, prompts, lengths, rng)
 
 
 # ---- beam search --------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import re
 from typing import Callable
 
@@ -46,14 +47,28 @@ def hook_name(path: tuple[str, ...], name: str) -> str:
 
 
 @contextlib.contextmanager
-def session(hooks: dict[str, Callable], keep: Callable[[str], bool]):
-    """Activates hooks and recording for the forward passes traced inside."""
+def session(hooks: dict[str, Callable], keep: Callable[[str], bool],
+            names: frozenset[str] = frozenset()):
+    """Activates hooks and recording for the forward passes traced inside. At the end,
+    every hooked name and every literal name in `names` must have been a hook point."""
     s = Session(hooks=dict(hooks), keep=keep)
     token = _SESSION.set(s)
     try:
         yield s
     finally:
         _SESSION.reset(token)
+    _refuse_unknown(set(hooks), s.seen, "hooks on")
+    _refuse_unknown(set(names), s.seen, "names")
+
+
+def _refuse_unknown(asked: set[str], seen: set[str], what: str):
+    unknown = sorted(asked - seen)
+    if unknown:
+        close = {n: difflib.get_close_matches(n, seen, n=1) for n in unknown}
+        hints = ", ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "")
+                          for n, c in close.items())
+        raise ValueError(f"{what} {hints}: no such hook point in this model; run_with_cache "
+                         f"lists them (e.g. blocks.0.hook_resid_pre, blocks.0.attn.hook_q)")
 
 
 def active(module, *names: str) -> bool:

@@ -12,7 +12,6 @@ names per layer.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Callable, Iterable
 
 import jax
@@ -43,16 +42,6 @@ def _keep(names: Names) -> tuple[Callable[[str], bool], set[str]]:
     return wanted.__contains__, wanted
 
 
-def _check_names(asked: set[str], seen: set[str], what: str):
-    unknown = sorted(asked - seen)
-    if unknown:
-        close = {n: difflib.get_close_matches(n, seen, n=1) for n in unknown}
-        hints = ", ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "")
-                          for n, c in close.items())
-        raise ValueError(f"{what} {hints}: no such hook point in this model; run_with_cache "
-                         f"lists them (e.g. blocks.0.hook_resid_pre, blocks.0.attn.hook_q)")
-
-
 def run_with_hooks(model: Transformer, params, tokens, *, hooks: dict[str, Callable],
                    positions=None, segment_ids=None, return_cache: bool = False,
                    names: Names = None):
@@ -62,11 +51,9 @@ def run_with_hooks(model: Transformer, params, tokens, *, hooks: dict[str, Calla
     as they flowed, hooks applied."""
     loop, params = _as_loop(model, params)
     keep, asked = _keep(names) if return_cache else ((lambda _: False), set())
-    with session(hooks, keep) as s:
+    with session(hooks, keep, frozenset(asked)) as s:
         logits = loop.apply({"params": params}, tokens, positions=positions,
                             segment_ids=segment_ids)
-    _check_names(set(hooks), s.seen, "hooks on")
-    _check_names(asked, s.seen, "names")
     return (logits, dict(s.cache)) if return_cache else logits
 
 

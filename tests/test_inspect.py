@@ -290,17 +290,26 @@ def test_bad_hooks_and_names_are_refused(rng):
 
 @pytest.mark.parametrize("extra", [{}, VARIANTS["llama-gqa"]])
 def test_the_default_forward_pays_nothing(extra):
-    """Without a session the hook points add nothing: the compiled gradient of the loss is
-    the HLO of the same model with hook_point and active replaced by plain identities."""
-    _, hlo = tm.grad_hlo(extra)
+    """Without a session the hook points add nothing: the compiled gradient of the loss and
+    generate's decode loop are the HLO of the same model with hook_point and active replaced
+    by plain identities."""
+    def compiled():  # the train gradient's and generate's optimized HLO
+        cfg, grad = tm.grad_hlo(extra)
+        from jaxformer.decoding import _generate_fn
+        decode = _generate_fn.__wrapped__(cfg, 4, 1.0, None, None, None, 0, None)
+        prompts = jnp.zeros((2, 3), jnp.int32)
+        lengths = jnp.full((2,), 3, jnp.int32)
+        params = Transformer(cfg).init(jax.random.key(0), prompts)["params"]
+        return grad + decode.lower(params, prompts, lengths, jax.random.key(1)).compile().as_text()
 
+    hlo = compiled()
     plain = {"hook_point": lambda module, name, x: x, "active": lambda module, *names: False}
     with pytest.MonkeyPatch.context() as mp:
         for module in ("jaxformer.attention", "jaxformer.layers", "jaxformer.model"):
             for name, fn in plain.items():
                 if hasattr(__import__(module, fromlist=[name]), name):
                     mp.setattr(f"{module}.{name}", fn)
-        _, plain_hlo = tm.grad_hlo(extra)
+        plain_hlo = compiled()
     strip = lambda text: [line.split(", metadata=")[0] for line in text.splitlines()  # noqa: E731
                           if re.match(r"\s*(ROOT )?%\S+ = ", line)]
     assert strip(hlo) == strip(plain_hlo)
@@ -397,3 +406,36 @@ def test_every_name_matches_transformer_lens(rng, name, tmp_path):
         np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-5, err_msg=key)
     np.testing.assert_allclose(np.asarray(logits), their_logits.detach().numpy(), rtol=1e-4,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_hooks_in_generate_equal_the_uncached_forward(rng, scan):
+    """Greedy decoding with a steering vector and an ablated head, through the KV cache,
+    against one hooked forward pass over prompt + output: the same argmax tokens and the
+    same log-probabilities."""
+    from jaxformer import generate
+    cfg = small(**{**VARIANTS["llama-gqa"], "scan_layers": scan})
+    tm.rng = rng
+    prompts, params = tm.init(small(**VARIANTS["llama-gqa"]), seq=5)
+    if scan:
+        params = stack_layers(params, cfg.n_layers)
+    model = Transformer(cfg)
+    u = jnp.asarray(3.0 * rng.normal(size=cfg.d_model), jnp.float32)
+    hooks = {"blocks.0.hook_resid_post": lambda x: x + u,
+             "blocks.1.attn.hook_z": lambda z: z.at[:, :, 1].set(0.0)}
+    out = generate(model, params, prompts, max_new_tokens=6, rng=jax.random.key(0),
+                   temperature=0.0, hooks=hooks)
+    full = jnp.concatenate([prompts, out.tokens], axis=1)
+    logp = jax.nn.log_softmax(run_with_hooks(model, params, full, hooks=hooks)[:, 4:-1])
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(jnp.argmax(logp, -1)))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(
+        jnp.take_along_axis(logp, out.tokens[..., None], -1)[..., 0]), rtol=1e-4, atol=1e-4)
+    plain = generate(model, params, prompts, max_new_tokens=6, rng=jax.random.key(0),
+                     temperature=0.0)
+    assert np.abs(np.asarray(plain.logprobs) - np.asarray(out.logprobs)).max() > 1e-3
+    with pytest.raises(ValueError, match="generate cannot hook blocks.0.attn.hook_pattern"):
+        generate(model, params, prompts, max_new_tokens=2, rng=jax.random.key(0),
+                 hooks={"blocks.0.attn.hook_pattern": lambda p: p})
+    with pytest.raises(ValueError, match="hooks on 'blocks.0.hook_resid_pots'"):
+        generate(model, params, prompts, max_new_tokens=2, rng=jax.random.key(0),
+                 hooks={"blocks.0.hook_resid_pots": lambda x: x})
