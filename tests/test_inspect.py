@@ -74,14 +74,8 @@ def np_cache(cfg, params, tokens, positions=None, segment_ids=None):
         out["hook_pos_embed"] = p["pos_embed"]["embedding"][pos]
         x = x + out["hook_pos_embed"]
     elif cfg.position == "sinusoidal":  # hook_embed is the embedding before any scaling
-        i = np.arange(cfg.d_model // 2)
-        ang = pos[..., None] / 10000.0 ** (2 * i / cfg.d_model)
-        pe = np.zeros((b, t, cfg.d_model))
-        pe[..., 0::2], pe[..., 1::2] = np.sin(ang), np.cos(ang)
-        scale = {"table": (1.0, 1 / math.sqrt(cfg.d_model)), "tokens": (math.sqrt(cfg.d_model), 1.0),
-                 "unit": (1.0, 1.0)}[cfg.sinusoidal_scale]
-        out["hook_pos_embed"] = scale[1] * pe
-        x = scale[0] * x + out["hook_pos_embed"]
+        x, out["hook_pos_embed"] = tm.np_sinusoidal_terms(cfg, x, pos)
+        x = x + out["hook_pos_embed"]
     allowed = pos[:, None, :] <= pos[:, :, None]
     if cfg.sliding_window:
         allowed &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
@@ -115,15 +109,20 @@ def np_cache(cfg, params, tokens, positions=None, segment_ids=None):
     return out
 
 
+def built(rng, name, **init):
+    """(config, tokens, params) of a tests/test_model.py variant, its params randomised."""
+    cfg = small(**VARIANTS[name])
+    tm.rng = rng
+    return (cfg, *tm.init(cfg, **init))
+
+
 CASES = ["gpt2", "llama-gqa", "alibi-post-ln", "t5-gqa", "fire-gqa", "nope-window", "sinusoidal",
          "sinusoidal-tokens-scaled", "qwen2-qkv-bias"]
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_every_cached_value_matches_float64(rng, name):
-    cfg = small(**VARIANTS[name])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, name)
     logits, cache = jax.jit(lambda p, t: run_with_cache(Transformer(cfg), p, t))(params, tokens)
     want = np_cache(cfg, params, tokens)
     assert sorted(cache) == sorted(want)
@@ -139,9 +138,7 @@ def test_every_cached_value_matches_float64(rng, name):
 
 def test_packed_and_padded_rows(rng):
     """Segment ids reach the pattern: no weight across documents or on padding."""
-    cfg = small(**VARIANTS["llama-gqa"])
-    tm.rng = rng
-    tokens, params = tm.init(cfg, seq=10)
+    cfg, tokens, params = built(rng, "llama-gqa", seq=10)
     seg = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 2, 2, 2, 2, 2]])
     pos = np.concatenate([np.arange(3), np.arange(4), np.arange(1), [0, 0]])
     pos = np.stack([pos, np.concatenate([np.arange(5), np.arange(5)])])
@@ -159,9 +156,7 @@ def test_packed_and_padded_rows(rng):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "alibi-post-ln"])
 def test_identity_hooks_give_the_same_logits(rng, name):
-    cfg = small(**VARIANTS[name])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, name)
     model = Transformer(cfg)
     names = list(run_with_cache(model, params, tokens)[1])
     got = run_with_hooks(model, params, tokens, hooks={n: (lambda x: x) for n in names})
@@ -171,9 +166,7 @@ def test_identity_hooks_give_the_same_logits(rng, name):
 
 
 def test_patching_the_last_residual_gives_the_clean_runs_logits(rng):
-    cfg = small(**VARIANTS["gpt2"])
-    tm.rng = rng
-    clean, params = tm.init(cfg)
+    cfg, clean, params = built(rng, "gpt2")
     corrupt = jnp.asarray(rng.integers(0, cfg.vocab_size, clean.shape))
     model = Transformer(cfg)
     last = f"blocks.{cfg.n_layers - 1}.hook_resid_post"
@@ -188,9 +181,7 @@ def test_patching_the_last_residual_gives_the_clean_runs_logits(rng):
 def test_a_hook_changes_what_flows_on(rng):
     """Zeroing head h's z equals the float64 forward with that head's output rows of the
     out projection zeroed."""
-    cfg = small(**VARIANTS["llama-gqa"])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, "llama-gqa")
     h = int(rng.integers(cfg.n_heads))
     got = run_with_hooks(Transformer(cfg), params, tokens,
                          hooks={"blocks.1.attn.hook_z": lambda z: z.at[:, :, h].set(0.0)})
@@ -202,9 +193,7 @@ def test_a_hook_changes_what_flows_on(rng):
 
 
 def test_vmap_over_head_ablations_equals_one_run_each(rng):
-    cfg = small(**VARIANTS["gpt2"])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, "gpt2")
     model = Transformer(cfg)
 
     def ablate(head):  # head: a traced index
@@ -222,9 +211,7 @@ def test_vmap_over_head_ablations_equals_one_run_each(rng):
 
 def test_grad_through_a_hook_matches_finite_differences(rng):
     """d loss / d alpha for a steering vector alpha * u added to a residual stream."""
-    cfg = small(**VARIANTS["llama-gqa"])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, "llama-gqa")
     model = Transformer(cfg)
     u = jnp.asarray(rng.normal(size=cfg.d_model), jnp.float32)
 
@@ -241,9 +228,7 @@ def test_grad_through_a_hook_matches_finite_differences(rng):
 
 
 def test_scan_and_remat_keep_per_layer_names_and_values(rng):
-    cfg = small(**VARIANTS["gpt2"])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, "gpt2")
     loop_logits, loop = jax.jit(lambda p: run_with_cache(Transformer(cfg), p, tokens))(params)
     scanned = Transformer(ModelConfig(**{**cfg.__dict__, "scan_layers": True, "remat": "full"}))
     logits, cache = jax.jit(lambda p: run_with_cache(scanned, p, tokens))(
@@ -257,9 +242,7 @@ def test_scan_and_remat_keep_per_layer_names_and_values(rng):
 
 @pytest.mark.parametrize("name", ["gpt2", "alibi-post-ln"])
 def test_logit_lens_last_layer_is_the_models_logits(rng, name):
-    cfg = small(**VARIANTS[name])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, name)
     logits, cache = run_with_cache(Transformer(cfg), params, tokens)
     lens = logit_lens(Transformer(cfg), params, cache)
     assert lens.shape == (cfg.n_layers, *logits.shape)
@@ -274,9 +257,7 @@ def test_logit_lens_last_layer_is_the_models_logits(rng, name):
 
 
 def test_bad_hooks_and_names_are_refused(rng):
-    cfg = small(**VARIANTS["gpt2"])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, "gpt2")
     model = Transformer(cfg)
     with pytest.raises(ValueError, match=r"'blocks\.0\.attn\.hook_patern' \(did you mean "
                                          r"'blocks\.0\.attn\.hook_pattern'"):
@@ -326,9 +307,7 @@ def np_loss(logits, tokens):
 def test_head_ablation_sweep_is_the_float64_loss_change(rng):
     """Each (layer, head) entry against the float64 forward with that head's rows of the
     out projection zeroed (what zeroing its z does)."""
-    cfg = small(**VARIANTS["llama-gqa"])
-    tm.rng = rng
-    tokens, params = tm.init(cfg)
+    cfg, tokens, params = built(rng, "llama-gqa")
     got = np.asarray(jax.jit(lambda p: head_ablation_sweep(Transformer(cfg), p, tokens))(params))
     assert got.shape == (cfg.n_layers, cfg.n_heads)
     clean = np_loss(tm.np_forward(cfg, params, tokens), tokens)
@@ -346,9 +325,7 @@ def test_patching_sweep_against_token_swaps_and_single_runs(rng):
     """Patching the residual stream before layer 0 at position p is running the corrupted
     tokens with token p taken from the clean run (float64); every other entry equals its
     own run_with_hooks call."""
-    cfg = small(**VARIANTS["gpt2"])
-    tm.rng = rng
-    clean, params = tm.init(cfg, seq=6)
+    cfg, clean, params = built(rng, "gpt2", seq=6)
     corrupted = np.asarray(clean).copy()
     corrupted[:, 2] = (corrupted[:, 2] + 1 + rng.integers(0, cfg.vocab_size - 1)) % cfg.vocab_size
     model = Transformer(cfg)

@@ -115,6 +115,18 @@ def np_ffn(cfg, p, x):
     return np_dense(p["wo"], h, "btf,fd->btd")
 
 
+def np_sinusoidal_terms(cfg, x, pos):
+    """The token embeddings x and the sinusoidal table, each scaled as sinusoidal_scale
+    says; the model's input is their sum."""
+    i = np.arange(cfg.d_model // 2)
+    ang = pos[..., None] / 10000.0 ** (2 * i / cfg.d_model)
+    pe = np.zeros((*pos.shape, cfg.d_model))
+    pe[..., 0::2], pe[..., 1::2] = np.sin(ang), np.cos(ang)
+    scale = {"table": (1.0, 1 / math.sqrt(cfg.d_model)), "tokens": (math.sqrt(cfg.d_model), 1.0),
+             "unit": (1.0, 1.0)}[cfg.sinusoidal_scale]
+    return scale[0] * x, scale[1] * pe
+
+
 def np_forward(cfg, params, tokens, positions=None, segment_ids=None):
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     b, t = tokens.shape
@@ -123,13 +135,7 @@ def np_forward(cfg, params, tokens, positions=None, segment_ids=None):
     if cfg.position == "learned":
         x = x + p["pos_embed"]["embedding"][pos]
     elif cfg.position == "sinusoidal":
-        i = np.arange(cfg.d_model // 2)
-        ang = pos[..., None] / 10000.0 ** (2 * i / cfg.d_model)
-        pe = np.zeros((b, t, cfg.d_model))
-        pe[..., 0::2], pe[..., 1::2] = np.sin(ang), np.cos(ang)
-        scale = {"table": (1.0, 1 / math.sqrt(cfg.d_model)), "tokens": (math.sqrt(cfg.d_model), 1.0),
-                 "unit": (1.0, 1.0)}[cfg.sinusoidal_scale]
-        x = scale[0] * x + scale[1] * pe
+        x = sum(np_sinusoidal_terms(cfg, x, pos))
     allowed = pos[:, None, :] <= pos[:, :, None]  # [B, Tq, Tk]
     if cfg.sliding_window:
         allowed &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
