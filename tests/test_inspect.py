@@ -390,7 +390,7 @@ def test_hooks_in_generate_equal_the_uncached_forward(rng, scan):
     """Greedy decoding with a steering vector and an ablated head, through the KV cache,
     against one hooked forward pass over prompt + output: the same argmax tokens and the
     same log-probabilities."""
-    from jaxformer import generate
+    from jaxformer.decoding import generate
     cfg = small(**{**VARIANTS["llama-gqa"], "scan_layers": scan})
     tm.rng = rng
     prompts, params = tm.init(small(**VARIANTS["llama-gqa"]), seq=5)
