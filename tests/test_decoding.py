@@ -409,7 +409,11 @@ def test_beam_search_equals_a_recomputed_beam_search(length_penalty):
     n, kw = 6, dict(prompt_lengths=lengths, max_new_tokens=6)
     greedy = np.asarray(generate(model, params, prompts, rng=jax.random.key(0), temperature=0.0,
                                  **kw).tokens)
-    eos, pad = (int(x) for x in rng.choice(7, 2, replace=False))
+    # the EOS is the token greedy decoding emits most often first (a uniformly drawn one
+    # could be one the random model never makes: then no beam ends, as seed 1995062529
+    # showed); the pad is another
+    eos = int(np.bincount(greedy[:, 0], minlength=7).argmax())
+    pad = int(rng.choice([x for x in range(7) if x != eos]))
     beams = beam_search(model, params, prompts, beam_width=4, length_penalty=length_penalty,
                         eos_id=eos, pad_id=pad, **kw)
     apply = jax.jit(model.apply)  # (params as an argument: as constants they compile 3x slower)
@@ -421,6 +425,6 @@ def test_beam_search_equals_a_recomputed_beam_search(length_penalty):
         assert beams.tokens[r].tolist() == toks, r
         assert int(beams.lengths[r]) == length
         assert float(beams.scores[r]) == pytest.approx(score, rel=1e-5, abs=1e-5)
-    if length_penalty == 0:  # the plain sum favours finished beams: over 30 seeds, 7-16 rows
-        # of 16 had a best that is not greedy's, and 2-16 ended at the EOS
+    if length_penalty == 0:  # the plain sum favours finished beams: some rows' best is not
+        # greedy's, and some end at the EOS
         assert (greedy != np.asarray(beams.tokens)).any() and (np.asarray(beams.lengths) < n).any()

@@ -22,15 +22,17 @@ class DataConfig:
 
     path: None = the default corpus (the Python standard library's own .py source);
       a text file; a folder of .txt/.md/.py files (recursive); a .jsonl file (one JSON
-      object per line, text in ``text_field``); a nanoGPT-style .bin file of token ids;
-      or a folder holding train.bin and val.bin.
+      object per line, text in ``text_field``); a .parquet file or a folder of them
+      (text in the column ``text_field``; needs pyarrow: jaxformer[data]); a
+      nanoGPT-style .bin file of token ids; or a folder holding train.bin and val.bin.
+      A file that is not text is refused.
     tokenizer: "bytes" (vocab 256, no separator token) | "bpe" (byte-level BPE trained on
       the train split, saved into the run dir) | a path to a tokenizer.json (or to a
       folder holding one).
     bpe_vocab_size: vocabulary size for tokenizer="bpe" (>= 257: 256 bytes + <|endoftext|>).
-    val_fraction: fraction of the documents (files, JSONL records) held out for
+    val_fraction: fraction of the documents (files, JSONL records, Parquet rows) held out for
       validation; of the tokens for a single text file or a single .bin file.
-    text_field: the JSONL field that holds the text.
+    text_field: the JSONL field or Parquet column that holds the text.
     bin_dtype: the dtype of .bin token files: uint16 | uint32.
     pack: batches carry segment_ids and positions that restart at document boundaries.
     cache_dir: where tokenized corpora are cached; None = ~/.cache/jaxformer.

@@ -1,8 +1,11 @@
 """Finding the corpus that DataConfig.path names, and reading its documents as text.
 
 A corpus is a list of source files under a root folder. Its documents are the files
-themselves ("files"), the records of a JSONL file ("jsonl"), or, for token files
-("bin", "bin_pair"), nothing to read: those are already token ids.
+themselves ("files"), the records of a JSONL file ("jsonl"), the rows of Parquet files
+("parquet", read a row group at a time with pyarrow: the optional extra
+jaxformer[data]), or, for token files ("bin", "bin_pair"), nothing to read: those are
+already token ids. A file that is not text (binary, an archive, NUL bytes, mostly
+invalid UTF-8) is refused, never trained on.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class Corpus:
 
     def describe(self) -> str:
         """E.g. 'python stdlib /usr/lib/python3.11 (1790 files, 28.1 MB)'."""
-        single = self.label in ("text file", "jsonl", ".bin token file")
+        single = self.label in ("text file", "jsonl", "parquet", ".bin token file")
         where = self.path_of(self.files[0]) if single else self.root
         count = "" if single or self.kind == "bin_pair" else f"{len(self.files)} files, "
         return f"{self.label} {where} ({count}{_size(self.n_bytes())})"
@@ -65,6 +68,10 @@ def find_corpus(path: str | None) -> Corpus:
             return Corpus("bin", root, (name,), ".bin token file")
         if path.endswith(".jsonl"):
             return Corpus("jsonl", root, (name,), "jsonl")
+        if path.endswith(".parquet"):
+            return Corpus("parquet", root, (name,), "parquet")
+        with open(path, "rb") as f:
+            refuse_non_text(path, f.read(_SNIFF_BYTES))
         return Corpus("files", root, (name,), "text file")
     if os.path.isdir(path):
         has = [os.path.isfile(os.path.join(path, n)) for n in ("train.bin", "val.bin")]
@@ -74,13 +81,16 @@ def find_corpus(path: str | None) -> Corpus:
             raise DataError(f"{path} holds {'train.bin' if has[0] else 'val.bin'} but not "
                             f"{'val.bin' if has[0] else 'train.bin'}; a token folder needs both "
                             "(or point data.path at the one .bin file to split it)")
+        parquet = _walk(path, (".parquet",), skip_dirs=("__pycache__",))
+        if parquet:  # a dataset folder: its README.md and the like are not documents
+            return Corpus("parquet", path, parquet, "parquet folder")
         files = _walk(path, TEXT_SUFFIXES, skip_dirs=("__pycache__",))
         if not files:
-            raise DataError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path}; add some, or point "
-                            "data.path at a text, .jsonl or .bin file")
+            raise DataError(f"no {'/'.join(TEXT_SUFFIXES)} or .parquet files under {path}; add "
+                            "some, or point data.path at a text, .jsonl, .parquet or .bin file")
         return Corpus("files", path, files, "folder")
-    raise DataError(f"data.path={path!r} does not exist; point it at a text/.jsonl/.bin file "
-                    "or a folder, or leave it unset for the Python stdlib corpus")
+    raise DataError(f"data.path={path!r} does not exist; point it at a text/.jsonl/.parquet/.bin "
+                    "file or a folder, or leave it unset for the Python stdlib corpus")
 
 
 def stdlib_corpus() -> Corpus:
@@ -115,6 +125,9 @@ def document_keys(corpus: Corpus) -> list[str]:
         rel = corpus.files[0]
         with open(corpus.path_of(rel), "rb") as f:
             return [f"{rel}:{i}" for i, line in enumerate(f, 1) if line.strip()]
+    if corpus.kind == "parquet":  # 'file.parquet:ROW', rows counted from 1 across row groups
+        return [f"{rel}:{i}" for rel in corpus.files
+                for i in range(1, _parquet_file(corpus.path_of(rel)).metadata.num_rows + 1)]
     raise ValueError(f"a {corpus.kind} corpus holds token ids, not documents")
 
 
@@ -123,7 +136,13 @@ def read_documents(corpus: Corpus, text_field: str = "text") -> Iterator[tuple[s
     if corpus.kind == "files":
         for rel in corpus.files:
             with open(corpus.path_of(rel), "rb") as f:
-                yield rel, f.read().decode("utf-8", "replace")
+                data = f.read()
+            refuse_non_text(corpus.path_of(rel), data[:_SNIFF_BYTES])
+            yield rel, data.decode("utf-8", "replace")
+        return
+    if corpus.kind == "parquet":
+        for rel in corpus.files:
+            yield from _parquet_documents(corpus.path_of(rel), rel, text_field)
         return
     rel = corpus.files[0]
     path = corpus.path_of(rel)
@@ -149,3 +168,66 @@ def _jsonl_text(line: str, field: str, where: str) -> str:
     if not isinstance(text, str):
         raise DataError(f"{where}: field {field!r} is a {type(text).__name__}, not a string")
     return text
+
+
+# ---- Parquet --------------------------------------------------------------------------
+
+def _parquet_file(path: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path} needs pyarrow: pip install 'jaxformer[data]'") from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a broken file
+        raise DataError(f"{path}: not a readable Parquet file ({e}); export it again, or "
+                        "move it out of data.path") from None
+
+
+def _parquet_documents(path: str, rel: str, field: str) -> Iterator[tuple[str, str]]:
+    """(key, text) of every row, reading one row group's `field` column at a time."""
+    f = _parquet_file(path)
+    columns = f.schema_arrow.names
+    if field not in columns:
+        raise DataError(f"{path}: no column {field!r} (columns: {', '.join(columns)}); set "
+                        "data.text_field to the column that holds the text")
+    row = 0
+    for group in range(f.num_row_groups):
+        try:
+            texts = f.read_row_group(group, columns=[field]).column(0).to_pylist()
+        except Exception as e:
+            raise DataError(f"{path}: row group {group} cannot be read ({e}); export the file "
+                            "again, or move it out of data.path") from None
+        for i, text in enumerate(texts):
+            row += 1
+            if not isinstance(text, str):
+                raise DataError(f"{path}: row {row} (row group {group}, row {i} in it): column "
+                                f"{field!r} holds {type(text).__name__} {text!r:.40}, not a "
+                                "string; fix that row, or set data.text_field to a text column")
+            yield f"{rel}:{row}", text
+
+
+# ---- what is not text -------------------------------------------------------------------
+
+_SNIFF_BYTES = 1 << 16
+_MAGIC = {b"PAR1": "a Parquet file (name it .parquet)", b"\x1f\x8b": "a gzip archive",
+          b"PK\x03\x04": "a zip archive", b"BZh": "a bzip2 archive",
+          b"\xfd7zXZ\x00": "an xz archive", b"\x28\xb5\x2f\xfd": "a zstd archive",
+          b"\x7fELF": "an executable"}
+
+
+def refuse_non_text(path: str, head: bytes) -> None:
+    """Raises DataError for bytes that are not text: a known binary format, NUL bytes, or
+    mostly (over half) invalid UTF-8. A legacy 8-bit encoding stays readable: the
+    standard library's KOI8-R test module decodes to 42% replacement characters."""
+    what = next((kind for magic, kind in _MAGIC.items() if head.startswith(magic)), None)
+    if what is None and b"\0" in head:
+        what = "binary (it holds NUL bytes)"
+    if what is None and head:
+        text = head.decode("utf-8", "replace")
+        bad = text.count("\ufffd") / len(text)
+        if bad > 0.5:
+            what = f"not UTF-8 ({bad:.0%} of it is invalid)"
+    if what is not None:
+        raise DataError(f"{path} is not text: {what}; jaxformer reads text, .jsonl, .parquet "
+                        "and .bin token files (decompress or convert it first)")
