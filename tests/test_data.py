@@ -324,6 +324,36 @@ def test_cache_is_reused_and_written_atomically(rng, tmp_path, monkeypatch):
     assert b"changed" in bytes(np.concatenate([changed.train, changed.val]).astype(np.uint8))
 
 
+def test_killed_tokenisation_leaves_a_folder_the_next_run_removes(rng, tmp_path, capsys):
+    """A writer killed with SIGKILL leaves its temporary folder; the next load removes it,
+    and keeps a live process's folder and another host's."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    cache, final = tmp_path / "cache", str(tmp_path / "cache" / "tokens-abc")
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from jaxformer.data.dataset import _temporary\n"
+        f"tmp = _temporary({final!r}); os.makedirs(tmp)\n"
+        "open(os.path.join(tmp, 'train.bin'), 'wb').write(b'half')\n"
+        "print(tmp, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    dead = child.stdout.readline().strip()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert os.path.isdir(dead)
+    host = socket.gethostname()
+    live = f"{final}.tmp-{host}-{os.getpid()}-{rng.bytes(4).hex()}"
+    other = f"{final}.tmp-not-{host}-{child.pid}-{rng.bytes(4).hex()}"
+    for folder in (live, other):
+        os.makedirs(folder)
+    (tmp_path / "hi.txt").write_text("hello, world")
+    load_dataset(DataConfig(path=str(tmp_path / "hi.txt"), cache_dir=str(cache)))
+    assert not os.path.exists(dead) and os.path.isdir(live) and os.path.isdir(other)
+    assert f"data: removed {dead}, left by process {child.pid}, which is gone" in \
+        capsys.readouterr().err
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 def write_parquet(path, columns, row_group_size):

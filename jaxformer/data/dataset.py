@@ -17,8 +17,11 @@ import itertools
 import json
 import math
 import os
+import re
 import secrets
 import shutil
+import socket
+import sys
 from typing import Iterator
 
 import numpy as np
@@ -57,6 +60,9 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
     """
     corpus = find_corpus(cfg.path)
     cache_dir = os.path.expanduser(cfg.cache_dir or "~/.cache/jaxformer")
+    for name, pid in remove_stale_temporaries(cache_dir):
+        print(f"data: removed {os.path.join(cache_dir, name)}, left by process {pid}, which "
+              "is gone", file=sys.stderr)
     tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir)
     if corpus.kind in ("bin", "bin_pair"):
         ds, max_id = _token_files(cfg, corpus, tokenizer)
@@ -127,7 +133,7 @@ def _trained_bpe(cfg: DataConfig, corpus: Corpus, cache_dir: str) -> Tokenizer:
     if os.path.isfile(path):
         return load_tokenizer(path)
     tokenizer = train_bpe(_train_texts(cfg, corpus), cfg.bpe_vocab_size)
-    tmp = os.path.join(cache_dir, f"bpe-{key}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = _temporary(os.path.join(cache_dir, f"bpe-{key}"))
     try:
         tokenizer.save(tmp)
         os.replace(os.path.join(tmp, "tokenizer.json"), path)
@@ -192,7 +198,7 @@ def _tokenize_into(final: str, cfg: DataConfig, corpus: Corpus, tokenizer: Token
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], np.int32)
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = f"{final}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = _temporary(final)
     os.makedirs(tmp)
     out = {s: _SplitWriter(os.path.join(tmp, f"{s}.bin"), dtype) for s in ("train", "val")}
     try:
@@ -229,6 +235,40 @@ def _tokenize_into(final: str, cfg: DataConfig, corpus: Corpus, tokenizer: Token
         for w in out.values():
             w.file.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- temporary folders ----------------------------------------------------------------
+
+_TEMPORARY = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _temporary(final: str) -> str:
+    """Where `final` is written before its atomic rename: named by host and process, so
+    that a later run can tell a killed writer's leftovers from a live writer's folder."""
+    return f"{final}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_stale_temporaries(cache_dir: str) -> list[tuple[str, int]]:
+    """Removes the temporary folders in cache_dir that a process of this host left and
+    that is no longer running (killed while tokenising); another host's are never
+    touched. -> [(name, pid)] removed."""
+    removed, host = [], socket.gethostname()
+    for name in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else ():
+        m = _TEMPORARY.search(name)
+        if m and m["host"] == host and not _running(int(m["pid"])):
+            shutil.rmtree(os.path.join(cache_dir, name), ignore_errors=True)
+            removed.append((name, int(m["pid"])))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 # ---- token files ----------------------------------------------------------------------
