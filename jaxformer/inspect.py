@@ -1,5 +1,5 @@
 """Experiments on a model's activations: read them (run_with_cache), change them
-(run_with_hooks), and the logit lens. Names, shapes and meanings are TransformerLens's
+(run_with_hooks), the logit lens, and head-ablation and activation-patching sweeps. Names, shapes and meanings are TransformerLens's
 (`blocks.3.attn.hook_pattern`); README "Inspecting a model" lists them.
 
 Everything here is a pure function of (params, tokens, hooks), so it composes with
