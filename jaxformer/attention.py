@@ -108,13 +108,32 @@ def _scale_and_mask(logits, *, mask, bias, scale):
     return logits
 
 
-def _softmax(logits):
-    """Softmax over the last axis in float32; a row with nothing to attend to gives zeros."""
+def _exp_rows(logits):
+    """exp(logits - row max) in float32 (0 where -inf; the max of a row with nothing to
+    attend to taken as 0) and the row sums [..., 1]."""
     peak = jnp.max(logits, axis=-1, keepdims=True)
     peak = jax.lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
     e = jnp.exp(logits - peak)
-    total = jnp.sum(e, axis=-1, keepdims=True)
+    return e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _softmax(logits):
+    """Softmax over the last axis in float32; a row with nothing to attend to gives zeros."""
+    e, total = _exp_rows(logits)
     return e / jnp.where(total == 0, 1.0, total)
+
+
+def _mix(w, v, q, precision=HIGHEST):
+    """Weights w [B, K, G, Tq, Tk] applied to v [B, Tk, K, H] -> [B, Tq, N, H] in q.dtype."""
+    out = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v, precision=precision,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def _and_causal(mask, t: int):
+    """A 4-D mask (or None) and the index-causal mask of t queries over t keys."""
+    causal = causal_index_mask(t)
+    return causal if mask is None else mask & causal
 
 
 def attention_weights(q, k, *, mask=None, bias=None, scale=None):
@@ -126,9 +145,7 @@ def attention_weights(q, k, *, mask=None, bias=None, scale=None):
 def _reference(q, k, v, *, mask, bias, scale, precision=HIGHEST):
     w = _softmax(_grouped_logits(q, k, mask=mask, bias=bias, scale=scale,
                                  precision=precision))  # [B, K, G, T, S]
-    out = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v, precision=precision,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(q.shape).astype(q.dtype)  # [B, T, N, H]
+    return _mix(w, v, q, precision)  # [B, T, N, H]
 
 
 def _fused(q, k, v, *, mask, bias, scale, implementation):
@@ -230,9 +247,7 @@ def _block_exp(scale, is_causal, q, k, mask, bias, start, stop, keys):
         block_mask = diagonal if block_mask is None else block_mask & diagonal
     logits = _scale_and_mask(logits, mask=block_mask, bias=_rows(bias, start, stop, keys),
                              scale=scale)
-    peak = jnp.max(logits, axis=-1, keepdims=True)
-    e = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-    total = jnp.sum(e, axis=-1, keepdims=True)
+    e, total = _exp_rows(logits)
     return e, jnp.where(total == 0, 0.0, 1.0 / jnp.where(total == 0, 1.0, total))
 
 
@@ -330,8 +345,7 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = "auto", 
     if impl == "chunked":
         return _chunked(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
     if is_causal:
-        causal = causal_index_mask(q.shape[1])
-        mask = causal if mask is None else mask & causal
+        mask = _and_causal(mask, q.shape[1])
     if impl == "reference":
         return _reference(q, k, v, mask=mask, bias=bias, scale=scale)
     return _fused(q, k, v, mask=mask, bias=bias, scale=scale, implementation=impl)
@@ -390,16 +404,12 @@ class Attention(nn.Module):
     def attend_with_pattern(self, q, k, v, mask, bias):
         """The reference attention with hook points on the scores (scaled, biased, -inf where
         masked) and the pattern [B, N, Tq, Tk]: for jaxformer.inspect, when asked for."""
-        causal = causal_index_mask(q.shape[1])
-        logits = _grouped_logits(q, k, mask=causal if mask is None else _as_4d(mask) & causal,
+        logits = _grouped_logits(q, k, mask=_and_causal(_as_4d(mask), q.shape[1]),
                                  bias=_as_4d(bias), scale=None)  # [B, K, G, T, S]
         scores = hook_point(self, "hook_attn_scores",
                             logits.reshape(q.shape[0], -1, *logits.shape[3:]))  # [B, N, T, S]
         pattern = hook_point(self, "hook_pattern", _softmax(scores))
-        w = _group(pattern, k.shape[2])  # [B, K, G, T, S]
-        z = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v, precision=HIGHEST,
-                       preferred_element_type=jnp.float32)
-        return z.reshape(q.shape).astype(q.dtype)  # [B, T, N, H]
+        return _mix(_group(pattern, k.shape[2]), v, q)  # [B, T, N, H]
 
     def finish(self, z):
         """Heads [B, T, N, H] -> output projection (+ dropout) [B, T, D]."""
