@@ -1,7 +1,6 @@
 """jaxformer.inspect: cached activations against a float64 NumPy forward, hooks that change
 what flows on, and their composition with jit, vmap, grad and scan."""
 
-import math
 import re
 
 import jax
@@ -13,99 +12,13 @@ from jaxformer import ModelConfig, Transformer, hooks, stack_layers
 from jaxformer.inspect import (head_ablation_sweep, logit_lens, patching_sweep, run_with_cache,
                                run_with_hooks)
 from tests import test_model as tm
-from tests.test_model import (VARIANTS, np_dense, np_gelu, np_position_bias, np_rope, small)
-
-
-def np_normalized(cfg, x):
-    if cfg.norm == "rmsnorm":
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps)
-    mu = x.mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + cfg.norm_eps)
-
-
-def np_norm(cfg, p, x, name, out):
-    out[name] = np_normalized(cfg, x)
-    return out[name] * p["scale"] + p.get("bias", 0.0)
-
-
-def np_attention(cfg, p, x, pos, allowed, bias, pre, out):
-    """Float64 attention recording TransformerLens's names under the prefix `pre`."""
-    q = out[pre + "hook_q"] = np_dense(p["query"], x, "btd,dnh->btnh")
-    k = out[pre + "hook_k"] = np_dense(p["key"], x, "btd,dkh->btkh")
-    v = out[pre + "hook_v"] = np_dense(p["value"], x, "btd,dkh->btkh")
-    if cfg.position == "rope":
-        q = out[pre + "hook_rot_q"] = np_rope(q, pos, cfg.rope_theta)
-        k = out[pre + "hook_rot_k"] = np_rope(k, pos, cfg.rope_theta)
-    g = cfg.n_heads // cfg.n_kv_heads
-    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    s = np.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(cfg.head_dim) + bias
-    if cfg.position == "alibi":  # n_heads = 4: slopes 2^-2, 2^-4, 2^-6, 2^-8
-        slopes = 2.0 ** (-2.0 * np.arange(1, 5))
-        s = s - slopes[None, :, None, None] * np.abs(pos[:, None, :, None] - pos[:, None, None, :])
-    s = out[pre + "hook_attn_scores"] = np.where(allowed[:, None], s, -np.inf)
-    m = np.max(s, -1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0))
-    w = out[pre + "hook_pattern"] = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
-    z = out[pre + "hook_z"] = np.einsum("bnts,bsnh->btnh", w, v)
-    return np.einsum("btnh,nhd->btd", z, p["out"]["kernel"]) + p["out"].get("bias", 0.0)
-
-
-def np_mlp(cfg, p, x, pre, out):
-    act = {"gelu": np_gelu, "geglu": np_gelu, "relu": lambda a: np.maximum(a, 0),
-           "swiglu": lambda a: a / (1 + np.exp(-a))}[cfg.ffn]
-    gated = cfg.ffn in ("swiglu", "geglu")
-    h = out[pre + "hook_pre"] = np_dense(p["wi_gate" if gated else "wi"], x, "btd,df->btf")
-    h = act(h)
-    if gated:
-        h = h * np_dense(p["wi_up"], x, "btd,df->btf")
-        out[pre + "hook_pre_linear"] = np_dense(p["wi_up"], x, "btd,df->btf")
-    out[pre + "hook_post"] = h
-    return np_dense(p["wo"], h, "btf,fd->btd")
+from tests.test_model import VARIANTS, small
 
 
 def np_cache(cfg, params, tokens, positions=None, segment_ids=None):
-    """Every hook point's value, from the textbook formulas in float64."""
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    b, t = tokens.shape
-    pos = np.broadcast_to(np.arange(t), (b, t)) if positions is None else np.asarray(positions)
+    """Every hook point's value, from test_model's float64 textbook forward."""
     out = {}
-    x = out["hook_embed"] = p["embed"]["embedding"][np.asarray(tokens)]
-    if cfg.position == "learned":
-        out["hook_pos_embed"] = p["pos_embed"]["embedding"][pos]
-        x = x + out["hook_pos_embed"]
-    elif cfg.position == "sinusoidal":  # hook_embed is the embedding before any scaling
-        x, out["hook_pos_embed"] = tm.np_sinusoidal_terms(cfg, x, pos)
-        x = x + out["hook_pos_embed"]
-    allowed = pos[:, None, :] <= pos[:, :, None]
-    if cfg.sliding_window:
-        allowed &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
-    if segment_ids is not None:
-        seg = np.asarray(segment_ids)
-        allowed &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
-    bias = np_position_bias(cfg, p, pos)
-    for i in range(cfg.n_layers):
-        blk, pre = p[f"block_{i}"], f"blocks.{i}."
-        out[pre + "hook_resid_pre"] = x
-        if cfg.block == "pre_ln":
-            a = np_norm(cfg, blk["attn_norm"], x, pre + "ln1.hook_normalized", out)
-            x = x + np_attention(cfg, blk["attn"], a, pos, allowed, bias, pre + "attn.", out)
-            out[pre + "hook_attn_out"] = x - out[pre + "hook_resid_pre"]
-            out[pre + "hook_resid_mid"] = x
-            f = np_norm(cfg, blk["ffn_norm"], x, pre + "ln2.hook_normalized", out)
-            out[pre + "hook_mlp_out"] = np_mlp(cfg, blk["ffn"], f, pre + "mlp.", out)
-            x = x + out[pre + "hook_mlp_out"]
-        else:
-            out[pre + "hook_attn_out"] = np_attention(cfg, blk["attn"], x, pos, allowed, bias,
-                                                      pre + "attn.", out)
-            x = np_norm(cfg, blk["attn_norm"], x + out[pre + "hook_attn_out"],
-                        pre + "ln1.hook_normalized", out)
-            out[pre + "hook_resid_mid"] = x
-            out[pre + "hook_mlp_out"] = np_mlp(cfg, blk["ffn"], x, pre + "mlp.", out)
-            x = np_norm(cfg, blk["ffn_norm"], x + out[pre + "hook_mlp_out"],
-                        pre + "ln2.hook_normalized", out)
-        out[pre + "hook_resid_post"] = x
-    if cfg.block == "pre_ln":
-        np_norm(cfg, p["final_norm"], x, "ln_final.hook_normalized", out)
+    tm.np_forward(cfg, params, tokens, positions, segment_ids, out=out)
     return out
 
 

@@ -36,12 +36,21 @@ def logits_of(cfg, params, tokens, **kw):
 
 # ---- an independent float64 reference, written from the textbook formulas -------------
 
-def np_norm(cfg, p, x):
+def keep(out, name, value):
+    """value, recorded as out[name] when a dict of TransformerLens names is being filled
+    (tests/test_inspect.py); out None records nothing."""
+    if out is not None:
+        out[name] = value
+    return value
+
+
+def np_norm(cfg, p, x, out=None, name=None):
     if cfg.norm == "rmsnorm":
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * p["scale"]
-    mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + cfg.norm_eps) * p["scale"] + p.get("bias", 0.0)
+        normalized = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps)
+    else:
+        mu = x.mean(-1, keepdims=True)
+        normalized = (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + cfg.norm_eps)
+    return keep(out, name, normalized) * p["scale"] + p.get("bias", 0.0)
 
 
 def np_gelu(x):
@@ -84,12 +93,13 @@ def np_position_bias(cfg, p, pos):
     return 0.0
 
 
-def np_attention(cfg, p, x, pos, allowed, bias=0.0):
-    q = np_dense(p["query"], x, "btd,dnh->btnh")
-    k = np_dense(p["key"], x, "btd,dkh->btkh")
-    v = np_dense(p["value"], x, "btd,dkh->btkh")
+def np_attention(cfg, p, x, pos, allowed, bias=0.0, out=None, pre=""):
+    q = keep(out, pre + "hook_q", np_dense(p["query"], x, "btd,dnh->btnh"))
+    k = keep(out, pre + "hook_k", np_dense(p["key"], x, "btd,dkh->btkh"))
+    v = keep(out, pre + "hook_v", np_dense(p["value"], x, "btd,dkh->btkh"))
     if cfg.position == "rope":
-        q, k = np_rope(q, pos, cfg.rope_theta), np_rope(k, pos, cfg.rope_theta)
+        q = keep(out, pre + "hook_rot_q", np_rope(q, pos, cfg.rope_theta))
+        k = keep(out, pre + "hook_rot_k", np_rope(k, pos, cfg.rope_theta))
     g = cfg.n_heads // cfg.n_kv_heads
     k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # query head n uses kv head n // g
     s = np.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(cfg.head_dim)
@@ -97,22 +107,23 @@ def np_attention(cfg, p, x, pos, allowed, bias=0.0):
         slopes = 2.0 ** (-2.0 * np.arange(1, 5))
         s = s - slopes[None, :, None, None] * np.abs(pos[:, None, :, None] - pos[:, None, None, :])
     s = s + bias
-    s = np.where(allowed[:, None], s, -np.inf)
+    s = keep(out, pre + "hook_attn_scores", np.where(allowed[:, None], s, -np.inf))
     m = np.max(s, -1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0))
-    w = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
-    z = np.einsum("bnts,bsnh->btnh", w, v)
+    w = keep(out, pre + "hook_pattern", e / np.maximum(e.sum(-1, keepdims=True), 1e-300))
+    z = keep(out, pre + "hook_z", np.einsum("bnts,bsnh->btnh", w, v))
     return np.einsum("btnh,nhd->btd", z, p["out"]["kernel"]) + p["out"].get("bias", 0.0)
 
 
-def np_ffn(cfg, p, x):
+def np_ffn(cfg, p, x, out=None, pre=""):
     act = {"gelu": np_gelu, "geglu": np_gelu, "relu": lambda a: np.maximum(a, 0),
            "swiglu": lambda a: a / (1 + np.exp(-a))}[cfg.ffn]
-    if cfg.ffn in ("swiglu", "geglu"):
-        h = act(np_dense(p["wi_gate"], x, "btd,df->btf")) * np_dense(p["wi_up"], x, "btd,df->btf")
-    else:
-        h = act(np_dense(p["wi"], x, "btd,df->btf"))
-    return np_dense(p["wo"], h, "btf,fd->btd")
+    gated = cfg.ffn in ("swiglu", "geglu")
+    h = act(keep(out, pre + "hook_pre", np_dense(p["wi_gate" if gated else "wi"], x,
+                                                 "btd,df->btf")))
+    if gated:
+        h = h * keep(out, pre + "hook_pre_linear", np_dense(p["wi_up"], x, "btd,df->btf"))
+    return np_dense(p["wo"], keep(out, pre + "hook_post", h), "btf,fd->btd")
 
 
 def np_sinusoidal_terms(cfg, x, pos):
@@ -127,15 +138,17 @@ def np_sinusoidal_terms(cfg, x, pos):
     return scale[0] * x, scale[1] * pe
 
 
-def np_forward(cfg, params, tokens, positions=None, segment_ids=None):
+def np_forward(cfg, params, tokens, positions=None, segment_ids=None, out=None):
+    """Float64 logits; with a dict `out`, every TransformerLens-named activation too."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     b, t = tokens.shape
     pos = np.broadcast_to(np.arange(t), (b, t)) if positions is None else np.asarray(positions)
-    x = p["embed"]["embedding"][np.asarray(tokens)]
+    x = keep(out, "hook_embed", p["embed"]["embedding"][np.asarray(tokens)])
     if cfg.position == "learned":
-        x = x + p["pos_embed"]["embedding"][pos]
+        x = x + keep(out, "hook_pos_embed", p["pos_embed"]["embedding"][pos])
     elif cfg.position == "sinusoidal":
-        x = sum(np_sinusoidal_terms(cfg, x, pos))
+        x, table = np_sinusoidal_terms(cfg, x, pos)
+        x = x + keep(out, "hook_pos_embed", table)
     allowed = pos[:, None, :] <= pos[:, :, None]  # [B, Tq, Tk]
     if cfg.sliding_window:
         allowed &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
@@ -144,17 +157,28 @@ def np_forward(cfg, params, tokens, positions=None, segment_ids=None):
         allowed &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
     bias = np_position_bias(cfg, p, pos)  # one for every layer
     for i in range(cfg.n_layers):
-        blk = p[f"block_{i}"]
+        blk, pre = p[f"block_{i}"], f"blocks.{i}."
+
+        def attn(h):
+            return keep(out, pre + "hook_attn_out", np_attention(
+                cfg, blk["attn"], h, pos, allowed, bias, out, pre + "attn."))
+
+        def ffn(h):
+            return keep(out, pre + "hook_mlp_out", np_ffn(cfg, blk["ffn"], h, out, pre + "mlp."))
+
+        def norm(which, h, ln):
+            return np_norm(cfg, blk[which], h, out, pre + ln + ".hook_normalized")
+
+        x = keep(out, pre + "hook_resid_pre", x)
         if cfg.block == "pre_ln":
-            x = x + np_attention(cfg, blk["attn"], np_norm(cfg, blk["attn_norm"], x), pos, allowed,
-                                 bias)
-            x = x + np_ffn(cfg, blk["ffn"], np_norm(cfg, blk["ffn_norm"], x))
+            x = keep(out, pre + "hook_resid_mid", x + attn(norm("attn_norm", x, "ln1")))
+            x = x + ffn(norm("ffn_norm", x, "ln2"))
         else:
-            x = np_norm(cfg, blk["attn_norm"], x + np_attention(cfg, blk["attn"], x, pos, allowed,
-                                                                bias))
-            x = np_norm(cfg, blk["ffn_norm"], x + np_ffn(cfg, blk["ffn"], x))
+            x = keep(out, pre + "hook_resid_mid", norm("attn_norm", x + attn(x), "ln1"))
+            x = norm("ffn_norm", x + ffn(x), "ln2")
+        x = keep(out, pre + "hook_resid_post", x)
     if cfg.block == "pre_ln":
-        x = np_norm(cfg, p["final_norm"], x)
+        x = np_norm(cfg, p["final_norm"], x, out, "ln_final.hook_normalized")
     if cfg.tie_embeddings:
         return x @ p["embed"]["embedding"].T
     return x @ p["lm_head"]["kernel"]
