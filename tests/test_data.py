@@ -5,7 +5,6 @@ import json
 import os
 import pathlib
 import sysconfig
-import time
 
 import numpy as np
 import pytest
@@ -23,9 +22,11 @@ from jaxformer.data import (
     stdlib_corpus,
     train_bpe,
 )
+from jaxformer.data import corpus as corpus_module
 from jaxformer.data import dataset as dataset_module
 from jaxformer.data import tokenizer as tokenizer_module
-from jaxformer.data.dataset import val_keys
+from jaxformer.data import tokens as tokens_module
+from jaxformer.data.corpus import find_corpus, read_pieces
 
 EOT = "<|endoftext|>"
 # ASCII (weighted), Latin-1, Greek, CJK, emoji: 1- to 4-byte UTF-8
@@ -127,7 +128,7 @@ def test_text_file_split_by_tokens(rng, tmp_path):
     assert ds.val.tolist() == expected[len(expected) - n_val:]
     assert ds.train_docs.tolist() == [0] and ds.val_docs.tolist() == [0]
     assert isinstance(ds.train, np.memmap) and not ds.train.flags.writeable
-    assert ds.train.dtype == np.uint16 and ds.train_docs.dtype == np.int64
+    assert ds.train.dtype == np.uint8 and ds.train_docs.dtype == np.int64
     assert "input.txt" in ds.source
     # a tie rounds half up: 10 tokens x 0.25 = 2.5 -> 3 val tokens
     (tmp_path / "ten.txt").write_text("0123456789")
@@ -334,7 +335,7 @@ def test_killed_tokenisation_leaves_a_folder_the_next_run_removes(rng, tmp_path,
     cache, final = tmp_path / "cache", str(tmp_path / "cache" / "tokens-abc")
     child = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time\n"
-        "from jaxformer.data.dataset import _temporary\n"
+        "from jaxformer.data.tokens import _temporary\n"
         f"tmp = _temporary({final!r}); os.makedirs(tmp)\n"
         "open(os.path.join(tmp, 'train.bin'), 'wb').write(b'half')\n"
         "print(tmp, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
@@ -352,6 +353,200 @@ def test_killed_tokenisation_leaves_a_folder_the_next_run_removes(rng, tmp_path,
     assert not os.path.exists(dead) and os.path.isdir(live) and os.path.isdir(other)
     assert f"data: removed {dead}, left by process {child.pid}, which is gone" in \
         capsys.readouterr().err
+
+
+# ---- text of any size: pieces, memory, speed's plumbing ------------------------------------
+
+def random_lines(rng, n_chars: int) -> str:
+    """Lines of random 1- to 4-byte characters (fast: drawn as arrays), each between two
+    ASCII letters, so that a line end is a clean cut (see corpus.cut_point)."""
+    lo, hi = np.array(_RANGES).T
+    which = rng.integers(0, len(_RANGES), n_chars)
+    cps = lo[which] + (rng.random(n_chars) * (hi[which] - lo[which] + 1)).astype(np.int64)
+    body = "".join(map(chr, cps.tolist())).replace("\n", " ")
+    ends = np.cumsum(rng.integers(1, 300, n_chars // 40))
+    ends = ends[ends < len(body)]
+    return "\n".join(f"a{body[i:j]}z" for i, j in zip(np.r_[0, ends], np.r_[ends, len(body)]))
+
+
+def small_pieces(monkeypatch, piece: int, batch: int):
+    monkeypatch.setattr(corpus_module, "PIECE_CHARS", piece)
+    monkeypatch.setattr(tokens_module, "BATCH_CHARS", batch)
+
+
+def test_a_file_read_in_pieces_tokenises_as_the_whole_file(rng, tmp_path, monkeypatch):
+    """A multi-MB file is read in blocks and tokenised a batch of pieces at a time: with
+    bytes the stream is exactly the whole file's (decoded with replacement: a character
+    that straddles two blocks stays whole, stray invalid bytes become U+FFFD); with BPE
+    it decodes back to the file, and equals the whole file's encoding where the cuts
+    fall at line ends between visible ASCII characters."""
+    small_pieces(monkeypatch, piece=int(rng.integers(20_000, 60_000)), batch=150_000)
+    text = random_lines(rng, int(rng.integers(1_300_000, 1_600_000)))
+    raw = bytearray(text.encode("utf-8"))
+    for at in rng.choice(len(raw), 50, replace=False):  # invalid bytes, mid-character too
+        raw[at] = int(rng.choice([0x80, 0xBF, 0xC3, 0xE2, 0xF0, 0xFF]))
+    (tmp_path / "big.txt").write_bytes(bytes(raw))
+    assert len(raw) > 2e6
+    whole = bytes(raw).decode("utf-8", "replace")
+    corpus = find_corpus(str(tmp_path / "big.txt"))
+    pieces = list(read_pieces(corpus))
+    assert len(pieces) > 20 and "".join(p.text for p in pieces) == whole
+    assert [p.end for p in pieces] == [False] * (len(pieces) - 1) + [True]
+
+    vf = float(rng.uniform(0.02, 0.2))
+    ds = load_dataset(DataConfig(path=str(tmp_path / "big.txt"), val_fraction=vf,
+                                 cache_dir=str(tmp_path / "c")))
+    expected = np.frombuffer(whole.encode("utf-8"), np.uint8)
+    cut = len(expected) - max(1, int(vf * len(expected) + 0.5))
+    np.testing.assert_array_equal(ds.train, expected[:cut])
+    np.testing.assert_array_equal(ds.val, expected[cut:])
+
+    tok = train_bpe(iter([text[:200_000]]), 400)
+    tok.save(tmp_path / "tok")
+    (tmp_path / "clean.txt").write_text(text, encoding="utf-8")
+    ds = load_dataset(DataConfig(path=str(tmp_path / "clean.txt"), val_fraction=0.0,
+                                 tokenizer=str(tmp_path / "tok"), cache_dir=str(tmp_path / "c")))
+    assert tok.decode(ds.train[:-1]) == text and ds.train[-1] == tok.eot_id
+    np.testing.assert_array_equal(ds.train[:-1], tok.encode(text))
+
+
+_RSS_CHILD = """
+import sys
+from jaxformer.data import DataConfig, corpus, load_dataset, tokens
+corpus.PIECE_CHARS, tokens.BATCH_CHARS = int(sys.argv[4]), int(sys.argv[5])
+ds = load_dataset(DataConfig(path=sys.argv[1], tokenizer=sys.argv[2], cache_dir=sys.argv[3]),
+                  progress=False, log=lambda m: None)
+assert len(ds.train) > 0
+# the peak RSS of this program: ru_maxrss would also count the pytest process it was forked
+# from (Linux keeps the larger across exec)
+print(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmHWM")
+def test_peak_memory_stays_flat_as_the_file_grows(rng, tmp_path):
+    """Peak RSS of a fresh process tokenising a file 4x as large grows by less than half
+    the extra text, with bytes (default pieces) and with a BPE tokenizer.json (small
+    pieces: its allocator's working set settles after a few batches). Whole files used
+    to be read and encoded at once: 11x the file with bytes, ~100x with BPE."""
+    import subprocess
+    import sys
+    block = random_lines(rng, 500_000).encode("utf-8")
+    tok = train_bpe(iter([block[:200_000].decode("utf-8", "replace")]), 300)
+    tok.save(tmp_path / "tok")
+    for tokenizer, small, piece, batch in (("bytes", 8e6, 1 << 19, 4 << 20),
+                                           (str(tmp_path / "tok"), 2e6, 1 << 14, 1 << 16)):
+        peak = []
+        for size in (small, 4 * small):
+            path = tmp_path / f"{int(size)}.txt"
+            path.write_bytes(block * int(size // len(block) + 1))
+            out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), tokenizer,
+                                  str(tmp_path / "cache"), str(piece), str(batch)],
+                                 capture_output=True, text=True, check=True).stdout
+            peak.append(int(out.split()[-1]) * 1024)
+        extra = os.path.getsize(tmp_path / f"{int(4 * small)}.txt") - \
+            os.path.getsize(tmp_path / f"{int(small)}.txt")
+        assert peak[1] - peak[0] < extra / 2, (tokenizer, peak, extra)
+
+
+def test_bpe_trains_on_a_bounded_sample_spread_over_the_train_split(rng, tmp_path):
+    """data.bpe_train_bytes bounds the text BPE is trained on; the sample is drawn from
+    the whole train split (its start, middle and end), never from val, and the run log
+    says how much it used. A single document's sample stops before its val tail."""
+    from jaxformer.data.dataset import _BpeSample
+    n = int(rng.integers(60, 120))
+    docs = [f"doc{i:03d} " + random_text(rng, int(rng.integers(200, 400))) for i in range(n)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    budget = int(rng.integers(5_000, 12_000))
+    cfg = DataConfig(path=str(tmp_path / "d.jsonl"), val_fraction=0.2, bpe_train_bytes=budget)
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    sample = _BpeSample(cfg, find_corpus(cfg.path))
+    taken = list(sample.texts(Bar()))
+    val = reference_val([f"d.jsonl:{i}" for i in range(1, n + 1)], 0.2)
+    val_texts = {docs[int(k.split(":")[1]) - 1] for k in val}
+    assert not set(taken) & val_texts
+    assert budget / 2 < sum(map(len, taken)) == sample.taken <= budget
+    index = sorted(int(t[3:6]) for t in taken)
+    assert index[0] < n / 4 and index[-1] >= 3 * n / 4, index  # spread, not a prefix
+    assert max(np.diff(index)) < n / 3, index
+
+    logged = []
+    load_dataset(cfg.replace(tokenizer="bpe", bpe_vocab_size=300, cache_dir=str(tmp_path / "c")),
+                 run_dir=str(tmp_path / "run"), log=logged.append)
+    assert any("sampled from the" in m and f"data.bpe_train_bytes={budget:,}" in m
+               for m in logged), logged
+
+    body = random_lines(rng, 20_000)
+    (tmp_path / "one.txt").write_text(body + "\n" + "Q" * 2000)  # Q only in the val tail
+    one = DataConfig(path=str(tmp_path / "one.txt"), val_fraction=0.1, bpe_train_bytes=10**9)
+    taken = "".join(_BpeSample(one, find_corpus(one.path)).texts(Bar()))
+    assert "Q" not in taken and body.startswith(taken)
+
+
+def test_progress_bars_and_one_line_on_a_cache_hit(rng, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tokens_module, "BAR_DELAY", 0)
+    (tmp_path / "t.txt").write_text(random_lines(rng, 50_000), encoding="utf-8")
+    cfg = DataConfig(path=str(tmp_path / "t.txt"), cache_dir=str(tmp_path / "c"))
+    logged = []
+    load_dataset(cfg, progress=False, log=logged.append)
+    assert "data: tokenising" not in capsys.readouterr().err
+    assert len(logged) == 1 and logged[0].startswith("data: tokenised text file")
+    load_dataset(cfg.replace(val_fraction=0.1), log=logged.append)
+    assert "data: tokenising" in capsys.readouterr().err  # tqdm: MB, MB/s and ETA
+    load_dataset(cfg, log=logged.append)
+    assert len(logged) == 3 and "from the cache" in logged[2] and "train and" in logged[2]
+
+
+def test_not_enough_disk_is_refused_before_tokenising_much(rng, tmp_path, monkeypatch):
+    import collections
+    small_pieces(monkeypatch, piece=20_000, batch=60_000)
+    (tmp_path / "t.txt").write_text(random_lines(rng, 400_000), encoding="utf-8")
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(tokens_module.shutil, "disk_usage", lambda p: usage(10**9, 0, 50_000))
+    cache = tmp_path / "c"
+    with pytest.raises(DataError, match=r"needs about 0.00\d* GB more in .*c, but 0.00 GB is "
+                                         "free; free some space, or set data.cache_dir"):
+        load_dataset(DataConfig(path=str(tmp_path / "t.txt"), cache_dir=str(cache)))
+    assert os.listdir(cache) == []  # no tokens, no temporary folder
+
+
+def test_prepare_writes_a_folder_that_trains_anywhere(rng, tmp_path, capsys):
+    """python -m jaxformer.data.prepare: tokens and tokenizer in one folder; data.path=DIR
+    maps its files in place (every host the same ones) with its own tokenizer."""
+    from jaxformer.data.prepare import main
+    records = [random_text(rng, int(rng.integers(50, 300))) for _ in range(40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in records))
+    out, cache = tmp_path / "prepared", str(tmp_path / "c")
+    args = [f"data.path={tmp_path / 'd.jsonl'}", "data.text_field=body", "data.tokenizer=bpe",
+            "data.bpe_vocab_size=300", "data.val_fraction=0.25", f"data.cache_dir={cache}"]
+    assert main(args + [f"out={out}"]) == 0
+    assert f"train with data.path={out}" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "train.bin",
+                                       "train_docs.npy", "val.bin", "val_docs.npy"]
+    tok = load_tokenizer(out)
+    direct = load_dataset(DataConfig(path=str(tmp_path / "d.jsonl"), text_field="body",
+                                     val_fraction=0.25, tokenizer=str(out / "tokenizer.json"),
+                                     cache_dir=cache))
+    for _ in range(2):  # e.g. two hosts
+        ds = load_dataset(DataConfig(path=str(out)), run_dir=str(tmp_path / "run"))
+        assert ds.tokenizer.fingerprint == tok.fingerprint and ds.source.startswith("prepared")
+        assert ds.train.filename == str(out / "train.bin")
+        for split in ("train", "val", "train_docs", "val_docs"):
+            np.testing.assert_array_equal(getattr(ds, split), getattr(direct, split))
+    assert tok.decode(ds.val[ds.val_docs[0]:ds.val_docs[1] - 1]) in records
+
+    assert main(args + [f"out={out}"]) == 2
+    assert "already exists; choose a new folder" in capsys.readouterr().err
+    assert main(args) == 2 and "out=DIR is missing" in capsys.readouterr().err
+    assert main(args + ["train.steps=3", "out=x"]) == 2
+    assert "unexpected argument(s) train.steps=3" in capsys.readouterr().err
+    ByteTokenizer().save(tmp_path / "other")
+    with pytest.raises(DataError, match="was prepared with HFTokenizer.*not with data.tokenizer"):
+        load_dataset(DataConfig(path=str(out), tokenizer=str(tmp_path / "other")))
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -575,8 +770,8 @@ def test_warm_stdlib_load_reads_only_the_cache(stdlib_cache, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a warm load read or tokenised the corpus")
 
-    monkeypatch.setattr(dataset_module, "read_documents", forbidden)
-    monkeypatch.setattr(dataset_module, "_tokenize_into", forbidden)
+    monkeypatch.setattr(dataset_module, "read_pieces", forbidden)
+    monkeypatch.setattr(dataset_module, "write_tokens", forbidden)
     warm = load_dataset(DataConfig(cache_dir=stdlib_cache))
     for split in ("train", "val", "train_docs", "val_docs"):
         np.testing.assert_array_equal(getattr(warm, split), getattr(cold, split))

@@ -4,27 +4,35 @@ A corpus is a list of source files under a root folder. Its documents are the fi
 themselves ("files"), the records of a JSONL file ("jsonl"), the rows of Parquet files
 ("parquet", read a row group at a time with pyarrow: the optional extra
 jaxformer[data]), or, for token files ("bin", "bin_pair"), nothing to read: those are
-already token ids. A file that is not text (binary, an archive, NUL bytes, mostly
-invalid UTF-8) is refused, never trained on.
+already token ids; or, for a folder that ``python -m jaxformer.data.prepare`` wrote
+("prepared"), token ids with their tokenizer. A file that is not text (binary, an archive,
+NUL bytes, mostly invalid UTF-8) is refused, never trained on.
+
+Documents are read as pieces of about PIECE_CHARS characters (``read_pieces``): a file
+a block at a time, so memory does not grow with its size, and a long record is cut too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import codecs
 import json
 import os
+import re
 import sysconfig
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from jaxformer.data.config import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
+PIECE_CHARS = 1 << 19  # what one piece of a long document holds, about
 SKIP_DIRS = ("__pycache__", "site-packages", "dist-packages")
 
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """kind: files | jsonl | bin | bin_pair; files: '/'-separated paths relative to root."""
+    """kind: files | jsonl | parquet | bin | bin_pair | prepared; files: '/'-separated
+    paths relative to root."""
 
     kind: str
     root: str
@@ -45,11 +53,27 @@ class Corpus:
     def n_bytes(self) -> int:
         return sum(os.path.getsize(self.path_of(rel)) for rel in self.files)
 
+    def text_bytes(self, text_field: str = "text") -> int:
+        """About how much text the corpus holds, for progress bars, samples and disk
+        checks: the files' sizes, or for Parquet the text column's uncompressed size."""
+        if self.kind != "parquet":
+            return self.n_bytes()
+        total = 0
+        for rel in self.files:
+            meta = _parquet_file(self.path_of(rel)).metadata
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)
+                total += sum(group.column(c).total_uncompressed_size
+                             for c in range(group.num_columns)
+                             if group.column(c).path_in_schema == text_field)
+        return total
+
     def describe(self) -> str:
         """E.g. 'python stdlib /usr/lib/python3.11 (1790 files, 28.1 MB)'."""
         single = self.label in ("text file", "jsonl", "parquet", ".bin token file")
         where = self.path_of(self.files[0]) if single else self.root
-        count = "" if single or self.kind == "bin_pair" else f"{len(self.files)} files, "
+        count = "" if single or self.kind in ("bin_pair", "prepared") else \
+            f"{len(self.files)} files, "
         return f"{self.label} {where} ({count}{_size(self.n_bytes())})"
 
 
@@ -73,6 +97,8 @@ def find_corpus(path: str | None) -> Corpus:
         return Corpus("files", root, (name,), "text file")  # read_documents checks it is text
     if os.path.isdir(path):
         has = [os.path.isfile(os.path.join(path, n)) for n in ("train.bin", "val.bin")]
+        if all(has) and os.path.isfile(os.path.join(path, "meta.json")):
+            return Corpus("prepared", path, ("train.bin", "val.bin"), "prepared tokens")
         if all(has):
             return Corpus("bin_pair", path, ("train.bin", "val.bin"), ".bin token files")
         if any(has):
@@ -129,25 +155,76 @@ def document_keys(corpus: Corpus) -> list[str]:
     raise ValueError(f"a {corpus.kind} corpus holds token ids, not documents")
 
 
-def read_documents(corpus: Corpus, text_field: str = "text") -> Iterator[tuple[str, str]]:
-    """Yields (key, text) for every document, in the order of ``document_keys``."""
+class Piece(NamedTuple):
+    key: str  # the document's, as document_keys names it
+    text: str
+    end: bool  # the document's last piece
+    size: int  # source bytes read for it (progress)
+
+
+def read_pieces(corpus: Corpus, text_field: str = "text",
+                piece_chars: int | None = None) -> Iterator[Piece]:
+    """Every document, in the order of ``document_keys``, cut into pieces of about
+    piece_chars (default PIECE_CHARS; see ``cut_point``); every document ends with a
+    piece with end=True, and joined, a document's pieces are its text exactly."""
+    piece_chars = piece_chars or PIECE_CHARS
     if corpus.kind == "files":
         for rel in corpus.files:
-            with open(corpus.path_of(rel), "rb") as f:
-                data = f.read()
-            refuse_non_text(corpus.path_of(rel), data[:_SNIFF_BYTES])
-            yield rel, data.decode("utf-8", "replace")
-        return
-    if corpus.kind == "parquet":
+            yield from _cut(rel, _file_text(corpus.path_of(rel), piece_chars), piece_chars)
+    elif corpus.kind == "jsonl":
+        rel = corpus.files[0]
+        path = corpus.path_of(rel)
+        with open(path, "rb") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    text = _jsonl_text(line.decode("utf-8", "replace"), text_field, f"{path}:{i}")
+                    yield from _cut(f"{rel}:{i}", [(text, len(line))], piece_chars)
+    elif corpus.kind == "parquet":
         for rel in corpus.files:
-            yield from _parquet_documents(corpus.path_of(rel), rel, text_field)
-        return
-    rel = corpus.files[0]
-    path = corpus.path_of(rel)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                yield f"{rel}:{i}", _jsonl_text(line, text_field, f"{path}:{i}")
+            for key, text in _parquet_documents(corpus.path_of(rel), rel, text_field):
+                yield from _cut(key, [(text, len(text))], piece_chars)
+    else:
+        raise ValueError(f"a {corpus.kind} corpus holds token ids, not documents")
+
+
+def _file_text(path: str, block: int) -> Iterator[tuple[str, int]]:
+    """(text, bytes read) a block at a time; an incremental decoder keeps a character
+    that straddles two blocks whole, so the text is the whole file's decoding."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    with open(path, "rb") as f:
+        data = f.read(block)
+        refuse_non_text(path, data[:_SNIFF_BYTES])
+        while data:
+            yield decoder.decode(data), len(data)
+            data = f.read(block)
+    yield decoder.decode(b"", final=True), 0
+
+
+def _cut(key: str, chunks, piece_chars: int) -> Iterator[Piece]:
+    """One document, arriving as (text, bytes) chunks, re-cut into pieces."""
+    buf, size = "", 0
+    for text, n in chunks:
+        buf, size = buf + text, size + n
+        while len(buf) >= piece_chars:
+            at = cut_point(buf, piece_chars // 2)
+            yield Piece(key, buf[:at], False, size)
+            buf, size = buf[at:], 0
+    yield Piece(key, buf, True, size)
+
+
+_CLEAN_CUT = re.compile(r"[!-~]\n(?=[!-~])")
+
+
+def cut_point(text: str, lo: int) -> int:
+    """Where a piece of ``text`` ends, at or after lo: after the first newline that has a
+    visible ASCII character on each side, else after the last newline, else at lo. A
+    byte-level BPE (GPT-2's pre-tokenizer) splits text at such a newline whether or not
+    it is cut there, so its tokens are the same as the uncut document's."""
+    m = _CLEAN_CUT.search(text, max(lo - 1, 0))
+    if m:
+        return m.end()
+    newline = text.rfind("\n", lo)
+    return newline + 1 if newline >= 0 else lo
 
 
 def _jsonl_text(line: str, field: str, where: str) -> str:
@@ -183,7 +260,7 @@ def _parquet_file(path: str):
 
 
 def _parquet_documents(path: str, rel: str, field: str) -> Iterator[tuple[str, str]]:
-    """(key, text) of every row, reading one row group's `field` column at a time."""
+    """(key, text) of every row, reading the `field` column a batch of rows at a time."""
     f = _parquet_file(path)
     columns = f.schema_arrow.names
     if field not in columns:
@@ -191,18 +268,25 @@ def _parquet_documents(path: str, rel: str, field: str) -> Iterator[tuple[str, s
                         "data.text_field to the column that holds the text")
     row = 0
     for group in range(f.num_row_groups):
+        i = 0
         try:
-            texts = f.read_row_group(group, columns=[field]).column(0).to_pylist()
+            for batch in f.iter_batches(_PARQUET_ROWS, row_groups=[group], columns=[field]):
+                for text in batch.column(0).to_pylist():
+                    row, i = row + 1, i + 1
+                    if not isinstance(text, str):
+                        raise DataError(
+                            f"{path}: row {row} (row group {group}, row {i - 1} in it): column "
+                            f"{field!r} holds {type(text).__name__} {text!r:.40}, not a string; "
+                            "fix that row, or set data.text_field to a text column")
+                    yield f"{rel}:{row}", text
+        except DataError:
+            raise
         except Exception as e:
             raise DataError(f"{path}: row group {group} cannot be read ({e}); export the file "
                             "again, or move it out of data.path") from None
-        for i, text in enumerate(texts):
-            row += 1
-            if not isinstance(text, str):
-                raise DataError(f"{path}: row {row} (row group {group}, row {i} in it): column "
-                                f"{field!r} holds {type(text).__name__} {text!r:.40}, not a "
-                                "string; fix that row, or set data.text_field to a text column")
-            yield f"{rel}:{row}", text
+
+
+_PARQUET_ROWS = 1024  # rows decoded at a time
 
 
 # ---- what is not text -------------------------------------------------------------------

@@ -1,42 +1,44 @@
-"""load_dataset: corpus -> tokenizer -> train/val token arrays, cached as memmaps.
+"""load_dataset: corpus -> tokenizer -> train/val token arrays, as memmaps.
 
-Splits are deterministic functions of the source files' relative paths (never of
-Python's ``hash()`` or of the machine): a corpus of two or more documents is split by
-document, the round-half-up(val_fraction * n) documents whose sha256(key) is smallest
-going to val (at least one, never all, when val_fraction > 0); a single document or
-a single .bin file is split by tokens, the last ``val_fraction`` of them going to val.
-Documents are concatenated in corpus order (sorted paths, JSONL line order); empty
-documents are skipped; with a tokenizer that has ``eot_id``, it follows every document.
+A text corpus is tokenised once into a token folder in the cache (see
+``jaxformer.data.tokens``: splits, streaming, the folder's files) that later runs map
+again; a folder written by ``python -m jaxformer.data.prepare``, and nanoGPT-style .bin
+token files, are mapped in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
-import math
 import os
-import re
-import secrets
 import shutil
-import socket
 import sys
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 import numpy as np
 
 from jaxformer.data.config import DataConfig, DataError
-from jaxformer.data.corpus import Corpus, document_keys, find_corpus, read_documents
+from jaxformer.data.corpus import Corpus, find_corpus, read_pieces
 from jaxformer.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from jaxformer.data.tokens import (
+    _temporary,
+    memmap,
+    n_val,
+    open_tokens,
+    progress_bar,
+    remove_stale_temporaries,
+    split_plan,
+    write_tokens,
+)
 
-CACHE_VERSION = 1
-_ENCODE_CHUNK = 64  # documents per encode_batch call
+CACHE_VERSION = 2
 
 
 @dataclasses.dataclass
 class Dataset:
-    """train/val: 1-D read-only token ids (np.memmap, uint16 or uint32) [n_tokens].
+    """train/val: 1-D read-only token ids (np.memmap: uint8 for bytes, uint16 or uint32) [n_tokens].
     train_docs/val_docs: int64 [n_docs] start offset of each document (first is 0;
     empty when the split is)."""
 
@@ -49,7 +51,8 @@ class Dataset:
 
 
 def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
-                 vocab_size: int | None = None) -> Dataset:
+                 vocab_size: int | None = None, progress: bool = True,
+                 log: Callable[[str], None] | None = None) -> Dataset:
     """The train/val token streams that ``cfg`` describes.
 
     run_dir: where the tokenizer is saved as tokenizer.json (required for "bpe"; a
@@ -57,63 +60,46 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
       must match for the other settings).
     vocab_size: the model's; raises DataError if the tokenizer or any token id does
       not fit (JAX would silently clamp an out-of-range id in the embedding lookup).
+    progress: show progress bars (on stderr) for BPE training and tokenising; pass
+      False on every process but the first.
+    log: takes one-line messages (the cache used, the BPE sample); default: stderr.
     """
+    log = log or _stderr
     corpus = find_corpus(cfg.path)
     cache_dir = os.path.expanduser(cfg.cache_dir or "~/.cache/jaxformer")
     for name, pid in remove_stale_temporaries(cache_dir):
-        print(f"data: removed {os.path.join(cache_dir, name)}, left by process {pid}, which "
-              "is gone", file=sys.stderr)
-    tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir)
+        log(f"data: removed {os.path.join(cache_dir, name)}, left by process {pid}, which "
+            "is gone")
+    tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir, progress, log)
     if corpus.kind in ("bin", "bin_pair"):
         ds, max_id = _token_files(cfg, corpus, tokenizer)
+    elif corpus.kind == "prepared":
+        ds, max_id = _open_folder(corpus.root, tokenizer, corpus.describe())
     else:
-        ds, max_id = _tokenized_text(cfg, corpus, tokenizer, cache_dir)
+        ds, max_id = _tokenized_text(cfg, corpus, tokenizer, cache_dir, progress, log)
     _check_ids(cfg, ds, max_id, vocab_size)
     return ds
 
 
-# ---- splits ---------------------------------------------------------------------------
-
-def n_val(n: int, val_fraction: float) -> int:
-    """How many of n documents (or tokens) go to val: round half up, then at least 1
-    and at most n - 1 when val_fraction > 0."""
-    if val_fraction == 0 or n < 2:
-        return 0
-    return min(max(1, math.floor(val_fraction * n + 0.5)), n - 1)
-
-
-def val_keys(keys: list[str], val_fraction: float) -> set[str]:
-    """The documents held out: those whose sha256(key) is among the n_val smallest."""
-    ranked = sorted(keys, key=lambda k: (hashlib.sha256(k.encode()).digest(), k))
-    return set(ranked[:n_val(len(keys), val_fraction)])
-
-
-def _split_plan(cfg: DataConfig, corpus: Corpus) -> set[str] | None:
-    """The val document keys, or None when the corpus splits by tokens (< 2 documents)."""
-    keys = document_keys(corpus)
-    return val_keys(keys, cfg.val_fraction) if len(keys) >= 2 else None
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 # ---- tokenizer ------------------------------------------------------------------------
 
-def _choose_tokenizer(cfg: DataConfig, corpus: Corpus, run_dir: str | None,
-                      cache_dir: str) -> Tokenizer:
+def _choose_tokenizer(cfg: DataConfig, corpus: Corpus, run_dir: str | None, cache_dir: str,
+                      progress: bool, log) -> Tokenizer:
+    """The run's tokenizer, saved into run_dir; a resumed run's saved one must match."""
     saved_path = os.path.join(run_dir, "tokenizer.json") if run_dir is not None else None
     saved = load_tokenizer(saved_path) if saved_path and os.path.isfile(saved_path) else None
-    if cfg.tokenizer == "bytes":
-        tokenizer = ByteTokenizer()
-    elif cfg.tokenizer == "bpe":
-        if run_dir is None:
-            raise DataError("data.tokenizer='bpe' trains a tokenizer that the run must keep, "
-                            "but no run_dir was given; pass run_dir to load_dataset, or set "
-                            "data.tokenizer to an existing tokenizer.json")
-        if corpus.kind in ("bin", "bin_pair"):
-            raise DataError(f"data.tokenizer='bpe' trains on text, but {corpus.describe()} "
-                            "holds token ids; set data.tokenizer to the tokenizer.json that "
-                            "made them")
-        tokenizer = saved or _trained_bpe(cfg, corpus, cache_dir)
+    if cfg.tokenizer == "bpe" and corpus.kind != "prepared" and run_dir is None:
+        raise DataError("data.tokenizer='bpe' trains a tokenizer that the run must keep, "
+                        "but no run_dir was given; pass run_dir to load_dataset, or set "
+                        "data.tokenizer to an existing tokenizer.json")
+    if cfg.tokenizer == "bpe" and saved is not None and corpus.kind != "prepared":
+        tokenizer = saved
     else:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer = new_tokenizer(cfg, corpus, cache_dir, progress, log)
     if saved is not None and saved.fingerprint != tokenizer.fingerprint:
         raise DataError(f"{saved_path} holds {saved!r}, which this run was started with, but "
                         f"data.tokenizer={cfg.tokenizer!r} gives {tokenizer!r}; set "
@@ -123,16 +109,58 @@ def _choose_tokenizer(cfg: DataConfig, corpus: Corpus, run_dir: str | None,
     return tokenizer
 
 
-def _trained_bpe(cfg: DataConfig, corpus: Corpus, cache_dir: str) -> Tokenizer:
-    """Byte-level BPE trained on the train split only; cached by corpus and settings."""
+def new_tokenizer(cfg: DataConfig, corpus: Corpus, cache_dir: str, progress: bool = True,
+                  log=None) -> Tokenizer:
+    """What data.tokenizer names: bytes, a BPE trained on the corpus (or found in the
+    cache), or a tokenizer.json; a prepared folder's own tokenizer."""
+    if corpus.kind == "prepared":
+        return _prepared_tokenizer(cfg, corpus)
+    if cfg.tokenizer == "bytes":
+        return ByteTokenizer()
+    if cfg.tokenizer != "bpe":
+        return load_tokenizer(cfg.tokenizer)
+    if corpus.kind in ("bin", "bin_pair"):
+        raise DataError(f"data.tokenizer='bpe' trains on text, but {corpus.describe()} holds "
+                        "token ids; set data.tokenizer to the tokenizer.json that made them")
+    return _trained_bpe(cfg, corpus, cache_dir, progress, log or _stderr)
+
+
+def _prepared_tokenizer(cfg: DataConfig, corpus: Corpus) -> Tokenizer:
+    """A prepared folder's own tokenizer.json: the one its tokens were made with."""
+    tokenizer = load_tokenizer(corpus.root)
+    with open(os.path.join(corpus.root, "meta.json")) as f:
+        made_with = json.load(f)["tokenizer"]
+    if tokenizer.fingerprint != made_with:
+        raise DataError(f"{corpus.root}/tokenizer.json is not the tokenizer its tokens were "
+                        "made with (meta.json names another); prepare the folder again")
+    if cfg.tokenizer not in ("bytes", "bpe") and \
+            load_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
+        raise DataError(f"{corpus.root} was prepared with {tokenizer!r}, not with "
+                        f"data.tokenizer={cfg.tokenizer!r}; leave data.tokenizer unset to use "
+                        "the folder's, or prepare the data again with this tokenizer")
+    return tokenizer
+
+
+def _trained_bpe(cfg: DataConfig, corpus: Corpus, cache_dir: str, progress: bool,
+                 log) -> Tokenizer:
+    """Byte-level BPE trained on a sample of the train split; cached by corpus and
+    settings."""
     import tokenizers
 
     key = _hash(["bpe", CACHE_VERSION, tokenizers.__version__, corpus.kind,
-                 corpus.fingerprint(), cfg.text_field, cfg.val_fraction, cfg.bpe_vocab_size])
+                 corpus.fingerprint(), cfg.text_field, cfg.val_fraction, cfg.bpe_vocab_size,
+                 cfg.bpe_train_bytes])
     path = os.path.join(cache_dir, f"bpe-{key}.json")
     if os.path.isfile(path):
+        log(f"data: BPE tokenizer from the cache, {path}")
         return load_tokenizer(path)
-    tokenizer = train_bpe(_train_texts(cfg, corpus), cfg.bpe_vocab_size)
+    started, sample = time.perf_counter(), _BpeSample(cfg, corpus)
+    with progress_bar(progress, sample.target, "BPE sample") as bar:
+        tokenizer = train_bpe(sample.texts(bar), cfg.bpe_vocab_size)
+    log(f"data: trained a {tokenizer.vocab_size}-token BPE on {sample.taken / 1e6:.1f} MB of "
+        f"text sampled from the {sample.train / 1e6:.1f} MB train split "
+        f"({sample.taken / max(sample.train, 1):.0%}; data.bpe_train_bytes="
+        f"{cfg.bpe_train_bytes:,}) in {time.perf_counter() - started:.1f} s")
     tmp = _temporary(os.path.join(cache_dir, f"bpe-{key}"))
     try:
         tokenizer.save(tmp)
@@ -142,133 +170,53 @@ def _trained_bpe(cfg: DataConfig, corpus: Corpus, cache_dir: str) -> Tokenizer:
     return tokenizer
 
 
-def _train_texts(cfg: DataConfig, corpus: Corpus) -> Iterator[str]:
-    """The train split as text: train documents, or the first (1 - val_fraction) of the
-    characters of a single document."""
-    val = _split_plan(cfg, corpus)
-    for key, text in read_documents(corpus, cfg.text_field):
-        if val is None:
-            yield text[:len(text) - n_val(len(text), cfg.val_fraction)]
-        elif key not in val:
-            yield text
+class _BpeSample:
+    """About data.bpe_train_bytes of the train split's text, spread evenly over all of
+    it: a piece is taken while the text taken stays within that budget times the share
+    of the split read so far (a single document's train split: its first 1 - val_fraction)."""
+
+    def __init__(self, cfg: DataConfig, corpus: Corpus):
+        self.cfg, self.corpus, self.val = cfg, corpus, split_plan(cfg, corpus)
+        self.train = int(corpus.text_bytes(cfg.text_field) * (1 - cfg.val_fraction))
+        self.target = min(cfg.bpe_train_bytes, self.train)
+        self.taken = 0
+
+    def texts(self, bar) -> Iterator[str]:
+        read = 0  # bytes of the train split read, up to or past the piece's end
+        for piece in read_pieces(self.corpus, self.cfg.text_field):
+            if self.val is not None and piece.key in self.val:
+                continue
+            read += piece.size
+            if self.val is None and read > self.train:
+                return
+            n = len(piece.text)
+            if self.taken + n <= self.target * min(read / max(self.train, 1), 1.0):
+                self.taken += n
+                bar.update(n)
+                yield piece.text
+                if self.taken >= self.target:
+                    return
 
 
-# ---- text corpora: tokenize once into a cache -----------------------------------------
+# ---- text corpora: tokenise once into the cache ----------------------------------------
 
-class _SplitWriter:
-    """Appends documents' ids to a token file; remembers offsets and the largest id."""
-
-    def __init__(self, path: str, dtype):
-        self.file, self.dtype = open(path, "wb"), dtype
-        self.docs: list[int] = []
-        self.n, self.max_id = 0, -1
-
-    def write(self, ids: np.ndarray, new_doc: bool = True) -> None:
-        if len(ids) == 0:
-            return
-        if new_doc:
-            self.docs.append(self.n)
-        ids.astype(self.dtype).tofile(self.file)
-        self.n += len(ids)
-        self.max_id = max(self.max_id, int(ids.max()))
-
-
-def _tokenized_text(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer,
-                    cache_dir: str) -> tuple[Dataset, int]:
+def _tokenized_text(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer, cache_dir: str,
+                    progress: bool, log) -> tuple[Dataset, int]:
     key = _hash(["tokens", CACHE_VERSION, corpus.kind, corpus.fingerprint(), cfg.text_field,
                  cfg.val_fraction, tokenizer.fingerprint])
     final = os.path.join(cache_dir, f"tokens-{key}")
-    if not os.path.isdir(final):
-        _tokenize_into(final, cfg, corpus, tokenizer)
-    with open(os.path.join(final, "meta.json")) as f:
-        meta = json.load(f)
-    dtype = np.dtype(meta["dtype"])
-    ds = Dataset(train=_memmap(os.path.join(final, "train.bin"), dtype),
-                 val=_memmap(os.path.join(final, "val.bin"), dtype),
-                 train_docs=np.load(os.path.join(final, "train_docs.npy")),
-                 val_docs=np.load(os.path.join(final, "val_docs.npy")),
-                 tokenizer=tokenizer, source=corpus.describe())
-    return ds, meta["max_id"]
+    if os.path.isdir(final):
+        ds, max_id = _open_folder(final, tokenizer, corpus.describe())
+        log(f"data: {corpus.describe()} as {len(ds.train):,} train and {len(ds.val):,} val "
+            f"tokens, from the cache {final}")
+        return ds, max_id
+    write_tokens(final, cfg, corpus, tokenizer, progress=progress, log=log)
+    return _open_folder(final, tokenizer, corpus.describe())
 
 
-def _tokenize_into(final: str, cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer) -> None:
-    """Writes train.bin, val.bin, *_docs.npy and meta.json into a temporary folder, then
-    renames it to ``final`` in one step: an interrupted run leaves no half cache."""
-    val = _split_plan(cfg, corpus)
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], np.int32)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = _temporary(final)
-    os.makedirs(tmp)
-    out = {s: _SplitWriter(os.path.join(tmp, f"{s}.bin"), dtype) for s in ("train", "val")}
-    try:
-        docs = read_documents(corpus, cfg.text_field)
-        for chunk in iter(lambda: list(itertools.islice(docs, _ENCODE_CHUNK)), []):
-            for (key, text), ids in zip(chunk, tokenizer.encode_batch([t for _, t in chunk])):
-                if len(ids) == 0:
-                    continue
-                if eot is not None:
-                    ids = np.concatenate([ids, eot])
-                if val is None:  # one document: split by tokens
-                    cut = len(ids) - n_val(len(ids), cfg.val_fraction)
-                    out["train"].write(ids[:cut])
-                    out["val"].write(ids[cut:])
-                else:
-                    out["val" if key in val else "train"].write(ids)
-        for split, w in out.items():
-            w.file.close()
-            np.save(os.path.join(tmp, f"{split}_docs.npy"), np.asarray(w.docs, np.int64))
-        if out["train"].n == 0:
-            raise DataError(f"{corpus.describe()} has no text for the train split; add text "
-                            "(empty documents are skipped) or lower data.val_fraction")
-        meta = dict(dtype=np.dtype(dtype).name, max_id=max(w.max_id for w in out.values()),
-                    train_tokens=out["train"].n, val_tokens=out["val"].n,
-                    source=corpus.describe(), tokenizer=tokenizer.fingerprint)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished the same cache first
-            if not os.path.isdir(final):
-                raise
-    finally:
-        for w in out.values():
-            w.file.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ---- temporary folders ----------------------------------------------------------------
-
-_TEMPORARY = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
-
-
-def _temporary(final: str) -> str:
-    """Where `final` is written before its atomic rename: named by host and process, so
-    that a later run can tell a killed writer's leftovers from a live writer's folder."""
-    return f"{final}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def remove_stale_temporaries(cache_dir: str) -> list[tuple[str, int]]:
-    """Removes the temporary folders in cache_dir that a process of this host left and
-    that is no longer running (killed while tokenising); another host's are never
-    touched. -> [(name, pid)] removed."""
-    removed, host = [], socket.gethostname()
-    for name in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else ():
-        m = _TEMPORARY.search(name)
-        if m and m["host"] == host and not _running(int(m["pid"])):
-            shutil.rmtree(os.path.join(cache_dir, name), ignore_errors=True)
-            removed.append((name, int(m["pid"])))
-    return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+def _open_folder(folder: str, tokenizer: Tokenizer, source: str) -> tuple[Dataset, int]:
+    meta, arrays = open_tokens(folder)
+    return Dataset(**arrays, tokenizer=tokenizer, source=source), meta["max_id"]
 
 
 # ---- token files ----------------------------------------------------------------------
@@ -276,7 +224,7 @@ def _running(pid: int) -> bool:
 def _token_files(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer) -> tuple[Dataset, int]:
     """.bin files are used in place (memmaps); documents start after each eot_id."""
     dtype = np.dtype(cfg.bin_dtype)
-    arrays = [_memmap(corpus.path_of(rel), dtype) for rel in corpus.files]
+    arrays = [memmap(corpus.path_of(rel), dtype) for rel in corpus.files]
     if corpus.kind == "bin":  # one file: the last val_fraction of the tokens is val
         cut = len(arrays[0]) - n_val(len(arrays[0]), cfg.val_fraction)
         arrays = [arrays[0][:cut], arrays[0][cut:]]
@@ -318,19 +266,6 @@ def _check_ids(cfg: DataConfig, ds: Dataset, max_id: int, vocab_size: int | None
         hint = f" or data.bpe_vocab_size <= {vocab_size}" if cfg.tokenizer == "bpe" else ""
         raise DataError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
                         f"{vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}{hint}")
-
-
-def _memmap(path: str, dtype) -> np.ndarray:
-    """A read-only memmap of a token file (an empty read-only array for an empty file)."""
-    size = os.path.getsize(path)
-    if size % np.dtype(dtype).itemsize:
-        raise DataError(f"{path} is {size} bytes, not a multiple of {np.dtype(dtype).itemsize}; "
-                        f"is data.bin_dtype={np.dtype(dtype).name!r} right?")
-    if size == 0:
-        empty = np.zeros(0, dtype)
-        empty.flags.writeable = False
-        return empty
-    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def _hash(parts) -> str:

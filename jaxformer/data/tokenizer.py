@@ -82,9 +82,10 @@ class HFTokenizer:
         return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """Encodes in parallel (Rust threads)."""
-        return [np.asarray(e.ids, dtype=np.int32)
-                for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        """Encodes in parallel (Rust threads), without the character offsets that nothing
+        here uses (``encode_batch_fast``, tokenizers >= 0.21: 1.5-3x faster)."""
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -100,7 +100,8 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
     s, t = cfg.study, cfg.run.train
     log = log if s.progress else (lambda *a, **k: None)
     lengths, n_eval, started = cfg.eval_lengths, cfg.eval_tokens, time.perf_counter()
-    ds = load_dataset(cfg.run.data, vocab_size=cfg.run.model.vocab_size)
+    ds = load_dataset(cfg.run.data, vocab_size=cfg.run.model.vocab_size, progress=s.progress,
+                      log=log)
     if len(ds.val) < n_eval + 1:
         raise DataError(f"the validation split has {len(ds.val):,} tokens; study.eval_tokens "
                         f"needs {n_eval + 1:,}: lower it, or raise data.val_fraction")

@@ -104,7 +104,7 @@ class _Run:
         self.cfg, self.run_dir, self.lead, self.log = cfg, run_dir, lead, log
         t, mcfg = cfg.train, cfg.model
         self.data = data = load_dataset(cfg.data, run_dir=str(run_dir),
-                                        vocab_size=mcfg.vocab_size)
+                                        vocab_size=mcfg.vocab_size, progress=lead, log=log)
         if lead:  # load_dataset has saved the tokenizer beside it
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         try:
