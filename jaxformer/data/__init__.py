@@ -3,12 +3,14 @@
     ds = load_dataset(DataConfig(), run_dir="runs/x", vocab_size=cfg.vocab_size)
     batch = get_batch(ds.train, ds.train_docs, seed=0, step=k, batch_size=8, seq_len=256)
     for batch in eval_batches(ds.val, ds.val_docs, batch_size=8, seq_len=256): ...
+    prepare(DataConfig(path="big.jsonl", tokenizer="bpe"), out="/data/tok")  # then path=
 """
 
 from jaxformer.data.batches import eval_batches, get_batch
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import Corpus, find_corpus, stdlib_corpus
 from jaxformer.data.dataset import Dataset, load_dataset
+from jaxformer.data.prepare import prepare
 from jaxformer.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -30,6 +32,7 @@ __all__ = [
     "get_batch",
     "load_dataset",
     "load_tokenizer",
+    "prepare",
     "stdlib_corpus",
     "train_bpe",
 ]

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from typing import Callable, Iterator
 
@@ -23,6 +22,7 @@ from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import Corpus, find_corpus, read_pieces
 from jaxformer.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from jaxformer.data.tokens import (
+    _stderr,
     _temporary,
     memmap,
     n_val,
@@ -79,10 +79,6 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
         ds, max_id = _tokenized_text(cfg, corpus, tokenizer, cache_dir, progress, log)
     _check_ids(cfg, ds, max_id, vocab_size)
     return ds
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ---- tokenizer ------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from typing import Callable
 
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import find_corpus
-from jaxformer.data.dataset import _stderr, new_tokenizer
-from jaxformer.data.tokens import remove_stale_temporaries, write_tokens
+from jaxformer.data.dataset import new_tokenizer
+from jaxformer.data.tokens import _stderr, remove_stale_temporaries, write_tokens
 
 
 def prepare(cfg: DataConfig, out: str, *, progress: bool = True,
