@@ -558,10 +558,12 @@ def write_parquet(path, columns, row_group_size):
     pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
 
 
-def test_parquet_equals_jsonl_and_splits_by_row(rng, tmp_path):
+def test_parquet_equals_jsonl_and_splits_by_row(rng, tmp_path, monkeypatch):
     """The same documents as JSONL and as Parquet (several row groups) give the same
-    tokens; with a val split, rows are documents keyed 'file.parquet:ROW', as JSONL lines
-    are; a folder of Parquet files (with a README beside them) reads every file's rows."""
+    tokens, also when long records are cut into pieces; with a val split, rows are
+    documents keyed 'file.parquet:ROW', as JSONL lines are; a folder of Parquet files
+    (with a README beside them) reads every file's rows."""
+    small_pieces(monkeypatch, piece=int(rng.integers(8, 40)), batch=100)
     records = [random_text(rng, int(rng.integers(1, 80))) for _ in range(int(rng.integers(12, 30)))]
     groups = int(rng.integers(2, 6))
     write_parquet(tmp_path / "data.parquet", {"id": list(range(len(records))), "body": records},
@@ -573,7 +575,8 @@ def test_parquet_equals_jsonl_and_splits_by_row(rng, tmp_path):
                                     val_fraction=0.0, cache_dir=cache))
             for ext in ("jsonl", "parquet")]
     assert both[0].train.tolist() == both[1].train.tolist() == sum(map(utf8, records), [])
-    assert both[0].train_docs.tolist() == both[1].train_docs.tolist()
+    assert both[0].train_docs.tolist() == both[1].train_docs.tolist() == \
+        offsets([len(utf8(t)) for t in records])
 
     cut = int(rng.integers(1, len(records) - 1))
     folder = tmp_path / "folder"
