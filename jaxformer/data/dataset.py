@@ -203,8 +203,7 @@ def _tokenized_text(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer, cache
     final = os.path.join(cache_dir, f"tokens-{key}")
     if os.path.isdir(final):
         ds, max_id = _open_folder(final, tokenizer, corpus.describe())
-        log(f"data: {corpus.describe()} as {len(ds.train):,} train and {len(ds.val):,} val "
-            f"tokens, from the cache {final}")
+        log(f"data: tokens from the cache, {final}")
         return ds, max_id
     write_tokens(final, cfg, corpus, tokenizer, progress=progress, log=log)
     return _open_folder(final, tokenizer, corpus.describe())
