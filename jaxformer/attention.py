@@ -7,15 +7,20 @@ heads; biases broadcast to [batch, heads, q_len, k_len].
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxformer.blockwise import blockwise_attention, index_bias
 from jaxformer.config import ATTENTION_IMPLS, ModelConfig
 from jaxformer.hooks import active, hook_point
+from jaxformer.masks import (MaskRule, causal_mask, make_attention_mask,  # noqa: F401
+                             padding_mask, segment_mask, sliding_window_mask)
 from jaxformer.matmul import flat_dot_general
 from jaxformer.positions import (FIRE_THRESHOLD, alibi_bias, alibi_slopes, apply_rope,
                                  fire_distance, t5_bias)
@@ -24,43 +29,6 @@ from jaxformer.sharding import constrain, init_with_names
 IMPLS = ATTENTION_IMPLS  # auto, reference, xla, cudnn, chunked
 CHUNK = 128  # query rows per block of the chunked backend (bench/attention.py)
 HIGHEST = jax.lax.Precision.HIGHEST  # the reference is the definition: no TF32 on GPUs
-
-# ---- masks: pure functions of positions and segment ids --------------------------
-
-
-def causal_mask(q_positions, k_positions):
-    """A query attends to keys at the same or earlier positions. -> [B, 1, Tq, Tk]"""
-    return (k_positions[:, None, None, :] <= q_positions[:, None, :, None])
-
-
-def padding_mask(q_segment_ids, k_segment_ids):
-    """Segment id 0 marks padding: no query or key that is padding takes part. -> [B, 1, Tq, Tk]"""
-    return (q_segment_ids[:, None, :, None] != 0) & (k_segment_ids[:, None, None, :] != 0)
-
-
-def segment_mask(q_segment_ids, k_segment_ids):
-    """Packing: attend only inside one's own segment; segment 0 (padding) never. -> [B, 1, Tq, Tk]"""
-    same = q_segment_ids[:, None, :, None] == k_segment_ids[:, None, None, :]
-    return same & padding_mask(q_segment_ids, k_segment_ids)
-
-
-def sliding_window_mask(q_positions, k_positions, window: int):
-    """Keys fewer than `window` positions behind the query (window 1 = itself). -> [B, 1, Tq, Tk]"""
-    return (q_positions[:, None, :, None] - k_positions[:, None, None, :]) < window
-
-
-def make_attention_mask(q_positions, k_positions, q_segment_ids=None, k_segment_ids=None, *,
-                        causal: bool = True, window: int | None = None):
-    """The conjunction of the masks above that apply. -> [B, 1, Tq, Tk] bool"""
-    mask = jnp.ones((q_positions.shape[0], 1, q_positions.shape[1], k_positions.shape[1]), bool)
-    if causal:
-        mask &= causal_mask(q_positions, k_positions)
-    if window is not None:
-        mask &= sliding_window_mask(q_positions, k_positions, window)
-    if q_segment_ids is not None:
-        mask &= segment_mask(q_segment_ids, k_segment_ids)
-    return mask
-
 
 # ---- attention math ---------------------------------------------------------------
 
@@ -162,6 +130,20 @@ def _fused(q, k, v, *, mask, bias, scale, implementation):
         any_key = jnp.any(mask, axis=-1)  # [B, 1|N, T]
         out = out * jnp.swapaxes(any_key, 1, 2)[..., None].astype(out.dtype)
     return out
+
+
+def _blockwise_dense(q, k, v, *, mask, bias, scale, is_causal):
+    """Blockwise attention for masks and biases given as arrays: their positions are
+    indices, and the mask joins the bias as -inf (the model passes structure instead)."""
+    b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    index = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))  # noqa: E731
+    terms = None if bias is None else bias.astype(jnp.float32)
+    if mask is not None:
+        hide = jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
+        terms = hide if terms is None else terms + hide
+    rule = MaskRule(index(tq), index(tk), causal=False, is_causal=is_causal)
+    return blockwise_attention(q, k, v, rule, bias_fn=None if terms is None else index_bias,
+                               bias_params=terms, scale=scale)
 
 
 def cached_attention(q, k, v, *, mask=None, bias=None):
@@ -309,10 +291,16 @@ def _add_rows(total, ds, start, stop, keys):
     return total.at[:, :, rows, keys].add(ds)
 
 
-def resolve_impl(impl: str, dtype, head_dim: int) -> str:
-    """`auto`: cuDNN flash attention on a GPU for 16-bit inputs it supports; on a CPU the
-    chunked backend (bench/attention.py: fastest there, forward and backward); else XLA's
-    jax.nn.dot_product_attention."""
+DENSE_LOGITS_BYTES = 1 << 30  # auto: above this, float32 [B, N, Tq, Tk] logits go blockwise
+_EXPLAINED: set = set()
+
+
+def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0) -> str:
+    """`auto`: cuDNN flash attention on a GPU for 16-bit inputs it supports; else, while
+    the dense float32 logits (logits_bytes: B * N * Tq * Tk * 4) fit DENSE_LOGITS_BYTES,
+    the chunked backend on a CPU (bench/attention.py: fastest there, forward and
+    backward) and XLA's jax.nn.dot_product_attention elsewhere; beyond it, blockwise
+    (memory linear in T). The choice and its reason are printed once per process."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r} is not one of {', '.join(IMPLS)}")
     if impl != "auto":
@@ -320,8 +308,18 @@ def resolve_impl(impl: str, dtype, head_dim: int) -> str:
     backend = jax.default_backend()
     if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 \
             and head_dim <= 128:
-        return "cudnn"
+        return _explain("cudnn", "a GPU, 16-bit inputs, head_dim a multiple of 8 up to 128")
+    if logits_bytes > DENSE_LOGITS_BYTES:
+        return _explain("blockwise", f"dense logits would take {logits_bytes / 2**30:.1f} GiB "
+                        f"per layer (> DENSE_LOGITS_BYTES = {DENSE_LOGITS_BYTES / 2**30:g} GiB)")
     return "chunked" if backend == "cpu" else "xla"
+
+
+def _explain(choice: str, reason: str) -> str:
+    if (choice, reason) not in _EXPLAINED:
+        _EXPLAINED.add((choice, reason))
+        print(f"attention: auto chose {choice}: {reason}", file=sys.stderr, flush=True)
+    return choice
 
 
 def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = "auto", scale=None,
@@ -335,7 +333,9 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = "auto", 
     Softmax runs in float32 whatever the input dtype; a query with no key to attend to
     gets a zero output. Returns [B, Tq, N, H] in q.dtype.
     impl: reference (einsum, the definition), xla / cudnn (jax.nn.dot_product_attention),
-    chunked (heads-first blocks, see _chunked), or auto.
+    chunked (heads-first blocks, see _chunked), blockwise (online softmax over key
+    blocks, memory linear in T: jaxformer.blockwise; the model hands it structure, not
+    arrays), or auto.
     """
     impl = resolve_impl(impl, q.dtype, q.shape[-1])
     mask, bias = _as_4d(mask), _as_4d(bias)
@@ -344,6 +344,8 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = "auto", 
                          f"and {k.shape[1]} keys")
     if impl == "chunked":
         return _chunked(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
+    if impl == "blockwise":
+        return _blockwise_dense(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
     if is_causal:
         mask = _and_causal(mask, q.shape[1])
     if impl == "reference":
@@ -423,8 +425,14 @@ class Attention(nn.Module):
         layer cache is returned beside the output."""
         q, k, v = self.project(x, positions)
         if cache is None:
+            if isinstance(mask, MaskRule) and active(self, "hook_attn_scores", "hook_pattern"):
+                mask, bias = mask.dense(), bias and bias[0](bias[1], mask.q_positions,
+                                                            mask.k_positions)
             if active(self, "hook_attn_scores", "hook_pattern"):
                 z = self.attend_with_pattern(q, k, v, mask, bias)
+            elif isinstance(mask, MaskRule):  # structure: a block at a time (blockwise.py)
+                z = blockwise_attention(q, k, v, mask, bias_fn=bias and bias[0],
+                                        bias_params=bias and bias[1])
             else:
                 z = dot_product_attention(q, k, v, mask=mask, bias=bias,
                                           impl=self.cfg.attention_impl, is_causal=True)
@@ -444,43 +452,59 @@ class Attention(nn.Module):
         return self.finish(z), cache
 
 
-def _alibi(module, cfg: ModelConfig, q_positions, k_positions):
-    return alibi_bias(alibi_slopes(cfg.n_heads), q_positions, k_positions)
+def _alibi(module, cfg: ModelConfig):
+    return alibi_bias, jnp.asarray(alibi_slopes(cfg.n_heads), jnp.float32)
 
 
-def _t5(module, cfg: ModelConfig, q_positions, k_positions):
+@dataclasses.dataclass(frozen=True)
+class _T5Bias:  # hashable by value: blockwise attention takes it as a static argument
+    max_distance: int
+
+    def __call__(self, table, q_positions, k_positions):
+        return t5_bias(table, q_positions, k_positions, max_distance=self.max_distance)
+
+
+def _t5(module, cfg: ModelConfig):
     table = module.param("relative_bias", init_with_names(dense_init(), "table", "heads"),
                          (cfg.t5_num_buckets, cfg.n_heads), cfg.param_dtype)
-    return t5_bias(table, q_positions, k_positions, max_distance=cfg.t5_max_distance)
+    return _T5Bias(cfg.t5_max_distance), table
 
 
-def _fire(module, cfg: ModelConfig, q_positions, k_positions):
+def _fire(module, cfg: ModelConfig):
     """FIRE's bias, with the reference code's settings: an MLP 1 -> 32 -> heads (ReLU),
     c initialised at 0.1, the threshold at FIRE_THRESHOLD (learned as a multiple of it)."""
-    c = module.param("c", init_with_names(nn.initializers.constant(0.1)), (), jnp.float32)
-    scale = module.param("threshold_scale", init_with_names(nn.initializers.ones), (),
-                         jnp.float32)
-    x = fire_distance(q_positions, k_positions, c, jnp.abs(scale * FIRE_THRESHOLD))[..., None]
-    param = lambda name, init, shape, *names: module.param(  # noqa: E731
-        name, init_with_names(init, *names), shape, cfg.param_dtype)
-    w_in = param("hidden_kernel", nn.initializers.normal(1.0), (FIRE_WIDTH,), "pos_mlp")
-    b_in = param("hidden_bias", nn.initializers.zeros, (FIRE_WIDTH,), "pos_mlp")
-    w_out = param("out_kernel", nn.initializers.lecun_normal(), (FIRE_WIDTH, cfg.n_heads),
-                  "pos_mlp", "heads")
-    b_out = param("out_bias", nn.initializers.zeros, (cfg.n_heads,), "heads")
-    h = nn.relu(x * w_in.astype(jnp.float32) + b_in.astype(jnp.float32))  # [B, T, S, W]
-    out = jnp.einsum("btsw,wn->bnts", h, w_out.astype(jnp.float32))
-    return out + b_out.astype(jnp.float32)[:, None, None]
+    param = lambda name, init, shape, *names, dtype=cfg.param_dtype: module.param(  # noqa: E731
+        name, init_with_names(init, *names), shape, dtype)
+    return fire_bias, {
+        "c": param("c", nn.initializers.constant(0.1), (), dtype=jnp.float32),
+        "threshold_scale": param("threshold_scale", nn.initializers.ones, (), dtype=jnp.float32),
+        "hidden_kernel": param("hidden_kernel", nn.initializers.normal(1.0), (FIRE_WIDTH,),
+                               "pos_mlp"),
+        "hidden_bias": param("hidden_bias", nn.initializers.zeros, (FIRE_WIDTH,), "pos_mlp"),
+        "out_kernel": param("out_kernel", nn.initializers.lecun_normal(),
+                            (FIRE_WIDTH, cfg.n_heads), "pos_mlp", "heads"),
+        "out_bias": param("out_bias", nn.initializers.zeros, (cfg.n_heads,), "heads")}
+
+
+def fire_bias(p, q_positions, k_positions):
+    """FIRE's logit bias from its params `p`: [B, N, Tq, Tk] float32."""
+    f32 = lambda name: p[name].astype(jnp.float32)  # noqa: E731
+    x = fire_distance(q_positions, k_positions, p["c"],
+                      jnp.abs(p["threshold_scale"] * FIRE_THRESHOLD))[..., None]
+    h = nn.relu(x * f32("hidden_kernel") + f32("hidden_bias"))  # [B, T, S, W]
+    return jnp.einsum("btsw,wn->bnts", h, f32("out_kernel")) + f32("out_bias")[:, None, None]
 
 
 FIRE_WIDTH = 32  # FIRE's hidden layer
-# position scheme -> its logit bias [B, N, Tq, Tk] from (module, cfg, q and k positions)
+# position scheme -> (bias_fn, params) from (module, cfg): bias_fn(params, q positions
+# [B, Tq], k positions [B, Tk]) -> the logit bias [B|1, N, Tq, Tk]
 POSITION_BIASES = {"alibi": _alibi, "t5": _t5, "fire": _fire}
 
 
 class PositionBias(nn.Module):
-    """The attention-logit bias of the position scheme, computed once per forward pass and
-    shared by every layer (as T5 does), or None for a scheme without one.
+    """The attention-logit bias of the position scheme as (bias_fn, params), shared by
+    every layer (as T5 does), or None for a scheme without one. Dense backends apply
+    bias_fn to all positions once per forward pass; blockwise attention to each block.
 
     Keys may be cache slots: an empty slot's far-future position gives a finite bias that
     the mask then hides."""
@@ -488,6 +512,6 @@ class PositionBias(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, q_positions, k_positions):
-        bias = POSITION_BIASES.get(self.cfg.position)
-        return None if bias is None else bias(self, self.cfg, q_positions, k_positions)
+    def __call__(self):
+        make = POSITION_BIASES.get(self.cfg.position)
+        return None if make is None else make(self, self.cfg)

@@ -13,7 +13,7 @@ NORMS = ("layernorm", "rmsnorm")
 BLOCKS = ("pre_ln", "post_ln")
 FFNS = ("gelu", "relu", "swiglu", "geglu")
 REMATS = ("none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked", "blockwise")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -26,7 +26,16 @@ from jaxformer.attention import (
     sliding_window_mask,
 )
 
-BACKENDS = ["reference", "xla", "chunked"]
+BACKENDS = ["reference", "xla", "chunked", "blockwise"]
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(rng, monkeypatch):
+    """Blockwise attention in blocks of a few rows and keys, so that these small inputs
+    span several blocks (padding, skipping and the online softmax's rescaling)."""
+    from jaxformer import blockwise
+    monkeypatch.setattr(blockwise, "BLOCK_Q", int(rng.integers(2, 9)))
+    monkeypatch.setattr(blockwise, "BLOCK_K", int(rng.integers(2, 9)))
 # (query heads N, key/value heads K, Tq, Tk): every GQA ratio (K = N is MHA, K = 1 is MQA),
 # self-attention (Tq = Tk) and decoding against a cache (Tq < Tk, query positions offset).
 # Few distinct shapes, because each new one costs JAX a compilation.
@@ -313,6 +322,52 @@ def np_attention_grads(q, k, v, d_out, mask, bias, scale=None):
     dv = per_head(np.einsum("bnts,btnh->bsnh", w, d_out))
     axes = tuple(i for i in range(4) if np.shape(bias)[i] == 1)
     return dq, dk, dv, ds.sum(axis=axes, keepdims=True)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 6])
+@pytest.mark.parametrize("packed", [False, True])
+def test_blockwise_rule_matches_float64(rng, window, packed):
+    """Blockwise attention with the mask as a rule (positions, segment ids, window,
+    causal) and ALiBi as (fn, slopes), over ragged T and several block shapes (so block
+    edges fall everywhere, and some blocks are skipped): output and gradients of q, k, v
+    and the slopes against float64 NumPy with the dense mask of the same positions."""
+    from jaxformer.blockwise import blockwise_attention
+    from jaxformer.masks import MaskRule
+    from jaxformer.positions import alibi_bias, alibi_slopes, segment_positions
+    n, kv = [(4, 2), (4, 1), (2, 2)][int(rng.integers(3))]
+    t = int(rng.integers(9, 23))
+    q, k, v = random_qkv(rng, B, t, t, n, kv)
+    if packed:  # segments 1.., padding (0) at the end of row 1; positions restart
+        seg = np.sort(rng.integers(1, 4, (B, t)), axis=1)
+        seg[1, t - int(rng.integers(1, 4)):] = 0
+        pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    else:  # increasing with gaps: positions are not indices
+        seg, pos = None, np.cumsum(rng.integers(1, 3, (B, t)), axis=1)
+    slopes = jnp.asarray(alibi_slopes(n) * rng.uniform(0.5, 2.0, n), jnp.float32)
+    mask = np_causal(pos, pos) & np.tril(np.ones((t, t), bool))
+    if window is not None:
+        mask &= np_window(pos, pos, window)
+    if packed:
+        mask &= np_segment(seg, seg)
+    bias = -np.asarray(slopes, np.float64)[None, :, None, None] * \
+        np.abs(pos[:, None, :, None] - pos[:, None, None, :])
+    d_out = rng.normal(size=q.shape)
+    want = np_attention(q, k, v, mask=mask, bias=bias)[1]
+    dq, dk, dv, ds = np_attention_grads(q, k, v, d_out, mask, bias)
+    d_slopes = -np.einsum("bnts,bts->n", ds, np.abs(pos[:, :, None] - pos[:, None, :]))
+    jseg = None if seg is None else jnp.asarray(seg)
+    rule = MaskRule(jnp.asarray(pos), jnp.asarray(pos), jseg, jseg, window=window,
+                    is_causal=True)
+    for bq, bk in [(3, 2), (2, 5), (4, 4), (t, 7)]:
+        def loss(q, k, v, slopes):
+            out = blockwise_attention(q, k, v, rule, bias_fn=alibi_bias, bias_params=slopes,
+                                      block_q=bq, block_k=bk)
+            return jnp.sum(out * d_out), out
+        grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, slopes)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5, err_msg=(bq, bk))
+        for got, ref in zip(grads, (dq, dk, dv, d_slopes)):
+            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4,
+                                       err_msg=(bq, bk))
 
 
 @pytest.mark.parametrize("impl", BACKENDS)
@@ -618,8 +673,8 @@ def test_unknown_impl_raises_naming_allowed_values(rng):
 
 
 def test_resolve_impl():
-    assert set(IMPLS) == {"auto", "reference", "xla", "cudnn", "chunked"}
-    for impl in ("reference", "xla", "cudnn", "chunked"):
+    assert set(IMPLS) == {"auto", "reference", "xla", "cudnn", "chunked", "blockwise"}
+    for impl in ("reference", "xla", "cudnn", "chunked", "blockwise"):
         assert resolve_impl(impl, jnp.float32, 64) == impl
     backend = jax.default_backend()
     other = {"cpu": "chunked"}.get(backend, "xla")
@@ -627,6 +682,17 @@ def test_resolve_impl():
     assert resolve_impl("auto", jnp.bfloat16, 64) == ("cudnn" if backend == "gpu" else other)
     assert resolve_impl("auto", jnp.bfloat16, 60) == other  # head_dim % 8 != 0
     assert resolve_impl("auto", jnp.bfloat16, 256) == other  # head_dim > 128
+
+
+def test_auto_goes_blockwise_past_the_dense_budget_and_says_why(capsys, monkeypatch):
+    monkeypatch.setattr(attention, "_EXPLAINED", set())
+    budget = attention.DENSE_LOGITS_BYTES
+    assert resolve_impl("auto", jnp.float32, 64, logits_bytes=budget) != "blockwise"
+    for _ in range(2):
+        assert resolve_impl("auto", jnp.float32, 64, logits_bytes=budget + 4) == "blockwise"
+    err = capsys.readouterr().err
+    assert err.count("attention: auto chose blockwise: dense logits would take 1.0 GiB per "
+                     "layer (> DENSE_LOGITS_BYTES = 1 GiB)") == 1  # once per process
 
 
 @pytest.mark.parametrize("impl", BACKENDS)

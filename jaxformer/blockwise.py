@@ -1,0 +1,219 @@
+"""Blockwise (flash) attention in pure JAX: memory linear in the sequence length, forward
+and backward, for every mask rule and every position bias.
+
+For each block of query rows, keys are visited a block at a time with an online softmax
+(Milakov & Gimelshein 2018; Dao et al. 2022): a running row max m, row sum l and
+unnormalised output are rescaled as each key block arrives, so no [Tq, Tk] array is
+formed. The backward pass (custom_vjp) recomputes each block's logits from q, k and the
+saved row log-sum-exp, and accumulates dq, dk, dv and the bias parameters' gradient.
+
+The mask is a rule (jaxformer.masks.MaskRule) applied to each block; a bias is a
+function ``bias_fn(params, q_positions, k_positions) -> [B|1, N, bq, bk]`` applied to
+each block, with `params` (ALiBi's slopes, T5's bucket table, FIRE's MLP) getting their
+gradient. Key blocks past a query block's last row are never visited under is_causal;
+blocks the rule masks entirely (outside a window, another packed segment, padding) are
+skipped at run time by lax.cond on the blocks' position and segment ranges.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.masks import MaskRule
+
+# Query rows and keys per block. Forward+backward of causal attention, B 1, 8 heads of 32,
+# 2-core Zen 4: T 2048: 125 ms in blocks of 256, 147 ms in blocks of 512 (XLA's dense
+# 568 ms); T 4096: 464 and 550 ms (dense 2,808 ms).
+BLOCK_Q = 256
+BLOCK_K = 256
+
+
+class _Static(NamedTuple):
+    bias_fn: Callable | None
+    causal: bool
+    window: int | None
+    is_causal: bool
+    scale: float
+    bq: int
+    bk: int
+    n_keys: int  # keys before padding
+
+
+def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=None,
+                        scale=None, block_q: int | None = None, block_k: int | None = None):
+    """softmax(q k^T * scale + bias, where rule allows) v, a block at a time.
+
+    q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K; GQA without copying K/V).
+    rule: positions and segment ids of queries and keys, causal, window, is_causal.
+    bias_fn: hashable, (bias_params, q_positions [B, bq], k_positions [B, bk]) -> float
+    [B|1, N, bq, bk]. Any T and S: blocks are padded inside. A query with no key it may
+    attend to gets zeros. Returns [B, T, N, H] in q.dtype."""
+    b, t, n, h = q.shape
+    s, n_kv = k.shape[1], k.shape[2]
+    if n % n_kv:
+        raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({n_kv})")
+    bq, bk = min(block_q or BLOCK_Q, t), min(block_k or BLOCK_K, s)
+    tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+    pad = lambda x, to: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] +  # noqa: E731
+                                [(0, 0)] * (x.ndim - 2), mode="edge" if x.ndim == 2 else "constant")
+    segs = [None if x is None else pad(x, to) for x, to in
+            ((rule.q_segment_ids, tp), (rule.k_segment_ids, sp))]
+    rule = MaskRule(pad(rule.q_positions, tp), pad(rule.k_positions, sp), *segs,
+                    causal=rule.causal, window=rule.window, is_causal=rule.is_causal)
+    st = _Static(bias_fn, rule.causal, rule.window, rule.is_causal,
+                 1.0 / math.sqrt(h) if scale is None else float(scale), bq, bk, s)
+    qh = pad(q, tp).reshape(b, tp, n_kv, n // n_kv, h).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,H]
+    kh, vh = (pad(x, sp).transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, S, H]
+    out = _flash(st, qh, kh, vh, rule, bias_params)  # [B, K, G, Tp, H] float32
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, tp, n, h)[:, :t].astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st: _Static, q, k, v, rule: MaskRule, params):
+    return _forward(st, q, k, v, rule, params)[0]
+
+
+def _key_blocks(st: _Static, i, n_k: int):
+    """How many key blocks query block i visits: those up to its last row under is_causal."""
+    return jnp.minimum(((i + 1) * st.bq + st.bk - 1) // st.bk, n_k) if st.is_causal else n_k
+
+
+def _may_attend(st: _Static, rule: MaskRule, i, j):
+    """False only if rule masks every pair of query block i and key block j: from the
+    blocks' position and segment ranges, per row, any row."""
+    qp = jax.lax.dynamic_slice_in_dim(rule.q_positions, i * st.bq, st.bq, axis=1)
+    kp = jax.lax.dynamic_slice_in_dim(rule.k_positions, j * st.bk, st.bk, axis=1)
+    ok = (j * st.bk < st.n_keys) & jnp.ones(qp.shape[0], bool)
+    if st.causal:
+        ok &= kp.min(1) <= qp.max(1)
+    if st.window is not None:
+        ok &= qp.min(1) - kp.max(1) < st.window
+    if rule.q_segment_ids is not None:
+        qs = jax.lax.dynamic_slice_in_dim(rule.q_segment_ids, i * st.bq, st.bq, axis=1)
+        ks = jax.lax.dynamic_slice_in_dim(rule.k_segment_ids, j * st.bk, st.bk, axis=1)
+        ok &= (qs.max(1) >= ks.min(1)) & (qs.min(1) <= ks.max(1)) & (ks.max(1) > 0)
+    return ok.any()
+
+
+def _block_logits(st: _Static, q_i, k, rule: MaskRule, params, i, j):
+    """Scaled, biased logits of query block i against key block j, -inf where masked:
+    float32 [B, K, G, bq, bk]."""
+    k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
+    logits = jnp.einsum("bkgqh,bksh->bkgqs", q_i, k_j,
+                        preferred_element_type=jnp.float32) * jnp.float32(st.scale)
+    if st.bias_fn is not None:
+        logits = logits + _block_bias(st, params, rule, i, j, logits.shape)
+    mask = rule.block(i * st.bq, st.bq, j * st.bk, st.bk)  # [B, 1, bq, bk]
+    mask &= (j * st.bk + jnp.arange(st.bk) < st.n_keys)[None, None, None]
+    return jnp.where(mask[:, :, None], logits, -jnp.inf)
+
+
+def _block_bias(st: _Static, params, rule: MaskRule, i, j, shape):
+    qp = jax.lax.dynamic_slice_in_dim(rule.q_positions, i * st.bq, st.bq, axis=1)
+    kp = jax.lax.dynamic_slice_in_dim(rule.k_positions, j * st.bk, st.bk, axis=1)
+    bias = st.bias_fn(params, qp, kp).astype(jnp.float32)  # [B|1, N, bq, bk]
+    b, n_kv, g, rows, keys = shape
+    return jnp.broadcast_to(bias, (b, n_kv * g, rows, keys)).reshape(shape)
+
+
+def _forward(st: _Static, q, k, v, rule: MaskRule, params):
+    n_q, n_k = q.shape[3] // st.bq, k.shape[2] // st.bk
+
+    def query_block(i):
+        q_i = jax.lax.dynamic_slice_in_dim(q, i * st.bq, st.bq, axis=3)
+        row = q_i.shape[:4]
+        init = (jnp.full(row, -jnp.inf), jnp.zeros(row), jnp.zeros(q_i.shape, jnp.float32))
+
+        def visit(j, carry):
+            m, l, acc = carry
+            logits = _block_logits(st, q_i, k, rule, params, i, j)
+            m_new = jnp.maximum(m, logits.max(-1))
+            safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(logits - safe[..., None])
+            rescale = jnp.exp(m - safe)
+            v_j = jax.lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
+            pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), v_j,
+                            preferred_element_type=jnp.float32)
+            return m_new, l * rescale + p.sum(-1), acc * rescale[..., None] + pv
+
+        def step(j, carry):
+            return jax.lax.cond(_may_attend(st, rule, i, j), visit, lambda j, c: c, j, carry)
+
+        m, l, acc = jax.lax.fori_loop(0, _key_blocks(st, i, n_k), step, init)
+        out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+        return out, jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+
+    outs, lse = jax.lax.map(query_block, jnp.arange(n_q))  # [n_q, B, K, G, bq(, H)]
+    out = jnp.moveaxis(outs, 0, 3).reshape(q.shape[:3] + (-1, q.shape[4]))
+    lse = jnp.moveaxis(lse, 0, 3).reshape(q.shape[:3] + (-1,))
+    return out, (q, k, v, rule, params, out, lse)
+
+
+def _backward(st: _Static, res, d_out):
+    """Per block, with P = exp(logits - lse): dV += P^T dO, dS = P (dO V^T - rowsum(dO O)),
+    dQ += scale dS K, dK += scale dS^T Q, and the bias parameters get dS through bias_fn."""
+    q, k, v, rule, params, out, lse = res
+    f32 = jnp.float32
+    n_q, n_k = q.shape[3] // st.bq, k.shape[2] // st.bk
+    delta = jnp.sum(d_out * out, axis=-1)  # [B, K, G, Tp]
+    zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, f32), tree)  # noqa: E731
+
+    def query_block(carry, i):
+        dk, dv, dparams = carry
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, i * st.bq, st.bq, axis=3)  # noqa: E731
+        q_i, do_i, lse_i, delta_i = take(q), take(d_out), take(lse), take(delta)
+
+        def visit(j, inner):
+            dq_i, dk, dv, dparams = inner
+            v_j = jax.lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
+            k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
+            if st.bias_fn is None:
+                logits = _block_logits(st, q_i, k, rule, params, i, j)
+                d_bias = dparams
+            else:
+                logits, pull = jax.vjp(lambda p: _block_logits(st, q_i, k, rule, p, i, j), params)
+            p = jnp.exp(logits - lse_i[..., None])  # 0 where masked or the row has no key
+            dv_j = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(v.dtype), do_i.astype(v.dtype),
+                              preferred_element_type=f32)
+            dp = jnp.einsum("bkgqh,bksh->bkgqs", do_i.astype(v.dtype), v_j,
+                            preferred_element_type=f32)
+            ds = p * (dp - delta_i[..., None])  # d logits (after scale and bias)
+            if st.bias_fn is not None:
+                d_bias = jax.tree.map(lambda a, b: a + b.astype(f32), dparams, pull(ds)[0])
+            ds_q = (ds * f32(st.scale)).astype(q.dtype)
+            dq_i = dq_i + jnp.einsum("bkgqs,bksh->bkgqh", ds_q, k_j, preferred_element_type=f32)
+            dk_j = jnp.einsum("bkgqs,bkgqh->bksh", ds_q, q_i, preferred_element_type=f32)
+            add = lambda total, part: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                total, jax.lax.dynamic_slice_in_dim(total, j * st.bk, st.bk, 2) + part,
+                j * st.bk, 2)
+            return dq_i, add(dk, dk_j), add(dv, dv_j), d_bias
+
+        def step(j, inner):
+            return jax.lax.cond(_may_attend(st, rule, i, j), visit, lambda j, c: c, j, inner)
+
+        dq_i, dk, dv, dparams = jax.lax.fori_loop(
+            0, _key_blocks(st, i, n_k), step, (jnp.zeros(q_i.shape, f32), dk, dv, dparams))
+        return (dk, dv, dparams), dq_i
+
+    (dk, dv, dparams), dq = jax.lax.scan(
+        query_block, (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32), zeros(params)),
+        jnp.arange(n_q))
+    dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
+    dparams = jax.tree.map(lambda d, x: d.astype(x.dtype), dparams, params)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            jax.tree.map(lambda x: None, rule), dparams)
+
+
+_flash.defvjp(_forward, _backward)
+
+
+def index_bias(terms, q_index, k_index):
+    """A bias_fn for a materialised bias `terms` [B|1, N|1, Tq|1, Tk|1] whose positions
+    are row and column indices: its block (size-1 axes stay whole)."""
+    rows = terms if terms.shape[2] == 1 else jnp.take(terms, q_index[0], axis=2)
+    return rows if terms.shape[3] == 1 else jnp.take(rows, k_index[0], axis=3)

@@ -1,0 +1,83 @@
+"""Attention masks as rules on positions and segment ids: one definition, applied to a
+whole [Tq, Tk] grid (make_attention_mask) or to one block of it (MaskRule.block), so that
+blockwise attention never forms the grid.
+
+Masks are bool, [B, 1, Tq, Tk] (True = may attend), and broadcast over heads.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+
+def causal_mask(q_positions, k_positions):
+    """A query attends to keys at the same or earlier positions. -> [B, 1, Tq, Tk]"""
+    return (k_positions[:, None, None, :] <= q_positions[:, None, :, None])
+
+
+def padding_mask(q_segment_ids, k_segment_ids):
+    """Segment id 0 marks padding: no query or key that is padding takes part. -> [B, 1, Tq, Tk]"""
+    return (q_segment_ids[:, None, :, None] != 0) & (k_segment_ids[:, None, None, :] != 0)
+
+
+def segment_mask(q_segment_ids, k_segment_ids):
+    """Packing: attend only inside one's own segment; segment 0 (padding) never. -> [B, 1, Tq, Tk]"""
+    same = q_segment_ids[:, None, :, None] == k_segment_ids[:, None, None, :]
+    return same & padding_mask(q_segment_ids, k_segment_ids)
+
+
+def sliding_window_mask(q_positions, k_positions, window: int):
+    """Keys fewer than `window` positions behind the query (window 1 = itself). -> [B, 1, Tq, Tk]"""
+    return (q_positions[:, None, :, None] - k_positions[:, None, None, :]) < window
+
+
+def make_attention_mask(q_positions, k_positions, q_segment_ids=None, k_segment_ids=None, *,
+                        causal: bool = True, window: int | None = None):
+    """The conjunction of the masks above that apply. -> [B, 1, Tq, Tk] bool"""
+    mask = jnp.ones((q_positions.shape[0], 1, q_positions.shape[1], k_positions.shape[1]), bool)
+    if causal:
+        mask &= causal_mask(q_positions, k_positions)
+    if window is not None:
+        mask &= sliding_window_mask(q_positions, k_positions, window)
+    if q_segment_ids is not None:
+        mask &= segment_mask(q_segment_ids, k_segment_ids)
+    return mask
+
+
+@flax.struct.dataclass
+class MaskRule:
+    """The mask as structure: positions [B, Tq] and [B, Tk], optional segment ids (0 =
+    padding), and the static settings; a pytree whose arrays jit, scan and vmap carry.
+
+    is_causal: also hide keys after the query's own index (self-attention, Tq = Tk): with
+    position-causal masking this changes nothing for ordinary rows, and it lets a
+    blockwise backend skip the upper triangle of blocks without looking at positions."""
+
+    q_positions: jnp.ndarray
+    k_positions: jnp.ndarray
+    q_segment_ids: jnp.ndarray | None = None
+    k_segment_ids: jnp.ndarray | None = None
+    causal: bool = flax.struct.field(pytree_node=False, default=True)
+    window: int | None = flax.struct.field(pytree_node=False, default=None)
+    is_causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def block(self, q_start, q_len: int, k_start, k_len: int):
+        """The mask of queries [q_start, +q_len) and keys [k_start, +k_len) (starts may
+        be traced): [B, 1, q_len, k_len]."""
+        take = lambda x, start, n: None if x is None else \
+            jax.lax.dynamic_slice_in_dim(x, start, n, axis=1)  # noqa: E731
+        mask = make_attention_mask(
+            take(self.q_positions, q_start, q_len), take(self.k_positions, k_start, k_len),
+            take(self.q_segment_ids, q_start, q_len), take(self.k_segment_ids, k_start, k_len),
+            causal=self.causal, window=self.window)
+        if self.is_causal:
+            rows = q_start + jnp.arange(q_len)[:, None]
+            mask &= (k_start + jnp.arange(k_len)[None, :] <= rows)[None, None]
+        return mask
+
+    def dense(self):
+        """The whole mask, [B, 1, Tq, Tk]."""
+        return self.block(0, self.q_positions.shape[1], 0, self.k_positions.shape[1])
