@@ -25,6 +25,7 @@ from jaxformer.matmul import flat_dot_general
 from jaxformer.positions import (FIRE_THRESHOLD, alibi_bias, alibi_slopes, apply_rope,
                                  fire_distance, t5_bias)
 from jaxformer.sharding import constrain, init_with_names
+from jaxformer.splash import splash_attention
 
 IMPLS = ATTENTION_IMPLS  # auto, reference, xla, cudnn, chunked
 CHUNK = 128  # query rows per block of the chunked backend (bench/attention.py)
@@ -344,6 +345,10 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = "auto", 
                          f"and {k.shape[1]} keys")
     if impl == "chunked":
         return _chunked(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
+    if impl == "splash":
+        raise ValueError("splash takes the mask as structure, not arrays: set the model's "
+                         "attention_impl='splash', or call jaxformer.splash.splash_attention "
+                         "with a MaskRule")
     if impl == "blockwise":
         return _blockwise_dense(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
     if is_causal:
@@ -430,6 +435,8 @@ class Attention(nn.Module):
                                                             mask.k_positions)
             if active(self, "hook_attn_scores", "hook_pattern"):
                 z = self.attend_with_pattern(q, k, v, mask, bias)
+            elif isinstance(mask, MaskRule) and self.cfg.attention_impl == "splash":
+                z = splash_attention(q, k, v, mask)
             elif isinstance(mask, MaskRule):  # structure: a block at a time (blockwise.py)
                 z = blockwise_attention(q, k, v, mask, bias_fn=bias and bias[0],
                                         bias_params=bias and bias[1])

@@ -13,7 +13,7 @@ NORMS = ("layernorm", "rmsnorm")
 BLOCKS = ("pre_ln", "post_ln")
 FFNS = ("gelu", "relu", "swiglu", "geglu")
 REMATS = ("none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked", "blockwise")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "chunked", "blockwise", "splash")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -191,6 +191,11 @@ class ModelConfig:
         if self.d_ff is None:
             gated = self.ffn in ("swiglu", "geglu")
             set_("d_ff", 64 * math.ceil(8 * self.d_model / 3 / 64) if gated else 4 * self.d_model)
+        if self.attention_impl == "splash" and self.position in ("alibi", "t5", "fire"):
+            raise ConfigError(f"model.attention_impl='splash' adds no bias to the logits, so "
+                              f"position={self.position!r} cannot use it; use "
+                              "attention_impl='blockwise' (or 'auto'), or rope/none/learned/"
+                              "sinusoidal positions")
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} is odd; RoPE rotates pairs of "
                               "dimensions and needs an even head_dim")

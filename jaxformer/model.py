@@ -113,11 +113,11 @@ class Transformer(nn.Module):
         bias = PositionBias(c, name="position_bias")()  # (bias_fn, params) or None
         impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim,
                             logits_bytes=4 * b * c.n_heads * t * k_positions.shape[1])
-        if impl != "blockwise" or cache is not None:  # dense [B, 1|N, T, S]
+        if impl not in ("blockwise", "splash") or cache is not None:  # dense [B, 1|N, T, S]
             mask = make_attention_mask(positions, k_positions, segment_ids, k_segments,
                                        causal=True, window=c.sliding_window)
             bias = bias and bias[0](bias[1], positions, k_positions)
-        else:  # structure: blockwise attention applies both a block at a time
+        else:  # structure: applied a block at a time (blockwise.py, splash.py)
             mask = rule
         blocks = block_stack(c, deterministic)
         if c.scan_layers:

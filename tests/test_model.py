@@ -269,6 +269,24 @@ def test_blockwise_model_matches_reference_and_its_gradients(name, monkeypatch):
             "relative_bias" if cfg.position == "t5" else "out_kernel"]).max()) > 0
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "rope-window-headdim"])
+def test_splash_model_matches_reference(name):
+    """attention_impl='splash' (interpret mode here): the model hands it the rule; logits
+    on a packed, padded batch match the float64 reference's real rows. A bias scheme is
+    refused by the config, naming the alternative."""
+    from jaxformer.config import ConfigError
+    cfg = small(**VARIANTS[name], attention_impl="splash")
+    tokens, params = init(cfg, batch=2, seq=12)
+    seg = np.array([[1] * 5 + [2] * 4 + [3] * 3, [1] * 7 + [2] * 3 + [0] * 2])
+    pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    got = logits_of(cfg, params, tokens, positions=pos, segment_ids=seg)
+    real = seg > 0
+    np.testing.assert_allclose(got[real], np_forward(cfg, params, tokens, pos, seg)[real],
+                               rtol=2e-4, atol=2e-4)
+    with pytest.raises(ConfigError, match="'splash' adds no bias.*position='alibi'.*blockwise"):
+        small(position="alibi", attention_impl="splash")
+
+
 def _square_buffers(cfg, t):
     """Shapes in the compiled forward+backward (HLO text) with two dims >= t."""
     tokens = jnp.zeros((1, t), jnp.int32)
