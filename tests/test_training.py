@@ -118,6 +118,36 @@ def test_short_run_learns_and_writes_everything(corpus, tmp_path, monkeypatch):
     assert len(list((run / "best").iterdir())) == 1
 
 
+@pytest.mark.parametrize("log_every", [1, 3])
+def test_tokens_per_s_times_each_window_of_steps(corpus, tmp_path, monkeypatch, log_every):
+    """With a clock that moves 1 s per train step call (and only then), every logged
+    window, the last included, reports tokens_per_step tokens per second. On one CPU
+    device the step runs inside the call, so timing a step when its metrics are read
+    counted the next step too, and left the last window almost no time."""
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", type("FakeTime", (), {
+        "perf_counter": staticmethod(lambda: clock[0])}))
+    make = loop.make_train_step
+
+    def timed_step(*args, **kwargs):
+        step = make(*args, **kwargs)
+
+        def run(*a):
+            clock[0] += 1.0
+            return step(*a)
+        return run
+
+    monkeypatch.setattr(loop, "make_train_step", timed_step)
+    cfg = config(corpus, tmp_path / "run", "train.steps=7", f"train.log_every={log_every}",
+                 "train.eval_every=1000", "checkpoint.every=1000", "train.sample_tokens=0")
+    train(cfg, log=lambda *a: None)
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in records] == [k for k in range(1, 8) if k % log_every == 0] + \
+        ([7] if 7 % log_every else [])
+    for r in records:
+        assert r["tokens_per_s"] == pytest.approx(cfg.train.batch_size * cfg.train.seq_len), r
+
+
 def test_stop_and_resume_equals_straight_run(corpus, tmp_path):
     """A run stopped after step k (here by SIGTERM) and resumed gives bitwise the same
     losses at every later step as the uninterrupted run."""

@@ -166,10 +166,13 @@ class _Run:
         with _StopFlag() as stop:
             step, pending = self.start, None
             while step < t.steps and not stop.requested:
+                # the steps before this one are done (or, with asynchronous dispatch, all
+                # but the one in flight): the end of the window that `pending` closes
+                dispatched = time.perf_counter()
                 self.state, m = self.train_step(self.state, self.batch_at(step))
                 step += 1
                 if pending is not None:
-                    self.record(*pending)
+                    self.record(*pending, end=dispatched)
                 pending = (step, m)
                 if self.can_eval and step % t.eval_every == 0 and step < t.steps:
                     eval_t0 = time.perf_counter()
@@ -180,7 +183,7 @@ class _Run:
                 if step % every == 0:
                     self.ckpt.save(step, self.state, self.cfg.model)
             if pending is not None:
-                self.summary["final_loss"] = self.record(*pending)
+                self.summary["final_loss"] = self.record(*pending, end=None)
             return stop.requested
 
     def evaluate_and_keep_best(self, step):
@@ -199,10 +202,15 @@ class _Run:
             self.ckpt.save(step, self.state, self.cfg.model, val_loss=self.best, best=True)
         return ev
 
-    def record(self, done_step, m):
-        """Log step `done_step` from its (now finished) metrics; stop on too many skips."""
+    def record(self, done_step, m, end):
+        """Log step `done_step` from its (now finished) metrics; stop on too many skips.
+        `end`: when the steps up to done_step were done, for tokens/s (None: now). On one
+        CPU device dispatch is synchronous, so by the time step k is recorded step k + 1
+        has run too: timing to `now` would count it in step k's window, and leave the
+        last window a step short (it logged 1e8 tokens/s)."""
         t, window, bar = self.cfg.train, self.window, self.bar
         m = jax.device_get(m)
+        end = time.perf_counter() if end is None else end
         window["losses"].append(float(m["loss"]))
         if int(m["consecutive_skips"]) >= self.cfg.optim.max_skips:
             self.ckpt.save(int(self.state.step), self.state, self.cfg.model)
@@ -211,7 +219,7 @@ class _Run:
                 f"(up to step {done_step}); params are unchanged since the last good step and "
                 f"saved in {self.run_dir}/checkpoints. Lower optim.lr or check the data.")
         if done_step % t.log_every == 0 or done_step == t.steps:
-            n, elapsed = len(window["losses"]), time.perf_counter() - window["t0"]
+            n, elapsed = len(window["losses"]), end - window["t0"]
             tok_s = n * self.tokens_per_step / elapsed
             rec = {"step": done_step, "loss": float(np.mean(window["losses"])),
                    "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
@@ -220,7 +228,7 @@ class _Run:
             self.metrics.write(rec)
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
-            window.update(t0=time.perf_counter(), losses=[])
+            window.update(t0=end, losses=[])
         if bar is not None:
             bar.update(done_step - bar.n)
         return float(m["loss"])
