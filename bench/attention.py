@@ -1,9 +1,11 @@
 """Attention backends side by side: compile seconds, forward and forward+backward time,
 and temporary bytes, for causal self-attention in [batch, seq, heads, head_dim] layout
-(a causal mask from positions plus is_causal, as the model calls it).
+(a causal mask from positions plus is_causal, as the model calls it; blockwise gets the
+same mask as structure, jaxformer.masks.MaskRule, as the model hands it).
 
     python bench/attention.py [--batch 4] [--seq 512 1024] [--heads 8] [--kv-heads 8 2]
-        [--head-dim 64] [--dtype float32] [--impls reference xla chunked] [--repeats 20]
+        [--head-dim 64] [--dtype float32] [--impls reference xla chunked blockwise]
+        [--repeats 20]
         [--chunk 128 ...]
 
 --chunk sets the chunked backend's query rows per causal block (one row per value).
@@ -22,6 +24,8 @@ import jax.numpy as jnp
 
 from jaxformer import attention
 from jaxformer.attention import causal_mask, dot_product_attention, resolve_impl
+from jaxformer.blockwise import blockwise_attention
+from jaxformer.masks import MaskRule
 
 
 def timed(fn, *args, repeats):
@@ -47,7 +51,7 @@ def main():
     p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--impls", nargs="+", default=["reference", "xla", "chunked"])
+    p.add_argument("--impls", nargs="+", default=["reference", "xla", "chunked", "blockwise"])
     p.add_argument("--chunk", type=int, nargs="+", default=[attention.CHUNK])
     p.add_argument("--repeats", type=int, default=20)
     a = p.parse_args()
@@ -74,7 +78,9 @@ def main():
                 attention.CHUNK = chunk or attention.CHUNK  # read when traced
                 name = impl if chunk is None else f"chunked/{chunk}"
 
-                def fwd(q, k, v, mask, impl=impl):
+                def fwd(q, k, v, mask, impl=impl, pos=pos):
+                    if impl == "blockwise":  # structure, not the mask array
+                        return blockwise_attention(q, k, v, MaskRule(pos, pos, is_causal=True))
                     return dot_product_attention(q, k, v, mask=mask, impl=impl, is_causal=True)
 
                 def fwd_bwd(q, k, v, mask, fwd=fwd):
