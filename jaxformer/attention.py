@@ -430,10 +430,10 @@ class Attention(nn.Module):
         layer cache is returned beside the output."""
         q, k, v = self.project(x, positions)
         if cache is None:
-            if isinstance(mask, MaskRule) and active(self, "hook_attn_scores", "hook_pattern"):
-                mask, bias = mask.dense(), bias and bias[0](bias[1], mask.q_positions,
-                                                            mask.k_positions)
-            if active(self, "hook_attn_scores", "hook_pattern"):
+            pattern = active(self, "hook_attn_scores", "hook_pattern")
+            if isinstance(mask, MaskRule) and pattern:  # inspection reads the whole grid
+                mask, bias = mask.dense(), dense_bias(bias, mask.q_positions, mask.k_positions)
+            if pattern:
                 z = self.attend_with_pattern(q, k, v, mask, bias)
             elif isinstance(mask, MaskRule) and self.cfg.attention_impl == "splash":
                 z = splash_attention(q, k, v, mask)
@@ -506,6 +506,12 @@ FIRE_WIDTH = 32  # FIRE's hidden layer
 # position scheme -> (bias_fn, params) from (module, cfg): bias_fn(params, q positions
 # [B, Tq], k positions [B, Tk]) -> the logit bias [B|1, N, Tq, Tk]
 POSITION_BIASES = {"alibi": _alibi, "t5": _t5, "fire": _fire}
+
+
+def dense_bias(bias, q_positions, k_positions):
+    """PositionBias's (bias_fn, params) applied to every (query, key) pair: [B|1, N, Tq,
+    Tk], or None."""
+    return None if bias is None else bias[0](bias[1], q_positions, k_positions)
 
 
 class PositionBias(nn.Module):

@@ -33,11 +33,8 @@ BLOCK_Q = 256
 BLOCK_K = 256
 
 
-class _Static(NamedTuple):
+class _Static(NamedTuple):  # the mask's own settings travel in MaskRule's treedef
     bias_fn: Callable | None
-    causal: bool
-    window: int | None
-    is_causal: bool
     scale: float
     bq: int
     bk: int
@@ -61,12 +58,11 @@ def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=No
     tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
     pad = lambda x, to: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] +  # noqa: E731
                                 [(0, 0)] * (x.ndim - 2), mode="edge" if x.ndim == 2 else "constant")
-    segs = [None if x is None else pad(x, to) for x, to in
-            ((rule.q_segment_ids, tp), (rule.k_segment_ids, sp))]
-    rule = MaskRule(pad(rule.q_positions, tp), pad(rule.k_positions, sp), *segs,
-                    causal=rule.causal, window=rule.window, is_causal=rule.is_causal)
-    st = _Static(bias_fn, rule.causal, rule.window, rule.is_causal,
-                 1.0 / math.sqrt(h) if scale is None else float(scale), bq, bk, s)
+    q_seg, k_seg = (None if x is None else pad(x, to) for x, to in
+                    ((rule.q_segment_ids, tp), (rule.k_segment_ids, sp)))
+    rule = rule.replace(q_positions=pad(rule.q_positions, tp), q_segment_ids=q_seg,
+                        k_positions=pad(rule.k_positions, sp), k_segment_ids=k_seg)
+    st = _Static(bias_fn, 1.0 / math.sqrt(h) if scale is None else float(scale), bq, bk, s)
     qh = pad(q, tp).reshape(b, tp, n_kv, n // n_kv, h).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,H]
     kh, vh = (pad(x, sp).transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, S, H]
     out = _flash(st, qh, kh, vh, rule, bias_params)  # [B, K, G, Tp, H] float32
@@ -78,9 +74,9 @@ def _flash(st: _Static, q, k, v, rule: MaskRule, params):
     return _forward(st, q, k, v, rule, params)[0]
 
 
-def _key_blocks(st: _Static, i, n_k: int):
+def _key_blocks(st: _Static, rule: MaskRule, i, n_k: int):
     """How many key blocks query block i visits: those up to its last row under is_causal."""
-    return jnp.minimum(((i + 1) * st.bq + st.bk - 1) // st.bk, n_k) if st.is_causal else n_k
+    return jnp.minimum(((i + 1) * st.bq + st.bk - 1) // st.bk, n_k) if rule.is_causal else n_k
 
 
 def _may_attend(st: _Static, rule: MaskRule, i, j):
@@ -89,10 +85,10 @@ def _may_attend(st: _Static, rule: MaskRule, i, j):
     qp = jax.lax.dynamic_slice_in_dim(rule.q_positions, i * st.bq, st.bq, axis=1)
     kp = jax.lax.dynamic_slice_in_dim(rule.k_positions, j * st.bk, st.bk, axis=1)
     ok = (j * st.bk < st.n_keys) & jnp.ones(qp.shape[0], bool)
-    if st.causal:
+    if rule.causal:
         ok &= kp.min(1) <= qp.max(1)
-    if st.window is not None:
-        ok &= qp.min(1) - kp.max(1) < st.window
+    if rule.window is not None:
+        ok &= qp.min(1) - kp.max(1) < rule.window
     if rule.q_segment_ids is not None:
         qs = jax.lax.dynamic_slice_in_dim(rule.q_segment_ids, i * st.bq, st.bq, axis=1)
         ks = jax.lax.dynamic_slice_in_dim(rule.k_segment_ids, j * st.bk, st.bk, axis=1)
@@ -144,7 +140,7 @@ def _forward(st: _Static, q, k, v, rule: MaskRule, params):
         def step(j, carry):
             return jax.lax.cond(_may_attend(st, rule, i, j), visit, lambda j, c: c, j, carry)
 
-        m, l, acc = jax.lax.fori_loop(0, _key_blocks(st, i, n_k), step, init)
+        m, l, acc = jax.lax.fori_loop(0, _key_blocks(st, rule, i, n_k), step, init)
         out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
         return out, jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
 
@@ -197,7 +193,7 @@ def _backward(st: _Static, res, d_out):
             return jax.lax.cond(_may_attend(st, rule, i, j), visit, lambda j, c: c, j, inner)
 
         dq_i, dk, dv, dparams = jax.lax.fori_loop(
-            0, _key_blocks(st, i, n_k), step, (jnp.zeros(q_i.shape, f32), dk, dv, dparams))
+            0, _key_blocks(st, rule, i, n_k), step, (jnp.zeros(q_i.shape, f32), dk, dv, dparams))
         return (dk, dv, dparams), dq_i
 
     (dk, dv, dparams), dq = jax.lax.scan(

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.attention import PositionBias, dense_init, resolve_impl
+from jaxformer.attention import PositionBias, dense_bias, dense_init, resolve_impl
 from jaxformer.masks import MaskRule, make_attention_mask
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
@@ -108,17 +108,16 @@ class Transformer(nn.Module):
                 jnp.where(segment_ids != 0, positions, EMPTY_SLOT)
             k_positions = jax.lax.dynamic_update_slice(cache["positions"], new, (0, index))
             k_segments = segment_ids = None
-        rule = MaskRule(positions, k_positions, segment_ids, k_segments, causal=True,
-                        window=c.sliding_window, is_causal=cache is None)
         bias = PositionBias(c, name="position_bias")()  # (bias_fn, params) or None
         impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim,
                             logits_bytes=4 * b * c.n_heads * t * k_positions.shape[1])
-        if impl not in ("blockwise", "splash") or cache is not None:  # dense [B, 1|N, T, S]
+        if impl in ("blockwise", "splash") and cache is None:  # structure: per block
+            mask = MaskRule(positions, k_positions, segment_ids, k_segments,
+                            window=c.sliding_window, is_causal=True)
+        else:  # dense [B, 1, T, S] and [B, 1|N, T, S]
             mask = make_attention_mask(positions, k_positions, segment_ids, k_segments,
                                        causal=True, window=c.sliding_window)
-            bias = bias and bias[0](bias[1], positions, k_positions)
-        else:  # structure: applied a block at a time (blockwise.py, splash.py)
-            mask = rule
+            bias = dense_bias(bias, positions, k_positions)
         blocks = block_stack(c, deterministic)
         if c.scan_layers:
             x, stacked = blocks(x, positions, mask, bias, layers and layers["blocks"], index)
