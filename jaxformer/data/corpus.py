@@ -2,7 +2,7 @@
 
 A corpus is a list of source files under a root folder. Its documents are the files
 themselves ("files"), the records of a JSONL file ("jsonl"), the rows of Parquet files
-("parquet", read a row group at a time with pyarrow: the optional extra
+("parquet", read 1,024 rows at a time with pyarrow: the optional extra
 jaxformer[data]), or, for token files ("bin", "bin_pair"), nothing to read: those are
 already token ids; or, for a folder that ``python -m jaxformer.data.prepare`` wrote
 ("prepared"), token ids with their tokenizer. A file that is not text (binary, an archive,
@@ -14,8 +14,8 @@ a block at a time, so memory does not grow with its size, and a long record is c
 
 from __future__ import annotations
 
-import dataclasses
 import codecs
+import dataclasses
 import json
 import os
 import re
@@ -94,7 +94,7 @@ def find_corpus(path: str | None) -> Corpus:
             return Corpus("jsonl", root, (name,), "jsonl")
         if path.endswith(".parquet"):
             return Corpus("parquet", root, (name,), "parquet")
-        return Corpus("files", root, (name,), "text file")  # read_documents checks it is text
+        return Corpus("files", root, (name,), "text file")  # read_pieces checks it is text
     if os.path.isdir(path):
         has = [os.path.isfile(os.path.join(path, n)) for n in ("train.bin", "val.bin")]
         if all(has) and os.path.isfile(os.path.join(path, "meta.json")):

@@ -88,11 +88,12 @@ def _choose_tokenizer(cfg: DataConfig, corpus: Corpus, run_dir: str | None, cach
     """The run's tokenizer, saved into run_dir; a resumed run's saved one must match."""
     saved_path = os.path.join(run_dir, "tokenizer.json") if run_dir is not None else None
     saved = load_tokenizer(saved_path) if saved_path and os.path.isfile(saved_path) else None
-    if cfg.tokenizer == "bpe" and corpus.kind != "prepared" and run_dir is None:
+    trains = cfg.tokenizer == "bpe" and corpus.kind != "prepared"
+    if trains and run_dir is None:
         raise DataError("data.tokenizer='bpe' trains a tokenizer that the run must keep, "
                         "but no run_dir was given; pass run_dir to load_dataset, or set "
                         "data.tokenizer to an existing tokenizer.json")
-    if cfg.tokenizer == "bpe" and saved is not None and corpus.kind != "prepared":
+    if trains and saved is not None:
         tokenizer = saved
     else:
         tokenizer = new_tokenizer(cfg, corpus, cache_dir, progress, log)
