@@ -62,11 +62,17 @@ _MESH: contextvars.ContextVar = contextvars.ContextVar("jaxformer_mesh", default
 def constrain(x, *names):
     """Ask for x's sharding by logical names; a no-op outside `sharding_context`. A mesh
     axis that does not divide its dim (batch 1 over data=8) is left out for that dim."""
+    where = current_spec(x.shape, *names)
+    return x if where is None else jax.lax.with_sharding_constraint(x, NamedSharding(*where))
+
+
+def current_spec(shape, *names):
+    """(mesh, PartitionSpec) of an array of `shape` whose dims have these logical names,
+    under `sharding_context` (axes that do not divide a dim left out); None outside it."""
     rules, mesh = nn.get_logical_axis_rules(), _MESH.get()
     if not rules or mesh is None:
-        return x
-    spec = _fit(nn.logical_to_mesh_axes(names, rules), x.shape, mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return None
+    return mesh, _fit(nn.logical_to_mesh_axes(names, rules), shape, mesh)
 
 
 def init_with_names(init, *names):

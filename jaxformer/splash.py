@@ -11,14 +11,16 @@ T5 and FIRE are refused by the config (use blockwise).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxformer.masks import MaskRule
-from jaxformer.sharding import _MESH
+from jaxformer.sharding import current_spec
 
 BLOCK = 128  # the kernel's default block sizes: T is padded to a multiple inside
 _WARNED: set = set()
@@ -28,13 +30,10 @@ def splash_attention(q, k, v, rule: MaskRule, *, scale=None):
     """q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K) -> [B, T, N, H].
 
     Self-attention with a causal rule (window optional, segment ids optional: id 0 is
-    padding, and a padding query gets zeros, as on every other backend)."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
-    mesh = _MESH.get()
-    if mesh is not None and mesh.size > 1:
-        raise NotImplementedError("attention_impl='splash' runs on one device so far (no "
-                                  "shard_map over the mesh yet); use 'blockwise' on a mesh")
+    padding, and a padding query gets zeros, as on every other backend). Under
+    jaxformer.sharding.sharding_context it runs per device under shard_map, rows split as
+    act_batch says and heads as act_heads / act_kv_heads say (query heads stay whole
+    where key/value heads cannot be split alike); the sequence must not be split."""
     if not rule.causal or q.shape[1] != k.shape[1]:
         raise ValueError("splash attention here is causal self-attention (Tq = Tk)")
     interpret = jax.default_backend() != "tpu"
@@ -42,15 +41,36 @@ def splash_attention(q, k, v, rule: MaskRule, *, scale=None):
         _WARNED.add("interpret")
         print(f"attention: splash runs in Pallas interpret mode on {jax.default_backend()} "
               "(slow, for tests); use blockwise off TPUs", file=sys.stderr, flush=True)
+    seg = rule.q_segment_ids if rule.q_segment_ids is not None else \
+        jnp.ones(q.shape[:2], jnp.int32)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    local = functools.partial(_splash, window=rule.window, scale=scale, interpret=interpret)
+    where = current_spec(q.shape, "act_batch", "act_seq", "act_heads", "head_dim")
+    if where is None or where[0].size == 1:
+        return local(q, k, v, seg)
+    mesh, q_spec = where
+    kv_spec = current_spec(k.shape, "act_batch", "act_seq", "act_kv_heads", "head_dim")[1]
+    if q_spec[1] is not None:
+        raise NotImplementedError(f"splash attention with the sequence split over the mesh "
+                                  f"(act_seq -> {q_spec[1]}); map act_seq to null, or use "
+                                  "attention_impl='blockwise'")
+    if q_spec[2] != kv_spec[2] and k.shape[2] > 1:  # a group's heads must share a device
+        q_spec, kv_spec = P(q_spec[0], None, None, None), P(kv_spec[0], None, None, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0])),
+                         out_specs=q_spec, check_vma=False)(q, k, v, seg)
+
+
+def _splash(q, k, v, seg, *, window, scale, interpret):
+    """The kernel on one device's rows and heads."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
     b, t, n, h = q.shape
     tp = -(-t // BLOCK) * BLOCK
-    seg = rule.q_segment_ids if rule.q_segment_ids is not None else jnp.ones((b, t), jnp.int32)
     seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, tp - t)))  # padded rows: id 0
-    base = sa.CausalMask((tp, tp)) if rule.window is None else \
-        sa.LocalMask((tp, tp), window_size=(rule.window - 1, 0), offset=0)
+    base = sa.CausalMask((tp, tp)) if window is None else \
+        sa.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0)
     kernel = sa.make_splash_mha_single_device(sa.MultiHeadMask([base] * n),
                                               interpret=interpret)
-    scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
     heads = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # noqa: E731
     out = jax.vmap(kernel)(heads(q * jnp.asarray(scale, q.dtype)), heads(k), heads(v),
                            sa.SegmentIds(q=seg, kv=seg))
