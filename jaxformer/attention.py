@@ -117,8 +117,9 @@ def _reference(q, k, v, *, mask, bias, scale, precision=HIGHEST):
     return _mix(w, v, q, precision)  # [B, T, N, H]
 
 
-def _fused(q, k, v, *, mask, bias, scale, implementation):
-    """jax.nn.dot_product_attention (XLA, or cuDNN flash attention on GPU).
+def _fused(q, k, v, *, mask, bias, scale, implementation, **structure):
+    """jax.nn.dot_product_attention (XLA, or cuDNN flash attention on GPU); structure:
+    its is_causal and local_window_size, which cuDNN reads without a mask array.
 
     Its masked rows average over all keys; rows with no allowed key are set to zero here so
     that every backend answers like the reference.
@@ -126,7 +127,7 @@ def _fused(q, k, v, *, mask, bias, scale, implementation):
     if bias is not None and implementation == "cudnn":
         bias = bias.astype(q.dtype)  # cuDNN takes the bias in the dtype of q
     out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
-                                       implementation=implementation)
+                                       implementation=implementation, **structure)
     if mask is not None:
         any_key = jnp.any(mask, axis=-1)  # [B, 1|N, T]
         out = out * jnp.swapaxes(any_key, 1, 2)[..., None].astype(out.dtype)
@@ -145,6 +146,47 @@ def _blockwise_dense(q, k, v, *, mask, bias, scale, is_causal):
     rule = MaskRule(index(tq), index(tk), causal=False, is_causal=is_causal)
     return blockwise_attention(q, k, v, rule, bias_fn=None if terms is None else index_bias,
                                bias_params=terms, scale=scale)
+
+
+STRUCTURED = ("blockwise", "splash")  # backends that read the MaskRule a block at a time
+
+
+def takes_structure(impl: str, t: int, cached: bool) -> bool:
+    """Whether attention over t queries runs a backend that reads the MaskRule and the
+    bias as (fn, params) a block at a time: blockwise or splash; with a KV cache only a
+    prefill does (T > 1, blockwise over the cache): a decode step's [B, N, 1, S] is
+    small, and cached_attention is faster for it."""
+    return impl in STRUCTURED and (not cached or t > 1)
+
+
+def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = "auto"):
+    """Self-attention (q [B, T, N, H], k, v [B, T, K, H]) with the mask given as a rule:
+    the model's path. blockwise and splash read the rule a block at a time, the bias as
+    (bias_fn, params); xla and cudnn get is_causal and local_window_size with no mask
+    array when the rule is by index and nothing is packed or padded; otherwise, and for
+    reference and chunked, the rule's mask array. bias: (bias_fn, params), an array
+    [B|1, N|1, T, T], or None."""
+    impl = resolve_impl(impl, q.dtype, q.shape[-1],
+                        logits_bytes=4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1])
+    if impl in STRUCTURED:
+        if bias is not None and not isinstance(bias, tuple):
+            raise ValueError(f"attention_impl={impl!r} takes the bias as (bias_fn, params) "
+                             "(jaxformer.attention.PositionBias), not an array")
+        if impl == "splash":
+            if bias is not None:
+                raise ValueError("attention_impl='splash' adds no logit bias; use 'blockwise'")
+            return splash_attention(q, k, v, rule)
+        return blockwise_attention(q, k, v, rule, bias_fn=bias and bias[0],
+                                   bias_params=bias and bias[1])
+    if isinstance(bias, tuple):
+        bias = dense_bias(bias, rule.q_positions, rule.k_positions)
+    causal = rule.causal or rule.is_causal
+    if impl in ("xla", "cudnn") and rule.by_index and causal and rule.q_segment_ids is None:
+        window = None if rule.window is None else (rule.window - 1, 0)
+        return _fused(q, k, v, mask=None, bias=_as_4d(bias), scale=None, implementation=impl,
+                      is_causal=True, local_window_size=window)
+    return dot_product_attention(q, k, v, mask=rule.dense(), bias=bias, impl=impl,
+                                 is_causal=rule.is_causal)
 
 
 def cached_attention(q, k, v, *, mask=None, bias=None):
@@ -296,23 +338,38 @@ DENSE_LOGITS_BYTES = 1 << 30  # auto: above this, float32 [B, N, Tq, Tk] logits 
 _EXPLAINED: set = set()
 
 
-def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0) -> str:
-    """`auto`: cuDNN flash attention on a GPU for 16-bit inputs it supports; else, while
-    the dense float32 logits (logits_bytes: B * N * Tq * Tk * 4) fit DENSE_LOGITS_BYTES,
-    the chunked backend on a CPU (bench/attention.py: fastest there, forward and
-    backward) and XLA's jax.nn.dot_product_attention elsewhere; beyond it, blockwise
-    (memory linear in T). The choice and its reason are printed once per process."""
+def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
+                 position: str | None = None) -> str:
+    """`auto` by platform, position scheme and length; logits_bytes: the dense float32
+    logits of one layer, B * N * Tq * Tk * 4.
+
+    - TPU: splash, or blockwise for a scheme with a logit bias (ALiBi, T5, FIRE), which
+      the splash kernel does not take;
+    - GPU: cuDNN flash attention for 16-bit inputs with head_dim a multiple of 8 up to 128
+      (a bias scheme only while its dense bias fits DENSE_LOGITS_BYTES);
+    - otherwise, while the logits fit DENSE_LOGITS_BYTES: chunked on a CPU
+      (bench/attention.py: fastest there, forward and backward), XLA's
+      jax.nn.dot_product_attention elsewhere; beyond it, blockwise (memory linear in T).
+
+    The choice and its reason are printed once per process."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r} is not one of {', '.join(IMPLS)}")
     if impl != "auto":
         return impl
-    backend = jax.default_backend()
-    if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 \
-            and head_dim <= 128:
+    backend, biased = jax.default_backend(), position in POSITION_BIASES
+    if backend == "tpu":
+        return _explain("blockwise", f"a TPU, and position={position!r} adds a logit bias, "
+                        "which the splash kernel does not take") if biased else \
+            _explain("splash", "a TPU, and no logit bias")
+    big = logits_bytes > DENSE_LOGITS_BYTES
+    budget = (f"dense logits would take {logits_bytes / 2**30:.1f} GiB per layer "
+              f"(> DENSE_LOGITS_BYTES = {DENSE_LOGITS_BYTES / 2**30:g} GiB)")
+    if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and \
+            head_dim % 8 == 0 and head_dim <= 128 and not (biased and big):
         return _explain("cudnn", "a GPU, 16-bit inputs, head_dim a multiple of 8 up to 128")
-    if logits_bytes > DENSE_LOGITS_BYTES:
-        return _explain("blockwise", f"dense logits would take {logits_bytes / 2**30:.1f} GiB "
-                        f"per layer (> DENSE_LOGITS_BYTES = {DENSE_LOGITS_BYTES / 2**30:g} GiB)")
+    if big:
+        return _explain("blockwise", budget + (f" and position={position!r}'s bias with them"
+                                               if backend == "gpu" and biased else ""))
     return "chunked" if backend == "cpu" else "xla"
 
 
@@ -427,23 +484,13 @@ class Attention(nn.Module):
         the new keys/values are written at slots [cache_index, cache_index + T) (the caller
         keeps that within S: dynamic_update_slice clamps, it does not grow), attention runs
         over all S slots (the mask hides slots not written or not valid), and the updated
-        layer cache is returned beside the output."""
+        layer cache is returned beside the output.
+
+        mask: a MaskRule (the model's) or a bool array; bias: (bias_fn, params) where
+        takes_structure says, else an array or None."""
         q, k, v = self.project(x, positions)
         if cache is None:
-            pattern = active(self, "hook_attn_scores", "hook_pattern")
-            if isinstance(mask, MaskRule) and pattern:  # inspection reads the whole grid
-                mask, bias = mask.dense(), dense_bias(bias, mask.q_positions, mask.k_positions)
-            if pattern:
-                z = self.attend_with_pattern(q, k, v, mask, bias)
-            elif isinstance(mask, MaskRule) and self.cfg.attention_impl == "splash":
-                z = splash_attention(q, k, v, mask)
-            elif isinstance(mask, MaskRule):  # structure: a block at a time (blockwise.py)
-                z = blockwise_attention(q, k, v, mask, bias_fn=bias and bias[0],
-                                        bias_params=bias and bias[1])
-            else:
-                z = dot_product_attention(q, k, v, mask=mask, bias=bias,
-                                          impl=self.cfg.attention_impl, is_causal=True)
-            return self.finish(hook_point(self, "hook_z", z))
+            return self.finish(hook_point(self, "hook_z", self.attend(q, k, v, mask, bias)))
         b, t, n_kv, h = k.shape  # the cache is [B * K, S, H]: see cached_attention
 
         def update(cache, new):  # sharded as [B, K, S, H]: rows over batch, then heads
@@ -454,9 +501,29 @@ class Attention(nn.Module):
                              "act_seq", "head_dim").reshape(cache.shape)
 
         cache = {name: update(cache[name], new) for name, new in (("k", k), ("v", v))}
-        z = hook_point(self, "hook_z", cached_attention(
-            q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=mask, bias=bias))
-        return self.finish(z), cache
+        k, v = (cache[name].astype(q.dtype) for name in ("k", "v"))
+        if takes_structure(self.cfg.attention_impl, t, cached=True):  # a prefill, by blocks
+            k, v = (x.reshape(b, n_kv, -1, h).swapaxes(1, 2) for x in (k, v))  # [B, S, K, H]
+            z = blockwise_attention(q, k, v, mask, bias_fn=bias and bias[0],
+                                    bias_params=bias and bias[1])
+        else:
+            z = cached_attention(q, k, v, bias=bias,
+                                 mask=mask.dense() if isinstance(mask, MaskRule) else mask)
+        return self.finish(hook_point(self, "hook_z", z)), cache
+
+    def attend(self, q, k, v, mask, bias):
+        """Attention within the sequence: the hooked reference when inspection asks for
+        scores or patterns (the whole grid, for this layer), else the configured backend."""
+        if active(self, "hook_attn_scores", "hook_pattern"):
+            if isinstance(mask, MaskRule):
+                if isinstance(bias, tuple):
+                    bias = dense_bias(bias, mask.q_positions, mask.k_positions)
+                mask = mask.dense()
+            return self.attend_with_pattern(q, k, v, mask, bias)
+        if isinstance(mask, MaskRule):
+            return rule_attention(q, k, v, mask, bias, impl=self.cfg.attention_impl)
+        return dot_product_attention(q, k, v, mask=mask, bias=bias,
+                                     impl=self.cfg.attention_impl, is_causal=True)
 
 
 def _alibi(module, cfg: ModelConfig):

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 def causal_mask(q_positions, k_positions):
     """A query attends to keys at the same or earlier positions. -> [B, 1, Tq, Tk]"""
     return (k_positions[:, None, None, :] <= q_positions[:, None, :, None])
@@ -54,7 +53,10 @@ class MaskRule:
 
     is_causal: also hide keys after the query's own index (self-attention, Tq = Tk): with
     position-causal masking this changes nothing for ordinary rows, and it lets a
-    blockwise backend skip the upper triangle of blocks without looking at positions."""
+    blockwise backend skip the upper triangle of blocks without looking at positions.
+    by_index: the caller knows the positions are each row's indices (the model's default
+    arange), so causal and window masks are by index too: what jax.nn.dot_product_attention's
+    is_causal and local_window_size say, with no mask array."""
 
     q_positions: jnp.ndarray
     k_positions: jnp.ndarray
@@ -63,6 +65,7 @@ class MaskRule:
     causal: bool = flax.struct.field(pytree_node=False, default=True)
     window: int | None = flax.struct.field(pytree_node=False, default=None)
     is_causal: bool = flax.struct.field(pytree_node=False, default=False)
+    by_index: bool = flax.struct.field(pytree_node=False, default=False)
 
     def block(self, q_start, q_len: int, k_start, k_len: int):
         """The mask of queries [q_start, +q_len) and keys [k_start, +k_len) (starts may

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.attention import PositionBias, dense_bias, dense_init, resolve_impl
-from jaxformer.masks import MaskRule, make_attention_mask
+from jaxformer.attention import (PositionBias, dense_bias, dense_init, resolve_impl,
+                                 takes_structure)
+from jaxformer.masks import MaskRule
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
 from jaxformer.layers import Block, apply_norm, make_norm
@@ -88,6 +89,7 @@ class Transformer(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         b, t = tokens.shape
+        by_index = positions is None and cache is None  # arange: masks by index (MaskRule)
         if positions is None:  # with a cache: the tokens after those already in it
             start = 0 if cache is None else cache["index"]
             positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -109,15 +111,13 @@ class Transformer(nn.Module):
             k_positions = jax.lax.dynamic_update_slice(cache["positions"], new, (0, index))
             k_segments = segment_ids = None
         bias = PositionBias(c, name="position_bias")()  # (bias_fn, params) or None
-        impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim,
+        impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim, position=c.position,
                             logits_bytes=4 * b * c.n_heads * t * k_positions.shape[1])
-        if impl in ("blockwise", "splash") and cache is None:  # structure: per block
-            mask = MaskRule(positions, k_positions, segment_ids, k_segments,
-                            window=c.sliding_window, is_causal=True)
-        else:  # dense [B, 1, T, S] and [B, 1|N, T, S]
-            mask = make_attention_mask(positions, k_positions, segment_ids, k_segments,
-                                       causal=True, window=c.sliding_window)
-            bias = dense_bias(bias, positions, k_positions)
+        mask = MaskRule(positions, k_positions, segment_ids, k_segments, window=c.sliding_window,
+                        is_causal=cache is None, by_index=by_index)
+        if not takes_structure(impl, t, cached=cache is not None):  # once, for every layer
+            bias = dense_bias(bias, positions, k_positions)  # [B|1, N, T, S]
+        c = c.replace(attention_impl=impl)  # the blocks run the backend chosen here
         blocks = block_stack(c, deterministic)
         if c.scan_layers:
             x, stacked = blocks(x, positions, mask, bias, layers and layers["blocks"], index)

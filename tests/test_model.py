@@ -287,6 +287,37 @@ def test_splash_model_matches_reference(name):
         small(position="alibi", attention_impl="splash")
 
 
+@pytest.mark.parametrize("name", ["nope-window", "alibi-post-ln", "llama-gqa",
+                                  "rope-window-headdim"])
+def test_xla_backend_gets_the_mask_as_structure(name, monkeypatch):
+    """With positions by index (the default arange) and nothing packed, the model hands
+    jax.nn.dot_product_attention is_causal and local_window_size = (window - 1, 0), no
+    mask array (cuDNN's fast path); logits match the float64 reference. A packed batch
+    gets the rule's mask array, and matches too."""
+    calls = []
+    fused = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
+    cfg = small(**VARIANTS[name], attention_impl="xla")
+    t = int(rng.integers(8, 15))
+    tokens, params = init(cfg, batch=2, seq=t)
+    calls.clear()
+    got = logits_of(cfg, params, tokens)
+    np.testing.assert_allclose(got, np_forward(cfg, params, tokens), rtol=2e-4, atol=2e-4)
+    window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
+    assert len(calls) == cfg.n_layers and all(
+        kw["mask"] is None and kw["is_causal"] and kw["local_window_size"] == window
+        for kw in calls), calls
+    calls.clear()
+    seg = np.stack([np.where(np.arange(t) < t // 2, 1, 2), np.where(np.arange(t) < t - 2, 1, 0)])
+    pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    got = logits_of(cfg, params, tokens, positions=pos, segment_ids=seg)
+    real = seg > 0
+    np.testing.assert_allclose(got[real], np_forward(cfg, params, tokens, pos, seg)[real],
+                               rtol=2e-4, atol=2e-4)
+    assert calls and all(kw["mask"] is not None and "is_causal" not in kw for kw in calls)
+
+
 def _square_buffers(cfg, t):
     """Shapes in the compiled forward+backward (HLO text) with two dims >= t."""
     tokens = jnp.zeros((1, t), jnp.int32)
