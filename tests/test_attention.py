@@ -733,6 +733,29 @@ def test_auto_goes_blockwise_past_the_dense_budget_and_says_why(capsys, monkeypa
                      "layer (> DENSE_LOGITS_BYTES = 1 GiB)") == 1  # once per process
 
 
+def test_auto_by_platform_scheme_and_length(capsys, monkeypatch):
+    """TPU: splash, or blockwise for a bias scheme; GPU: cuDNN for 16-bit inputs, but
+    blockwise once a bias scheme's dense bias passes the budget; each choice explained."""
+    monkeypatch.setattr(attention, "_EXPLAINED", set())
+    big = attention.DENSE_LOGITS_BYTES + 4
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert resolve_impl("auto", jnp.bfloat16, 64, position="rope") == "splash"
+    assert resolve_impl("auto", jnp.float32, 64, position="none", logits_bytes=big) == "splash"
+    for position in ("alibi", "t5", "fire"):
+        assert resolve_impl("auto", jnp.bfloat16, 64, position=position) == "blockwise"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_impl("auto", jnp.bfloat16, 64, position="alibi") == "cudnn"
+    assert resolve_impl("auto", jnp.bfloat16, 64, position="rope", logits_bytes=big) == "cudnn"
+    assert resolve_impl("auto", jnp.bfloat16, 64, position="t5", logits_bytes=big) == "blockwise"
+    assert resolve_impl("auto", jnp.float32, 64, position="rope") == "xla"
+    assert resolve_impl("auto", jnp.float32, 64, position="rope", logits_bytes=big) == "blockwise"
+    err = capsys.readouterr().err
+    assert "auto chose splash: a TPU, and no logit bias" in err
+    assert "auto chose blockwise: a TPU, and position='fire' adds a logit bias, which the " \
+        "splash kernel does not take" in err
+    assert "and position='t5''s bias with them" in err
+
+
 @pytest.mark.parametrize("impl", BACKENDS)
 def test_query_heads_not_multiple_of_kv_heads_raises(rng, impl):
     q, k, v = random_qkv(rng, 1, 3, 3, 6, 4)
