@@ -36,7 +36,7 @@ def study_run(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("study")
     code = study.main(["--small", "--seeds", "2", "--out", str(tmp / "out"),
                        f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}",
-                       "study.schemes=rope,learned,alibi", "study.eval_multiples=1,2,4",
+                       "study.schemes=rope,learned,alibi", "--eval-lengths", "L,2L,4L",
                        "study.progress=false"])
     assert code == 0
     return tmp / "out", json.loads((tmp / "out" / "results.json").read_text())
@@ -121,6 +121,38 @@ def test_perplexity_is_the_mean_over_windows_of_each_length():
     assert study.perplexity(cfg, params, tokens, 40, batch_tokens=16) != pytest.approx(got)
 
 
+@pytest.mark.parametrize("position", ["t5", "fire"])
+def test_long_windows_are_scored_blockwise_as_dense(position, monkeypatch, capsys):
+    """Past the dense budget (made small here) auto scores a window with blockwise
+    attention, the bias a block at a time, and the perplexity is the reference backend's."""
+    from jaxformer import attention, blockwise
+    monkeypatch.setattr(attention, "_EXPLAINED", set())
+    monkeypatch.setattr(attention, "DENSE_LOGITS_BYTES", 4 * 2 * 2 * 40 * 40 - 1)
+    monkeypatch.setattr(blockwise, "BLOCK_Q", 16)
+    monkeypatch.setattr(blockwise, "BLOCK_K", 8)
+    cfg = ModelConfig(d_model=24, n_layers=2, n_heads=2, max_seq_len=64, position=position)
+    params = Transformer(cfg).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.tree.map(lambda x: x * 3.0, params)  # away from init's near-uniform output
+    tokens = np.random.default_rng(0).integers(0, 256, 4 * 40 + 1)
+    got = study.perplexity(cfg, params, tokens, 40, batch_tokens=80)
+    assert "auto chose blockwise" in capsys.readouterr().err
+    want = study.perplexity(cfg.replace(attention_impl="reference"), params, tokens, 40, 80)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert study.perplexity(cfg, params, tokens, 20, 80) != pytest.approx(got, rel=1e-3)
+
+
+def test_eval_lengths_flag_takes_multiples_of_l(capsys):
+    from jaxformer.experiments.positions_config import multiples_of_l
+    assert multiples_of_l("L,2L, 4L,32L") == "study.eval_multiples=1,2,4,32"
+    for bad in ("1,2,4", "L,0L", "L,2x"):
+        with pytest.raises(ValueError, match="multiples of the training length L"):
+            multiples_of_l(bad)
+    with pytest.raises(SystemExit):
+        study.main(["--eval-lengths", "64,128"])
+    assert "--eval-lengths 64,128: give multiples of the training length L" in \
+        capsys.readouterr().err
+
+
 def test_eval_config_scales_rope_by_the_length_multiple():
     cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, position="rope")
     assert study.eval_config(cfg, None, 4, 16) is cfg
@@ -133,9 +165,9 @@ def test_eval_config_scales_rope_by_the_length_multiple():
 def test_shipped_configs_load(name):
     cfg = study.load_study_config(str(REPO / f"configs/experiments/{name}.yaml"))
     assert set(cfg.study.schemes) == set(POSITIONS)  # every scheme
-    assert [n // cfg.run.train.seq_len for n in cfg.eval_lengths] == [1, 2, 4, 8]
+    assert [n // cfg.run.train.seq_len for n in cfg.eval_lengths] == [1, 2, 4, 8, 16, 32]
     assert cfg.model_config("learned").max_seq_len == cfg.run.train.seq_len
-    assert cfg.model_config("alibi").max_seq_len == 8 * cfg.run.train.seq_len
+    assert cfg.model_config("alibi").max_seq_len == 32 * cfg.run.train.seq_len
     assert cfg.eval_tokens > 0 and cfg.eval_tokens % (8 * cfg.run.train.seq_len) == 0
 
 
@@ -147,7 +179,7 @@ def test_shipped_configs_load(name):
     (["study.eval_multiples=1,4,2"], ["study.eval_multiples", "increase"]),
     (["study.eval_multiples=1,x"], ["study.eval_multiples='x'", "int"]),
     (["study.seeds=0"], ["study.seeds=0", ">= 1"]),
-    (["study.eval_tokens=100"], ["study.eval_tokens=100", "512"]),
+    (["study.eval_tokens=100"], ["study.eval_tokens=100", "2048"]),
     (["checkpoint.every=5"], ["checkpoint", "study, model, data, optim, train"]),
     (["model.position=alibi"], ["model.position", "study.schemes"]),
     (["model.rope_scaling.kind=yarn"], ["model.rope_scaling", "study.rope_scaling"]),

@@ -247,7 +247,9 @@ def run_study(cfg: LengthGenConfig, *, log=_print) -> dict:
 def main(argv=None) -> int:
     return study_main(argv, doc=__doc__, prog="python -m jaxformer.experiments.length_gen",
                       default_config=DEFAULT_CONFIG, small=SMALL, load=load_config,
-                      run=run_study, write=write_outputs)
+                      run=run_study, write=write_outputs,
+                      eval_lengths=("the input lengths scored, e.g. 1,2,4,8,16 "
+                                    "(study.eval_lengths)", "study.eval_lengths={}".format))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The positional-encoding study: one model per scheme on the same data, seed, token budget
 and architecture (only the positional part differs), trained at length L, then scored on
-the validation split at L, 2L, 4L and 8L.
+the validation split at L, 2L, ... 32L.
 
     python -m jaxformer.experiments.positions [configs/experiments/positions.yaml]
         [--seeds N] [--out DIR] [--small] [section.key=value ...]
@@ -13,9 +13,11 @@ Evaluation: the first N validation tokens (the same ones at every length) are cu
 non-overlapping windows of n*L tokens; every token of every window is scored, with the
 tokens before it in its window as its context, and the perplexity is exp(mean negative
 log-likelihood per token). Longer windows give later tokens more context, so a scheme
-that extrapolates has a *lower* perplexity at 8L than at L. "rope+yarn" (study.rope_scaling)
-is the trained RoPE model evaluated at n*L with rope_scaling = {kind, factor: n,
-original_max_seq_len: L}: nothing is retrained. The learned table has L rows, so learned
+that extrapolates has a *lower* perplexity at 32L than at L. With model.attention_impl
+auto, a length whose dense logits would pass DENSE_LOGITS_BYTES runs blockwise attention
+(memory linear in the length). "rope+yarn" (study.rope_scaling) is the trained RoPE model
+evaluated at n*L with rope_scaling = {kind, factor: n, original_max_seq_len: L}: nothing
+is retrained. The learned table has L rows, so learned
 positions have no score beyond L (null in results.json, "n/a" in the table).
 """
 
@@ -32,7 +34,7 @@ from jaxformer.config import ConfigError, ModelConfig, RopeScaling
 from jaxformer.data import DataError, get_batch, load_dataset
 from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, StudyConfig,
                                                     StudySettings, load_study_config,
-                                                    study_main)
+                                                    multiples_of_l, study_main)
 from jaxformer.experiments.report import summarize, write_outputs
 from jaxformer.experiments.seeds import seed_slice, train_seeds
 from jaxformer.model import Transformer, count_params
@@ -146,7 +148,10 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
 def main(argv=None) -> int:
     return study_main(argv, doc=__doc__, prog="python -m jaxformer.experiments.positions",
                       default_config=DEFAULT_CONFIG, small=SMALL, load=load_study_config,
-                      run=run_study, write=write_outputs, errors=(ConfigError, DataError))
+                      run=run_study, write=write_outputs, errors=(ConfigError, DataError),
+                      eval_lengths=("the evaluation lengths, as multiples of L = train.seq_len: "
+                                    "e.g. L,2L,4L,8L,16L,32L (study.eval_multiples)",
+                                    multiples_of_l))
 
 
 if __name__ == "__main__":

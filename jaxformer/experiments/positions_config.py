@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import math
 import pathlib
+import re
 import sys
 from typing import Any, Mapping
 
@@ -44,7 +45,7 @@ class StudySettings:
     """
 
     schemes: tuple[str, ...] = POSITIONS
-    eval_multiples: tuple[int, ...] = (1, 2, 4, 8)
+    eval_multiples: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     rope_scaling: tuple[str, ...] = ("yarn",)
     eval_tokens: int = 32768
     eval_batch_tokens: int = 8192
@@ -206,32 +207,49 @@ def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
 
 
 def parse_study_args(argv, *, prog: str, description: str, default_config,
-                     small: tuple[str, ...]) -> tuple[str, list[str]]:
+                     small: tuple[str, ...], eval_lengths=None) -> tuple[str, list[str]]:
     """A study's command line, [CONFIG.yaml] [section.key=value ...] [--seeds N] [--out DIR]
-    [--small], as (config path, overrides): --small's first, then the command line's."""
+    [--small] [--eval-lengths LIST], as (config path, overrides): --small's first, then the
+    command line's. eval_lengths: (help, LIST -> an override; ValueError if malformed)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [section.key=value]")
     parser.add_argument("--seeds", type=int, help="repeat with N seeds; report mean and std")
     parser.add_argument("--out", help="output directory (study.out_dir)")
     parser.add_argument("--small", action="store_true", help="tiny sizes: well under a minute")
+    if eval_lengths is not None:
+        parser.add_argument("--eval-lengths", metavar="LIST", help=eval_lengths[0])
     a = parser.parse_intermixed_args(argv)
     path = a.args[0] if a.args and "=" not in a.args[0] else str(default_config)
     overrides = [x for x in a.args if "=" in x]
     stray = [x for x in a.args if "=" not in x and x != path]
     if stray:
         parser.error(f"unexpected argument(s) {' '.join(stray)}")
+    if getattr(a, "eval_lengths", None) is not None:
+        try:
+            overrides.append(eval_lengths[1](a.eval_lengths))
+        except ValueError as e:
+            parser.error(f"--eval-lengths {a.eval_lengths}: {e}")
     return path, [*(small if a.small else ()), *overrides,
                   *([f"study.seeds={a.seeds}"] if a.seeds is not None else []),
                   *([f"study.out_dir={a.out}"] if a.out else [])]
 
 
+def multiples_of_l(text: str) -> str:
+    """'L,2L,4L,32L' -> the override study.eval_multiples=1,2,4,32."""
+    found = [re.fullmatch(r"\s*(\d*)\s*L\s*", item) for item in text.split(",")]
+    if not all(found) or any(int(m.group(1) or 1) == 0 for m in found):
+        raise ValueError("give multiples of the training length L, e.g. L,2L,4L,8L,16L,32L")
+    return "study.eval_multiples=" + ",".join(m.group(1) or "1" for m in found)
+
+
 def study_main(argv, *, doc: str, prog: str, default_config, small, load, run, write,
-               errors=(ConfigError,)) -> int:
+               errors=(ConfigError,), eval_lengths=None) -> int:
     """A study's command line: load(path, overrides) -> config, run(config) -> results,
     write(results, out_dir) -> {kind: path}; the Markdown printed, an error in `errors`
-    one line on stderr and exit 2."""
+    one line on stderr and exit 2. eval_lengths: see parse_study_args."""
     path, overrides = parse_study_args(argv, prog=prog, description=doc.split("\n\n")[0],
-                                       default_config=default_config, small=small)
+                                       default_config=default_config, small=small,
+                                       eval_lengths=eval_lengths)
     try:
         cfg = load(path, overrides)
         results = run(cfg)
