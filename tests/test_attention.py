@@ -362,6 +362,41 @@ def test_splash_in_interpret_mode_matches_float64(rng, t, n, kv, window, packed)
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["blockwise", "splash"])
+def test_structured_backends_in_bfloat16_output_and_gradients(rng, impl):
+    """bf16 q/k/v through the rule backends (packed, padded, windowed; GQA): output and
+    q/k/v gradients against float64 on the same bf16-rounded inputs, to bf16's precision."""
+    from jaxformer.blockwise import blockwise_attention
+    from jaxformer.masks import MaskRule
+    from jaxformer.positions import segment_positions
+    from jaxformer.splash import splash_attention
+    t = int(rng.integers(130, 200)) if impl == "splash" else int(rng.integers(20, 40))
+    q, k, v = random_qkv(rng, 2, t, t, 4, 2, h=32, dtype=jnp.bfloat16)
+    seg = np.sort(rng.integers(1, 4, (2, t)), axis=1)
+    seg[1, t - int(rng.integers(1, 9)):] = 0
+    pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    window = int(rng.integers(3, 12))
+    mask = np_causal(pos, pos) & np_window(pos, pos, window) & np_segment(seg, seg)
+    rule = MaskRule(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg),
+                    window=window, is_causal=True)
+    attend = (lambda q, k, v: blockwise_attention(q, k, v, rule, block_q=8, block_k=8)) \
+        if impl == "blockwise" else (lambda q, k, v: splash_attention(q, k, v, rule))
+    qf, kf, vf = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+    d_out = rng.normal(size=q.shape)
+    out = jax.jit(attend)(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    real = (seg > 0)[..., None, None]
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)) * real,
+                               np_attention(qf, kf, vf, mask=mask)[1] * real, atol=3e-2)
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = np_attention_grads(qf, kf, vf, d_out * real, mask, np.zeros((1,) * 4))[:3]
+    for got, ref in zip(grads, want):
+        assert got.dtype == jnp.bfloat16
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), ref, atol=3e-2 * scale)
+
+
 @pytest.mark.parametrize("window", [None, 1, 3, 6])
 @pytest.mark.parametrize("packed", [False, True])
 def test_blockwise_rule_matches_float64(rng, window, packed):
