@@ -1,12 +1,15 @@
 """Attention backends side by side: compile seconds, forward and forward+backward time,
-and temporary bytes, for causal self-attention in [batch, seq, heads, head_dim] layout
-(a causal mask from positions plus is_causal, as the model calls it; blockwise gets the
-same mask as structure, jaxformer.masks.MaskRule, as the model hands it).
+and temporary bytes, for causal self-attention in [batch, seq, heads, head_dim] layout,
+each handed the mask as the model hands it: a jaxformer.masks.MaskRule by index
+(jaxformer.attention.rule_attention), which blockwise and splash read a block at a time,
+xla and cudnn as is_causal, and reference and chunked as the rule's mask array.
 
     python bench/attention.py [--batch 4] [--seq 512 1024] [--heads 8] [--kv-heads 8 2]
         [--head-dim 64] [--dtype float32] [--impls reference xla chunked blockwise]
         [--repeats 20]
         [--chunk 128 ...]
+
+splash runs in Pallas interpret mode off TPUs: its times there measure the interpreter.
 
 --chunk sets the chunked backend's query rows per causal block (one row per value).
 
@@ -23,8 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import attention
-from jaxformer.attention import causal_mask, dot_product_attention, resolve_impl
-from jaxformer.blockwise import blockwise_attention
+from jaxformer.attention import resolve_impl, rule_attention
 from jaxformer.masks import MaskRule
 
 
@@ -71,24 +73,22 @@ def main():
             k = jax.random.normal(keys[1], (a.batch, seq, kv, a.head_dim), dtype)
             v = jax.random.normal(keys[2], (a.batch, seq, kv, a.head_dim), dtype)
             pos = jnp.broadcast_to(jnp.arange(seq), (a.batch, seq))
-            mask = causal_mask(pos, pos)
+            rule = MaskRule(pos, pos, is_causal=True, by_index=True)
             runs = [(impl, None) for impl in a.impls if impl != "chunked"]
             runs += [("chunked", c) for c in a.chunk if "chunked" in a.impls]
             for impl, chunk in runs:
                 attention.CHUNK = chunk or attention.CHUNK  # read when traced
                 name = impl if chunk is None else f"chunked/{chunk}"
 
-                def fwd(q, k, v, mask, impl=impl, pos=pos):
-                    if impl == "blockwise":  # structure, not the mask array
-                        return blockwise_attention(q, k, v, MaskRule(pos, pos, is_causal=True))
-                    return dot_product_attention(q, k, v, mask=mask, impl=impl, is_causal=True)
+                def fwd(q, k, v, rule, impl=impl):
+                    return rule_attention(q, k, v, rule, impl=impl)
 
-                def fwd_bwd(q, k, v, mask, fwd=fwd):
-                    return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, mask).astype(
+                def fwd_bwd(q, k, v, rule, fwd=fwd):
+                    return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, rule).astype(
                         jnp.float32)), argnums=(0, 1, 2))(q, k, v)
 
-                c_s, f_s, _ = timed(fwd, q, k, v, mask, repeats=a.repeats)
-                _, fb_s, temp = timed(fwd_bwd, q, k, v, mask, repeats=a.repeats)
+                c_s, f_s, _ = timed(fwd, q, k, v, rule, repeats=a.repeats)
+                _, fb_s, temp = timed(fwd_bwd, q, k, v, rule, repeats=a.repeats)
                 print(f"{name:>14} {seq:>6} {kv:>3} {c_s:>10.2f} {f_s * 1e3:>9.2f} "
                       f"{fb_s * 1e3:>11.2f} {a.batch * seq / f_s / 1e6:>11.3f} "
                       f"{temp / 2**20:>17.1f}")
