@@ -27,7 +27,7 @@ SET_BY_STUDY = {"position": "choose schemes with study.schemes",
 # A run of well under a minute on a CPU (--small; the notebooks under JAXFORMER_SMALL=1).
 SMALL = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_len=16",
          "train.batch_size=16", "train.steps=150", "train.log_every=50",
-         "optim.warmup_steps=10", "study.eval_tokens=2048")
+         "optim.warmup_steps=10", "study.eval_tokens=2048", "study.eval_multiples=1,4,32")
 
 
 @dataclasses.dataclass(frozen=True)
