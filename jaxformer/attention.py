@@ -160,12 +160,12 @@ def takes_structure(impl: str, t: int, cached: bool) -> bool:
 
 
 def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = "auto"):
-    """Self-attention (q [B, T, N, H], k, v [B, T, K, H]) with the mask given as a rule:
-    the model's path. blockwise and splash read the rule a block at a time, the bias as
+    """Attention of q [B, T, N, H] over k, v [B, S, K, H] with the mask given as a rule:
+    the model's path (self-attention; blockwise also over a KV cache's slots). blockwise and splash read the rule a block at a time, the bias as
     (bias_fn, params); xla and cudnn get is_causal and local_window_size with no mask
     array when the rule is by index and nothing is packed or padded; otherwise, and for
     reference and chunked, the rule's mask array. bias: (bias_fn, params), an array
-    [B|1, N|1, T, T], or None."""
+    [B|1, N|1, T, S], or None."""
     impl = resolve_impl(impl, q.dtype, q.shape[-1],
                         logits_bytes=4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1])
     if impl in STRUCTURED:
@@ -504,8 +504,7 @@ class Attention(nn.Module):
         k, v = (cache[name].astype(q.dtype) for name in ("k", "v"))
         if takes_structure(self.cfg.attention_impl, t, cached=True):  # a prefill, by blocks
             k, v = (x.reshape(b, n_kv, -1, h).swapaxes(1, 2) for x in (k, v))  # [B, S, K, H]
-            z = blockwise_attention(q, k, v, mask, bias_fn=bias and bias[0],
-                                    bias_params=bias and bias[1])
+            z = rule_attention(q, k, v, mask, bias, impl="blockwise")
         else:
             z = cached_attention(q, k, v, bias=bias,
                                  mask=mask.dense() if isinstance(mask, MaskRule) else mask)

@@ -79,11 +79,16 @@ def _key_blocks(st: _Static, rule: MaskRule, i, n_k: int):
     return jnp.minimum(((i + 1) * st.bq + st.bk - 1) // st.bk, n_k) if rule.is_causal else n_k
 
 
+def _block_positions(st: _Static, rule: MaskRule, i, j):
+    """The positions [B, bq] of query block i and [B, bk] of key block j."""
+    return (jax.lax.dynamic_slice_in_dim(rule.q_positions, i * st.bq, st.bq, axis=1),
+            jax.lax.dynamic_slice_in_dim(rule.k_positions, j * st.bk, st.bk, axis=1))
+
+
 def _may_attend(st: _Static, rule: MaskRule, i, j):
     """False only if rule masks every pair of query block i and key block j: from the
     blocks' position and segment ranges, per row, any row."""
-    qp = jax.lax.dynamic_slice_in_dim(rule.q_positions, i * st.bq, st.bq, axis=1)
-    kp = jax.lax.dynamic_slice_in_dim(rule.k_positions, j * st.bk, st.bk, axis=1)
+    qp, kp = _block_positions(st, rule, i, j)
     ok = (j * st.bk < st.n_keys) & jnp.ones(qp.shape[0], bool)
     if rule.causal:
         ok &= kp.min(1) <= qp.max(1)
@@ -96,10 +101,9 @@ def _may_attend(st: _Static, rule: MaskRule, i, j):
     return ok.any()
 
 
-def _block_logits(st: _Static, q_i, k, rule: MaskRule, params, i, j):
+def _block_logits(st: _Static, q_i, k_j, rule: MaskRule, params, i, j):
     """Scaled, biased logits of query block i against key block j, -inf where masked:
     float32 [B, K, G, bq, bk]."""
-    k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
     logits = jnp.einsum("bkgqh,bksh->bkgqs", q_i, k_j,
                         preferred_element_type=jnp.float32) * jnp.float32(st.scale)
     if st.bias_fn is not None:
@@ -110,9 +114,7 @@ def _block_logits(st: _Static, q_i, k, rule: MaskRule, params, i, j):
 
 
 def _block_bias(st: _Static, params, rule: MaskRule, i, j, shape):
-    qp = jax.lax.dynamic_slice_in_dim(rule.q_positions, i * st.bq, st.bq, axis=1)
-    kp = jax.lax.dynamic_slice_in_dim(rule.k_positions, j * st.bk, st.bk, axis=1)
-    bias = st.bias_fn(params, qp, kp).astype(jnp.float32)  # [B|1, N, bq, bk]
+    bias = st.bias_fn(params, *_block_positions(st, rule, i, j)).astype(jnp.float32)  # [B|1, N, bq, bk]
     b, n_kv, g, rows, keys = shape
     return jnp.broadcast_to(bias, (b, n_kv * g, rows, keys)).reshape(shape)
 
@@ -127,7 +129,8 @@ def _forward(st: _Static, q, k, v, rule: MaskRule, params):
 
         def visit(j, carry):
             m, l, acc = carry
-            logits = _block_logits(st, q_i, k, rule, params, i, j)
+            k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
+            logits = _block_logits(st, q_i, k_j, rule, params, i, j)
             m_new = jnp.maximum(m, logits.max(-1))
             safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(logits - safe[..., None])
@@ -168,9 +171,10 @@ def _backward(st: _Static, res, d_out):
             v_j = jax.lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
             k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
             if st.bias_fn is None:
-                logits = _block_logits(st, q_i, k, rule, params, i, j)
+                logits = _block_logits(st, q_i, k_j, rule, params, i, j)
             else:
-                logits, pull = jax.vjp(lambda p: _block_logits(st, q_i, k, rule, p, i, j), params)
+                logits, pull = jax.vjp(lambda p: _block_logits(st, q_i, k_j, rule, p, i, j),
+                                       params)
             p = jnp.exp(logits - lse_i[..., None])  # 0 where masked or the row has no key
             dv_j = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(v.dtype), do_i.astype(v.dtype),
                               preferred_element_type=f32)

@@ -17,8 +17,8 @@ that extrapolates has a *lower* perplexity at 32L than at L. With model.attentio
 auto, a length whose dense logits would pass DENSE_LOGITS_BYTES runs blockwise attention
 (memory linear in the length). "rope+yarn" (study.rope_scaling) is the trained RoPE model
 evaluated at n*L with rope_scaling = {kind, factor: n, original_max_seq_len: L}: nothing
-is retrained. The learned table has L rows, so learned
-positions have no score beyond L (null in results.json, "n/a" in the table).
+is retrained. The learned table has L rows, so learned positions have no score beyond L
+(null in results.json, "n/a" in the table).
 """
 
 from __future__ import annotations
