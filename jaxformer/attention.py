@@ -11,8 +11,10 @@ import dataclasses
 import functools
 import math
 import sys
+from typing import Any, Callable
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -161,24 +163,24 @@ def takes_structure(impl: str, t: int, cached: bool) -> bool:
 
 def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = "auto"):
     """Attention of q [B, T, N, H] over k, v [B, S, K, H] with the mask given as a rule:
-    the model's path (self-attention; blockwise also over a KV cache's slots). blockwise and splash read the rule a block at a time, the bias as
-    (bias_fn, params); xla and cudnn get is_causal and local_window_size with no mask
-    array when the rule is by index and nothing is packed or padded; otherwise, and for
-    reference and chunked, the rule's mask array. bias: (bias_fn, params), an array
-    [B|1, N|1, T, S], or None."""
+    the model's path (self-attention; blockwise also over a KV cache's slots). blockwise
+    and splash read the rule and the LogitBias a block at a time; xla and cudnn get
+    is_causal and local_window_size with no mask array when the rule is by index and
+    nothing is packed or padded; otherwise, and for reference and chunked, the rule's mask
+    array. bias: a LogitBias, an array [B|1, N|1, T, S], or None."""
     impl = resolve_impl(impl, q.dtype, q.shape[-1],
                         logits_bytes=4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1])
     if impl in STRUCTURED:
-        if bias is not None and not isinstance(bias, tuple):
-            raise ValueError(f"attention_impl={impl!r} takes the bias as (bias_fn, params) "
+        if bias is not None and not isinstance(bias, LogitBias):
+            raise ValueError(f"attention_impl={impl!r} takes the bias as a LogitBias "
                              "(jaxformer.attention.PositionBias), not an array")
         if impl == "splash":
             if bias is not None:
                 raise ValueError("attention_impl='splash' adds no logit bias; use 'blockwise'")
             return splash_attention(q, k, v, rule)
-        return blockwise_attention(q, k, v, rule, bias_fn=bias and bias[0],
-                                   bias_params=bias and bias[1])
-    if isinstance(bias, tuple):
+        return blockwise_attention(q, k, v, rule, bias_fn=None if bias is None else bias.fn,
+                                   bias_params=None if bias is None else bias.params)
+    if isinstance(bias, LogitBias):
         bias = dense_bias(bias, rule.q_positions, rule.k_positions)
     causal = rule.causal or rule.is_causal
     if impl in ("xla", "cudnn") and rule.by_index and causal and rule.q_segment_ids is None:
@@ -486,7 +488,7 @@ class Attention(nn.Module):
         over all S slots (the mask hides slots not written or not valid), and the updated
         layer cache is returned beside the output.
 
-        mask: a MaskRule (the model's) or a bool array; bias: (bias_fn, params) where
+        mask: a MaskRule (the model's) or a bool array; bias: a LogitBias where
         takes_structure says, else an array or None."""
         q, k, v = self.project(x, positions)
         if cache is None:
@@ -515,7 +517,7 @@ class Attention(nn.Module):
         scores or patterns (the whole grid, for this layer), else the configured backend."""
         if active(self, "hook_attn_scores", "hook_pattern"):
             if isinstance(mask, MaskRule):
-                if isinstance(bias, tuple):
+                if isinstance(bias, LogitBias):
                     bias = dense_bias(bias, mask.q_positions, mask.k_positions)
                 mask = mask.dense()
             return self.attend_with_pattern(q, k, v, mask, bias)
@@ -574,14 +576,23 @@ FIRE_WIDTH = 32  # FIRE's hidden layer
 POSITION_BIASES = {"alibi": _alibi, "t5": _t5, "fire": _fire}
 
 
-def dense_bias(bias, q_positions, k_positions):
-    """PositionBias's (bias_fn, params) applied to every (query, key) pair: [B|1, N, Tq,
-    Tk], or None."""
-    return None if bias is None else bias[0](bias[1], q_positions, k_positions)
+@flax.struct.dataclass
+class LogitBias:
+    """A position scheme's logit bias as structure: fn(params, q_positions [B, Tq],
+    k_positions [B, Tk]) -> float32 [B|1, N, Tq, Tk], and its params. A pytree: jit, scan,
+    remat and vmap carry the params, and fn (hashable) travels in the treedef."""
+
+    fn: Callable = flax.struct.field(pytree_node=False)
+    params: Any = None
+
+
+def dense_bias(bias: LogitBias | None, q_positions, k_positions):
+    """The bias applied to every (query, key) pair: [B|1, N, Tq, Tk], or None."""
+    return None if bias is None else bias.fn(bias.params, q_positions, k_positions)
 
 
 class PositionBias(nn.Module):
-    """The attention-logit bias of the position scheme as (bias_fn, params), shared by
+    """The attention-logit bias of the position scheme as a LogitBias, shared by
     every layer (as T5 does), or None for a scheme without one. Dense backends apply
     bias_fn to all positions once per forward pass; blockwise attention to each block.
 
@@ -593,4 +604,4 @@ class PositionBias(nn.Module):
     @nn.compact
     def __call__(self):
         make = POSITION_BIASES.get(self.cfg.position)
-        return None if make is None else make(self, self.cfg)
+        return None if make is None else LogitBias(*make(self, self.cfg))

@@ -110,7 +110,7 @@ class Transformer(nn.Module):
                 jnp.where(segment_ids != 0, positions, EMPTY_SLOT)
             k_positions = jax.lax.dynamic_update_slice(cache["positions"], new, (0, index))
             k_segments = segment_ids = None
-        bias = PositionBias(c, name="position_bias")()  # (bias_fn, params) or None
+        bias = PositionBias(c, name="position_bias")()  # a LogitBias, or None
         impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim, position=c.position,
                             logits_bytes=4 * b * c.n_heads * t * k_positions.shape[1])
         mask = MaskRule(positions, k_positions, segment_ids, k_segments, window=c.sliding_window,

@@ -460,6 +460,109 @@ def test_remat_gives_equal_gradients(remat, scan):
         a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max())), g_remat, g_plain)
 
 
+# Flags that meet: every value of each factor meets every value of every other in at
+# least one row (a pairwise covering; the full product is 504 models).
+FACTORS = {"position": SCHEMES, "remat": ["none", "full", "dots"], "scan_layers": [False, True],
+           "attention_impl": ["chunked", "blockwise", "xla"], "packed": [False, True],
+           "sliding_window": [None, 5]}
+
+
+def pairwise_rows(factors, seeds=()):
+    """Rows {factor: value} in which every pair of values of two factors meets: the
+    seeds (partial rows), then the two largest factors' product where the seeds did not
+    meet it, each other factor set to the value that meets the most pairs not yet met,
+    then rows for any pair still missing."""
+    names = list(factors)
+
+    def pairs(row):  # the pairs of values a (partial) row meets
+        named = [n for n in names if n in row]
+        return {((a, row[a]), (b, row[b])) for i, a in enumerate(named) for b in named[i + 1:]}
+
+    missing = set().union(*(pairs({a: x, b: y}) for i, a in enumerate(names)
+                            for b in names[i + 1:] for x in factors[a] for y in factors[b]))
+
+    def complete(row):
+        for name in names:
+            if name not in row:
+                row[name] = max(factors[name], key=lambda v: len(missing & pairs({**row, name: v})))
+        missing.difference_update(pairs(row))
+        return {n: row[n] for n in names}
+
+    first, second = sorted(names, key=lambda n: -len(factors[n]))[:2]
+    rows = [complete(dict(seed)) for seed in seeds]
+    rows += [complete({first: x, second: y}) for x in factors[first] for y in factors[second]
+             if not any(row[first] == x and row[second] == y for row in rows)]
+    while missing:
+        (a, x), (b, y) = min(missing, key=repr)
+        rows.append(complete({a: x, b: y}))
+    return rows
+
+
+# seeded with the long-context setting of each bias scheme: blockwise, remat, scanned
+COMBINATIONS = pairwise_rows(FACTORS, seeds=[
+    dict(position=p, remat="full", scan_layers=True, attention_impl="blockwise")
+    for p in ("alibi", "t5", "fire")])
+
+
+def test_the_combinations_meet_every_pair():
+    names = list(FACTORS)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            met = {(row[a], row[b]) for row in COMBINATIONS}
+            assert met == {(x, y) for x in FACTORS[a] for y in FACTORS[b]}, (a, b)
+    for p in ("alibi", "t5", "fire"):
+        assert dict(position=p, remat="full", scan_layers=True, attention_impl="blockwise") \
+            .items() <= next(row for row in COMBINATIONS if row["position"] == p
+                             and row["remat"] == "full").items()
+    assert len(COMBINATIONS) <= 2 * len(SCHEMES) * 3  # far fewer than the product
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_and_grads(cfg, params, tokens, positions, segment_ids, w):
+    def loss(p):
+        logits = Transformer(cfg).apply({"params": p}, tokens, positions=positions,
+                                        segment_ids=segment_ids)
+        return jnp.sum(w * logits), logits
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return logits, grads
+
+
+@pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda row: "-".join(
+    f"{v}" if k != "sliding_window" else f"w{v}" for k, v in row.items()))
+def test_flags_together_match_the_reference(combo, monkeypatch):
+    """Position scheme x remat x scan x backend x packing x window, as they meet in a
+    training step: the logits against the float64 forward, and every param's gradient
+    against the reference backend's (unscanned, no remat) on the same batch."""
+    from jaxformer import blockwise
+    monkeypatch.setattr(blockwise, "BLOCK_Q", int(rng.integers(3, 6)))  # several blocks
+    monkeypatch.setattr(blockwise, "BLOCK_K", int(rng.integers(3, 6)))
+    flags = {k: v for k, v in combo.items() if k != "packed"}
+    cfg = small(**flags, n_kv_heads=2)
+    t = 12
+    tokens, params = init(cfg.replace(scan_layers=False), batch=2, seq=t)  # per layer
+    pos = seg = None
+    if combo["packed"]:
+        cut = int(rng.integers(2, t - 2))
+        seg = np.stack([np.where(np.arange(t) < cut, 1, 2),
+                        np.where(np.arange(t) < cut + 1, 1, 0)]).astype(np.int32)  # padded
+        pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    real = np.ones((2, t), bool) if seg is None else seg > 0
+    w = jnp.asarray(rng.standard_normal((2, t, cfg.vocab_size)) * real[..., None], jnp.float32)
+    reference = cfg.replace(attention_impl="reference", remat="none", scan_layers=False)
+    want_logits, want = _logits_and_grads(reference, params, tokens, pos, seg, w)
+    np.testing.assert_allclose(np.asarray(want_logits)[real],
+                               np_forward(cfg, params, tokens, pos, seg)[real],
+                               rtol=2e-4, atol=2e-4)
+    if cfg.scan_layers:
+        params, want = stack_layers(params, cfg.n_layers), stack_layers(want, cfg.n_layers)
+    logits, got = _logits_and_grads(cfg, params, tokens, pos, seg, w)
+    np.testing.assert_allclose(np.asarray(logits)[real], np.asarray(want_logits)[real],
+                               rtol=1e-4, atol=1e-5)
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        ref = functools.reduce(lambda x, k: x[k.key], path, want)
+        np.testing.assert_allclose(g, ref, rtol=1e-3, atol=2e-5, err_msg=str(path))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
 def test_bf16_compute_close_to_float32(name):
     cfg = small(**VARIANTS[name], d_model=64)
