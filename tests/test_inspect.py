@@ -105,6 +105,27 @@ def test_a_hook_changes_what_flows_on(rng):
                                atol=2e-5)
 
 
+def test_the_cache_holds_a_hooked_value_after_its_hook(rng):
+    """run_with_hooks(..., return_cache=True): at a hooked name the cache holds what the
+    hook returned (as TransformerLens does), and downstream what flowed on from it; both
+    against the float64 forward with head h's z scaled by c (its out-projection rows
+    scaled by c)."""
+    cfg, tokens, params = built(rng, "llama-gqa")
+    h, c = int(rng.integers(cfg.n_heads)), float(rng.uniform(2, 3))
+    name, after = "blocks.1.attn.hook_z", ["blocks.1.hook_attn_out", "blocks.1.hook_resid_post"]
+    _, cache = run_with_hooks(Transformer(cfg), params, tokens, return_cache=True,
+                              hooks={name: lambda z: z.at[:, :, h].multiply(c)},
+                              names=[name, *after])
+    edited = jax.tree.map(lambda x: x, params)
+    kernel = params["block_1"]["attn"]["out"]["kernel"]
+    edited["block_1"]["attn"]["out"]["kernel"] = kernel.at[h].multiply(c)
+    want = np_cache(cfg, edited, tokens)  # z itself unscaled: the edit is downstream of it
+    want[name][:, :, h] *= c
+    for key in (name, *after):
+        np.testing.assert_allclose(np.asarray(cache[key]), want[key], rtol=2e-4, atol=2e-5,
+                                   err_msg=key)
+
+
 def test_vmap_over_head_ablations_equals_one_run_each(rng):
     cfg, tokens, params = built(rng, "gpt2")
     model = Transformer(cfg)

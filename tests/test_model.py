@@ -292,8 +292,8 @@ def test_splash_model_matches_reference(name):
 def test_xla_backend_gets_the_mask_as_structure(name, monkeypatch):
     """With positions by index (the default arange) and nothing packed, the model hands
     jax.nn.dot_product_attention is_causal and local_window_size = (window - 1, 0), no
-    mask array (cuDNN's fast path); logits match the float64 reference. A packed batch
-    gets the rule's mask array, and matches too."""
+    mask array (cuDNN's fast path); logits match the float64 reference. A packed batch,
+    and explicit positions with gaps, get the rule's mask array, and match too."""
     calls = []
     fused = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention",
@@ -315,6 +315,12 @@ def test_xla_backend_gets_the_mask_as_structure(name, monkeypatch):
     real = seg > 0
     np.testing.assert_allclose(got[real], np_forward(cfg, params, tokens, pos, seg)[real],
                                rtol=2e-4, atol=2e-4)
+    assert calls and all(kw["mask"] is not None and "is_causal" not in kw for kw in calls)
+    calls.clear()  # explicit positions with gaps and an offset: a window by index is not
+    # a window by position, so the fast path must not be taken
+    pos = rng.integers(0, 100) + np.cumsum(rng.integers(1, 4, (2, t)), axis=1)
+    got = logits_of(cfg, params, tokens, positions=pos)
+    np.testing.assert_allclose(got, np_forward(cfg, params, tokens, pos), rtol=2e-4, atol=2e-4)
     assert calls and all(kw["mask"] is not None and "is_causal" not in kw for kw in calls)
 
 
