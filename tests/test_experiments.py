@@ -11,9 +11,12 @@ import pytest
 
 from jaxformer import ModelConfig, Transformer
 from jaxformer.config import POSITIONS, ConfigError
+from jaxformer.data import get_batch, load_dataset
 from jaxformer.experiments import positions as study
 from jaxformer.experiments.report import markdown_table, row_title, summarize
+from jaxformer.experiments.seeds import seed_slice
 from tests.conftest import REPO
+from tests.test_length_gen import separate_runs
 
 ROWS = ["rope", "rope+yarn", "learned", "alibi"]  # notebook 2 runs all five schemes
 
@@ -216,3 +219,54 @@ def test_near_best_marks_differences_within_the_seed_spread(rng):
     assert near_best(flipped) == {"best", "near"}
     one_seed = {k: (m, None) for k, (m, _) in stats.items()}
     assert near_best(one_seed, lower_is_better=True) == {"best"}
+
+
+def tiny_study(corpus, tmp_path, seed: int):
+    """--small at one scheme scored at L only, 4 steps logged every 2 (the reported loss is
+    the mean of steps 3 and 4), seeds train.seed = `seed` and seed + 1; and its data."""
+    cfg = study.load_study_config(str(study.DEFAULT_CONFIG), [
+        *study.SMALL, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+        "study.schemes=alibi", "study.eval_multiples=1", "train.steps=4", "train.log_every=2",
+        "study.seeds=2", f"train.seed={seed}", "study.progress=false"])
+    ds = load_dataset(cfg.run.data, vocab_size=cfg.run.model.vocab_size, progress=False,
+                      log=lambda *a: None)
+    t = cfg.run.train
+
+    def batch(seed, step):  # the batch the study documents for a seed, drawn here
+        return get_batch(ds.train, None, seed=seed, step=step, batch_size=t.batch_size,
+                         seq_len=t.seq_len)
+
+    return cfg, ds, batch
+
+
+def test_study_reports_each_seeds_mean_loss_over_the_last_log_interval(corpus, tmp_path, rng):
+    """rows[scheme]["train_loss"][i] is seed i's loss averaged over the steps of the last
+    log interval (3 and 4), as the plain train step gives it for that seed alone on its
+    own batches."""
+    seed = int(rng.integers(1000))
+    cfg, _, batch = tiny_study(corpus, tmp_path, seed)
+    results = study.run_study(cfg)
+    assert results["seeds"] == [seed, seed + 1]
+    runs = separate_runs(cfg.model_config("alibi"), cfg.run.optim, cfg.run.train.steps,
+                         results["seeds"], batch)
+    want = [np.mean(losses[2:]) for _, losses in runs]
+    row = results["rows"]["alibi"]
+    # vmapped and alone agree to ~1e-7; the seeds differ by ~1e-2
+    np.testing.assert_allclose(row["train_loss"], want, rtol=1e-5)
+    assert row["train_loss_mean"] == pytest.approx(np.mean(want), rel=1e-5)
+
+
+def test_each_vmapped_seed_trains_on_its_own_batches(corpus, tmp_path, rng):
+    """Seed i of the study's vmapped training (train.seed first) has the params of seed i
+    trained alone on seed i's batches, which differ from the other seed's."""
+    seed = int(rng.integers(1000))
+    cfg, ds, batch = tiny_study(corpus, tmp_path, seed)
+    seeds = [seed, seed + 1]
+    assert not np.array_equal(batch(seeds[0], 0)["inputs"], batch(seeds[1], 0)["inputs"])
+    params, _ = study.train_models(cfg, cfg.model_config("alibi"), ds.train, seeds,
+                                   log=lambda *a: None)
+    runs = separate_runs(cfg.model_config("alibi"), cfg.run.optim, cfg.run.train.steps, seeds,
+                         batch)
+    for i, (alone, _) in enumerate(runs):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+                     seed_slice(params, i), alone)

@@ -143,3 +143,94 @@ def test_bad_config_exits_2_naming_it(capsys, args, words):
     assert length_gen.main(["--small", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and all(w in err for w in words), err
+
+
+def small_config(task: str, seed: int, *overrides) -> length_gen.LengthGenConfig:
+    """--small at one scheme and task, 4 steps logged every 2 (the reported loss is the mean
+    of steps 3 and 4), seeds train.seed = `seed` and seed + 1."""
+    return length_gen.load_config(str(length_gen.DEFAULT_CONFIG), [
+        *length_gen.SMALL, "study.schemes=alibi", f"study.tasks={task}", "train.steps=4",
+        "train.log_every=2", "study.seeds=2", f"train.seed={seed}", "study.eval_lengths=1,2",
+        "study.progress=false", *overrides])
+
+
+def separate_runs(mcfg, optim, steps: int, seeds, batch):
+    """Each seed trained alone by the plain (not vmapped) train step on batch(seed, step):
+    [(its final params, its loss at every step)], one per seed."""
+    model = Transformer(mcfg)
+    tx, schedule = make_optimizer(optim, mcfg, steps)
+    step_fn = make_train_step(model, tx, schedule, grad_accum=optim.grad_accum)
+    runs = []
+    for seed in seeds:
+        state, losses = init_state(model, tx, seed), []
+        for step in range(steps):
+            state, metrics = step_fn(state, batch(seed, step))
+            losses.append(float(metrics["loss"]))
+        runs.append((state.params, losses))
+    return runs
+
+
+def task_batches(cfg: length_gen.LengthGenConfig, task: str):
+    """batch(seed, step): the training batch the study documents for a seed, drawn here."""
+    t = cfg.run.train
+    return lambda seed, step: tasks.train_batch(task, cfg.study.train_max_len, t.batch_size,
+                                                t.seq_len, length_gen.train_rng(seed, task, step))
+
+
+def test_training_lengths_are_1_to_train_max_len_inclusive(rng, monkeypatch):
+    """The study's training batches hold examples of every input length 1..train_max_len
+    and of no other: each packed segment read back as an example of `task`."""
+    task, max_len = str(rng.choice(tasks.TASKS)), int(rng.integers(2, 7))
+    cfg = small_config(task, int(rng.integers(1000)), f"study.train_max_len={max_len}")
+    captured = {}
+
+    def capture(mcfg, optim, steps, seeds, batch, **kwargs):  # the batches, not the training
+        captured["batch"] = batch
+        return None, [None] * len(seeds)
+
+    monkeypatch.setattr(length_gen, "train_seeds", capture)
+    length_gen.train_task(cfg, cfg.model_config("alibi"), task, [0, 1], log=lambda *a: None)
+    split = tasks.PLUS if task == "addition" else tasks.EQUALS  # after the first operand
+    lengths = []
+    for seed in rng.integers(0, 1 << 30, 3):
+        for step in rng.integers(0, 1 << 20, 10):
+            b = captured["batch"](int(seed), int(step))
+            for seg, inputs, targets in zip(b["segment_ids"], b["inputs"], b["targets"]):
+                for s in np.unique(seg[seg > 0]):
+                    x, y = inputs[seg == s], targets[seg == s]
+                    n = int(np.flatnonzero(x == split)[0]) - 1  # digits between marker and it
+                    assert x[0] == tasks.MARKERS[task] and y[-1] == tasks.EOS
+                    assert len(x) == tasks.example_tokens(task, n) - 1, (n, x)
+                    lengths.append(n)
+    assert set(lengths) == set(range(1, max_len + 1)), (max_len, np.bincount(lengths))
+
+
+def test_study_reports_each_seeds_mean_loss_over_the_last_log_interval(rng):
+    """results["train"][scheme][task]["loss"][i] is seed i's loss averaged over the steps of
+    the last log interval (3 and 4), as the plain train step gives it for that seed alone
+    on its own batches."""
+    task, seed = str(rng.choice(tasks.TASKS)), int(rng.integers(1000))
+    cfg = small_config(task, seed)
+    results = length_gen.run_study(cfg)
+    assert results["seeds"] == [seed, seed + 1]
+    runs = separate_runs(cfg.model_config("alibi"), cfg.run.optim, cfg.run.train.steps,
+                         results["seeds"], task_batches(cfg, task))
+    want = [np.mean(losses[2:]) for _, losses in runs]
+    # vmapped and alone agree to ~1e-7; the seeds differ by ~1e-2
+    np.testing.assert_allclose(results["train"]["alibi"][task]["loss"], want, rtol=1e-5)
+
+
+def test_each_vmapped_seed_trains_on_its_own_batches(rng):
+    """Seed i of the study's vmapped training (train.seed first) has the params of seed i
+    trained alone on seed i's batches, which differ from the other seed's."""
+    task, seed = str(rng.choice(tasks.TASKS)), int(rng.integers(1000))
+    cfg = small_config(task, seed)
+    seeds, batch = [seed, seed + 1], task_batches(cfg, task)
+    assert not np.array_equal(batch(seeds[0], 0)["inputs"], batch(seeds[1], 0)["inputs"])
+    params, _ = length_gen.train_task(cfg, cfg.model_config("alibi"), task, seeds,
+                                      log=lambda *a: None)
+    runs = separate_runs(cfg.model_config("alibi"), cfg.run.optim, cfg.run.train.steps, seeds,
+                         batch)
+    for i, (alone, _) in enumerate(runs):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+                     seed_slice(params, i), alone)
