@@ -410,6 +410,96 @@ def test_a_file_read_in_pieces_tokenises_as_the_whole_file(rng, tmp_path, monkey
     np.testing.assert_array_equal(ds.train[:-1], tok.encode(text))
 
 
+def test_a_file_that_ends_inside_a_character_reads_as_python_decodes_it(rng, tmp_path,
+                                                                        monkeypatch):
+    """A file cut off inside a 2- to 4-byte character reads as Python's
+    bytes.decode('utf-8', 'replace') of the whole file: a U+FFFD at the end (the
+    incremental decoder's final flush), whatever the block size, a block boundary just
+    before or inside the truncated character included (and a first block too small for
+    the first character is no reason to call the file binary); its byte tokens are that
+    text's."""
+    def char(n_bytes):  # a random character of n_bytes in UTF-8
+        lo, hi = {2: (0x80, 0x7FF), 3: (0x800, 0xD7FF), 4: (0x10000, 0x10FFFF)}[n_bytes]
+        return chr(int(rng.integers(lo, hi + 1)))
+
+    # it starts with a 3- or 4-byte character too: a tiny first block holds part of it
+    text = char(int(rng.integers(3, 5))) + random_text(rng, int(rng.integers(100, 400)))
+    last = char(int(rng.integers(2, 5))).encode("utf-8")
+    kept = int(rng.integers(1, len(last)))  # 1 .. len - 1 of its bytes
+    raw = text.encode("utf-8") + last[:kept]
+    (tmp_path / "cut.txt").write_bytes(raw)
+    whole = raw.decode("utf-8", "replace")
+    assert whole == text + "\ufffd"
+    corpus = find_corpus(str(tmp_path / "cut.txt"))
+    start = len(raw) - kept  # where the truncated character begins
+    # a block boundary just before the truncated character, inside it (when 2 or 3 of its
+    # bytes are there), anywhere (small blocks), and no boundary at all (None: the default)
+    for block in [start, start + 1] + list(range(2, 41)) + [None]:
+        pieces = list(read_pieces(corpus, piece_chars=block))
+        assert "".join(p.text for p in pieces) == whole, block
+        assert [p.end for p in pieces] == [False] * (len(pieces) - 1) + [True], block
+        assert sum(p.size for p in pieces) == len(raw), block
+    small_pieces(monkeypatch, piece=int(rng.integers(2, 40)), batch=64)
+    ds = load_dataset(DataConfig(path=str(tmp_path / "cut.txt"), val_fraction=0.0,
+                                 cache_dir=str(tmp_path / "c")))
+    assert ds.train.tolist() == utf8(whole) and len(ds.val) == 0
+
+
+def test_pieces_end_only_at_newlines_between_visible_ascii(rng, tmp_path, monkeypatch):
+    """Most lines here start with whitespace (indentation, a tab, a no-break space) or a
+    non-ASCII character, or follow a line that ends with one. A file read in small pieces
+    still gives a BPE the tokens of its whole text encoded at once (a cut before an
+    indented line, or after trailing spaces, would not: GPT-2's pre-tokenizer keeps a
+    newline with the spaces around it), because a piece ends only after a newline
+    between two visible ASCII characters (corpus.cut_point), and the pieces join to the
+    text exactly."""
+    leads = ["    ", "  ", " ", "\t", "\u00a0", "\u00e9", "\u4e2d", "\u2014", "\U0001F600",
+             "\u03a9"]
+    trails = [" ", "  ", "\t", "\u00e9", "\u4e2d", "\U0001F600"]
+
+    def ascii_char():
+        return chr(int(rng.integers(0x21, 0x7F)))
+
+    lines = []
+    for _ in range(int(rng.integers(150, 250))):  # blocks of at most ~110 characters
+        first, last = [ascii_char()], []
+        for _ in range(int(rng.integers(1, 5))):  # no clean cut inside a block
+            if rng.random() < 0.6:  # the next line starts with a lead
+                first.append(str(rng.choice(leads)))
+                last.append(str(rng.choice(trails)) if rng.random() < 0.3 else ascii_char())
+            else:  # or this one ends with a trail
+                first.append(ascii_char())
+                last.append(str(rng.choice(trails)))
+        last.append(ascii_char())  # a clean cut before the next block
+        lines += [f + random_text(rng, int(rng.integers(0, 16))).replace("\n", " ") + e
+                  for f, e in zip(first, last)]
+    text = "\n".join(lines)
+    (tmp_path / "code.txt").write_text(text, encoding="utf-8")
+    tok = train_bpe(iter([text]), 400)
+    tok.save(tmp_path / "tok")
+    whole = tok.encode(text).tolist()
+    # the test can tell: a cut before an indented line, or after trailing spaces, changes
+    # the tokens (somewhere among the first 50 such lines)
+    newlines = [i for i, c in enumerate(text) if c == "\n"]
+    for around in (+1, -1):
+        cuts = [i + 1 for i in newlines if text[i + around] in " \t"][:50]
+        assert any(tok.encode(text[:i]).tolist() + tok.encode(text[i:]).tolist() != whole
+                   for i in cuts), around
+
+    piece = int(rng.integers(300, 500))
+    small_pieces(monkeypatch, piece=piece, batch=3 * piece)
+    ds = load_dataset(DataConfig(path=str(tmp_path / "code.txt"), val_fraction=0.0,
+                                 tokenizer=str(tmp_path / "tok"), cache_dir=str(tmp_path / "c")))
+    assert ds.train[:-1].tolist() == whole and ds.train[-1] == tok.eot_id
+
+    pieces = list(read_pieces(find_corpus(str(tmp_path / "code.txt"))))
+    assert len(pieces) > 10 and "".join(p.text for p in pieces) == text
+
+    for a, b in zip(pieces, pieces[1:]):
+        assert a.text[-1] == "\n" and "!" <= a.text[-2] <= "~" and "!" <= b.text[0] <= "~", \
+            (a.text[-20:], b.text[:20])
+
+
 _RSS_CHILD = """
 import sys
 from jaxformer.data import DataConfig, corpus, load_dataset, tokens
@@ -516,6 +606,46 @@ def test_not_enough_disk_is_refused_before_tokenising_much(rng, tmp_path, monkey
     assert os.listdir(cache) == []  # no tokens, no temporary folder
 
 
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_disk_estimate_counts_the_token_dtype_bytes(rng, tmp_path, monkeypatch, dtype):
+    """The free-space check after the first batch counts tokens in their dtype's bytes (2
+    or 4 each, not 1 as for byte tokens): at the first batch's rate, the rest needs
+    (tokens so far x itemsize) / (text bytes so far) x (text bytes to come), here by
+    hand from word counts (a word-level tokenizer: one token a word, an eot a file). A
+    disk with 10% less free than that is refused before the tokens are written; one with
+    20% more is used."""
+    import collections
+    n_words = 70_000 if dtype == "uint32" else int(rng.integers(300, 60_000))
+    tokenizer = str(_wordlevel_tokenizer(tmp_path, n_words))
+    root = tmp_path / "corpus"
+    root.mkdir()
+    n_files = int(rng.integers(6, 12))
+    counts, sizes = [], []
+    for i in range(n_files):
+        words = [f"w{w}" for w in rng.integers(2, n_words, int(rng.integers(20, 200)))]
+        text = "".join(w + str(rng.choice([" ", "\n", "  "])) for w in words)
+        (root / f"d{i:02d}.txt").write_text(text)
+        counts.append(len(words) + 1)
+        sizes.append(len(text))
+    first = int(rng.integers(1, n_files - 1))
+    monkeypatch.setattr(tokens_module, "_BATCH_PIECES", first)  # the first batch: `first` files
+    need = (sum(counts[:first]) * np.dtype(dtype).itemsize / sum(sizes[:first])
+            * sum(sizes[first:]))
+    usage = collections.namedtuple("usage", "total used free")
+    cache = tmp_path / "c"
+    cfg = DataConfig(path=str(root), tokenizer=tokenizer, val_fraction=0.0, cache_dir=str(cache))
+    monkeypatch.setattr(tokens_module.shutil, "disk_usage",
+                        lambda p: usage(10**12, 0, int(0.9 * need)))
+    with pytest.raises(DataError, match=r"needs about \d+\.\d\d GB more in .*c, but \d+\.\d\d GB "
+                                         "is free; free some space"):
+        load_dataset(cfg)
+    assert os.listdir(cache) == []
+    monkeypatch.setattr(tokens_module.shutil, "disk_usage",
+                        lambda p: usage(10**12, 0, int(1.2 * need) + 1))
+    ds = load_dataset(cfg)
+    assert ds.train.dtype == np.dtype(dtype) and len(ds.train) == sum(counts)
+
+
 def test_prepare_writes_a_folder_that_trains_anywhere(rng, tmp_path, capsys):
     """python -m jaxformer.data.prepare: tokens and tokenizer in one folder; data.path=DIR
     maps its files in place (every host the same ones) with its own tokenizer."""
@@ -549,6 +679,43 @@ def test_prepare_writes_a_folder_that_trains_anywhere(rng, tmp_path, capsys):
     ByteTokenizer().save(tmp_path / "other")
     with pytest.raises(DataError, match="was prepared with HFTokenizer.*not with data.tokenizer"):
         load_dataset(DataConfig(path=str(out), tokenizer=str(tmp_path / "other")))
+
+
+def test_prepare_removes_a_killed_prepares_folder_beside_out(rng, tmp_path, capsys):
+    """A prepare killed with SIGKILL leaves its temporary folder beside out; the next
+    prepare removes it (as load_dataset does in the cache), keeps a live process's folder
+    and another host's, and writes out."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from jaxformer.data.prepare import main
+    out = str(tmp_path / "data" / "tokens")
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from jaxformer.data.tokens import _temporary\n"
+        f"tmp = _temporary({out!r}); os.makedirs(tmp)\n"
+        "open(os.path.join(tmp, 'train.bin'), 'wb').write(b'half')\n"
+        "print(tmp, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    dead = child.stdout.readline().strip()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert os.path.isdir(dead) and os.path.dirname(dead) == os.path.dirname(out)
+    host = socket.gethostname()
+    live = f"{out}.tmp-{host}-{os.getpid()}-{rng.bytes(4).hex()}"
+    other = f"{out}.tmp-not-{host}-{child.pid}-{rng.bytes(4).hex()}"
+    for folder in (live, other):
+        os.makedirs(folder)
+    text = random_text(rng, int(rng.integers(100, 500)))
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    assert main([f"data.path={tmp_path / 't.txt'}", f"data.cache_dir={tmp_path / 'c'}",
+                 f"out={out}"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert not os.path.exists(dead) and os.path.isdir(live) and os.path.isdir(other)
+    assert sorted(os.listdir(tmp_path / "data")) == sorted(
+        os.path.basename(p) for p in (out, live, other))
+    ds = load_dataset(DataConfig(path=out, cache_dir=str(tmp_path / "c")))
+    assert ds.train.tolist() + ds.val.tolist() == utf8(text)
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -666,6 +833,81 @@ def test_errors_name_the_problem(rng, tmp_path):
         load_dataset(DataConfig(path=str(tmp_path / "t.bin")))
     with pytest.raises(DataError, match="no tokenizer at"):
         load_dataset(DataConfig(path=str(tmp_path / "hi.txt"), tokenizer="nope/tokenizer.json"))
+
+
+def test_an_id_out_of_range_only_in_val_is_refused(rng, tmp_path):
+    """An id that does not fit the model (or the tokenizer) in the val split only is
+    refused as one in train is: the tail of one .bin file, a folder's val.bin, and the
+    val documents of a text corpus (byte tokens: the largest byte of the val files,
+    found here by hand, is the id named)."""
+    cache = str(tmp_path / "c")
+    vocab = int(rng.integers(100, 250))
+    n, vf = int(rng.integers(500, 2000)), float(rng.uniform(0.05, 0.3))
+    cut = n - int(vf * n + 0.5)
+    ids, bad = rng.integers(0, vocab, n), int(rng.integers(vocab, 256))
+    ids[rng.integers(cut, n)] = bad
+    ids.astype(np.uint16).tofile(tmp_path / "one.bin")
+    with pytest.raises(DataError, match=rf"one.bin \(.*\) holds token id {bad} but "
+                                        rf"model.vocab_size={vocab} "):
+        load_dataset(DataConfig(path=str(tmp_path / "one.bin"), val_fraction=vf,
+                                cache_dir=cache), vocab_size=vocab)
+
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    rng.integers(0, vocab, n).astype(np.uint16).tofile(pair / "train.bin")
+    val = rng.integers(0, vocab, int(rng.integers(50, 200)))
+    val[rng.integers(0, len(val))] = bad
+    val.astype(np.uint16).tofile(pair / "val.bin")
+    with pytest.raises(DataError, match=rf"holds token id {bad} but model.vocab_size={vocab} "):
+        load_dataset(DataConfig(path=str(pair), cache_dir=cache), vocab_size=vocab)
+    big = int(rng.integers(256, 65536))  # past the byte tokenizer's ids
+    val[rng.integers(0, len(val))] = big
+    val.astype(np.uint16).tofile(pair / "val.bin")
+    with pytest.raises(DataError, match=rf"holds token id {big}, but the tokenizer "
+                                        r"\(ByteTokenizer\(vocab_size=256\)\) has only 256 ids"):
+        load_dataset(DataConfig(path=str(pair), cache_dir=cache))
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    names = [f"d{i:02d}.txt" for i in range(int(rng.integers(5, 15)))]
+    held_out = reference_val(names, vf)
+    texts = {}
+    for name in names:  # ASCII in train, any character in val
+        texts[name] = random_text(rng, 100) + ("\u00e9" if name in held_out else "")
+        if name not in held_out:
+            texts[name] = "".join(c if c < "\x7f" else "?" for c in texts[name])
+        (root / name).write_text(texts[name], encoding="utf-8")
+    top = max(max(utf8(texts[name])) for name in held_out)
+    assert top >= 128 > max(max(utf8(texts[name])) for name in names if name not in held_out)
+    with pytest.raises(DataError, match=rf"corpus \(.*\) holds token id {top} but "
+                                        "model.vocab_size=128 "):
+        load_dataset(DataConfig(path=str(root), val_fraction=vf, cache_dir=cache),
+                     vocab_size=128)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_a_bin_id_equal_to_vocab_size_is_refused_and_one_less_fits(rng, tmp_path, dtype):
+    """The ids of a model (and of a tokenizer) of V ids are 0 .. V - 1: a .bin whose
+    largest id is exactly V is refused, naming V; one whose largest id is V - 1 loads."""
+    vocab = int(rng.integers(300, 5000))
+    tokenizer = str(_wordlevel_tokenizer(tmp_path, vocab))  # V ids, as many as the model's
+    n = int(rng.integers(500, 2000))
+    ids, at = rng.integers(0, vocab - 1, n), int(rng.integers(0, n))
+    path = tmp_path / "tokens.bin"
+    cfg = DataConfig(path=str(path), bin_dtype=dtype, tokenizer=tokenizer,
+                     cache_dir=str(tmp_path / "c"))
+    ids[at] = vocab
+    ids.astype(dtype).tofile(path)
+    with pytest.raises(DataError, match=rf"holds token id {vocab} but model.vocab_size={vocab} "
+                                        rf".*set model.vocab_size >= {vocab + 1}"):
+        load_dataset(cfg, vocab_size=vocab)
+    with pytest.raises(DataError, match=rf"holds token id {vocab}, but the tokenizer "
+                                        rf"\(.*\) has only {vocab} ids"):
+        load_dataset(cfg)
+    ids[at] = vocab - 1
+    ids.astype(dtype).tofile(path)
+    ds = load_dataset(cfg, vocab_size=vocab)
+    assert ds.train.tolist() + ds.val.tolist() == ids.tolist()
 
 
 # ---- batches ------------------------------------------------------------------------------

@@ -192,8 +192,9 @@ def _file_text(path: str, block: int) -> Iterator[tuple[str, int]]:
     that straddles two blocks whole, so the text is the whole file's decoding."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     with open(path, "rb") as f:
+        refuse_non_text(path, f.read(_SNIFF_BYTES))  # the same head whatever the block size
+        f.seek(0)
         data = f.read(block)
-        refuse_non_text(path, data[:_SNIFF_BYTES])
         while data:
             yield decoder.decode(data), len(data)
             data = f.read(block)
