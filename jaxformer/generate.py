@@ -33,7 +33,7 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     model = Transformer(cfg.model)
     tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     abstract = abstract_state(model, tx)
-    ckpt = Checkpointer(run, keep=cfg.checkpoint.keep, async_save=False,
+    ckpt = Checkpointer(run, keep=cfg.checkpoint.keep, async_save=False, read_only=True,
                         log=lambda message: print(message, file=sys.stderr))
     try:
         state = ckpt.restore(abstract_like(abstract), cfg.model, step=step, best=best)

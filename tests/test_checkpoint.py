@@ -3,23 +3,38 @@ hold what sync ones do, and one run owns a run dir. Faults are met where a user 
 them: train.py's and generate's main (exit code, messages), run in this process."""
 
 import importlib.util
+import json
 import os
+import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+import zlib
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
+from jaxformer.convert.__main__ import main as convert_main
+from jaxformer.generate import load_run, load_run_params
 from jaxformer.generate import main as generate_main
 from jaxformer.training import train
-from jaxformer.training.checkpoint import MANIFEST, Checkpointer, damage, seal
+from jaxformer.training.checkpoint import (MANIFEST, Checkpointer, CheckpointError, damage, seal,
+                                           write_manifest)
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import read_metrics
 from tests.conftest import REPO
 from tests.test_training import TINY, config, corpus, restored_state  # noqa: F401 (fixture)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+
+# the module (the package's attribute jaxformer.generate is the decoding function)
+generate_module = importlib.import_module("jaxformer.generate")
 
 _spec = importlib.util.spec_from_file_location("train_cli", REPO / "train.py")
 cli = importlib.util.module_from_spec(_spec)
@@ -198,3 +213,141 @@ def test_async_saves_hold_bitwise_what_sync_saves_hold(run9, corpus, tmp_path): 
         a, b = restored_state(cfg, run9, step), restored_state(cfg, sync, step)
         leaves = jax.tree.leaves(jax.tree.map(np.array_equal, a, b))
         assert len(leaves) > 10 and all(leaves), step
+
+
+def listing(run):
+    """Every path under a run dir, with each file's size: what a reader must leave as is."""
+    return sorted((str(p.relative_to(run)), p.stat().st_size if p.is_file() else None)
+                  for p in run.rglob("*"))
+
+
+def orbax_params(step_dir):
+    """The params saved in a checkpoint step, read by orbax alone (no jaxformer code)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # orbax: no shardings given, it reads the saved ones
+        return jax.device_get(ocp.PyTreeCheckpointer().restore(step_dir / "state")["params"])
+
+
+def same_params(a, b):
+    equal = jax.tree.leaves(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x),
+                                                                     np.asarray(y)), a, b))
+    return len(equal) > 10 and all(equal)
+
+
+def test_readers_pass_over_a_damaged_newest_step_and_move_nothing(run9, tmp_path, capsys,
+                                                                  monkeypatch):
+    """generate --run, load_run / load_run_params and convert to-hf read the newest intact
+    step, say on stderr which step is damaged, and rename or delete nothing: they may run
+    beside a training run (here saving step 12), or on a copy the user wants kept as it
+    is. A damaged step asked for by name is an error."""
+    import jaxformer.convert
+
+    run = copy_of(run9, tmp_path)
+    flip_bits(run / "checkpoints/9")
+    in_flight = run / "checkpoints/12.orbax-checkpoint-tmp-1767225600"  # a training's save
+    shutil.copytree(run9 / "checkpoints/9", in_flight)
+    lose_manifest(in_flight)  # (written last, before the rename)
+    want = orbax_params(run9 / "checkpoints/6")  # from the undamaged run
+    assert not same_params(want, orbax_params(run9 / "checkpoints/9"))  # so 9 would show
+    before = listing(run)
+
+    def warned_of_9(err):
+        lines = [line for line in err.splitlines() if line.startswith("warning:")]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"warning: checkpoint {run.absolute()}/checkpoints/9 is damaged (state/") and \
+            lines[0].endswith(" does not match its checksum); using step 6"), err
+
+    cfg, params = load_run_params(run)  # notebooks
+    warned_of_9(capsys.readouterr().err)
+    assert same_params(params, want) and listing(run) == before
+    _, params, _ = load_run(str(run))
+    warned_of_9(capsys.readouterr().err)
+    assert same_params(params, want) and listing(run) == before
+
+    loaded, real_load_run = [], generate_module.load_run
+    monkeypatch.setattr(generate_module, "load_run",
+                        lambda *a, **kw: loaded.append(real_load_run(*a, **kw)) or loaded[-1])
+    assert generate_main(["--run", str(run), "--prompt", "def", "--max-new-tokens", "2"]) == 0
+    warned_of_9(capsys.readouterr().err)
+    assert len(loaded) == 1 and same_params(loaded[0][1], want) and listing(run) == before
+
+    handed = []  # the converter gets the params to-hf loaded (the tiny model has no HF form)
+    monkeypatch.setattr(jaxformer.convert, "to_hf", lambda cfg, params, hf_dir, **kw: (
+        handed.append(params) or {"architectures": ["Recorded"]}))
+    assert convert_main(["to-hf", str(run), str(tmp_path / "hf")]) == 0
+    warned_of_9(capsys.readouterr().err)
+    assert len(handed) == 1 and same_params(handed[0], want) and listing(run) == before
+
+    named = (rf"no intact checkpoint in {re.escape(str(run.absolute()))}/checkpoints "
+             r"\(damaged: 9: state/\S+ does not match its checksum\)")
+    with pytest.raises(CheckpointError, match=named):
+        load_run_params(run, step=9)
+    assert convert_main(["to-hf", str(run / "checkpoints/9"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(f"error: {named}", err[0]), err
+    assert len(handed) == 1  # the damaged step named reached no converter
+    assert listing(run) == before
+
+
+def test_the_checksum_covers_a_file_past_its_first_read_chunk(tmp_path):
+    """crc32 reads 16 MiB (1 << 24 bytes) at a time: a byte flipped past the first chunk of
+    a larger file is found. Reference: zlib.crc32 of the whole file."""
+    step = tmp_path / "7"
+    (step / "state").mkdir(parents=True)
+    (step / "model").mkdir()
+    (step / "model/metadata").write_text('{"d_model": 32}')
+    data = bytearray(rng.bytes((1 << 24) + int(rng.integers(1, 1 << 20))))
+    (step / "state/big").write_bytes(data)
+    write_manifest(step)
+    recorded = json.loads((step / MANIFEST).read_text())
+    assert recorded["state/big"] == [len(data), zlib.crc32(data)]
+    assert damage(step) is None
+    i = int(rng.integers(1 << 24, len(data)))
+    data[i] ^= 1 << int(rng.integers(8))
+    (step / "state/big").write_bytes(data)
+    assert damage(step) == "state/big does not match its checksum", i
+
+
+def test_taking_over_a_dead_holders_lock_names_the_new_holder(tmp_path):
+    """A process killed while it held the lock leaves its name in RUN_DIR/.lock; the next
+    run takes the lock over, names the dead holder, and the file then names this process
+    alone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import importlib.util, os, pathlib, signal, sys
+        spec = importlib.util.spec_from_file_location("lock", sys.argv[1])
+        lock = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(lock)
+        with lock.run_dir_lock(pathlib.Path(sys.argv[2])):
+            os.kill(os.getpid(), signal.SIGKILL)
+        """), str(REPO / "jaxformer/training/lock.py"), str(run)])
+    assert holder.wait(timeout=60) == -signal.SIGKILL
+    host = socket.gethostname()
+    assert (run / ".lock").read_text() == f"process {holder.pid} on {host}\n"  # left behind
+    said = []
+    with run_dir_lock(run, log=said.append):
+        held = (run / ".lock").read_text()
+    assert said == [f"{run}: taking over the lock of process {holder.pid} on {host}, which "
+                    "is no longer running"]
+    assert held == f"process {os.getpid()} on {socket.gethostname()}\n"
+    assert (run / ".lock").read_text() == ""  # emptied at a clean exit
+
+
+def test_a_worse_evaluation_after_a_resume_leaves_the_best(run9, corpus, tmp_path):  # noqa: F811
+    """best/ holds the lowest validation loss of the whole run, across resumes: resumed at
+    step 9 with a learning rate far too high, the evaluation at step 12 is worse than the
+    best before the resume, and best/ keeps that one."""
+    run = copy_of(run9, tmp_path)
+    vals = {r["step"]: r["val_loss"] for r in read_metrics(run) if "val_loss" in r}
+    best = min(vals, key=vals.get)
+    assert [p.name for p in (run / "best").iterdir()] == [str(best)]
+    summary = train(config(corpus, run, *RUN, "train.steps=12", "optim.lr=10"),
+                    log=lambda *a: None)
+    assert summary["start_step"] == 9
+    after = [r for r in read_metrics(run) if "val_loss" in r][len(vals):]
+    assert [r["step"] for r in after] == [12] and after[0]["val_loss"] > vals[best], after
+    assert [p.name for p in (run / "best").iterdir()] == [str(best)]
+    saved = json.loads((run / "best" / str(best) / "info/metadata").read_text())
+    assert saved == {"step": best, "val_loss": vals[best]}
+    assert damage(run / "best" / str(best)) is None

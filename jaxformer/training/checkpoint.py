@@ -95,14 +95,16 @@ def damage(step_dir: pathlib.Path) -> str | None:
 
 class Checkpointer:
     def __init__(self, run_dir: str | pathlib.Path, *, keep: int, async_save: bool = True,
-                 log=print):
+                 log=print, read_only: bool = False):
+        """read_only: for a reader of the run (generate, convert), which may run beside its
+        training: the half-written saves it finds are left to that run, not cleaned up."""
         run_dir = pathlib.Path(run_dir).absolute()
         self.async_save, self.log = async_save, log
-        self.latest = self._manager(run_dir / "checkpoints", keep)
-        self.best = self._manager(run_dir / "best", 1)
+        self.latest = self._manager(run_dir / "checkpoints", keep, read_only)
+        self.best = self._manager(run_dir / "best", 1, read_only)
 
     @staticmethod
-    def _manager(directory: pathlib.Path, max_to_keep: int):
+    def _manager(directory: pathlib.Path, max_to_keep: int, read_only: bool):
         saving = {}  # the step in flight: one at a time per manager
 
         def record_checksums():  # in orbax's commit thread, before the rename to the step
@@ -113,7 +115,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=record_checksums),
-            cleanup_tmp_directories=True, create=True)
+            cleanup_tmp_directories=not read_only, create=True)
         mngr = ocp.CheckpointManager(directory, options=options,
                                      item_names=("state", "model", "info"))
         mngr.saving = saving
