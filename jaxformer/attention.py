@@ -155,7 +155,7 @@ STRUCTURED = ("blockwise", "splash")  # backends that read the MaskRule a block 
 
 def takes_structure(impl: str, t: int, cached: bool) -> bool:
     """Whether attention over t queries runs a backend that reads the MaskRule and the
-    bias as (fn, params) a block at a time: blockwise or splash; with a KV cache only a
+    bias as a LogitBias a block at a time: blockwise or splash; with a KV cache only a
     prefill does (T > 1, blockwise over the cache): a decode step's [B, N, 1, S] is
     small, and cached_attention is faster for it."""
     return impl in STRUCTURED and (not cached or t > 1)
