@@ -325,14 +325,12 @@ def test_cache_is_reused_and_written_atomically(rng, tmp_path, monkeypatch):
     assert b"changed" in bytes(np.concatenate([changed.train, changed.val]).astype(np.uint8))
 
 
-def test_killed_tokenisation_leaves_a_folder_the_next_run_removes(rng, tmp_path, capsys):
-    """A writer killed with SIGKILL leaves its temporary folder; the next load removes it,
-    and keeps a live process's folder and another host's."""
+def killed_writer(final: str) -> tuple[str, int]:
+    """The temporary folder of `final` that a writer killed with SIGKILL left behind
+    (a child process makes it, writes half a file, and is killed), and its pid."""
     import signal
-    import socket
     import subprocess
     import sys
-    cache, final = tmp_path / "cache", str(tmp_path / "cache" / "tokens-abc")
     child = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time\n"
         "from jaxformer.data.tokens import _temporary\n"
@@ -342,16 +340,25 @@ def test_killed_tokenisation_leaves_a_folder_the_next_run_removes(rng, tmp_path,
     dead = child.stdout.readline().strip()
     child.send_signal(signal.SIGKILL)
     child.wait()
+    return dead, child.pid
+
+
+def test_killed_tokenisation_leaves_a_folder_the_next_run_removes(rng, tmp_path, capsys):
+    """A writer killed with SIGKILL leaves its temporary folder; the next load removes it,
+    and keeps a live process's folder and another host's."""
+    import socket
+    cache, final = tmp_path / "cache", str(tmp_path / "cache" / "tokens-abc")
+    dead, pid = killed_writer(final)
     assert os.path.isdir(dead)
     host = socket.gethostname()
     live = f"{final}.tmp-{host}-{os.getpid()}-{rng.bytes(4).hex()}"
-    other = f"{final}.tmp-not-{host}-{child.pid}-{rng.bytes(4).hex()}"
+    other = f"{final}.tmp-not-{host}-{pid}-{rng.bytes(4).hex()}"
     for folder in (live, other):
         os.makedirs(folder)
     (tmp_path / "hi.txt").write_text("hello, world")
     load_dataset(DataConfig(path=str(tmp_path / "hi.txt"), cache_dir=str(cache)))
     assert not os.path.exists(dead) and os.path.isdir(live) and os.path.isdir(other)
-    assert f"data: removed {dead}, left by process {child.pid}, which is gone" in \
+    assert f"data: removed {dead}, left by process {pid}, which is gone" in \
         capsys.readouterr().err
 
 
@@ -685,25 +692,14 @@ def test_prepare_removes_a_killed_prepares_folder_beside_out(rng, tmp_path, caps
     """A prepare killed with SIGKILL leaves its temporary folder beside out; the next
     prepare removes it (as load_dataset does in the cache), keeps a live process's folder
     and another host's, and writes out."""
-    import signal
     import socket
-    import subprocess
-    import sys
     from jaxformer.data.prepare import main
     out = str(tmp_path / "data" / "tokens")
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time\n"
-        "from jaxformer.data.tokens import _temporary\n"
-        f"tmp = _temporary({out!r}); os.makedirs(tmp)\n"
-        "open(os.path.join(tmp, 'train.bin'), 'wb').write(b'half')\n"
-        "print(tmp, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
-    dead = child.stdout.readline().strip()
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    dead, pid = killed_writer(out)
     assert os.path.isdir(dead) and os.path.dirname(dead) == os.path.dirname(out)
     host = socket.gethostname()
     live = f"{out}.tmp-{host}-{os.getpid()}-{rng.bytes(4).hex()}"
-    other = f"{out}.tmp-not-{host}-{child.pid}-{rng.bytes(4).hex()}"
+    other = f"{out}.tmp-not-{host}-{pid}-{rng.bytes(4).hex()}"
     for folder in (live, other):
         os.makedirs(folder)
     text = random_text(rng, int(rng.integers(100, 500)))

@@ -14,9 +14,8 @@ from jaxformer.config import POSITIONS, ConfigError
 from jaxformer.data import get_batch, load_dataset
 from jaxformer.experiments import positions as study
 from jaxformer.experiments.report import markdown_table, row_title, summarize
-from jaxformer.experiments.seeds import seed_slice
 from tests.conftest import REPO
-from tests.test_length_gen import separate_runs
+from tests.test_length_gen import assert_each_seed_trained_alone, separate_runs
 
 ROWS = ["rope", "rope+yarn", "learned", "alibi"]  # notebook 2 runs all five schemes
 
@@ -267,6 +266,4 @@ def test_each_vmapped_seed_trains_on_its_own_batches(corpus, tmp_path, rng):
                                    log=lambda *a: None)
     runs = separate_runs(cfg.model_config("alibi"), cfg.run.optim, cfg.run.train.steps, seeds,
                          batch)
-    for i, (alone, _) in enumerate(runs):
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
-                     seed_slice(params, i), alone)
+    assert_each_seed_trained_alone(params, runs)

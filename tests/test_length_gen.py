@@ -170,6 +170,13 @@ def separate_runs(mcfg, optim, steps: int, seeds, batch):
     return runs
 
 
+def assert_each_seed_trained_alone(params, runs):
+    """Seed i's slice of vmapped params equals the params of separate_runs' run i."""
+    for i, (alone, _) in enumerate(runs):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+                     seed_slice(params, i), alone)
+
+
 def task_batches(cfg: length_gen.LengthGenConfig, task: str):
     """batch(seed, step): the training batch the study documents for a seed, drawn here."""
     t = cfg.run.train
@@ -231,6 +238,4 @@ def test_each_vmapped_seed_trains_on_its_own_batches(rng):
                                       log=lambda *a: None)
     runs = separate_runs(cfg.model_config("alibi"), cfg.run.optim, cfg.run.train.steps, seeds,
                          batch)
-    for i, (alone, _) in enumerate(runs):
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
-                     seed_slice(params, i), alone)
+    assert_each_seed_trained_alone(params, runs)
