@@ -1,7 +1,7 @@
 """Attention backends side by side: compile seconds, forward and forward+backward time,
 and temporary bytes, for causal self-attention in [batch, seq, heads, head_dim] layout,
 each handed the mask as the model hands it: a jaxformer.masks.MaskRule by index
-(jaxformer.attention.rule_attention), which blockwise and splash read a block at a time,
+(jaxformer.backends.rule_attention), which blockwise and splash read a block at a time,
 xla and cudnn as is_causal, and reference and chunked as the rule's mask array.
 
     python bench/attention.py [--batch 4] [--seq 512 1024] [--heads 8] [--kv-heads 8 2]
@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxformer import attention
+from jaxformer import chunked
 from jaxformer.attention import resolve_impl, rule_attention
 from jaxformer.masks import MaskRule
 
@@ -54,7 +54,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--impls", nargs="+", default=["reference", "xla", "chunked", "blockwise"])
-    p.add_argument("--chunk", type=int, nargs="+", default=[attention.CHUNK])
+    p.add_argument("--chunk", type=int, nargs="+", default=[chunked.CHUNK])
     p.add_argument("--repeats", type=int, default=20)
     a = p.parse_args()
 
@@ -77,7 +77,7 @@ def main():
             runs = [(impl, None) for impl in a.impls if impl != "chunked"]
             runs += [("chunked", c) for c in a.chunk if "chunked" in a.impls]
             for impl, chunk in runs:
-                attention.CHUNK = chunk or attention.CHUNK  # read when traced
+                chunked.CHUNK = chunk or chunked.CHUNK  # read when traced
                 name = impl if chunk is None else f"chunked/{chunk}"
 
                 def fwd(q, k, v, rule, impl=impl):

@@ -153,6 +153,33 @@ def _forward(st: _Static, q, k, v, rule: MaskRule, params):
     return out, (q, k, v, rule, params, out, lse)
 
 
+def _zeros(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def _block_grads(st: _Static, q_i, do_i, lse_i, delta_i, k, v, rule, params, i, j):
+    """Query block i's and key block j's share of the gradients: (dq_i, dk_j, dv_j, the
+    bias params'), from the logits recomputed and the saved row log-sum-exp."""
+    f32 = jnp.float32
+    v_j = jax.lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
+    k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
+    if st.bias_fn is None:
+        logits = _block_logits(st, q_i, k_j, rule, params, i, j)
+    else:
+        logits, pull = jax.vjp(lambda p: _block_logits(st, q_i, k_j, rule, p, i, j), params)
+    p = jnp.exp(logits - lse_i[..., None])  # 0 where masked or the row has no key
+    dv_j = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(v.dtype), do_i.astype(v.dtype),
+                      preferred_element_type=f32)
+    dp = jnp.einsum("bkgqh,bksh->bkgqs", do_i.astype(v.dtype), v_j, preferred_element_type=f32)
+    ds = p * (dp - delta_i[..., None])  # d logits (after scale and bias)
+    d_bias = _zeros(params) if st.bias_fn is None else \
+        jax.tree.map(lambda b: b.astype(f32), pull(ds)[0])
+    ds_q = (ds * f32(st.scale)).astype(q_i.dtype)
+    dq_j = jnp.einsum("bkgqs,bksh->bkgqh", ds_q, k_j, preferred_element_type=f32)
+    dk_j = jnp.einsum("bkgqs,bkgqh->bksh", ds_q, q_i, preferred_element_type=f32)
+    return dq_j, dk_j, dv_j, d_bias
+
+
 def _backward(st: _Static, res, d_out):
     """Per block, with P = exp(logits - lse): dV += P^T dO, dS = P (dO V^T - rowsum(dO O)),
     dQ += scale dS K, dK += scale dS^T Q, and the bias parameters get dS through bias_fn."""
@@ -160,7 +187,6 @@ def _backward(st: _Static, res, d_out):
     f32 = jnp.float32
     n_q, n_k = q.shape[3] // st.bq, k.shape[2] // st.bk
     delta = jnp.sum(d_out * out, axis=-1)  # [B, K, G, Tp]
-    zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, f32), tree)  # noqa: E731
 
     def query_block(carry, i):
         dk, dv, dparams = carry
@@ -168,25 +194,7 @@ def _backward(st: _Static, res, d_out):
         q_i, do_i, lse_i, delta_i = take(q), take(d_out), take(lse), take(delta)
 
         def visit(j):  # this block's share of dq_i, dk, dv and the bias params' grads
-            v_j = jax.lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
-            k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
-            if st.bias_fn is None:
-                logits = _block_logits(st, q_i, k_j, rule, params, i, j)
-            else:
-                logits, pull = jax.vjp(lambda p: _block_logits(st, q_i, k_j, rule, p, i, j),
-                                       params)
-            p = jnp.exp(logits - lse_i[..., None])  # 0 where masked or the row has no key
-            dv_j = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(v.dtype), do_i.astype(v.dtype),
-                              preferred_element_type=f32)
-            dp = jnp.einsum("bkgqh,bksh->bkgqs", do_i.astype(v.dtype), v_j,
-                            preferred_element_type=f32)
-            ds = p * (dp - delta_i[..., None])  # d logits (after scale and bias)
-            d_bias = zeros(params) if st.bias_fn is None else \
-                jax.tree.map(lambda b: b.astype(f32), pull(ds)[0])
-            ds_q = (ds * f32(st.scale)).astype(q.dtype)
-            dq_j = jnp.einsum("bkgqs,bksh->bkgqh", ds_q, k_j, preferred_element_type=f32)
-            dk_j = jnp.einsum("bkgqs,bkgqh->bksh", ds_q, q_i, preferred_element_type=f32)
-            return dq_j, dk_j, dv_j, d_bias
+            return _block_grads(st, q_i, do_i, lse_i, delta_i, k, v, rule, params, i, j)
 
         def skip(j):
             return jax.tree.map(jnp.zeros_like, jax.eval_shape(visit, j))
@@ -208,7 +216,7 @@ def _backward(st: _Static, res, d_out):
         return (dk, dv, dparams), dq_i
 
     (dk, dv, dparams), dq = jax.lax.scan(
-        query_block, (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32), zeros(params)),
+        query_block, (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32), _zeros(params)),
         jnp.arange(n_q))
     dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
     dparams = jax.tree.map(lambda d, x: d.astype(x.dtype), dparams, params)

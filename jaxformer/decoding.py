@@ -1,14 +1,9 @@
 """KV-cached decoding: one prefill forward over the prompt batch, then a fixed-length
 jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p and beam search.
 
-The cache is an explicit pytree: ``layers`` laid out like the params, per layer
-(``block_i``) or stacked along a leading layer axis (``blocks``, with scan_layers), each
-holding ``k`` and ``v`` [batch * n_kv_heads, max_len, head_dim] (row b * n_kv_heads + h:
-batch row b's head h; see jaxformer.attention.cached_attention); ``positions`` [batch,
-max_len], the position of the token in each slot (EMPTY_SLOT for none, e.g. a prompt's
-padding); and ``index``, the next slot to write. Every row writes its next token into the
-same slot, so rows with prompts of different lengths decode together, each at its own
-positions, and the cache is updated in place.
+The cache (its layout, writes and reads: jaxformer.kv_cache) is an explicit pytree
+updated in place; every row writes its next token into the same slot, so rows with
+prompts of different lengths decode together, each at its own positions.
 """
 
 from __future__ import annotations
@@ -22,27 +17,8 @@ import numpy as np
 
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
-from jaxformer.model import EMPTY_SLOT, Transformer, unstack_layers
-
-
-def kv_cache_bytes(cfg: ModelConfig, batch: int, seq_len: int, dtype=None) -> int:
-    """2 (K and V) * layers * kv_heads * head_dim * seq_len * bytes per value, per batch row."""
-    itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * seq_len * itemsize * batch
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
-    """An empty cache for `batch` rows of up to `max_len` tokens."""
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch * cfg.n_kv_heads, max_len, cfg.head_dim)  # see cached_attention
-    if cfg.scan_layers:
-        layers = {"blocks": {"k": jnp.zeros((cfg.n_layers, *shape), dtype),
-                             "v": jnp.zeros((cfg.n_layers, *shape), dtype)}}
-    else:
-        layers = {f"block_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-                  for i in range(cfg.n_layers)}
-    return {"layers": layers, "positions": jnp.full((batch, max_len), EMPTY_SLOT, jnp.int32),
-            "index": jnp.zeros([], jnp.int32)}
+from jaxformer.kv_cache import init_cache, kv_cache_bytes  # noqa: F401
+from jaxformer.model import Transformer, unstack_layers
 
 
 class Generated(NamedTuple):

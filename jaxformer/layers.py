@@ -94,13 +94,14 @@ class Block(nn.Module):
     cfg: ModelConfig
     deterministic: bool = True
     scanned: bool = False
+    impl: str | None = None  # the attention backend the model chose for this forward
 
     @nn.compact
     def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None):
         """Returns x, or (x, updated cache) when a KV cache is given (always a pair when
         scanned: nn.scan's carry and per-layer output)."""
         c = self.cfg
-        attn = Attention(c, self.deterministic, name="attn")
+        attn = Attention(c, self.deterministic, self.impl, name="attn")
         ffn = FeedForward(c, self.deterministic, name="ffn")
         attn_norm, ffn_norm = make_norm(c, "attn_norm"), make_norm(c, "ffn_norm")
 

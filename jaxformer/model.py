@@ -13,17 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.attention import (PositionBias, dense_bias, dense_init, resolve_impl,
-                                 takes_structure)
-from jaxformer.masks import MaskRule
+from jaxformer import kv_cache
+from jaxformer.attention import dense_init
+from jaxformer.backends import resolve_impl, takes_structure
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
 from jaxformer.layers import Block, apply_norm, make_norm
+from jaxformer.masks import MaskRule
 from jaxformer.matmul import flat_dot_general
-from jaxformer.positions import sinusoidal
+from jaxformer.schemes import POSITION_SCHEMES, PositionBias, dense_bias
 from jaxformer.sharding import constrain, init_with_names
-
-EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
 
 head_dot = functools.partial(flat_dot_general, preferred_element_type=jnp.float32)  # f32 logits
 
@@ -33,30 +32,20 @@ REMAT_POLICIES = {
 }
 
 
-def block_stack(cfg: ModelConfig, deterministic: bool):
-    """The Block class as the config wants it run: rematerialised and/or scanned."""
+def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
+    """The Block class as the config wants it run (rematerialised and/or scanned), with
+    the attention backend `impl` chosen for this forward."""
     block = Block
     if cfg.remat != "none":
         block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
-        return [block(cfg, deterministic, name=f"block_{i}") for i in range(cfg.n_layers)]
+        return [block(cfg, deterministic, impl=impl, name=f"block_{i}")
+                for i in range(cfg.n_layers)]
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True,
                       "dropout": True}, metadata_params={nn.PARTITION_NAME: "layers"},
                       in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
                       length=cfg.n_layers)  # positions, mask, bias, cache (per layer), index
-    return scanned(cfg, deterministic, scanned=True, name="blocks")
-
-
-def sinusoidal_terms(x, positions, cfg: ModelConfig):
-    """Token embeddings x [B, T, D] and the sinusoidal table, scaled as
-    cfg.sinusoidal_scale says; the input is their sum."""
-    table = sinusoidal(positions, cfg.d_model, dtype=jnp.float32)
-    root = jnp.float32(np.sqrt(cfg.d_model))
-    if cfg.sinusoidal_scale == "table":
-        table = table / root
-    elif cfg.sinusoidal_scale == "tokens":
-        x = x * root.astype(x.dtype)
-    return x, table.astype(x.dtype)
+    return scanned(cfg, deterministic, scanned=True, impl=impl, name="blocks")
 
 
 class Transformer(nn.Module):
@@ -79,7 +68,7 @@ class Transformer(nn.Module):
                  cache=None):
         """tokens [B, T] -> logits [B, T, V] float32.
 
-        With a KV cache (``jaxformer.decoding.init_cache``) the tokens are the next ones of
+        With a KV cache (``jaxformer.kv_cache.init_cache``) the tokens are the next ones of
         each row, at the given positions: their keys/values are written into the cache's
         next T slots (``cache["index"]``), with ``cache["positions"]`` [B, S] recording each
         slot's position (segment id 0 marks a token as padding: never attended to).
@@ -93,10 +82,11 @@ class Transformer(nn.Module):
         if positions is None:  # with a cache: the tokens after those already in it
             start = 0 if cache is None else cache["index"]
             positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-        if c.position == "learned" and t > c.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={c.max_seq_len}, the size "
-                             "of the learned position table; use a shorter input or another "
-                             "position scheme")
+        longest = POSITION_SCHEMES[c.position].max_length
+        if longest is not None and t > longest(c):
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={c.max_seq_len}, the "
+                             f"longest position={c.position!r} encodes (its table's size); use "
+                             "a shorter input or another position scheme")
 
         embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=init_with_names(dense_init(), "vocab", "embed"),
@@ -106,9 +96,7 @@ class Transformer(nn.Module):
         k_positions, k_segments, index, layers = positions, segment_ids, None, None
         if cache is not None:  # keys are the cache's slots; padding slots hold EMPTY_SLOT
             index, layers = cache["index"], cache["layers"]
-            new = positions if segment_ids is None else \
-                jnp.where(segment_ids != 0, positions, EMPTY_SLOT)
-            k_positions = jax.lax.dynamic_update_slice(cache["positions"], new, (0, index))
+            k_positions = kv_cache.key_positions(cache, positions, segment_ids)
             k_segments = segment_ids = None
         bias = PositionBias(c, name="position_bias")()  # a LogitBias, or None
         impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim, position=c.position,
@@ -117,8 +105,7 @@ class Transformer(nn.Module):
                         is_causal=cache is None, by_index=by_index)
         if not takes_structure(impl, t, cached=cache is not None):  # once, for every layer
             bias = dense_bias(bias, positions, k_positions)  # [B|1, N, T, S]
-        c = c.replace(attention_impl=impl)  # the blocks run the backend chosen here
-        blocks = block_stack(c, deterministic)
+        blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
         if c.scan_layers:
             x, stacked = blocks(x, positions, mask, bias, layers and layers["blocks"], index)
             layers = layers and {"blocks": stacked}
@@ -130,7 +117,7 @@ class Transformer(nn.Module):
                     x, layer = block(x, positions, mask, bias, layers[block.name], index)
                     layers = {**layers, block.name: layer}
         if cache is not None:
-            cache = {"layers": layers, "positions": k_positions, "index": index + t}
+            cache = kv_cache.advanced(cache, layers, k_positions, t)
 
         logits = self.logits(embed, x)
         return logits if cache is None else (logits, cache)
@@ -141,14 +128,10 @@ class Transformer(nn.Module):
         # the lookup reads the table gathered over fsdp (vocab stays split over tensor)
         x = jnp.take(constrain(embed.embedding, "vocab", "act_embed"), tokens, axis=0)
         x = hook_point(self, "hook_embed", x.astype(c.dtype))
-        if c.position == "learned":
-            x = x + hook_point(self, "hook_pos_embed", nn.Embed(
-                c.max_seq_len, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
-                embedding_init=init_with_names(dense_init(0.01), "table", "embed"),
-                name="pos_embed")(positions))
-        elif c.position == "sinusoidal":
-            x, table = sinusoidal_terms(x, positions, c)
-            x = x + hook_point(self, "hook_pos_embed", table)
+        embed_positions = POSITION_SCHEMES[c.position].embed
+        if embed_positions is not None:  # an absolute scheme: terms added to the input
+            x, terms = embed_positions(self, c, x, positions)
+            x = x + hook_point(self, "hook_pos_embed", terms)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         return constrain(x, "act_batch", "act_seq", "act_embed")
 

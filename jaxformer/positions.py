@@ -16,13 +16,16 @@ packed, padded and cached sequences all get the right ones:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import RopeScaling
+from jaxformer.validation import ConfigError, Section, check_choice, check_number
+
+ROPE_SCALINGS = ("none", "linear", "ntk", "yarn", "llama3")
 
 
 def sinusoidal(positions, d_model: int, *, base: float = 10000.0, dtype=jnp.float32):
@@ -52,6 +55,47 @@ def segment_positions(segment_ids):
 
 
 # ---- RoPE -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling(Section):
+    """How RoPE frequencies are stretched to reach past the training length.
+
+    kind: none | linear (positions / factor) | ntk (theta * factor^(d/(d-2))) |
+      yarn (Peng et al. 2023, per-frequency ramp + attention temperature) |
+      llama3 (Meta's Llama 3.1 wavelength-band rule).
+    original_max_seq_len: the length the model was trained at (yarn, llama3);
+      None means ModelConfig.max_seq_len.
+    """
+
+    kind: str = "none"
+    factor: float = 1.0
+    original_max_seq_len: int | None = None
+    low_freq_factor: float = 1.0      # llama3
+    high_freq_factor: float = 4.0     # llama3
+    beta_fast: float = 32.0           # yarn
+    beta_slow: float = 1.0            # yarn
+    attention_factor: float | None = None  # yarn; None = 0.1 * ln(factor) + 1
+
+    def __post_init__(self):
+        o = "rope_scaling"
+        check_choice(o, "kind", self.kind, ROPE_SCALINGS)
+        check_number(o, "factor", self.factor, float, low=0, low_open=True)
+        if self.kind in ("ntk", "yarn", "llama3") and self.factor < 1:
+            raise ConfigError(f"rope_scaling.factor={self.factor} must be >= 1 for kind={self.kind}")
+        check_number(o, "original_max_seq_len", self.original_max_seq_len, int, low=1, optional=True)
+        check_number(o, "low_freq_factor", self.low_freq_factor, float, low=0, low_open=True)
+        check_number(o, "high_freq_factor", self.high_freq_factor, float, low=0, low_open=True)
+        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError("rope_scaling.high_freq_factor must be > low_freq_factor "
+                              f"(got {self.high_freq_factor} <= {self.low_freq_factor})")
+        check_number(o, "beta_fast", self.beta_fast, float, low=0, low_open=True)
+        check_number(o, "beta_slow", self.beta_slow, float, low=0, low_open=True)
+        check_number(o, "attention_factor", self.attention_factor, float, low=0, low_open=True,
+                      optional=True)
+
+    SECTION = "rope_scaling"
+
+
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0,
                      scaling: RopeScaling | None = None) -> tuple[np.ndarray, float]:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxformer.config import ConfigError
+from jaxformer.validation import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

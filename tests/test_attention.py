@@ -13,9 +13,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxformer import attention
+from jaxformer import backends, chunked
 from jaxformer.attention import (
-    IMPLS,
     attention_weights,
     causal_mask,
     dot_product_attention,
@@ -26,7 +25,8 @@ from jaxformer.attention import (
     sliding_window_mask,
 )
 
-BACKENDS = ["reference", "xla", "chunked", "blockwise"]
+# every backend that takes arrays and runs here (the table: a new entry is tested)
+BACKENDS = [n for n in backends.backends_here() if backends.BACKENDS[n].arrays is not None]
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ MASK_KINDS = [
 def small_chunks(monkeypatch):
     """Causal blocks of 3 query rows, so the chunked backend's block edges fall inside the
     short test sequences (8 keys: blocks of 3, 3 and 2)."""
-    monkeypatch.setattr(attention, "CHUNK", 3)
+    monkeypatch.setattr(chunked, "CHUNK", 3)
 
 
 # ---- float64 NumPy definitions -----------------------------------------------------
@@ -774,7 +774,8 @@ def test_unknown_impl_raises_naming_allowed_values(rng):
 
 
 def test_resolve_impl():
-    assert set(IMPLS) == {"auto", "reference", "xla", "cudnn", "chunked", "blockwise", "splash"}
+    assert {backends.AUTO, *backends.BACKENDS} == {"auto", "reference", "xla", "cudnn", "chunked",
+                                                   "blockwise", "splash"}
     for impl in ("reference", "xla", "cudnn", "chunked", "blockwise"):
         assert resolve_impl(impl, jnp.float32, 64) == impl
     backend = jax.default_backend()
@@ -786,8 +787,8 @@ def test_resolve_impl():
 
 
 def test_auto_goes_blockwise_past_the_dense_budget_and_says_why(capsys, monkeypatch):
-    monkeypatch.setattr(attention, "_EXPLAINED", set())
-    budget = attention.DENSE_LOGITS_BYTES
+    monkeypatch.setattr(backends, "_EXPLAINED", set())
+    budget = backends.DENSE_LOGITS_BYTES
     assert resolve_impl("auto", jnp.float32, 64, logits_bytes=budget) != "blockwise"
     for _ in range(2):
         assert resolve_impl("auto", jnp.float32, 64, logits_bytes=budget + 4) == "blockwise"
@@ -799,8 +800,8 @@ def test_auto_goes_blockwise_past_the_dense_budget_and_says_why(capsys, monkeypa
 def test_auto_by_platform_scheme_and_length(capsys, monkeypatch):
     """TPU: splash, or blockwise for a bias scheme; GPU: cuDNN for 16-bit inputs, but
     blockwise once a bias scheme's dense bias passes the budget; each choice explained."""
-    monkeypatch.setattr(attention, "_EXPLAINED", set())
-    big = attention.DENSE_LOGITS_BYTES + 4
+    monkeypatch.setattr(backends, "_EXPLAINED", set())
+    big = backends.DENSE_LOGITS_BYTES + 4
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert resolve_impl("auto", jnp.bfloat16, 64, position="rope") == "splash"
     assert resolve_impl("auto", jnp.float32, 64, position="none", logits_bytes=big) == "splash"

@@ -12,13 +12,15 @@ import pytest
 from scipy import stats
 
 import jaxformer
+from jaxformer.backends import backends_here
+from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer import ModelConfig, Transformer
 from jaxformer.decoding import (beam_search, filter_logits, generate, init_cache, kv_cache_bytes,
                                 sample_logits)
 from tests.conftest import np_log_softmax
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
-SCHEMES = ["rope", "alibi", "sinusoidal", "learned", "none", "t5", "fire"]
+SCHEMES = list(POSITION_SCHEMES)  # the table: a new scheme is tested by being added
 # (n_kv_heads, scan_layers, block): an orthogonal array, so every pair of settings meets
 # every position scheme (5 x 4 cases instead of the full 5 x 8)
 COMBOS = [(4, False, "pre_ln"), (4, True, "post_ln"), (2, False, "post_ln"), (2, True, "pre_ln")]
@@ -486,7 +488,7 @@ def test_blockwise_prefill_over_the_cache(position, kv, window, monkeypatch):
     assert _buffers_of(prefill(ref), params, x, t=t)
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked", "blockwise", "splash"])
+@pytest.mark.parametrize("impl", [n for n in backends_here() if n != "reference"])
 def test_every_backend_decodes_like_the_reference(impl):
     """KV-cached decoding with each attention_impl (prefill and steps through the cache:
     blockwise over it for blockwise and splash, cached_attention otherwise) gives the

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.config import POSITIONS, ConfigError
+from jaxformer.config import ConfigError
+from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.data import get_batch, load_dataset
 from jaxformer.experiments import positions as study
 from jaxformer.experiments.report import markdown_table, row_title, summarize
@@ -127,9 +128,9 @@ def test_perplexity_is_the_mean_over_windows_of_each_length():
 def test_long_windows_are_scored_blockwise_as_dense(position, monkeypatch, capsys):
     """Past the dense budget (made small here) auto scores a window with blockwise
     attention, the bias a block at a time, and the perplexity is the reference backend's."""
-    from jaxformer import attention, blockwise
-    monkeypatch.setattr(attention, "_EXPLAINED", set())
-    monkeypatch.setattr(attention, "DENSE_LOGITS_BYTES", 4 * 2 * 2 * 40 * 40 - 1)
+    from jaxformer import backends, blockwise
+    monkeypatch.setattr(backends, "_EXPLAINED", set())
+    monkeypatch.setattr(backends, "DENSE_LOGITS_BYTES", 4 * 2 * 2 * 40 * 40 - 1)
     monkeypatch.setattr(blockwise, "BLOCK_Q", 16)
     monkeypatch.setattr(blockwise, "BLOCK_K", 8)
     cfg = ModelConfig(d_model=24, n_layers=2, n_heads=2, max_seq_len=64, position=position)
@@ -166,7 +167,7 @@ def test_eval_config_scales_rope_by_the_length_multiple():
 @pytest.mark.parametrize("name", ["positions", "gpu"])
 def test_shipped_configs_load(name):
     cfg = study.load_study_config(str(REPO / f"configs/experiments/{name}.yaml"))
-    assert set(cfg.study.schemes) == set(POSITIONS)  # every scheme
+    assert set(cfg.study.schemes) == set(POSITION_SCHEMES)  # every scheme
     assert [n // cfg.run.train.seq_len for n in cfg.eval_lengths] == [1, 2, 4, 8, 16, 32]
     assert cfg.model_config("learned").max_seq_len == cfg.run.train.seq_len
     assert cfg.model_config("alibi").max_seq_len == 32 * cfg.run.train.seq_len

@@ -27,11 +27,24 @@ import yaml
 RUNTIME_FIELDS = ("dtype", "scan_layers", "remat", "attention_impl", "dropout")
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+def _run_config(cfg, run: pathlib.Path, has_tokenizer: bool, overrides):
+    """The converted run's config: the model as converted, the overrides on top; an
+    override that changes what the weights mean is refused."""
+    from jaxformer.config import ConfigError
+    from jaxformer.training.config import RunConfig, parse_overrides
+    from jaxformer.validation import merge
+
+    data = {"tokenizer": str(run / "tokenizer.json")} if has_tokenizer else {}
+    base = {"model": cfg.to_dict(), "data": data,
+            "train": {"run_dir": str(run), "seq_len": min(256, cfg.max_seq_len)}}
+    run_cfg = RunConfig.from_dict(merge(base, parse_overrides(list(overrides))))
+    changed = [f.name for f in dataclasses.fields(cfg) if f.name not in RUNTIME_FIELDS
+               and getattr(run_cfg.model, f.name) != getattr(cfg, f.name)]
+    if changed:
+        raise ConfigError(f"model.{', model.'.join(changed)} would no longer match the "
+                          "converted weights; from-hf overrides may set "
+                          f"model.{', model.'.join(RUNTIME_FIELDS)}")
+    return run_cfg
 
 
 def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_layers=False,
@@ -45,7 +58,6 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     from jaxformer.data import ByteTokenizer
     from jaxformer.model import count_params, stack_layers, unstack_layers
     from jaxformer.training.checkpoint import Checkpointer
-    from jaxformer.training.config import RunConfig, parse_overrides
     from jaxformer.training.optim import make_optimizer
     from jaxformer.training.step import TrainState
 
@@ -60,16 +72,7 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     log(yaml.safe_dump({"model": cfg.to_dict()}, sort_keys=False).rstrip())
 
     tokenizer = pathlib.Path(hf_dir) / "tokenizer.json"
-    data = {"tokenizer": str(run / "tokenizer.json")} if tokenizer.is_file() else {}
-    base = {"model": cfg.to_dict(), "data": data,
-            "train": {"run_dir": str(run), "seq_len": min(256, cfg.max_seq_len)}}
-    run_cfg = RunConfig.from_dict(_merge(base, parse_overrides(list(overrides))))
-    changed = [f.name for f in dataclasses.fields(cfg) if f.name not in RUNTIME_FIELDS
-               and getattr(run_cfg.model, f.name) != getattr(cfg, f.name)]
-    if changed:
-        raise ConfigError(f"model.{', model.'.join(changed)} would no longer match the "
-                          "converted weights; from-hf overrides may set "
-                          f"model.{', model.'.join(RUNTIME_FIELDS)}")
+    run_cfg = _run_config(cfg, run, tokenizer.is_file(), overrides)
     if run_cfg.model.scan_layers != cfg.scan_layers:
         params = stack_layers(params, cfg.n_layers) if run_cfg.model.scan_layers \
             else unstack_layers(params)

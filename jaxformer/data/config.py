@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
 
-from jaxformer.config import ConfigError, _check_choice, _check_number, _from_mapping
+from jaxformer.validation import ConfigError, Section, check_choice, check_number
 
 TOKENIZERS = ("bytes", "bpe")
 BIN_DTYPES = ("uint16", "uint32")
@@ -17,7 +16,7 @@ class DataError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Section):
     """Every choice of the data pipeline.
 
     path: None = the default corpus (the Python standard library's own .py source);
@@ -66,22 +65,13 @@ class DataConfig:
             raise ConfigError(f"data.tokenizer={self.tokenizer!r} is not one of "
                               f"{', '.join(TOKENIZERS)}, a path to a tokenizer.json, "
                               "or a folder holding one")
-        _check_number(o, "bpe_vocab_size", self.bpe_vocab_size, int, low=257, high=2**32)
-        _check_number(o, "bpe_train_bytes", self.bpe_train_bytes, int, low=1)
-        _check_number(o, "val_fraction", self.val_fraction, float, low=0, high=1, high_open=True)
+        check_number(o, "bpe_vocab_size", self.bpe_vocab_size, int, low=257, high=2**32)
+        check_number(o, "bpe_train_bytes", self.bpe_train_bytes, int, low=1)
+        check_number(o, "val_fraction", self.val_fraction, float, low=0, high=1, high_open=True)
         if not isinstance(self.text_field, str) or not self.text_field:
             raise ConfigError(f"data.text_field={self.text_field!r} must be a non-empty string")
-        _check_choice(o, "bin_dtype", self.bin_dtype, BIN_DTYPES)
+        check_choice(o, "bin_dtype", self.bin_dtype, BIN_DTYPES)
         if not isinstance(self.pack, bool):
             raise ConfigError(f"data.pack={self.pack!r} must be true or false")
 
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "DataConfig":
-        """Build from a plain mapping (YAML, JSON); unknown keys are an error."""
-        return _from_mapping(cls, values, "data")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def replace(self, **changes) -> "DataConfig":
-        return _from_mapping(type(self), {**self.to_dict(), **changes}, "data")
+    SECTION = "data"  # from_dict, to_dict, replace: jaxformer.validation.Section

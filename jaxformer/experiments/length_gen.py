@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import POSITIONS, ConfigError, ModelConfig, RopeScaling
+from jaxformer.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.experiments import tasks
 from jaxformer.experiments.length_gen_report import summarize, write_outputs
-from jaxformer.experiments.positions_config import (TRAIN_KEYS, check_run_sections,
+from jaxformer.experiments.positions_config import (check_run_sections, study_dict,
                                                     check_settings, read_sections,
                                                     settings_from_dict, study_main)
 from jaxformer.experiments.seeds import train_seeds
@@ -65,7 +66,7 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1  # the training and evaluation examples' random
 @dataclasses.dataclass(frozen=True)
 class LengthGenSettings:
     """tasks: from jaxformer.experiments.tasks.TASKS; one model each per scheme and seed.
-    schemes: the model.position values compared (default: all of jaxformer.config.POSITIONS).
+    schemes: the model.position values compared (default: every entry of jaxformer.schemes.POSITION_SCHEMES).
     train_max_len: training examples have 1..train_max_len input symbols, uniformly.
     eval_lengths: the input lengths scored (the same examples for every scheme and seed).
     eval_examples: examples scored at each length.
@@ -76,7 +77,7 @@ class LengthGenSettings:
     """
 
     tasks: tuple[str, ...] = tasks.TASKS
-    schemes: tuple[str, ...] = POSITIONS
+    schemes: tuple[str, ...] = tuple(POSITION_SCHEMES)
     train_max_len: int = 8
     eval_lengths: tuple[int, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24)
     eval_examples: int = 100
@@ -87,9 +88,9 @@ class LengthGenSettings:
 
     def __post_init__(self):
         if not self.tasks or not self.schemes:
-            name, allowed = ("tasks", tasks.TASKS) if not self.tasks else ("schemes", POSITIONS)
+            name, allowed = ("tasks", tasks.TASKS) if not self.tasks else ("schemes", tuple(POSITION_SCHEMES))
             raise ConfigError(f"study.{name} is empty; choose from {', '.join(allowed)}")
-        check_settings(self, choices={"tasks": tasks.TASKS, "schemes": POSITIONS},
+        check_settings(self, choices={"tasks": tasks.TASKS, "schemes": tuple(POSITION_SCHEMES)},
                        increasing=("eval_lengths",),
                        positive=("train_max_len", "eval_examples", "eval_batch_tokens", "seeds"))
 
@@ -115,7 +116,7 @@ class LengthGenConfig:
         longest = max(tasks.example_tokens(t, self.study.eval_lengths[-1]) - 1
                       for t in self.study.tasks)
         row = self.run.train.seq_len
-        return row if scheme == "learned" else max(row, longest)
+        return row if POSITION_SCHEMES[scheme].max_length is not None else max(row, longest)
 
     def model_config(self, scheme: str) -> ModelConfig:
         return self.run.model.replace(position=scheme, rope_scaling=RopeScaling(),
@@ -123,9 +124,7 @@ class LengthGenConfig:
                                       max_seq_len=self.row_len(scheme))
 
     def to_dict(self) -> dict[str, Any]:
-        run = self.run.to_dict()
-        return {"study": dataclasses.asdict(self.study), "model": run["model"],
-                "optim": run["optim"], "train": {k: run["train"][k] for k in TRAIN_KEYS}}
+        return study_dict(self.study, self.run, ("model", "optim"))
 
 
 def load_config(path: str | None = None, overrides=()) -> LengthGenConfig:

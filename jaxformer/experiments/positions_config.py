@@ -12,9 +12,12 @@ import re
 import sys
 from typing import Any, Mapping
 
-from jaxformer.config import (POSITIONS, ROPE_SCALINGS, ConfigError, ModelConfig, RopeScaling,
-                              _check_choice, _check_number)
-from jaxformer.training.config import RunConfig, _coerce, read_config_file
+from jaxformer.config import ConfigError, ModelConfig
+from jaxformer.positions import ROPE_SCALINGS, RopeScaling
+from jaxformer.schemes import POSITION_SCHEMES
+from jaxformer.validation import check_choice, check_number
+from jaxformer.training.config import RunConfig
+from jaxformer.validation import coerce, read_config_file
 
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")
@@ -44,7 +47,7 @@ class StudySettings:
     progress: print progress lines while it runs.
     """
 
-    schemes: tuple[str, ...] = POSITIONS
+    schemes: tuple[str, ...] = tuple(POSITION_SCHEMES)
     eval_multiples: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     rope_scaling: tuple[str, ...] = ("yarn",)
     eval_tokens: int = 32768
@@ -54,11 +57,11 @@ class StudySettings:
     progress: bool = True
 
     def __post_init__(self):
-        check_settings(self, choices={"schemes": POSITIONS, "rope_scaling": ROPE_SCALINGS[1:]},
+        check_settings(self, choices={"schemes": tuple(POSITION_SCHEMES), "rope_scaling": ROPE_SCALINGS[1:]},
                        increasing=("eval_multiples",),
                        positive=("eval_tokens", "eval_batch_tokens", "seeds"))
         if not self.schemes:
-            raise ConfigError(f"study.schemes is empty; choose from {', '.join(POSITIONS)}")
+            raise ConfigError(f"study.schemes is empty; choose from {', '.join(POSITION_SCHEMES)}")
 
 
 def check_settings(settings, *, choices: Mapping[str, tuple[str, ...]],
@@ -68,7 +71,7 @@ def check_settings(settings, *, choices: Mapping[str, tuple[str, ...]],
     for name, allowed in choices.items():
         values = getattr(settings, name)
         for value in values:
-            _check_choice("study", name, value, allowed)
+            check_choice("study", name, value, allowed)
         if len(set(values)) != len(values):
             raise ConfigError(f"study.{name}={list(values)} names a value twice")
     for name in increasing:
@@ -76,11 +79,11 @@ def check_settings(settings, *, choices: Mapping[str, tuple[str, ...]],
         if not values:
             raise ConfigError(f"study.{name} is empty; e.g. [1, 2, 4, 8]")
         for v in values:
-            _check_number("study", name, v, int, low=1)
+            check_number("study", name, v, int, low=1)
         if list(values) != sorted(set(values)):
             raise ConfigError(f"study.{name}={list(values)} must increase")
     for name in positive:
-        _check_number("study", name, getattr(settings, name), int, low=1)
+        check_number("study", name, getattr(settings, name), int, low=1)
     if not isinstance(settings.out_dir, str) or not settings.out_dir:
         raise ConfigError(f"study.out_dir={settings.out_dir!r} must be a directory path")
     if not isinstance(settings.progress, bool):
@@ -117,14 +120,20 @@ class StudyConfig:
         """The run's model with this position scheme; the learned table has L rows."""
         length = self.run.train.seq_len
         longest = max(length, *self.eval_lengths)
+        table = POSITION_SCHEMES[scheme].max_length is not None  # its rows: L, no more
         return self.run.model.replace(position=scheme, rope_scaling=RopeScaling(),
-                                      max_seq_len=length if scheme == "learned" else longest)
+                                      max_seq_len=length if table else longest)
 
     def to_dict(self) -> dict[str, Any]:
-        run = self.run.to_dict()
-        train = {k: run["train"][k] for k in TRAIN_KEYS}
-        return {"study": dataclasses.asdict(self.study), "model": run["model"],
-                "data": run["data"], "optim": run["optim"], "train": train}
+        return study_dict(self.study, self.run, ("model", "data", "optim"))
+
+
+def study_dict(study, run: RunConfig, sections) -> dict[str, Any]:
+    """A study's resolved config as written beside its results: the study settings, the
+    run's `sections` whole, and the train keys a study reads (TRAIN_KEYS)."""
+    values = run.to_dict()
+    return {"study": dataclasses.asdict(study), **{name: values[name] for name in sections},
+            "train": {k: values["train"][k] for k in TRAIN_KEYS}}
 
 
 def settings_from_dict(cls, raw: Mapping[str, Any], section: str = "study"):
@@ -145,10 +154,10 @@ def settings_from_dict(cls, raw: Mapping[str, Any], section: str = "study"):
             if not isinstance(value, (list, tuple)):
                 raise ConfigError(f"{name}={value!r} must be a list, e.g. {list(default)}")
             if "int" in type_name:
-                value = tuple(_coerce(v, "int", name) for v in value)
+                value = tuple(coerce(v, "int", name) for v in value)
             value = tuple(value)
         elif isinstance(default, (bool, int)):
-            value = _coerce(value, "bool" if isinstance(default, bool) else "int", name)
+            value = coerce(value, "bool" if isinstance(default, bool) else "int", name)
         values[key] = value
     return cls(**values)
 

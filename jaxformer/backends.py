@@ -1,0 +1,274 @@
+"""The attention backends as a table: one Backend per `attention_impl`, saying what it
+reads (a mask array, or the MaskRule a block at a time), whether and how it takes a
+logit bias, and where `auto` picks it and why. Config validation, `auto`, the dispatch
+below and the tests read it; a new backend is one entry (``BACKENDS[name] =
+Backend(...)``) plus its function.
+
+Two ways in: ``dot_product_attention`` (a mask and a bias as arrays; every backend that
+takes arrays) and ``rule_attention`` (the model's path: the mask as a MaskRule, the bias
+as a LogitBias, each handed to the backend in the form it reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.blockwise import blockwise_attention, index_bias
+from jaxformer.chunked import chunked_attention
+from jaxformer.masks import MaskRule
+from jaxformer.reference import and_causal, as_4d, reference_attention
+from jaxformer.schemes import POSITION_SCHEMES, LogitBias, dense_bias
+from jaxformer.splash import splash_attention
+
+AUTO = "auto"  # the attention_impl that picks a backend per forward
+DENSE_LOGITS_BYTES = 1 << 30  # auto: above this, float32 [B, N, Tq, Tk] logits go blockwise
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What `auto` decides from: the platform, the compute dtype, head_dim, the position
+    scheme and one layer's dense float32 logits, B * N * Tq * Tk * 4 bytes."""
+
+    platform: str
+    dtype: Any
+    head_dim: int
+    position: str | None
+    logits_bytes: int
+
+    @property
+    def biased(self) -> bool:
+        scheme = POSITION_SCHEMES.get(self.position)
+        return scheme is not None and scheme.kind == "bias"
+
+    @property
+    def big(self) -> bool:
+        return self.logits_bytes > DENSE_LOGITS_BYTES
+
+    @property
+    def cudnn_fits(self) -> bool:
+        """cuDNN's flash kernel takes it: a GPU, 16-bit inputs, head_dim a multiple of 8 up
+        to 128, and no bias too big to hand it densely."""
+        return self.platform == "gpu" and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16) \
+            and self.head_dim % 8 == 0 and self.head_dim <= 128 and not (self.biased and self.big)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One attention backend.
+
+    arrays(q, k, v, *, mask, bias, scale, is_causal): attention given the mask and the
+      bias as arrays; None for a backend that reads only structure.
+    rule(q, k, v, rule, bias): attention given the MaskRule and a LogitBias, read a block
+      at a time; None for a backend that reads arrays (the rule's mask array is built
+      for it, and the bias applied densely).
+    by_index(q, k, v, bias, window): index-causal (and windowed) self-attention with no
+      mask array, for rules by index with nothing packed or padded (cuDNN's fast path);
+      None where the backend has no such form.
+    takes_bias: whether it adds a logit bias at all.
+    over_cache: its rule function also runs over a KV cache's slots (a prefill; empty
+      slots sit at EMPTY_SLOT, which the rule hides).
+    platforms: where it runs (jax.default_backend() names), None for everywhere.
+    auto(setting) -> why `auto` picks it in this setting ('' to pick it silently), or
+      None; exactly one entry answers for any setting.
+    """
+
+    arrays: Callable | None = None
+    rule: Callable | None = None
+    by_index: Callable | None = None
+    takes_bias: bool = True
+    over_cache: bool = False
+    platforms: tuple[str, ...] | None = None
+    auto: Callable[[Setting], str | None] | None = None
+
+
+# ---- the backends' functions ---------------------------------------------------------
+
+def _reference(q, k, v, *, mask, bias, scale, is_causal):
+    if is_causal:
+        mask = and_causal(mask, q.shape[1])
+    return reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
+
+
+def _fused(implementation: str, bias_as_q: bool = False):
+    """jax.nn.dot_product_attention (XLA, or cuDNN flash attention on GPU); bias_as_q:
+    the bias is handed over in the dtype of q (cuDNN takes it so).
+
+    Its masked rows average over all keys; rows with no allowed key are set to zero here so
+    that every backend answers like the reference."""
+    def call(q, k, v, mask, bias, scale, **structure):
+        if bias is not None and bias_as_q:
+            bias = bias.astype(q.dtype)
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
+                                           implementation=implementation, **structure)
+        if mask is not None:
+            any_key = jnp.any(mask, axis=-1)  # [B, 1|N, T]
+            out = out * jnp.swapaxes(any_key, 1, 2)[..., None].astype(out.dtype)
+        return out
+
+    def arrays(q, k, v, *, mask, bias, scale, is_causal):
+        return call(q, k, v, and_causal(mask, q.shape[1]) if is_causal else mask, bias, scale)
+
+    def by_index(q, k, v, bias, window):  # is_causal and local_window_size: no mask array
+        return call(q, k, v, None, bias, None, is_causal=True,
+                    local_window_size=None if window is None else (window - 1, 0))
+
+    return arrays, by_index
+
+
+def _blockwise_arrays(q, k, v, *, mask, bias, scale, is_causal):
+    """Blockwise attention for masks and biases given as arrays: their positions are
+    indices, and the mask joins the bias as -inf (the model passes structure instead)."""
+    b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    index = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))  # noqa: E731
+    terms = None if bias is None else bias.astype(jnp.float32)
+    if mask is not None:
+        hide = jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
+        terms = hide if terms is None else terms + hide
+    rule = MaskRule(index(tq), index(tk), causal=False, is_causal=is_causal)
+    return blockwise_attention(q, k, v, rule, bias_fn=None if terms is None else index_bias,
+                               bias_params=terms, scale=scale)
+
+
+def _blockwise_rule(q, k, v, rule, bias):
+    return blockwise_attention(q, k, v, rule, bias_fn=None if bias is None else bias.fn,
+                               bias_params=None if bias is None else bias.params)
+
+
+def _splash_rule(q, k, v, rule, bias):
+    return splash_attention(q, k, v, rule)
+
+
+def _budget(s: Setting) -> str:
+    return (f"dense logits would take {s.logits_bytes / 2**30:.1f} GiB per layer "
+            f"(> DENSE_LOGITS_BYTES = {DENSE_LOGITS_BYTES / 2**30:g} GiB)")
+
+
+def _auto_blockwise(s: Setting) -> str | None:
+    if s.platform == "tpu":
+        return (f"a TPU, and position={s.position!r} adds a logit bias, which the splash "
+                "kernel does not take") if s.biased else None
+    if s.big and not s.cudnn_fits:
+        return _budget(s) + (f" and position={s.position!r}'s bias with them"
+                             if s.platform == "gpu" and s.biased else "")
+    return None
+
+
+_xla, _xla_by_index = _fused("xla")
+_cudnn, _cudnn_by_index = _fused("cudnn", bias_as_q=True)
+_dense_fits = lambda s: s.platform != "tpu" and not s.big and not s.cudnn_fits  # noqa: E731
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend(arrays=_reference),
+    "xla": Backend(arrays=_xla, by_index=_xla_by_index,
+                   auto=lambda s: "" if _dense_fits(s) and s.platform != "cpu" else None),
+    "cudnn": Backend(arrays=_cudnn, by_index=_cudnn_by_index, platforms=("gpu",),
+                     auto=lambda s: "a GPU, 16-bit inputs, head_dim a multiple of 8 up to 128"
+                     if s.cudnn_fits else None),
+    "chunked": Backend(arrays=chunked_attention,  # fastest on XLA:CPU, forward and backward
+                       auto=lambda s: "" if _dense_fits(s) and s.platform == "cpu" else None),
+    "blockwise": Backend(arrays=_blockwise_arrays, rule=_blockwise_rule, over_cache=True,
+                         auto=_auto_blockwise),
+    "splash": Backend(rule=_splash_rule, takes_bias=False, auto=lambda s: (
+        "a TPU, and no logit bias") if s.platform == "tpu" and not s.biased else None),
+}
+
+
+# ---- choosing and dispatching -------------------------------------------------------
+
+_EXPLAINED: set = set()
+
+
+def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
+                 position: str | None = None) -> str:
+    """`impl`, or for `auto` the backend whose entry answers for this platform, position
+    scheme and length (logits_bytes: one layer's dense float32 logits); its reason is
+    printed once per process."""
+    if impl != AUTO and impl not in BACKENDS:
+        raise ValueError(f"attention impl={impl!r} is not one of "
+                         f"{', '.join([AUTO, *BACKENDS])}")
+    if impl != AUTO:
+        return impl
+    setting = Setting(jax.default_backend(), dtype, head_dim, position, logits_bytes)
+    for name, backend in BACKENDS.items():
+        reason = None if backend.auto is None else backend.auto(setting)
+        if reason is not None:
+            if reason and (name, reason) not in _EXPLAINED:
+                _EXPLAINED.add((name, reason))
+                print(f"attention: auto chose {name}: {reason}", file=sys.stderr, flush=True)
+            return name
+    raise ValueError(f"no attention backend answers for {setting}")
+
+
+def takes_structure(impl: str, t: int, cached: bool) -> bool:
+    """Whether attention over t queries runs a backend that reads the MaskRule and the
+    LogitBias a block at a time; with a KV cache only a prefill does (T > 1): a decode
+    step's [B, N, 1, S] is small, and cached attention is faster for it."""
+    return BACKENDS[impl].rule is not None and (not cached or t > 1)
+
+
+def backends_here(platform: str | None = None) -> list[str]:
+    """The backends that run on `platform` (default: jax's), in table order."""
+    platform = platform or jax.default_backend()
+    return [n for n, b in BACKENDS.items() if b.platforms is None or platform in b.platforms]
+
+
+def prefill_impl(impl: str) -> str:
+    """The backend a KV-cached prefill runs when `impl` reads rules: `impl` itself if it
+    runs over a cache's slots, else the first that does (splash's prefill runs blockwise)."""
+    if BACKENDS[impl].over_cache:
+        return impl
+    return next(name for name, b in BACKENDS.items() if b.over_cache and b.takes_bias)
+
+
+def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO):
+    """Attention of q [B, T, N, H] over k, v [B, S, K, H] with the mask given as a rule
+    (the model's path). A backend that reads rules gets the rule and the LogitBias; one
+    with a by-index form gets is_causal and the window with no mask array when the rule
+    is by index and nothing is packed or padded; otherwise the rule's mask array.
+    bias: a LogitBias, an array [B|1, N|1, T, S], or None."""
+    impl = resolve_impl(impl, q.dtype, q.shape[-1],
+                        logits_bytes=4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1])
+    backend = BACKENDS[impl]
+    if backend.rule is not None:
+        if bias is not None and not isinstance(bias, LogitBias):
+            raise ValueError(f"attention_impl={impl!r} takes the bias as a LogitBias "
+                             "(jaxformer.schemes.PositionBias), not an array")
+        if bias is not None and not backend.takes_bias:
+            raise ValueError(f"attention_impl={impl!r} adds no logit bias; use one of "
+                             f"{', '.join(n for n, b in BACKENDS.items() if b.takes_bias)}")
+        return backend.rule(q, k, v, rule, bias)
+    if isinstance(bias, LogitBias):
+        bias = dense_bias(bias, rule.q_positions, rule.k_positions)
+    causal = rule.causal or rule.is_causal
+    if backend.by_index is not None and rule.by_index and causal and rule.q_segment_ids is None:
+        return backend.by_index(q, k, v, as_4d(bias), rule.window)
+    return dot_product_attention(q, k, v, mask=rule.dense(), bias=bias, impl=impl,
+                                 is_causal=rule.is_causal)
+
+
+def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, scale=None,
+                          is_causal: bool = False):
+    """softmax(q k^T / sqrt(head_dim) + bias, where mask) v.
+
+    q: [B, Tq, N, H]; k, v: [B, Tk, K, H] with N a multiple of K (GQA; K = 1 is MQA).
+    mask: bool, broadcastable to [B, N, Tq, Tk] with a size-1 or full head axis.
+    bias: float, same broadcasting. is_causal: also hide every key after the query's own
+    index (self-attention, Tq = Tk), which lets the chunked backend skip that work.
+    Softmax runs in float32 whatever the input dtype; a query with no key to attend to
+    gets a zero output. Returns [B, Tq, N, H] in q.dtype. impl: a BACKENDS name or auto.
+    """
+    impl = resolve_impl(impl, q.dtype, q.shape[-1])
+    if is_causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"is_causal needs as many keys as queries, got {q.shape[1]} queries "
+                         f"and {k.shape[1]} keys")
+    if BACKENDS[impl].arrays is None:
+        raise ValueError(f"{impl} takes the mask as structure, not arrays: set the model's "
+                         f"attention_impl={impl!r}, or call jaxformer.backends.rule_attention "
+                         "with a MaskRule")
+    return BACKENDS[impl].arrays(q, k, v, mask=as_4d(mask), bias=as_4d(bias), scale=scale,
+                                 is_causal=is_causal)

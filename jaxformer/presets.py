@@ -1,0 +1,29 @@
+"""Named model configurations (``ModelConfig.preset(name)``, ``model.preset=NAME``): the
+released architectures as data, field -> value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_GPT2 = dict(vocab_size=50257, max_seq_len=1024, position="learned", norm="layernorm",
+             norm_eps=1e-5, block="pre_ln", ffn="gelu", use_bias=True, tie_embeddings=True)
+_LLAMA = dict(position="rope", norm="rmsnorm", block="pre_ln", ffn="swiglu", use_bias=False,
+              tie_embeddings=False)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Trains on 2 CPU cores in minutes: byte vocabulary, RoPE, pre-LN.
+    "tiny": dict(vocab_size=256, d_model=256, n_layers=4, n_heads=4, max_seq_len=256),
+    "gpt2-small": dict(_GPT2, d_model=768, n_layers=12, n_heads=12),
+    "gpt2-medium": dict(_GPT2, d_model=1024, n_layers=24, n_heads=16),
+    "gpt2-large": dict(_GPT2, d_model=1280, n_layers=36, n_heads=20),
+    "llama2-7b": dict(_LLAMA, vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                      d_ff=11008, max_seq_len=4096, norm_eps=1e-5),
+    "llama3-8b": dict(_LLAMA, vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                      n_kv_heads=8, d_ff=14336, max_seq_len=8192, rope_theta=500000.0,
+                      norm_eps=1e-5),
+    "llama3.1-8b": dict(_LLAMA, vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                        n_kv_heads=8, d_ff=14336, max_seq_len=131072, rope_theta=500000.0,
+                        norm_eps=1e-5,
+                        rope_scaling=dict(kind="llama3", factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0, original_max_seq_len=8192)),
+}

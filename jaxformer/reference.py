@@ -1,0 +1,104 @@
+"""Attention's definition: grouped-query logits, the float32 softmax and the weighted
+sum, written once and shared by every backend and by inspection (attention patterns).
+
+Layout is [batch, seq, heads, head_dim] for q/k/v (as jax.nn.dot_product_attention and
+cuDNN). Boolean masks are [batch, 1, q_len, k_len] (True = may attend) and broadcast over
+heads; biases broadcast to [batch, heads, q_len, k_len].
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST  # the reference is the definition: no TF32 on GPUs
+
+
+def as_4d(x):
+    """Left-pad a mask or bias with size-1 axes to [B|1, N|1, Tq, Tk]."""
+    return None if x is None else x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def group_heads(x, n_kv_heads: int):
+    """[B, N|1, T, S] -> [B, K|1, G|1, T, S], grouping query heads by their K/V head."""
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], n_kv_heads, x.shape[1] // n_kv_heads, *x.shape[2:])
+
+
+def query_groups(n_heads: int, n_kv_heads: int) -> int:
+    """Query heads per key/value head (GQA)."""
+    if n_heads % n_kv_heads:
+        raise ValueError(f"query heads ({n_heads}) must be a multiple of key/value heads "
+                         f"({n_kv_heads})")
+    return n_heads // n_kv_heads
+
+
+def grouped_logits(q, k, *, mask, bias, scale, precision=HIGHEST):
+    """Float32 logits [B, K, G, Tq, Tk], masked entries -inf. GQA groups the query heads,
+    so K/V are never copied per query head."""
+    b, t, n, h = q.shape
+    n_kv = k.shape[2]
+    q = q.reshape(b, t, n_kv, query_groups(n, n_kv), h)  # [B, T, K, G, H]
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=precision,
+                        preferred_element_type=jnp.float32)
+    return scale_and_mask(logits, mask=mask, bias=bias,
+                           scale=1.0 / math.sqrt(h) if scale is None else scale)
+
+
+def scale_and_mask(logits, *, mask, bias, scale):
+    """logits [B, K, G, Tq, Tk] * scale (+ bias), masked entries -inf."""
+    n_kv = logits.shape[1]
+    logits = logits * jnp.float32(scale)
+    if bias is not None:
+        logits = logits + group_heads(bias.astype(jnp.float32), n_kv)
+    if mask is not None:
+        logits = jnp.where(group_heads(mask, n_kv), logits, -jnp.inf)
+    return logits
+
+
+def exp_rows(logits):
+    """exp(logits - row max) in float32 (0 where -inf; the max of a row with nothing to
+    attend to taken as 0) and the row sums [..., 1]."""
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    peak = jax.lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
+    e = jnp.exp(logits - peak)
+    return e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+def softmax(logits):
+    """Softmax over the last axis in float32; a row with nothing to attend to gives zeros."""
+    e, total = exp_rows(logits)
+    return e / jnp.where(total == 0, 1.0, total)
+
+
+def mix(w, v, q, precision=HIGHEST):
+    """Weights w [B, K, G, Tq, Tk] applied to v [B, Tk, K, H] -> [B, Tq, N, H] in q.dtype."""
+    out = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v, precision=precision,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def and_causal(mask, t: int):
+    """A 4-D mask (or None) and the index-causal mask of t queries over t keys."""
+    causal = causal_index_mask(t)
+    return causal if mask is None else mask & causal
+
+
+def attention_weights(q, k, *, mask=None, bias=None, scale=None):
+    """Softmax attention weights [B, N, Tq, Tk] in float32 (for inspection and plots)."""
+    w = softmax(grouped_logits(q, k, mask=as_4d(mask), bias=as_4d(bias), scale=scale))
+    return w.reshape(w.shape[0], -1, *w.shape[3:])  # [B, K, G, T, S] -> [B, N, T, S]
+
+
+def reference_attention(q, k, v, *, mask, bias, scale, precision=HIGHEST):
+    w = softmax(grouped_logits(q, k, mask=mask, bias=bias, scale=scale,
+                                 precision=precision))  # [B, K, G, T, S]
+    return mix(w, v, q, precision)  # [B, T, N, H]
+
+
+def causal_index_mask(t: int):
+    """Query i attends to keys 0..i, by index in the row (is_causal). -> [1, 1, T, T]"""
+    return jnp.tril(jnp.ones((t, t), bool))[None, None]

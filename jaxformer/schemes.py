@@ -1,0 +1,196 @@
+"""The positional schemes as a table: one PositionScheme per `model.position`, saying
+where the scheme acts and with what math (jaxformer.positions). Config validation, the
+model, the attention backends and the studies read it; a new scheme is one entry
+(``POSITION_SCHEMES[name] = PositionScheme(...)``) plus its math, and the property tests
+parametrised over the table test it.
+
+Where a scheme acts (its kind):
+- absolute: `embed` gives terms added to the token embeddings (sinusoidal, learned);
+- rotary: `rotate` turns queries and keys (rope);
+- bias: `bias` declares a logit bias shared by every layer (alibi, t5, fire), which dense
+  backends apply to all (query, key) pairs once per forward and blockwise attention to
+  each block;
+- none: nothing (NoPE: the causal mask alone carries order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import flax.struct
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.positions import (FIRE_THRESHOLD, alibi_bias, alibi_slopes, apply_rope,
+                                 fire_distance, sinusoidal, t5_bias)
+from jaxformer.sharding import init_with_names
+from jaxformer.validation import ConfigError
+
+KINDS = ("absolute", "rotary", "bias", "none")
+
+
+@flax.struct.dataclass
+class LogitBias:
+    """A position scheme's logit bias as structure: fn(params, q_positions [B, Tq],
+    k_positions [B, Tk]) -> float32 [B|1, N, Tq, Tk], and its params. A pytree: jit, scan,
+    remat and vmap carry the params, and fn (hashable) travels in the treedef."""
+
+    fn: Callable = flax.struct.field(pytree_node=False)
+    params: Any = None
+
+
+def dense_bias(bias: LogitBias | None, q_positions, k_positions):
+    """The bias applied to every (query, key) pair: [B|1, N, Tq, Tk], or None."""
+    return None if bias is None else bias.fn(bias.params, q_positions, k_positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionScheme:
+    """One positional scheme (see the module docstring for the kinds).
+
+    embed(module, cfg, x [B, T, D], positions [B, T]) -> (x, terms [B, T, D]): the input
+      is x + terms (terms hooked as hook_pos_embed); params are declared on `module`.
+    rotate(cfg, x [B, T, N, H], positions [B, T]) -> x rotated (queries and keys alike).
+    bias(module, cfg) -> LogitBias, its params declared on `module`.
+    max_length(cfg) -> the longest sequence the scheme can encode (a learned table's
+      rows), or None for any length.
+    check(cfg): raises ConfigError naming a model field the scheme cannot work with.
+    """
+
+    kind: str
+    embed: Callable | None = None
+    rotate: Callable | None = None
+    bias: Callable | None = None
+    max_length: Callable | None = None
+    check: Callable | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"PositionScheme kind={self.kind!r} is not one of {', '.join(KINDS)}")
+        needs = {"absolute": "embed", "rotary": "rotate", "bias": "bias"}.get(self.kind)
+        if needs and getattr(self, needs) is None:
+            raise ValueError(f"a PositionScheme of kind {self.kind!r} needs `{needs}`")
+
+
+# ---- absolute ------------------------------------------------------------------------
+
+def sinusoidal_terms(cfg, x, positions):
+    """Token embeddings x [B, T, D] and the sinusoidal table, scaled as
+    cfg.sinusoidal_scale says; the input is their sum."""
+    table = sinusoidal(positions, cfg.d_model, dtype=jnp.float32)
+    root = jnp.float32(np.sqrt(cfg.d_model))
+    if cfg.sinusoidal_scale == "table":
+        table = table / root
+    elif cfg.sinusoidal_scale == "tokens":
+        x = x * root.astype(x.dtype)
+    return x, table.astype(x.dtype)
+
+
+def _sinusoidal(module, cfg, x, positions):
+    return sinusoidal_terms(cfg, x, positions)
+
+
+def _learned(module, cfg, x, positions):
+    table = nn.Embed(cfg.max_seq_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                     embedding_init=init_with_names(nn.initializers.normal(0.01), "table",
+                                                    "embed"), name="pos_embed")
+    return x, table(positions)
+
+
+def _even(field: str, why: str):
+    def check(cfg):
+        if getattr(cfg, field) % 2:
+            raise ConfigError(f"model.{field}={getattr(cfg, field)} is odd; {why}")
+    return check
+
+
+# ---- rotary --------------------------------------------------------------------------
+
+def _rope(cfg, x, positions):
+    return apply_rope(x, positions, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+
+
+# ---- biases --------------------------------------------------------------------------
+
+def _alibi(module, cfg):
+    return LogitBias(alibi_bias, jnp.asarray(alibi_slopes(cfg.n_heads), jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _T5Bias:  # hashable by value: blockwise attention takes it as a static argument
+    max_distance: int
+
+    def __call__(self, table, q_positions, k_positions):
+        return t5_bias(table, q_positions, k_positions, max_distance=self.max_distance)
+
+
+def _t5(module, cfg):
+    table = module.param("relative_bias", init_with_names(nn.initializers.normal(0.02), "table",
+                                                          "heads"),
+                         (cfg.t5_num_buckets, cfg.n_heads), cfg.param_dtype)
+    return LogitBias(_T5Bias(cfg.t5_max_distance), table)
+
+
+FIRE_WIDTH = 32  # FIRE's hidden layer
+
+
+def _fire(module, cfg):
+    """FIRE's bias, with the reference code's settings: an MLP 1 -> 32 -> heads (ReLU),
+    c initialised at 0.1, the threshold at FIRE_THRESHOLD (learned as a multiple of it)."""
+    param = lambda name, init, shape, *names, dtype=cfg.param_dtype: module.param(  # noqa: E731
+        name, init_with_names(init, *names), shape, dtype)
+    return LogitBias(fire_bias, {
+        "c": param("c", nn.initializers.constant(0.1), (), dtype=jnp.float32),
+        "threshold_scale": param("threshold_scale", nn.initializers.ones, (), dtype=jnp.float32),
+        "hidden_kernel": param("hidden_kernel", nn.initializers.normal(1.0), (FIRE_WIDTH,),
+                               "pos_mlp"),
+        "hidden_bias": param("hidden_bias", nn.initializers.zeros, (FIRE_WIDTH,), "pos_mlp"),
+        "out_kernel": param("out_kernel", nn.initializers.lecun_normal(),
+                            (FIRE_WIDTH, cfg.n_heads), "pos_mlp", "heads"),
+        "out_bias": param("out_bias", nn.initializers.zeros, (cfg.n_heads,), "heads")})
+
+
+def fire_bias(p, q_positions, k_positions):
+    """FIRE's logit bias from its params `p`: [B, N, Tq, Tk] float32."""
+    f32 = lambda name: p[name].astype(jnp.float32)  # noqa: E731
+    x = fire_distance(q_positions, k_positions, p["c"],
+                      jnp.abs(p["threshold_scale"] * FIRE_THRESHOLD))[..., None]
+    h = nn.relu(x * f32("hidden_kernel") + f32("hidden_bias"))  # [B, T, S, W]
+    return jnp.einsum("btsw,wn->bnts", h, f32("out_kernel")) + f32("out_bias")[:, None, None]
+
+
+# ---- the table -----------------------------------------------------------------------
+
+POSITION_SCHEMES: dict[str, PositionScheme] = {
+    "rope": PositionScheme("rotary", rotate=_rope, check=_even(
+        "head_dim", "RoPE rotates pairs of dimensions and needs an even head_dim")),
+    "alibi": PositionScheme("bias", bias=_alibi),
+    "sinusoidal": PositionScheme("absolute", embed=_sinusoidal, check=_even(
+        "d_model", "sinusoidal positions pair sin and cos and need an even d_model")),
+    "learned": PositionScheme("absolute", embed=_learned, max_length=lambda cfg: cfg.max_seq_len),
+    "none": PositionScheme("none"),
+    "t5": PositionScheme("bias", bias=_t5),
+    "fire": PositionScheme("bias", bias=_fire),
+}
+
+
+def schemes_of(kind: str) -> list[str]:
+    """The names of the schemes of one kind, in table order."""
+    return [name for name, s in POSITION_SCHEMES.items() if s.kind == kind]
+
+
+class PositionBias(nn.Module):
+    """The attention-logit bias of the position scheme as a LogitBias, shared by every
+    layer (as T5 does), or None for a scheme without one.
+
+    Keys may be cache slots: an empty slot's far-future position gives a finite bias that
+    the mask then hides."""
+
+    cfg: Any
+
+    @nn.compact
+    def __call__(self):
+        make = POSITION_SCHEMES[self.cfg.position].bias
+        return None if make is None else make(self, self.cfg)
