@@ -3,7 +3,7 @@
 A text corpus is tokenised once into a token folder in the cache (see
 ``jaxformer.data.tokens``: splits, streaming, the folder's files) that later runs map
 again; a folder written by ``python -m jaxformer.data.prepare``, and nanoGPT-style .bin
-token files, are mapped in place.
+token files, are mapped in place (as their entries in ``jaxformer.data.sources`` say).
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ import numpy as np
 
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import Corpus, find_corpus, read_pieces
+from jaxformer.data.token_files import open_tokens
 from jaxformer.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from jaxformer.data.tokens import (
-    _stderr,
-    _temporary,
-    memmap,
-    n_val,
-    open_tokens,
     progress_bar,
     remove_stale_temporaries,
     split_plan,
+    temporary_path,
+    to_stderr,
     write_tokens,
 )
 
@@ -64,19 +62,18 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
       False on every process but the first.
     log: takes one-line messages (the cache used, the BPE sample); default: stderr.
     """
-    log = log or _stderr
+    log = log or to_stderr
     corpus = find_corpus(cfg.path)
     cache_dir = os.path.expanduser(cfg.cache_dir or "~/.cache/jaxformer")
     for name, pid in remove_stale_temporaries(cache_dir):
         log(f"data: removed {os.path.join(cache_dir, name)}, left by process {pid}, which "
             "is gone")
     tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir, progress, log)
-    if corpus.kind in ("bin", "bin_pair"):
-        ds, max_id = _token_files(cfg, corpus, tokenizer)
-    elif corpus.kind == "prepared":
-        ds, max_id = _open_folder(corpus.root, tokenizer, corpus.describe())
-    else:
+    if corpus.source.holds_text:
         ds, max_id = _tokenized_text(cfg, corpus, tokenizer, cache_dir, progress, log)
+    else:  # token ids, mapped in place
+        arrays, max_id = corpus.source.map_tokens(cfg, corpus, tokenizer)
+        ds = Dataset(**arrays, tokenizer=tokenizer, source=corpus.describe())
     _check_ids(cfg, ds, max_id, vocab_size)
     return ds
 
@@ -88,7 +85,7 @@ def _choose_tokenizer(cfg: DataConfig, corpus: Corpus, run_dir: str | None, cach
     """The run's tokenizer, saved into run_dir; a resumed run's saved one must match."""
     saved_path = os.path.join(run_dir, "tokenizer.json") if run_dir is not None else None
     saved = load_tokenizer(saved_path) if saved_path and os.path.isfile(saved_path) else None
-    trains = cfg.tokenizer == "bpe" and corpus.kind != "prepared"
+    trains = cfg.tokenizer == "bpe" and corpus.source.tokenizer is None
     if trains and run_dir is None:
         raise DataError("data.tokenizer='bpe' trains a tokenizer that the run must keep, "
                         "but no run_dir was given; pass run_dir to load_dataset, or set "
@@ -109,33 +106,18 @@ def _choose_tokenizer(cfg: DataConfig, corpus: Corpus, run_dir: str | None, cach
 def new_tokenizer(cfg: DataConfig, corpus: Corpus, cache_dir: str, progress: bool = True,
                   log=None) -> Tokenizer:
     """What data.tokenizer names: bytes, a BPE trained on the corpus (or found in the
-    cache), or a tokenizer.json; a prepared folder's own tokenizer."""
-    if corpus.kind == "prepared":
-        return _prepared_tokenizer(cfg, corpus)
+    cache), or a tokenizer.json; the tokenizer a token source comes with (a prepared
+    folder's own)."""
+    if corpus.source.tokenizer is not None:
+        return corpus.source.tokenizer(cfg, corpus)
     if cfg.tokenizer == "bytes":
         return ByteTokenizer()
     if cfg.tokenizer != "bpe":
         return load_tokenizer(cfg.tokenizer)
-    if corpus.kind in ("bin", "bin_pair"):
+    if not corpus.source.holds_text:
         raise DataError(f"data.tokenizer='bpe' trains on text, but {corpus.describe()} holds "
                         "token ids; set data.tokenizer to the tokenizer.json that made them")
-    return _trained_bpe(cfg, corpus, cache_dir, progress, log or _stderr)
-
-
-def _prepared_tokenizer(cfg: DataConfig, corpus: Corpus) -> Tokenizer:
-    """A prepared folder's own tokenizer.json: the one its tokens were made with."""
-    tokenizer = load_tokenizer(corpus.root)
-    with open(os.path.join(corpus.root, "meta.json")) as f:
-        made_with = json.load(f)["tokenizer"]
-    if tokenizer.fingerprint != made_with:
-        raise DataError(f"{corpus.root}/tokenizer.json is not the tokenizer its tokens were "
-                        "made with (meta.json names another); prepare the folder again")
-    if cfg.tokenizer not in ("bytes", "bpe") and \
-            load_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
-        raise DataError(f"{corpus.root} was prepared with {tokenizer!r}, not with "
-                        f"data.tokenizer={cfg.tokenizer!r}; leave data.tokenizer unset to use "
-                        "the folder's, or prepare the data again with this tokenizer")
-    return tokenizer
+    return _trained_bpe(cfg, corpus, cache_dir, progress, log or to_stderr)
 
 
 def _trained_bpe(cfg: DataConfig, corpus: Corpus, cache_dir: str, progress: bool,
@@ -158,7 +140,7 @@ def _trained_bpe(cfg: DataConfig, corpus: Corpus, cache_dir: str, progress: bool
         f"text sampled from the {sample.train / 1e6:.1f} MB train split "
         f"({sample.taken / max(sample.train, 1):.0%}; data.bpe_train_bytes="
         f"{cfg.bpe_train_bytes:,}) in {time.perf_counter() - started:.1f} s")
-    tmp = _temporary(os.path.join(cache_dir, f"bpe-{key}"))
+    tmp = temporary_path(os.path.join(cache_dir, f"bpe-{key}"))
     try:
         tokenizer.save(tmp)
         os.replace(os.path.join(tmp, "tokenizer.json"), path)
@@ -213,34 +195,6 @@ def _tokenized_text(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer, cache
 def _open_folder(folder: str, tokenizer: Tokenizer, source: str) -> tuple[Dataset, int]:
     meta, arrays = open_tokens(folder)
     return Dataset(**arrays, tokenizer=tokenizer, source=source), meta["max_id"]
-
-
-# ---- token files ----------------------------------------------------------------------
-
-def _token_files(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer) -> tuple[Dataset, int]:
-    """.bin files are used in place (memmaps); documents start after each eot_id."""
-    dtype = np.dtype(cfg.bin_dtype)
-    arrays = [memmap(corpus.path_of(rel), dtype) for rel in corpus.files]
-    if corpus.kind == "bin":  # one file: the last val_fraction of the tokens is val
-        cut = len(arrays[0]) - n_val(len(arrays[0]), cfg.val_fraction)
-        arrays = [arrays[0][:cut], arrays[0][cut:]]
-    if len(arrays[0]) == 0:
-        raise DataError(f"{corpus.describe()} has no train tokens; add data")
-    max_id = max(int(a.max()) for a in arrays if len(a))
-    train, val = arrays
-    return Dataset(train=train, val=val, train_docs=_doc_starts(train, tokenizer.eot_id),
-                   val_docs=_doc_starts(val, tokenizer.eot_id), tokenizer=tokenizer,
-                   source=corpus.describe()), max_id
-
-
-def _doc_starts(tokens: np.ndarray, eot_id: int | None) -> np.ndarray:
-    """int64 [n_docs]: 0 and every position right after an eot_id (but not past the end)."""
-    if len(tokens) == 0:
-        return np.zeros(0, np.int64)
-    if eot_id is None:
-        return np.zeros(1, np.int64)
-    after = np.flatnonzero(np.asarray(tokens) == eot_id) + 1
-    return np.concatenate([[0], after[after < len(tokens)]]).astype(np.int64)
 
 
 # ---- helpers ----------------------------------------------------------------------------

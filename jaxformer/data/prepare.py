@@ -11,24 +11,26 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Callable, Mapping
 
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import find_corpus
 from jaxformer.data.dataset import new_tokenizer
-from jaxformer.data.tokens import _stderr, remove_stale_temporaries, write_tokens
+from jaxformer.data.tokens import remove_stale_temporaries, to_stderr, write_tokens
+from jaxformer.validation import (ConfigError, build_section, merge, parse_overrides,
+                                  read_config_file)
 
 
 def prepare(cfg: DataConfig, out: str, *, progress: bool = True,
             log: Callable[[str], None] | None = None) -> dict:
     """Writes the token folder `out` (which must not exist, or be empty) for `cfg`;
     returns its meta.json."""
-    log = log or _stderr
+    log = log or to_stderr
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise DataError(f"out={out} already exists; choose a new folder, or delete it first")
     corpus = find_corpus(cfg.path)
-    if corpus.kind not in ("files", "jsonl", "parquet"):
+    if not corpus.source.holds_text:
         raise DataError(f"{corpus.describe()} is already token ids; train on it directly "
                         "with data.path")
     parent = os.path.dirname(out)
@@ -58,19 +60,26 @@ def main(argv: list[str]) -> int:
         print(f"error: {problem}; usage: python -m jaxformer.data.prepare [config.yaml] "
               "[data.key=value ...] out=DIR", file=sys.stderr)
         return 2
-    # The run config's reader (YAML via safe_load, typed overrides): an entry point may
-    # use the layer above; nothing imports this module.
-    from jaxformer.config import ConfigError
-    from jaxformer.training.config import load_config
-
     try:
-        meta = prepare(load_config(path, overrides).data, out[0])
+        meta = prepare(read_data_config(path, overrides), out[0])
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out[0]}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val "
           f"tokens; train with data.path={out[0]}")
     return 0
+
+
+def read_data_config(path: str | None, overrides: list[str]) -> DataConfig:
+    """The data section of a run config file (None: the defaults), data.key=value
+    overrides on top, typed and checked as the run's config reader does; the file's
+    other sections are the run's, not read here."""
+    raw = merge(read_config_file(path), parse_overrides(overrides, ("data",)))
+    data = raw.get("data") or {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {path}: data must be a mapping of data keys, not "
+                          f"{data!r}")
+    return build_section(DataConfig, data, "data")
 
 
 if __name__ == "__main__":

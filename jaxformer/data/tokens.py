@@ -1,25 +1,24 @@
 """Token folders: text tokenised once into train.bin, val.bin, train_docs.npy,
-val_docs.npy and meta.json, then memory-mapped by every run (and every host) that uses it.
+val_docs.npy and meta.json, then memory-mapped by every run (and every host) that uses it
+(``jaxformer.data.token_files.open_tokens``).
 
 ``write_tokens`` streams a corpus through a tokenizer in pieces, a batch of pieces per
 ``encode_batch`` call, so memory stays bounded whatever the size of a file, and writes
 into a temporary folder that is renamed into place in one step: a killed run leaves no
 half folder, only a temporary one that ``remove_stale_temporaries`` clears later.
 
-Splits are deterministic functions of the documents' keys (never of Python's
-``hash()`` or of the machine): a corpus of two or more documents is split by document,
-the round-half-up(val_fraction * n) documents whose sha256(key) is smallest going to val
-(at least one, never all, when val_fraction > 0); a single document is split by tokens,
-the last ``val_fraction`` of them going to val. Documents are written in corpus order;
-empty documents are skipped; with a tokenizer that has ``eot_id``, it follows every
-document.
+Splits are deterministic functions of the documents' keys (``jaxformer.data.splits``;
+never of Python's ``hash()`` or of the machine): a corpus of two or more documents is
+split by document, the round-half-up(val_fraction * n) documents whose sha256(key) is
+smallest going to val (at least one, never all, when val_fraction > 0); a single
+document is split by tokens, the last ``val_fraction`` of them going to val. Documents
+are written in corpus order; empty documents are skipped; with a tokenizer that has
+``eot_id``, it follows every document.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import re
 import secrets
@@ -33,6 +32,7 @@ import numpy as np
 
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import PIECE_CHARS, Corpus, Piece, document_keys, read_pieces
+from jaxformer.data.splits import n_val, val_keys
 from jaxformer.data.tokenizer import Tokenizer
 
 # Characters per encode_batch call: enough pieces for every core (the tokenizer
@@ -44,20 +44,6 @@ _BATCH_PIECES = 4096  # many short records: fewer Python calls, same memory boun
 
 
 # ---- splits ---------------------------------------------------------------------------
-
-def n_val(n: int, val_fraction: float) -> int:
-    """How many of n documents (or tokens) go to val: round half up, then at least 1
-    and at most n - 1 when val_fraction > 0."""
-    if val_fraction == 0 or n < 2:
-        return 0
-    return min(max(1, math.floor(val_fraction * n + 0.5)), n - 1)
-
-
-def val_keys(keys: list[str], val_fraction: float) -> set[str]:
-    """The documents held out: those whose sha256(key) is among the n_val smallest."""
-    ranked = sorted(keys, key=lambda k: (hashlib.sha256(k.encode()).digest(), k))
-    return set(ranked[:n_val(len(keys), val_fraction)])
-
 
 def split_plan(cfg: DataConfig, corpus: Corpus) -> set[str] | None:
     """The val document keys, or None when the corpus splits by tokens (< 2 documents)."""
@@ -112,11 +98,11 @@ def write_tokens(final: str, cfg: DataConfig, corpus: Corpus, tokenizer: Tokeniz
     """Tokenises `corpus` into the token folder `final` (which must not exist yet);
     returns its meta.json. Raises DataError before writing much when the disk is too
     small, and when the train split would be empty."""
-    log = log or _stderr
+    log = log or to_stderr
     val = split_plan(cfg, corpus)
     dtype = smallest_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
-    tmp = _temporary(final)
+    tmp = temporary_path(final)
     os.makedirs(tmp)
     out = {s: _SplitWriter(os.path.join(tmp, f"{s}.bin"), dtype, tokenizer.eot_id)
            for s in ("train", "val")}
@@ -198,32 +184,6 @@ def _check_disk(folder: str, written: int, done: int, total: int, corpus: Corpus
                         "with room")
 
 
-# ---- reading ----------------------------------------------------------------------------
-
-def open_tokens(folder: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(meta.json, {train, val: read-only memmaps; train_docs, val_docs: int64})."""
-    with open(os.path.join(folder, "meta.json")) as f:
-        meta = json.load(f)
-    dtype = np.dtype(meta["dtype"])
-    arrays = {s: memmap(os.path.join(folder, f"{s}.bin"), dtype) for s in ("train", "val")}
-    for s in ("train", "val"):
-        arrays[f"{s}_docs"] = np.load(os.path.join(folder, f"{s}_docs.npy"))
-    return meta, arrays
-
-
-def memmap(path: str, dtype) -> np.ndarray:
-    """A read-only memmap of a token file (an empty read-only array for an empty file)."""
-    size = os.path.getsize(path)
-    if size % np.dtype(dtype).itemsize:
-        raise DataError(f"{path} is {size} bytes, not a multiple of {np.dtype(dtype).itemsize}; "
-                        f"is data.bin_dtype={np.dtype(dtype).name!r} right?")
-    if size == 0:
-        empty = np.zeros(0, dtype)
-        empty.flags.writeable = False
-        return empty
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
 # ---- progress and messages ----------------------------------------------------------------
 
 def progress_bar(enabled: bool, total: int, what: str):
@@ -235,7 +195,7 @@ def progress_bar(enabled: bool, total: int, what: str):
                 mininterval=0.5 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)
 
 
-def _stderr(message: str) -> None:
+def to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -244,7 +204,7 @@ def _stderr(message: str) -> None:
 _TEMPORARY = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
-def _temporary(final: str) -> str:
+def temporary_path(final: str) -> str:
     """Where `final` is written before its atomic rename: named by host and process, so
     that a later run can tell a killed writer's leftovers from a live writer's folder."""
     return f"{final}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"

@@ -1,0 +1,98 @@
+"""Token ids on disk, mapped read-only: nanoGPT-style .bin files, and token folders
+(train.bin, val.bin, train_docs.npy, val_docs.npy, meta.json: what
+``jaxformer.data.tokens.write_tokens`` writes). The token sources' entries in
+``jaxformer.data.sources.SOURCES`` map their train and val splits with the functions
+here: each takes (DataConfig, Corpus, Tokenizer) and returns ({train, val, train_docs,
+val_docs}, the largest id)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from jaxformer.data.config import DataConfig, DataError
+from jaxformer.data.splits import n_val
+from jaxformer.data.tokenizer import Tokenizer, load_tokenizer
+
+
+def memmap(path: str, dtype) -> np.ndarray:
+    """A read-only memmap of a token file (an empty read-only array for an empty file)."""
+    size = os.path.getsize(path)
+    if size % np.dtype(dtype).itemsize:
+        raise DataError(f"{path} is {size} bytes, not a multiple of {np.dtype(dtype).itemsize}; "
+                        f"is data.bin_dtype={np.dtype(dtype).name!r} right?")
+    if size == 0:
+        empty = np.zeros(0, dtype)
+        empty.flags.writeable = False
+        return empty
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def open_tokens(folder: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta.json, {train, val: read-only memmaps; train_docs, val_docs: int64})."""
+    with open(os.path.join(folder, "meta.json")) as f:
+        meta = json.load(f)
+    dtype = np.dtype(meta["dtype"])
+    arrays = {s: memmap(os.path.join(folder, f"{s}.bin"), dtype) for s in ("train", "val")}
+    for s in ("train", "val"):
+        arrays[f"{s}_docs"] = np.load(os.path.join(folder, f"{s}_docs.npy"))
+    return meta, arrays
+
+
+# ---- the token sources' maps ----------------------------------------------------------
+
+def split_one_file(cfg: DataConfig, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
+    """One .bin file, used in place: the last val_fraction of its tokens is val."""
+    tokens = memmap(corpus.path_of(corpus.files[0]), np.dtype(cfg.bin_dtype))
+    cut = len(tokens) - n_val(len(tokens), cfg.val_fraction)
+    return _bin_splits(corpus, tokens[:cut], tokens[cut:], tokenizer)
+
+
+def train_and_val_files(cfg: DataConfig, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
+    """A folder's train.bin and val.bin, used in place."""
+    train, val = (memmap(corpus.path_of(rel), np.dtype(cfg.bin_dtype)) for rel in corpus.files)
+    return _bin_splits(corpus, train, val, tokenizer)
+
+
+def _bin_splits(corpus, train: np.ndarray, val: np.ndarray,
+                tokenizer: Tokenizer) -> tuple[dict, int]:
+    """Documents start after each eot_id."""
+    if len(train) == 0:
+        raise DataError(f"{corpus.describe()} has no train tokens; add data")
+    max_id = max(int(a.max()) for a in (train, val) if len(a))
+    return dict(train=train, val=val, train_docs=doc_starts(train, tokenizer.eot_id),
+                val_docs=doc_starts(val, tokenizer.eot_id)), max_id
+
+
+def doc_starts(tokens: np.ndarray, eot_id: int | None) -> np.ndarray:
+    """int64 [n_docs]: 0 and every position right after an eot_id (but not past the end)."""
+    if len(tokens) == 0:
+        return np.zeros(0, np.int64)
+    if eot_id is None:
+        return np.zeros(1, np.int64)
+    after = np.flatnonzero(np.asarray(tokens) == eot_id) + 1
+    return np.concatenate([[0], after[after < len(tokens)]]).astype(np.int64)
+
+
+def prepared_folder(cfg: DataConfig, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
+    """A folder that ``python -m jaxformer.data.prepare`` wrote, mapped in place."""
+    meta, arrays = open_tokens(corpus.root)
+    return arrays, meta["max_id"]
+
+
+def prepared_tokenizer(cfg: DataConfig, corpus) -> Tokenizer:
+    """A prepared folder's own tokenizer.json: the one its tokens were made with."""
+    tokenizer = load_tokenizer(corpus.root)
+    with open(os.path.join(corpus.root, "meta.json")) as f:
+        made_with = json.load(f)["tokenizer"]
+    if tokenizer.fingerprint != made_with:
+        raise DataError(f"{corpus.root}/tokenizer.json is not the tokenizer its tokens were "
+                        "made with (meta.json names another); prepare the folder again")
+    if cfg.tokenizer not in ("bytes", "bpe") and \
+            load_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
+        raise DataError(f"{corpus.root} was prepared with {tokenizer!r}, not with "
+                        f"data.tokenizer={cfg.tokenizer!r}; leave data.tokenizer unset to use "
+                        "the folder's, or prepare the data again with this tokenizer")
+    return tokenizer
