@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer import ModelConfig, Transformer
 from jaxformer.config import ConfigError
 from jaxformer.sharding import (DEFAULT_RULES, MESH_AXES, cluster_detected, logical_axes,
@@ -77,8 +78,7 @@ def test_rules_overrides_and_their_errors():
 
 
 @pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.parametrize("kw", [dict(position="learned"), dict(position="t5"),
-                                dict(position="fire"),
+@pytest.mark.parametrize("kw", [*(dict(position=p) for p in POSITION_SCHEMES),  # the table
                                 dict(ffn="swiglu", norm="rmsnorm", tie_embeddings=False,
                                      n_kv_heads=1, qkv_bias=True, use_bias=False)])
 def test_every_param_has_one_logical_name_per_dim(scan, kw):
