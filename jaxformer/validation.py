@@ -110,15 +110,21 @@ def coerce(value: Any, type_name: str, key: str) -> Any:
     return value
 
 
+def check_keys(raw: Mapping[str, Any], valid, section: str, extra: str = "") -> None:
+    """Every key of raw must be one of `valid`; the error names the unknown ones as
+    section.key and lists the valid ones (and `extra`)."""
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; valid "
+                          f"{section} keys are: {', '.join(valid)}{extra}")
+
+
 def build_section(cls, raw: Mapping[str, Any], section: str, *, nested=None, extra: str = ""):
     """cls from raw values, each coerced to its field's type; nested: field name -> the
     dataclass a mapping value of that field is checked and coerced against
     (model.rope_scaling). Unknown keys are refused, naming the valid ones (and `extra`)."""
     types, nested = type_names(cls), nested or {}
-    unknown = sorted(set(raw) - set(types))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; valid "
-                          f"{section} keys are: {', '.join(types)}{extra}")
+    check_keys(raw, types, section, extra)
     values = {}
     for key, value in raw.items():
         if key in nested and isinstance(value, Mapping):

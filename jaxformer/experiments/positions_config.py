@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from jaxformer.config import ConfigError, ModelConfig
 from jaxformer.positions import ROPE_SCALINGS, RopeScaling
 from jaxformer.schemes import POSITION_SCHEMES
-from jaxformer.validation import check_choice, check_number
+from jaxformer.validation import check_choice, check_keys, check_number
 from jaxformer.training.config import RunConfig
 from jaxformer.validation import coerce, read_config_file
 
@@ -140,10 +140,7 @@ def settings_from_dict(cls, raw: Mapping[str, Any], section: str = "study"):
     """A settings dataclass from YAML or command-line values, each coerced to its field's
     type ('rope,alibi' is a list; '1,2' a list of ints where the field holds ints)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
-                          f"valid {section} keys are: {', '.join(fields)}")
+    check_keys(raw, fields, section)
     values = {}
     for key, value in raw.items():
         default, type_name, name = fields[key].default, str(fields[key].type), f"{section}.{key}"
