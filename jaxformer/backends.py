@@ -183,6 +183,11 @@ BACKENDS: dict[str, Backend] = {
 _EXPLAINED: set = set()
 
 
+def dense_logits_bytes(batch: int, heads: int, q_len: int, k_len: int) -> int:
+    """One layer's dense float32 logits [B, N, Tq, Tk], in bytes: what `auto` budgets."""
+    return 4 * batch * heads * q_len * k_len
+
+
 def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
                  position: str | None = None) -> str:
     """`impl`, or for `auto` the backend whose entry answers for this platform, position
@@ -231,8 +236,8 @@ def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO):
     with a by-index form gets is_causal and the window with no mask array when the rule
     is by index and nothing is packed or padded; otherwise the rule's mask array.
     bias: a LogitBias, an array [B|1, N|1, T, S], or None."""
-    impl = resolve_impl(impl, q.dtype, q.shape[-1],
-                        logits_bytes=4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1])
+    impl = resolve_impl(impl, q.dtype, q.shape[-1], logits_bytes=dense_logits_bytes(
+        q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
     backend = BACKENDS[impl]
     if backend.rule is not None:
         if bias is not None and not isinstance(bias, LogitBias):

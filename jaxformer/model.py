@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxformer import kv_cache
 from jaxformer.attention import dense_init
-from jaxformer.backends import resolve_impl, takes_structure
+from jaxformer.backends import dense_logits_bytes, resolve_impl, takes_structure
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
 from jaxformer.layers import Block, apply_norm, make_norm
@@ -100,7 +100,7 @@ class Transformer(nn.Module):
             k_segments = segment_ids = None
         bias = PositionBias(c, name="position_bias")()  # a LogitBias, or None
         impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim, position=c.position,
-                            logits_bytes=4 * b * c.n_heads * t * k_positions.shape[1])
+                            logits_bytes=dense_logits_bytes(b, c.n_heads, t, k_positions.shape[1]))
         mask = MaskRule(positions, k_positions, segment_ids, k_segments, window=c.sliding_window,
                         is_causal=cache is None, by_index=by_index)
         if not takes_structure(impl, t, cached=cache is not None):  # once, for every layer
