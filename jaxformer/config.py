@@ -15,7 +15,7 @@ from jaxformer.validation import ConfigError, Section, check_choice, check_numbe
 SINUSOIDAL_SCALES = ("table", "tokens", "unit")
 NORMS = ("layernorm", "rmsnorm")
 BLOCKS = ("pre_ln", "post_ln")
-FFNS = ("gelu", "relu", "swiglu", "geglu")
+FFNS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu")
 REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 

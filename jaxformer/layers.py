@@ -53,6 +53,7 @@ def apply_norm(cfg: ModelConfig, norm: nn.Module, x):
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh form
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),  # the erf form (GPT-NeoX)
     "relu": jax.nn.relu,
     "swiglu": jax.nn.silu,
     "geglu": lambda x: jax.nn.gelu(x, approximate=True),

@@ -271,7 +271,7 @@ def test_readers_pass_over_a_damaged_newest_step_and_move_nothing(run9, tmp_path
     warned_of_9(capsys.readouterr().err)
     assert len(loaded) == 1 and same_params(loaded[0][1], want) and listing(run) == before
 
-    handed = []  # the converter gets the params to-hf loaded (the tiny model has no HF form)
+    handed = []  # the converter gets the params to-hf loaded (recorded, not written)
     monkeypatch.setattr(jaxformer.convert, "to_hf", lambda cfg, params, hf_dir, **kw: (
         handed.append(params) or {"architectures": ["Recorded"]}))
     assert convert_main(["to-hf", str(run), str(tmp_path / "hf")]) == 0

@@ -53,6 +53,16 @@ HF_CASES = {  # name: (model class, config): GQA/MQA, every RoPE scaling HF and 
     "mistral-window": (T.MistralForCausalLM, T.MistralConfig(
         **SMALL, num_key_value_heads=2, sliding_window=64)),
     "qwen2-qkv-bias": (T.Qwen2ForCausalLM, T.Qwen2Config(**SMALL, num_key_value_heads=2)),
+    # GPT-NeoX with sequential residuals and full rotary; "gelu" is the exact (erf) GELU,
+    # gelu_new the tanh one. Weights at std 0.1: attention far from uniform, so a q/k mixup
+    # shows
+    "neox-gelu-untied": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig(
+        **SMALL, use_parallel_residual=False, rotary_pct=1.0, max_position_embeddings=512,
+        initializer_range=0.1)),
+    "neox-gelu_new-tied": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig(
+        **SMALL, use_parallel_residual=False, rotary_pct=1.0, max_position_embeddings=512,
+        hidden_act="gelu_new", tie_word_embeddings=True, initializer_range=0.1,
+        rotary_emb_base=5000.0)),
 }
 
 
@@ -118,6 +128,9 @@ def test_logits_match_transformers_on_512_tokens(name, tmp_path):
     if name == "mistral-window":  # the window (64 < 512) is really in play
         assert cfg.sliding_window == 64
         assert rel_err(our_logits(cfg.replace(sliding_window=None), params, tokens), ref) > 1e-2
+    if name.startswith("neox"):  # the other GELU is far off (their gap alone is ~1e-4)
+        other = {"gelu": "gelu_exact", "gelu_exact": "gelu"}[cfg.ffn]
+        assert rel_err(our_logits(cfg.replace(ffn=other), params, tokens), ref) > 10 * err
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-llama3"])
@@ -162,6 +175,12 @@ OUR_CASES = {
                                                            original_max_seq_len=64)),
     "mistral-window": dict(n_kv_heads=2, norm="rmsnorm", ffn="swiglu", use_bias=False,
                            sliding_window=32, max_seq_len=128),
+    # the shape `make train` produces (configs/tiny.yaml: RoPE, pre-LN LayerNorm, tanh
+    # GELU, biases, tied), and the exact GELU untied, scanned, with scaled RoPE
+    "gpt_neox-tiny-shape": dict(),
+    "gpt_neox-exact-untied-scan-llama3": dict(
+        ffn="gelu_exact", tie_embeddings=False, scan_layers=True, rope_theta=5000.0,
+        rope_scaling=dict(kind="llama3", factor=8.0, original_max_seq_len=32)),
 }
 
 
@@ -257,6 +276,21 @@ def test_old_gpt2_layout_without_prefix_and_with_mask_buffers(tmp_path):
     assert cfg2 == cfg and tree_equal(params2, params)
 
 
+def test_pythia_layout_without_prefix_and_with_buffers(tmp_path):
+    """Pythia's checkpoints (transformers 4.x) also hold causal-mask and RoPE buffers; a
+    GPTNeoXModel's lack the gpt_neox. prefix."""
+    cfg, params = our_model("gpt_neox-tiny-shape")
+    to_hf(cfg, params, tmp_path)
+    old = {k.removeprefix("gpt_neox."): v for k, v in tensors(tmp_path).items()}
+    for i in range(cfg.n_layers):
+        old.update({f"layers.{i}.attention.bias": np.tril(np.ones((1, 1, 8, 8), bool)),
+                    f"layers.{i}.attention.masked_bias": np.array(-1e9, np.float32),
+                    f"layers.{i}.attention.rotary_emb.inv_freq": np.ones(8, np.float32)})
+    save_file(old, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    cfg2, params2 = from_hf(tmp_path)
+    assert cfg2 == cfg and tree_equal(params2, params)
+
+
 # ---- sharded loading ----------------------------------------------------------------
 
 
@@ -330,6 +364,40 @@ def test_cli_from_hf_makes_a_run_and_to_hf_exports_it(tmp_path, capsys):
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
     assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "r2"), "model.d_model=32"]) == 2
     assert "model.d_model" in capsys.readouterr().err
+
+
+def test_cli_to_hf_exports_the_tiny_preset_as_gpt_neox(tmp_path, capsys):
+    """A run of configs/tiny.yaml's model (what `make train` makes) goes out as GPT-NeoX:
+    a run made from it by from-hf, to-hf again, the same tensors and transformers' logits."""
+    from jaxformer.convert.__main__ import main
+
+    cfg = ModelConfig.preset("tiny")
+    params = init_params(cfg, std=0.1)
+    assert to_hf(cfg, params, tmp_path / "hf")["model_type"] == "gpt_neox"
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["from-hf", str(tmp_path / "hf"), str(run), "train.steps=5"]) == 0
+    assert "gpt_neox" in capsys.readouterr().out
+    assert main(["to-hf", str(run), str(out)]) == 0
+    assert '"model_type": "gpt_neox"' in capsys.readouterr().out
+    a, b = tensors(tmp_path / "hf"), tensors(out)
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = rng.integers(0, 256, (1, 256))
+    assert rel_err(our_logits(cfg, params, tokens), hf_logits(model, tokens)) < 1e-4
+
+
+def test_gpt_neox_interleaved_rope_layout(tmp_path):
+    cfg, params = our_model("gpt_neox-tiny-shape")
+    to_hf(cfg, params, tmp_path / "half")
+    to_hf(cfg, params, tmp_path / "inter", rope_layout="interleaved")
+    half, inter = tensors(tmp_path / "half"), tensors(tmp_path / "inter")
+    name = "gpt_neox.layers.0.attention.query_key_value.weight"
+    w = half[name].reshape(4, 3, 16, 64)  # [heads, q|k|v, head_dim, in]
+    want = np.concatenate([permute_half_to_interleaved(w[:, :2].swapaxes(-1, -2)).swapaxes(
+        -1, -2), w[:, 2:]], axis=1).reshape(192, 64)  # q and k permuted, v as is
+    assert np.array_equal(inter[name], want)
+    cfg2, params2 = from_hf(tmp_path / "inter", rope_layout="interleaved")
+    assert cfg2 == cfg and tree_equal(params2, params)
 
 
 # ---- errors -------------------------------------------------------------------------
@@ -434,6 +502,44 @@ def test_unsupported_llama_configs_are_named(changes, match):
         config_from_hf({**LLAMA, **changes})
 
 
+NEOX = dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], vocab_size=256,
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            use_parallel_residual=False, rotary_pct=1.0)
+NEOX_V5 = {**{k: v for k, v in NEOX.items() if k != "rotary_pct"},
+           "rope_parameters": dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=1.0)}
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(NEOX, use_parallel_residual=True), "use_parallel_residual=True.*gpt_neox.*not supp"),
+    ({k: v for k, v in NEOX.items() if k != "use_parallel_residual"},  # Pythia's default
+     "use_parallel_residual=True.*gpt_neox"),
+    (dict(NEOX, rotary_pct=0.25), "rotary_pct=0.25.*gpt_neox.*partial rotary"),
+    ({k: v for k, v in NEOX.items() if k != "rotary_pct"}, "rotary_pct=0.25.*gpt_neox"),
+    (dict(NEOX_V5, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                        partial_rotary_factor=0.25)),
+     r"rope_parameters\.partial_rotary_factor=0.25.*gpt_neox"),
+    (dict(NEOX, hidden_act="gelu_fast"), "hidden_act='gelu_fast'.*gpt_neox"),
+    (dict(NEOX, attention_bias=False), "attention_bias=False.*gpt_neox"),
+    (dict(NEOX, architectures=["GPTNeoXForSequenceClassification"]),
+     "GPTNeoXForSequenceClassification.*GPTNeoXForCausalLM"),
+])
+def test_unsupported_gpt_neox_configs_are_named(config, match):
+    from jaxformer.convert import config_from_hf
+    with pytest.raises(ConfigError, match=match):
+        config_from_hf(config)
+
+
+def test_gpt_neox_configs_of_both_transformers_generations():
+    from jaxformer.convert import config_from_hf
+    v4 = config_from_hf({**NEOX, "rotary_emb_base": 5e5, "hidden_act": "gelu",
+                         "rope_scaling": None})
+    v5 = config_from_hf({**NEOX_V5, "rope_parameters": dict(
+        rope_type="default", rope_theta=5e5, partial_rotary_factor=1.0)})
+    assert v4 == v5 and v5.rope_theta == 5e5 and v5.ffn == "gelu_exact"
+    assert v5.norm == "layernorm" and v5.use_bias and v5.qkv_bias and not v5.tie_embeddings
+    assert config_from_hf(dict(NEOX, hidden_act="gelu_new")).ffn == "gelu"
+
+
 def test_llama_configs_of_both_transformers_generations():
     from jaxformer.convert import config_from_hf
     v4 = config_from_hf({**LLAMA, "rope_theta": 5e5, "rope_scaling": dict(
@@ -457,6 +563,9 @@ def test_llama_configs_of_both_transformers_generations():
     (dict(norm="rmsnorm", ffn="swiglu", rope_scaling="ntk"), "model.rope_scaling.kind='ntk'"),
     (dict(norm="rmsnorm", ffn="swiglu", use_bias=True, qkv_bias=False), "model.qkv_bias"),
     (dict(position="learned", n_kv_heads=2), "model.n_kv_heads=2"),
+    (dict(n_kv_heads=2), "model.n_kv_heads=2 .*GPT-NeoX has no grouped-query"),
+    (dict(use_bias=False), "model.use_bias=False .*GPT-NeoX"),
+    (dict(sliding_window=8), "model.sliding_window=8 .*GPT-NeoX"),
 ])
 def test_models_hf_cannot_express_are_refused(tmp_path, changes, match):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, **changes)

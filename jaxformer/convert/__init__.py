@@ -1,5 +1,5 @@
-"""Hugging Face interop: load and save GPT-2 and Llama-family (Llama 2/3, Mistral, Qwen2)
-checkpoints.
+"""Hugging Face interop: load and save GPT-2, GPT-NeoX (sequential residual, full rotary)
+and Llama-family (Llama 2/3, Mistral, Qwen2) checkpoints.
 
     from jaxformer.convert import from_hf, to_hf
     cfg, params = from_hf("path/to/hf_model")          # config.json + safetensors

@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from jaxformer.config import ModelConfig
 from jaxformer.convert.hf_config import config_from_hf, config_to_hf, model_family
-from jaxformer.convert.tensors import IGNORED, PREFIX, rules_for
+from jaxformer.convert.tensors import HEAD, IGNORED, PREFIX, rules_for
 from jaxformer.model import param_shapes
 
 WEIGHTS = "model.safetensors"
@@ -128,7 +128,7 @@ def _resolve(reader: SafetensorsReader, rules, family: str, folder) -> dict[str,
                          f"{folder}: {', '.join(missing[:8])}{more}")
     extra = sorted(n for n in present - set(names.values())
                    if not any(re.fullmatch(p, n) for p in IGNORED))
-    tied_head = "lm_head.weight"
+    tied_head = HEAD[family]
     if tied_head in extra and "lm_head" not in {p[0] for r in rules for p in r.ours}:
         embed = names[rules[0].hf[0]]  # a tied head must equal the embedding
         if not np.array_equal(reader.read(tied_head), reader.read(embed)):
@@ -172,7 +172,8 @@ def _shardings_for(shardings, expected: dict[Path, Any]) -> dict[Path, Any]:
 
 def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
             rope_layout: str = "half") -> tuple[ModelConfig, dict]:
-    """(ModelConfig, params) of a local Hugging Face GPT-2 / Llama / Mistral / Qwen2 folder.
+    """(ModelConfig, params) of a local Hugging Face GPT-2 / GPT-NeoX / Llama / Mistral /
+    Qwen2 folder.
 
     dtype: the params' dtype (and the config's param_dtype); default float32.
     shardings: None (the default device), one jax.sharding.Sharding for every param, a

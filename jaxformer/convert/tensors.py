@@ -9,7 +9,8 @@ transposes, reshapes, splits and concatenations). Names are those of the ``*ForC
 Our layout (jaxformer.model): embed/embedding [V, D]; per block attn/{query [D, N, H],
 key/value [D, K, H], out [N, H, D]} kernels, q/k/v biases [N|K, H]; ffn/{wi | wi_gate,
 wi_up} [D, F], wo [F, D]; norms' scale (and LayerNorm bias) [D]; lm_head/kernel [D, V].
-HF Linear weights are [out, in]; GPT-2's Conv1D weights are [in, out] with q|k|v fused.
+HF Linear weights are [out, in]; GPT-2's Conv1D weights are [in, out] with q|k|v fused;
+GPT-NeoX's query_key_value is a Linear whose output axis is [n_heads, 3 (q, k, v), head_dim].
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import numpy as np
 from jaxformer.config import ModelConfig
 
 Path = tuple[str, ...]
-PREFIX = {"gpt2": "transformer.", "llama": "model."}
+PREFIX = {"gpt2": "transformer.", "llama": "model.", "gpt_neox": "gpt_neox."}
+HEAD = {"gpt2": "lm_head.weight", "llama": "lm_head.weight", "gpt_neox": "embed_out.weight"}
 # HF buffers that are not params (causal-mask and RoPE tables of older checkpoints).
 IGNORED = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",
-           r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+           r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
+           r"(gpt_neox\.)?layers\.\d+\.attention\.((masked_)?bias|rotary_emb\.inv_freq)")
 ROPE_LAYOUTS = ("half", "interleaved")
 
 
@@ -113,12 +116,9 @@ def llama_rules(cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
     """Llama / Mistral / Qwen2. rope_layout="interleaved": the checkpoint's q/k weights
     (and biases) rotate interleaved pairs; they are permuted to half rotation on load and
     back on save."""
-    if rope_layout not in ROPE_LAYOUTS:
-        raise ValueError(f"rope_layout={rope_layout!r} is not one of {', '.join(ROPE_LAYOUTS)}")
     d, n, k, h, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                         cfg.vocab_size)
-    rope = (permute_interleaved_to_half, permute_half_to_interleaved) \
-        if rope_layout == "interleaved" else None
+    rope = _rope_permutation(rope_layout)
     t = PREFIX["llama"]
     rules = [_copy(("embed", "embedding"), f"{t}embed_tokens.weight", (v, d))]
     for i in range(cfg.n_layers):
@@ -149,9 +149,71 @@ def llama_rules(cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
     return rules
 
 
+def _rope_permutation(rope_layout: str):
+    """(to_ours, to_hf) of the q/k last axis for a checkpoint's RoPE layout; None for half."""
+    if rope_layout not in ROPE_LAYOUTS:
+        raise ValueError(f"rope_layout={rope_layout!r} is not one of {', '.join(ROPE_LAYOUTS)}")
+    if rope_layout == "interleaved":
+        return permute_interleaved_to_half, permute_half_to_interleaved
+    return None
+
+
+def _fused_qkv(block: str, name: str, cfg: ModelConfig, rope) -> Rule:
+    """GPT-NeoX's query_key_value weight [3 N H, D] or bias [3 N H], its output axis
+    [N, 3, H] (per head q, k, v), <-> query/key/value kernels [D, N, H] or biases [N, H];
+    `rope` permutes q and k as in llama_rules."""
+    n, h, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    weight = name.endswith(".weight")
+    keep = (lambda x: x, lambda x: x)
+    posts = (rope or keep, rope or keep, keep)
+
+    def to_ours(w):
+        w = w.T.reshape(d, n, 3, h) if weight else w.reshape(n, 3, h)
+        return tuple(fwd(w[..., j, :]) for j, (fwd, _) in enumerate(posts))
+
+    def to_hf(*qkv):
+        w = np.stack([inv(x) for x, (_, inv) in zip(qkv, posts)], axis=-2)
+        return (w.reshape(d, 3 * n * h).T,) if weight else (w.reshape(3 * n * h),)
+
+    leaf = "kernel" if weight else "bias"
+    return Rule(tuple((block, "attn", x, leaf) for x in ("query", "key", "value")), (name,),
+                ((3 * n * h, d) if weight else (3 * n * h,),), to_ours, to_hf)
+
+
+def neox_rules(cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
+    """GPT-NeoX (sequential residual, full rotary): LayerNorms and every linear with
+    biases, fused q|k|v per head, an untied head named embed_out."""
+    d, n, h, f, v = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    rope = _rope_permutation(rope_layout)
+    t = PREFIX["gpt_neox"]
+    rules = [_copy(("embed", "embedding"), f"{t}embed_in.weight", (v, d))]
+    for i in range(cfg.n_layers):
+        b, p = f"block_{i}", f"{t}layers.{i}."
+        rules += [_fused_qkv(b, f"{p}attention.query_key_value.{x}", cfg, rope)
+                  for x in ("weight", "bias")]
+        rules += [
+            _linear((b, "attn", "out", "kernel"), f"{p}attention.dense.weight", (d, n * h),
+                    (n, h, d)),
+            _copy((b, "attn", "out", "bias"), f"{p}attention.dense.bias", (d,)),
+            _linear((b, "ffn", "wi", "kernel"), f"{p}mlp.dense_h_to_4h.weight", (f, d), (d, f)),
+            _copy((b, "ffn", "wi", "bias"), f"{p}mlp.dense_h_to_4h.bias", (f,)),
+            _linear((b, "ffn", "wo", "kernel"), f"{p}mlp.dense_4h_to_h.weight", (d, f), (f, d)),
+            _copy((b, "ffn", "wo", "bias"), f"{p}mlp.dense_4h_to_h.bias", (d,)),
+        ]
+        for ours, hf in (("attn_norm", "input_layernorm"),
+                         ("ffn_norm", "post_attention_layernorm")):
+            rules += [_copy((b, ours, "scale"), f"{p}{hf}.weight", (d,)),
+                      _copy((b, ours, "bias"), f"{p}{hf}.bias", (d,))]
+    rules += [_copy(("final_norm", "scale"), f"{t}final_layer_norm.weight", (d,)),
+              _copy(("final_norm", "bias"), f"{t}final_layer_norm.bias", (d,))]
+    if not cfg.tie_embeddings:
+        rules.append(_linear(("lm_head", "kernel"), HEAD["gpt_neox"], (v, d), (d, v)))
+    return rules
+
+
 def rules_for(family: str, cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
     if family == "gpt2":
         if rope_layout != "half":
             raise ValueError("rope_layout applies to RoPE models; GPT-2 has learned positions")
         return gpt2_rules(cfg)
-    return llama_rules(cfg, rope_layout)
+    return {"llama": llama_rules, "gpt_neox": neox_rules}[family](cfg, rope_layout)
