@@ -155,8 +155,14 @@ def test_grad_through_a_hook_matches_finite_differences(rng):
         return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
     g = jax.jit(jax.grad(loss))(jnp.float32(0.3))
-    eps = 1e-2
-    fd = (loss(jnp.float32(0.3 + eps)) - loss(jnp.float32(0.3 - eps))) / (2 * eps)
+
+    def central(h):
+        return (loss(jnp.float32(0.3 + h)) - loss(jnp.float32(0.3 - h))) / (2 * h)
+
+    # Richardson's extrapolation cancels the h^2 term: the loss curves enough along u that
+    # a plain central difference at h = 1e-2 was 13% off for some seeds (2 in 40 failed;
+    # seed 1596414767); this one was within 0.3% of the gradient for all 40
+    fd = (4 * central(1e-2) - central(2e-2)) / 3
     np.testing.assert_allclose(float(g), float(fd), rtol=2e-2, atol=1e-5)
     assert abs(float(g)) > 1e-4
 
