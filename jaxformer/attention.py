@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from jaxformer import kv_cache
 from jaxformer.backends import (dot_product_attention, prefill_impl, resolve_impl,  # noqa: F401
@@ -23,6 +25,7 @@ from jaxformer.hooks import active, hook_point
 from jaxformer.masks import (MaskRule, causal_mask, make_attention_mask,  # noqa: F401
                              padding_mask, segment_mask, sliding_window_mask)
 from jaxformer.matmul import flat_dot_general
+from jaxformer.norms import apply_norm, make_norm
 from jaxformer.reference import (and_causal, as_4d, attention_weights,  # noqa: F401
                                  group_heads, grouped_logits, mix, softmax)
 from jaxformer.schemes import POSITION_SCHEMES, LogitBias, dense_bias
@@ -38,8 +41,9 @@ class Attention(nn.Module):
     scheme rotates them.
 
     Params: query [D, N, H], key/value [D, K, H], out [N, H, D]; biases on q/k/v if
-    qkv_bias, on out if use_bias. impl: the backend chosen for this forward (the model
-    resolves `auto` once and hands it down); None reads cfg.attention_impl.
+    qkv_bias, on out if use_bias; q_norm/k_norm scales [H] (qk_norm head) or [N|K, H]
+    (projection). impl: the backend chosen for this forward (the model resolves `auto`
+    once and hands it down); None reads cfg.attention_impl.
     """
 
     cfg: ModelConfig
@@ -63,19 +67,35 @@ class Attention(nn.Module):
         self.out = dense(c.d_model, (-2, -1), "out", ("heads", "head_dim", "embed"), c.use_bias,
                          0.02 / math.sqrt(2 * c.n_layers))
         self.dropout = nn.Dropout(c.dropout)
+        if c.qk_norm != "none":  # over head_dim per head, or over the whole projection
+            heads = c.qk_norm == "projection"
+            self.q_norm = make_norm(c, "q_norm", ("heads", "head_dim") if heads else ("head_dim",))
+            self.k_norm = make_norm(c, "k_norm", ("kv_heads", "head_dim") if heads
+                                    else ("head_dim",))
 
     @property
     def backend(self) -> str:
         return self.impl or self.cfg.attention_impl
 
-    def project(self, x, positions):
-        """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H], rotated if the scheme rotates."""
+    @property
+    def cap(self) -> dict:
+        """The logits' soft-cap as the backends take it (nothing when there is none)."""
+        return {} if self.cfg.attn_softcap is None else {"softcap": self.cfg.attn_softcap}
+
+    def project(self, x, positions, kind=0):
+        """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H]: QK-normed if qk_norm, rotated
+        as layer kind `kind` wants if the scheme rotates, q scaled by attn_scale."""
+        c = self.cfg
         q, k, v = (hook_point(self, f"hook_{n}", f(x))
                    for n, f in (("q", self.query), ("k", self.key), ("v", self.value)))
-        rotate = POSITION_SCHEMES[self.cfg.position].rotate
+        if c.qk_norm != "none":
+            q, k = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
+        rotate = POSITION_SCHEMES[c.position].rotate
         if rotate is not None:
-            q = hook_point(self, "hook_rot_q", rotate(self.cfg, q, positions))
-            k = hook_point(self, "hook_rot_k", rotate(self.cfg, k, positions))
+            q = hook_point(self, "hook_rot_q", rotate(c, q, positions, kind))
+            k = hook_point(self, "hook_rot_k", rotate(c, k, positions, kind))
+        if c.attn_scale is not None:  # the backends scale by 1 / sqrt(head_dim)
+            q = q * jnp.asarray(c.attn_scale * math.sqrt(c.head_dim), q.dtype)
         q = constrain(q, "act_batch", "act_seq", "act_heads", "head_dim")
         k = constrain(k, "act_batch", "act_seq", "act_kv_heads", "head_dim")
         v = constrain(v, "act_batch", "act_seq", "act_kv_heads", "head_dim")
@@ -85,7 +105,7 @@ class Attention(nn.Module):
         """The reference attention with hook points on the scores (scaled, biased, -inf where
         masked) and the pattern [B, N, Tq, Tk]: for jaxformer.inspect, when asked for."""
         logits = grouped_logits(q, k, mask=and_causal(as_4d(mask), q.shape[1]),
-                                bias=as_4d(bias), scale=None)  # [B, K, G, T, S]
+                                bias=as_4d(bias), scale=None, **self.cap)  # [B, K, G, T, S]
         scores = hook_point(self, "hook_attn_scores",
                             logits.reshape(q.shape[0], -1, *logits.shape[3:]))  # [B, N, T, S]
         pattern = hook_point(self, "hook_pattern", softmax(scores))
@@ -95,26 +115,47 @@ class Attention(nn.Module):
         """Heads [B, T, N, H] -> output projection (+ dropout) [B, T, D]."""
         return self.dropout(self.out(z), deterministic=self.deterministic)
 
-    def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None):
+    def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind=0):
         """Without a cache: attention within x. With a layer's KV cache (jaxformer.kv_cache)
         the new keys/values are written at slots [cache_index, cache_index + T), attention
         runs over all its slots (the mask hides slots not written or not valid), and the
         updated layer cache is returned beside the output.
 
         mask: a MaskRule (the model's) or a bool array; bias: a LogitBias where
-        takes_structure says, else an array or None."""
-        q, k, v = self.project(x, positions)
+        takes_structure says, else an array or None. kind: the layer's kind (cfg.kinds)."""
+        q, k, v = self.project(x, positions, kind)
         if cache is None:
             return self.finish(hook_point(self, "hook_z", self.attend(q, k, v, mask, bias)))
-        cache = kv_cache.write_layer(cache, k, v, cache_index)
-        k, v = (cache[name].astype(q.dtype) for name in ("k", "v"))
+        k, v, mask, cache = self.cached_keys(k, v, mask, cache, cache_index)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
         if takes_structure(self.backend, q.shape[1], cached=True):  # a prefill, by blocks
             z = rule_attention(q, kv_cache.as_keys(k, q.shape[0]), kv_cache.as_keys(v, q.shape[0]),
-                               mask, bias, impl=prefill_impl(self.backend))
+                               mask, bias, impl=prefill_impl(self.backend), **self.cap)
         else:
+            if isinstance(bias, LogitBias):  # left as structure for a ring's own positions
+                bias = dense_bias(bias, mask.q_positions, mask.k_positions)
             z = kv_cache.cached_attention(q, k, v, bias=bias, mask=mask.dense()
-                                          if isinstance(mask, MaskRule) else mask)
+                                          if isinstance(mask, MaskRule) else mask, **self.cap)
         return self.finish(hook_point(self, "hook_z", z)), cache
+
+    @staticmethod
+    def cached_keys(k, v, rule: MaskRule, cache, cache_index):
+        """The new k, v [B, T, K, H] written into a layer's cache; the keys and values
+        [B * K, S', H] to attend over, the rule with their positions, and the cache.
+        A full-length layer's keys are its slots. A ring (a windowed layer) is written by
+        position; a single token then attends over the ring, a chunk over the ring as it
+        was followed by the chunk itself."""
+        if "positions" not in cache:
+            cache = kv_cache.write_layer(cache, k, v, cache_index)
+            return cache["k"], cache["v"], rule, cache
+        new = jax.lax.dynamic_slice_in_dim(rule.k_positions, cache_index, k.shape[1], axis=1)
+        if k.shape[1] == 1:
+            cache = kv_cache.write_ring(cache, k, v, new)
+            keys, values, k_positions = cache["k"], cache["v"], cache["positions"]
+        else:
+            keys, values, k_positions = kv_cache.ring_keys(cache, k, v, new)
+            cache = kv_cache.write_ring(cache, k, v, new)
+        return keys, values, rule.replace(k_positions=k_positions), cache
 
     def attend(self, q, k, v, mask, bias):
         """Attention within the sequence: the hooked reference when inspection asks for
@@ -126,6 +167,6 @@ class Attention(nn.Module):
                 mask = mask.dense()
             return self.attend_with_pattern(q, k, v, mask, bias)
         if isinstance(mask, MaskRule):
-            return rule_attention(q, k, v, mask, bias, impl=self.backend)
+            return rule_attention(q, k, v, mask, bias, impl=self.backend, **self.cap)
         return dot_product_attention(q, k, v, mask=mask, bias=bias, impl=self.backend,
-                                     is_causal=True)
+                                     is_causal=True, **self.cap)

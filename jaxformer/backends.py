@@ -6,7 +6,10 @@ Backend(...)``) plus its function.
 
 Two ways in: ``dot_product_attention`` (a mask and a bias as arrays; every backend that
 takes arrays) and ``rule_attention`` (the model's path: the mask as a MaskRule, the bias
-as a LogitBias, each handed to the backend in the form it reads).
+as a LogitBias, each handed to the backend in the form it reads). Both take a logit
+soft-cap (``softcap``, Gemma 2: s -> softcap * tanh(s / softcap) after the scale, before
+the bias and the mask), which only the backends with takes_softcap apply: naming another
+raises, and `auto` never picks one when there is a cap.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 from jaxformer.blockwise import blockwise_attention, index_bias
 from jaxformer.chunked import chunked_attention
 from jaxformer.masks import MaskRule
-from jaxformer.reference import and_causal, as_4d, reference_attention
+from jaxformer.reference import and_causal, as_4d, check_softcap, reference_attention
 from jaxformer.schemes import POSITION_SCHEMES, LogitBias, dense_bias
 from jaxformer.splash import splash_attention
 
@@ -32,13 +35,18 @@ DENSE_LOGITS_BYTES = 1 << 30  # auto: above this, float32 [B, N, Tq, Tk] logits 
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """What `auto` decides from: the platform, the compute dtype, head_dim, the position
-    scheme and one layer's dense float32 logits, B * N * Tq * Tk * 4 bytes."""
+    scheme, one layer's dense float32 logits, B * N * Tq * Tk * 4 bytes, whether the
+    logits are soft-capped (then only a backend with takes_softcap answers), and whether
+    the layers' windows are data (scanned layer kinds with different windows: splash
+    needs them static)."""
 
     platform: str
     dtype: Any
     head_dim: int
     position: str | None
     logits_bytes: int
+    softcap: bool = False
+    window_as_data: bool = False
 
     @property
     def biased(self) -> bool:
@@ -52,24 +60,29 @@ class Setting:
     @property
     def cudnn_fits(self) -> bool:
         """cuDNN's flash kernel takes it: a GPU, 16-bit inputs, head_dim a multiple of 8 up
-        to 128, and no bias too big to hand it densely."""
+        to 128, no bias too big to hand it densely, and no soft-cap (it takes none)."""
         return self.platform == "gpu" and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16) \
-            and self.head_dim % 8 == 0 and self.head_dim <= 128 and not (self.biased and self.big)
+            and self.head_dim % 8 == 0 and self.head_dim <= 128 and not (self.biased and self.big) \
+            and not self.softcap
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """One attention backend.
 
-    arrays(q, k, v, *, mask, bias, scale, is_causal): attention given the mask and the
-      bias as arrays; None for a backend that reads only structure.
-    rule(q, k, v, rule, bias): attention given the MaskRule and a LogitBias, read a block
-      at a time; None for a backend that reads arrays (the rule's mask array is built
-      for it, and the bias applied densely).
-    by_index(q, k, v, bias, window): index-causal (and windowed) self-attention with no
-      mask array, for rules by index with nothing packed or padded (cuDNN's fast path);
-      None where the backend has no such form.
+    arrays(q, k, v, *, mask, bias, scale, is_causal, softcap): attention given the mask
+      and the bias as arrays; None for a backend that reads only structure.
+    rule(q, k, v, rule, bias, softcap): attention given the MaskRule and a LogitBias, read
+      a block at a time; None for a backend that reads arrays (the rule's mask array is
+      built for it, and the bias applied densely).
+    by_index(q, k, v, bias, window, softcap): index-causal (and windowed) self-attention
+      with no mask array, for rules by index with nothing packed or padded (cuDNN's fast
+      path); None where the backend has no such form.
+      softcap (each function's keyword): the logit soft-cap, a float; passed only when
+      there is a cap, so only to a backend with takes_softcap.
     takes_bias: whether it adds a logit bias at all.
+    takes_softcap: whether it applies a logit soft-cap (jax.nn.dot_product_attention,
+      behind xla and cudnn, has none).
     over_cache: its rule function also runs over a KV cache's slots (a prefill; empty
       slots sit at EMPTY_SLOT, which the rule hides).
     platforms: where it runs (jax.default_backend() names), None for everywhere.
@@ -81,6 +94,7 @@ class Backend:
     rule: Callable | None = None
     by_index: Callable | None = None
     takes_bias: bool = True
+    takes_softcap: bool = False
     over_cache: bool = False
     platforms: tuple[str, ...] | None = None
     auto: Callable[[Setting], str | None] | None = None
@@ -88,10 +102,10 @@ class Backend:
 
 # ---- the backends' functions ---------------------------------------------------------
 
-def _reference(q, k, v, *, mask, bias, scale, is_causal):
+def _reference(q, k, v, *, mask, bias, scale, is_causal, softcap=None):
     if is_causal:
         mask = and_causal(mask, q.shape[1])
-    return reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
+    return reference_attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
 
 
 def _fused(implementation: str, bias_as_q: bool = False):
@@ -99,8 +113,12 @@ def _fused(implementation: str, bias_as_q: bool = False):
     the bias is handed over in the dtype of q (cuDNN takes it so).
 
     Its masked rows average over all keys; rows with no allowed key are set to zero here so
-    that every backend answers like the reference."""
-    def call(q, k, v, mask, bias, scale, **structure):
+    that every backend answers like the reference. It has no logit soft-cap: a softcap
+    other than None raises (the dispatch never hands it one)."""
+    def call(q, k, v, mask, bias, scale, softcap, **structure):
+        if softcap is not None:
+            raise ValueError(f"attention_impl={implementation!r} takes no softcap "
+                             "(jax.nn.dot_product_attention has none)")
         if bias is not None and bias_as_q:
             bias = bias.astype(q.dtype)
         out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
@@ -110,17 +128,18 @@ def _fused(implementation: str, bias_as_q: bool = False):
             out = out * jnp.swapaxes(any_key, 1, 2)[..., None].astype(out.dtype)
         return out
 
-    def arrays(q, k, v, *, mask, bias, scale, is_causal):
-        return call(q, k, v, and_causal(mask, q.shape[1]) if is_causal else mask, bias, scale)
+    def arrays(q, k, v, *, mask, bias, scale, is_causal, softcap=None):
+        return call(q, k, v, and_causal(mask, q.shape[1]) if is_causal else mask, bias, scale,
+                    softcap)
 
-    def by_index(q, k, v, bias, window):  # is_causal and local_window_size: no mask array
-        return call(q, k, v, None, bias, None, is_causal=True,
+    def by_index(q, k, v, bias, window, softcap=None):  # is_causal, local_window_size
+        return call(q, k, v, None, bias, None, softcap, is_causal=True,
                     local_window_size=None if window is None else (window - 1, 0))
 
     return arrays, by_index
 
 
-def _blockwise_arrays(q, k, v, *, mask, bias, scale, is_causal):
+def _blockwise_arrays(q, k, v, *, mask, bias, scale, is_causal, softcap=None):
     """Blockwise attention for masks and biases given as arrays: their positions are
     indices, and the mask joins the bias as -inf (the model passes structure instead)."""
     b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
@@ -131,16 +150,17 @@ def _blockwise_arrays(q, k, v, *, mask, bias, scale, is_causal):
         terms = hide if terms is None else terms + hide
     rule = MaskRule(index(tq), index(tk), causal=False, is_causal=is_causal)
     return blockwise_attention(q, k, v, rule, bias_fn=None if terms is None else index_bias,
-                               bias_params=terms, scale=scale)
+                               bias_params=terms, scale=scale, softcap=softcap)
 
 
-def _blockwise_rule(q, k, v, rule, bias):
+def _blockwise_rule(q, k, v, rule, bias, softcap=None):
     return blockwise_attention(q, k, v, rule, bias_fn=None if bias is None else bias.fn,
-                               bias_params=None if bias is None else bias.params)
+                               bias_params=None if bias is None else bias.params,
+                               softcap=softcap)
 
 
-def _splash_rule(q, k, v, rule, bias):
-    return splash_attention(q, k, v, rule)
+def _splash_rule(q, k, v, rule, bias, softcap=None):
+    return splash_attention(q, k, v, rule, softcap=softcap)
 
 
 def _budget(s: Setting) -> str:
@@ -148,14 +168,31 @@ def _budget(s: Setting) -> str:
             f"(> DENSE_LOGITS_BYTES = {DENSE_LOGITS_BYTES / 2**30:g} GiB)")
 
 
+_NO_SOFTCAP = ("the logits are soft-capped, which xla and cudnn "
+               "(jax.nn.dot_product_attention) do not take")
+
+
 def _auto_blockwise(s: Setting) -> str | None:
     if s.platform == "tpu":
+        if s.window_as_data:
+            return "a TPU, and the scanned layers' windows differ, which splash needs static"
         return (f"a TPU, and position={s.position!r} adds a logit bias, which the splash "
                 "kernel does not take") if s.biased else None
     if s.big and not s.cudnn_fits:
         return _budget(s) + (f" and position={s.position!r}'s bias with them"
-                             if s.platform == "gpu" and s.biased else "")
+                             if s.platform == "gpu" and s.biased else "") + (
+            f"; {_NO_SOFTCAP}" if s.softcap and s.platform != "cpu" else "")
     return None
+
+
+def _auto_chunked(s: Setting) -> str | None:
+    """Dense logits within the budget: on a CPU always (its fastest backend), elsewhere
+    off TPUs when the logits are soft-capped (instead of xla or cudnn)."""
+    if not _dense_fits(s):
+        return None
+    if s.platform == "cpu":
+        return ""
+    return f"{_NO_SOFTCAP}; the dense logits fit the budget" if s.softcap else None
 
 
 _xla, _xla_by_index = _fused("xla")
@@ -163,18 +200,19 @@ _cudnn, _cudnn_by_index = _fused("cudnn", bias_as_q=True)
 _dense_fits = lambda s: s.platform != "tpu" and not s.big and not s.cudnn_fits  # noqa: E731
 
 BACKENDS: dict[str, Backend] = {
-    "reference": Backend(arrays=_reference),
-    "xla": Backend(arrays=_xla, by_index=_xla_by_index,
-                   auto=lambda s: "" if _dense_fits(s) and s.platform != "cpu" else None),
+    "reference": Backend(arrays=_reference, takes_softcap=True),
+    "xla": Backend(arrays=_xla, by_index=_xla_by_index, auto=lambda s: (
+        "" if _dense_fits(s) and s.platform != "cpu" and not s.softcap else None)),
     "cudnn": Backend(arrays=_cudnn, by_index=_cudnn_by_index, platforms=("gpu",),
                      auto=lambda s: "a GPU, 16-bit inputs, head_dim a multiple of 8 up to 128"
                      if s.cudnn_fits else None),
     "chunked": Backend(arrays=chunked_attention,  # fastest on XLA:CPU, forward and backward
-                       auto=lambda s: "" if _dense_fits(s) and s.platform == "cpu" else None),
+                       takes_softcap=True, auto=_auto_chunked),
     "blockwise": Backend(arrays=_blockwise_arrays, rule=_blockwise_rule, over_cache=True,
-                         auto=_auto_blockwise),
-    "splash": Backend(rule=_splash_rule, takes_bias=False, auto=lambda s: (
-        "a TPU, and no logit bias") if s.platform == "tpu" and not s.biased else None),
+                         takes_softcap=True, auto=_auto_blockwise),
+    "splash": Backend(rule=_splash_rule, takes_bias=False, takes_softcap=True, auto=lambda s: (
+        "a TPU, and no logit bias") if s.platform == "tpu" and not s.biased and not s.window_as_data
+        else None),
 }
 
 
@@ -188,18 +226,32 @@ def dense_logits_bytes(batch: int, heads: int, q_len: int, k_len: int) -> int:
     return 4 * batch * heads * q_len * k_len
 
 
+def softcap_backends() -> list[str]:
+    """The backends that apply a logit soft-cap, in table order."""
+    return [n for n, b in BACKENDS.items() if b.takes_softcap]
+
+
 def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
-                 position: str | None = None) -> str:
+                 position: str | None = None, softcap: bool = False,
+                 window_as_data: bool = False) -> str:
     """`impl`, or for `auto` the backend whose entry answers for this platform, position
     scheme and length (logits_bytes: one layer's dense float32 logits); its reason is
-    printed once per process."""
+    printed once per process. softcap: the logits are soft-capped; an `impl` that takes
+    no softcap raises, and `auto` picks only a backend that takes one. window_as_data:
+    the scanned layers' windows differ (see Setting)."""
     if impl != AUTO and impl not in BACKENDS:
         raise ValueError(f"attention impl={impl!r} is not one of "
                          f"{', '.join([AUTO, *BACKENDS])}")
     if impl != AUTO:
+        if softcap and not BACKENDS[impl].takes_softcap:
+            raise ValueError(f"attention impl={impl!r} takes no logit softcap; use one of "
+                             f"{', '.join([AUTO, *softcap_backends()])}")
         return impl
-    setting = Setting(jax.default_backend(), dtype, head_dim, position, logits_bytes)
+    setting = Setting(jax.default_backend(), dtype, head_dim, position, logits_bytes,
+                      softcap=bool(softcap), window_as_data=window_as_data)
     for name, backend in BACKENDS.items():
+        if setting.softcap and not backend.takes_softcap:
+            continue  # the table's rules never answer so; this is the guard
         reason = None if backend.auto is None else backend.auto(setting)
         if reason is not None:
             if reason and (name, reason) not in _EXPLAINED:
@@ -230,14 +282,17 @@ def prefill_impl(impl: str) -> str:
     return next(name for name, b in BACKENDS.items() if b.over_cache and b.takes_bias)
 
 
-def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO):
+def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO, softcap=None):
     """Attention of q [B, T, N, H] over k, v [B, S, K, H] with the mask given as a rule
     (the model's path). A backend that reads rules gets the rule and the LogitBias; one
     with a by-index form gets is_causal and the window with no mask array when the rule
     is by index and nothing is packed or padded; otherwise the rule's mask array.
-    bias: a LogitBias, an array [B|1, N|1, T, S], or None."""
+    bias: a LogitBias, an array [B|1, N|1, T, S], or None. softcap: the scaled logits s
+    become softcap * tanh(s / softcap) before the bias and the mask (None: no cap); an
+    impl that takes none raises ValueError."""
+    softcap = check_softcap(softcap)
     impl = resolve_impl(impl, q.dtype, q.shape[-1], logits_bytes=dense_logits_bytes(
-        q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
+        q.shape[0], q.shape[2], q.shape[1], k.shape[1]), softcap=softcap is not None)
     backend = BACKENDS[impl]
     if backend.rule is not None:
         if bias is not None and not isinstance(bias, LogitBias):
@@ -246,18 +301,19 @@ def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO):
         if bias is not None and not backend.takes_bias:
             raise ValueError(f"attention_impl={impl!r} adds no logit bias; use one of "
                              f"{', '.join(n for n, b in BACKENDS.items() if b.takes_bias)}")
-        return backend.rule(q, k, v, rule, bias)
+        return backend.rule(q, k, v, rule, bias, **_cap(softcap))
     if isinstance(bias, LogitBias):
         bias = dense_bias(bias, rule.q_positions, rule.k_positions)
     causal = rule.causal or rule.is_causal
-    if backend.by_index is not None and rule.by_index and causal and rule.q_segment_ids is None:
-        return backend.by_index(q, k, v, as_4d(bias), rule.window)
+    fast = backend.by_index is not None and (softcap is None or backend.takes_softcap)
+    if fast and rule.by_index and causal and rule.q_segment_ids is None:
+        return backend.by_index(q, k, v, as_4d(bias), rule.window, **_cap(softcap))
     return dot_product_attention(q, k, v, mask=rule.dense(), bias=bias, impl=impl,
-                                 is_causal=rule.is_causal)
+                                 is_causal=rule.is_causal, softcap=softcap)
 
 
 def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, scale=None,
-                          is_causal: bool = False):
+                          is_causal: bool = False, softcap=None):
     """softmax(q k^T / sqrt(head_dim) + bias, where mask) v.
 
     q: [B, Tq, N, H]; k, v: [B, Tk, K, H] with N a multiple of K (GQA; K = 1 is MQA).
@@ -266,8 +322,12 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, sc
     index (self-attention, Tq = Tk), which lets the chunked backend skip that work.
     Softmax runs in float32 whatever the input dtype; a query with no key to attend to
     gets a zero output. Returns [B, Tq, N, H] in q.dtype. impl: a BACKENDS name or auto.
+    softcap: Gemma 2's logit soft-capping, s = q k^T * scale -> softcap * tanh(s / softcap)
+    before the bias and the mask; None (default) for none. Only backends with
+    takes_softcap apply it: another named in impl raises ValueError, and auto picks one.
     """
-    impl = resolve_impl(impl, q.dtype, q.shape[-1])
+    softcap = check_softcap(softcap)
+    impl = resolve_impl(impl, q.dtype, q.shape[-1], softcap=softcap is not None)
     if is_causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"is_causal needs as many keys as queries, got {q.shape[1]} queries "
                          f"and {k.shape[1]} keys")
@@ -276,4 +336,9 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, sc
                          f"attention_impl={impl!r}, or call jaxformer.backends.rule_attention "
                          "with a MaskRule")
     return BACKENDS[impl].arrays(q, k, v, mask=as_4d(mask), bias=as_4d(bias), scale=scale,
-                                 is_causal=is_causal)
+                                 is_causal=is_causal, **_cap(softcap))
+
+
+def _cap(softcap) -> dict:
+    """The softcap keyword for a backend's function: only when there is a cap."""
+    return {} if softcap is None else {"softcap": softcap}

@@ -10,7 +10,10 @@ saved row log-sum-exp, and accumulates dq, dk, dv and the bias parameters' gradi
 The mask is a rule (jaxformer.masks.MaskRule) applied to each block; a bias is a
 function ``bias_fn(params, q_positions, k_positions) -> [B|1, N, bq, bk]`` applied to
 each block, with `params` (ALiBi's slopes, T5's bucket table, FIRE's MLP) getting their
-gradient. Key blocks past a query block's last row are never visited under is_causal;
+gradient. A softcap caps the scaled logits s as softcap * tanh(s / softcap) before the
+bias and the mask (Gemma 2); the backward multiplies the logits' gradient by the cap's
+slope 1 - tanh(s / softcap)^2 for q and k (the bias's gradient is taken before it). Key
+blocks past a query block's last row are never visited under is_causal;
 blocks the rule masks entirely (outside a window, another packed segment, padding) are
 skipped at run time by lax.cond on the blocks' position and segment ranges.
 """
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.masks import MaskRule
+from jaxformer.reference import check_softcap
 
 # Query rows and keys per block. Forward+backward of causal attention, B 1, 8 heads of 32,
 # 2-core Zen 4: T 2048: 125 ms in blocks of 256, 147 ms in blocks of 512 (XLA's dense
@@ -39,11 +43,14 @@ class _Static(NamedTuple):  # the mask's own settings travel in MaskRule's treed
     bq: int
     bk: int
     n_keys: int  # keys before padding
+    softcap: float | None = None  # logits capped as softcap * tanh(s / softcap); None: not
 
 
 def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=None,
-                        scale=None, block_q: int | None = None, block_k: int | None = None):
-    """softmax(q k^T * scale + bias, where rule allows) v, a block at a time.
+                        scale=None, block_q: int | None = None, block_k: int | None = None,
+                        softcap: float | None = None):
+    """softmax(cap(q k^T * scale) + bias, where rule allows) v, a block at a time, with
+    cap(s) = softcap * tanh(s / softcap) when softcap is given, else s.
 
     q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K; GQA without copying K/V).
     rule: positions and segment ids of queries and keys, causal, window, is_causal.
@@ -62,7 +69,8 @@ def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=No
                     ((rule.q_segment_ids, tp), (rule.k_segment_ids, sp)))
     rule = rule.replace(q_positions=pad(rule.q_positions, tp), q_segment_ids=q_seg,
                         k_positions=pad(rule.k_positions, sp), k_segment_ids=k_seg)
-    st = _Static(bias_fn, 1.0 / math.sqrt(h) if scale is None else float(scale), bq, bk, s)
+    st = _Static(bias_fn, 1.0 / math.sqrt(h) if scale is None else float(scale), bq, bk, s,
+                 check_softcap(softcap))
     qh = pad(q, tp).reshape(b, tp, n_kv, n // n_kv, h).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,H]
     kh, vh = (pad(x, sp).transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, S, H]
     out = _flash(st, qh, kh, vh, rule, bias_params)  # [B, K, G, Tp, H] float32
@@ -92,8 +100,8 @@ def _may_attend(st: _Static, rule: MaskRule, i, j):
     ok = (j * st.bk < st.n_keys) & jnp.ones(qp.shape[0], bool)
     if rule.causal:
         ok &= kp.min(1) <= qp.max(1)
-    if rule.window is not None:
-        ok &= qp.min(1) - kp.max(1) < rule.window
+    if rule.any_window is not None:  # static, or traced (layer kinds in a scan)
+        ok &= qp.min(1) - kp.max(1) < rule.any_window
     if rule.q_segment_ids is not None:
         qs = jax.lax.dynamic_slice_in_dim(rule.q_segment_ids, i * st.bq, st.bq, axis=1)
         ks = jax.lax.dynamic_slice_in_dim(rule.k_segment_ids, j * st.bk, st.bk, axis=1)
@@ -101,11 +109,22 @@ def _may_attend(st: _Static, rule: MaskRule, i, j):
     return ok.any()
 
 
-def _block_logits(st: _Static, q_i, k_j, rule: MaskRule, params, i, j):
-    """Scaled, biased logits of query block i against key block j, -inf where masked:
-    float32 [B, K, G, bq, bk]."""
-    logits = jnp.einsum("bkgqh,bksh->bkgqs", q_i, k_j,
+def _block_scores(st: _Static, q_i, k_j):
+    """Query block i's scaled logits against key block j, soft-capped if st.softcap:
+    float32 [B, K, G, bq, bk], and tanh(s / softcap) (None without a cap)."""
+    scores = jnp.einsum("bkgqh,bksh->bkgqs", q_i, k_j,
                         preferred_element_type=jnp.float32) * jnp.float32(st.scale)
+    if st.softcap is None:
+        return scores, None
+    cap = jnp.float32(st.softcap)
+    tanh = jnp.tanh(scores / cap)
+    return cap * tanh, tanh
+
+
+def _block_logits(st: _Static, scores, rule: MaskRule, params, i, j):
+    """Block (i, j)'s scores (_block_scores) plus the bias, -inf where masked:
+    float32 [B, K, G, bq, bk]."""
+    logits = scores
     if st.bias_fn is not None:
         logits = logits + _block_bias(st, params, rule, i, j, logits.shape)
     mask = rule.block(i * st.bq, st.bq, j * st.bk, st.bk)  # [B, 1, bq, bk]
@@ -130,7 +149,7 @@ def _forward(st: _Static, q, k, v, rule: MaskRule, params):
         def visit(j, carry):
             m, l, acc = carry
             k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
-            logits = _block_logits(st, q_i, k_j, rule, params, i, j)
+            logits = _block_logits(st, _block_scores(st, q_i, k_j)[0], rule, params, i, j)
             m_new = jnp.maximum(m, logits.max(-1))
             safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(logits - safe[..., None])
@@ -163,17 +182,20 @@ def _block_grads(st: _Static, q_i, do_i, lse_i, delta_i, k, v, rule, params, i, 
     f32 = jnp.float32
     v_j = jax.lax.dynamic_slice_in_dim(v, j * st.bk, st.bk, axis=2)
     k_j = jax.lax.dynamic_slice_in_dim(k, j * st.bk, st.bk, axis=2)
+    scores, tanh = _block_scores(st, q_i, k_j)
     if st.bias_fn is None:
-        logits = _block_logits(st, q_i, k_j, rule, params, i, j)
+        logits = _block_logits(st, scores, rule, params, i, j)
     else:
-        logits, pull = jax.vjp(lambda p: _block_logits(st, q_i, k_j, rule, p, i, j), params)
+        logits, pull = jax.vjp(lambda p: _block_logits(st, scores, rule, p, i, j), params)
     p = jnp.exp(logits - lse_i[..., None])  # 0 where masked or the row has no key
     dv_j = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(v.dtype), do_i.astype(v.dtype),
                       preferred_element_type=f32)
     dp = jnp.einsum("bkgqh,bksh->bkgqs", do_i.astype(v.dtype), v_j, preferred_element_type=f32)
-    ds = p * (dp - delta_i[..., None])  # d logits (after scale and bias)
+    ds = p * (dp - delta_i[..., None])  # d logits (after scale, cap and bias)
     d_bias = _zeros(params) if st.bias_fn is None else \
         jax.tree.map(lambda b: b.astype(f32), pull(ds)[0])
+    if tanh is not None:  # d(cap tanh(s / cap)) / ds
+        ds = ds * (1.0 - tanh * tanh)
     ds_q = (ds * f32(st.scale)).astype(q_i.dtype)
     dq_j = jnp.einsum("bkgqs,bksh->bkgqh", ds_q, k_j, preferred_element_type=f32)
     dk_j = jnp.einsum("bkgqs,bkgqh->bksh", ds_q, q_i, preferred_element_type=f32)
@@ -182,7 +204,8 @@ def _block_grads(st: _Static, q_i, do_i, lse_i, delta_i, k, v, rule, params, i, 
 
 def _backward(st: _Static, res, d_out):
     """Per block, with P = exp(logits - lse): dV += P^T dO, dS = P (dO V^T - rowsum(dO O)),
-    dQ += scale dS K, dK += scale dS^T Q, and the bias parameters get dS through bias_fn."""
+    the bias parameters get dS through bias_fn; with a softcap dS *= 1 - tanh(s / cap)^2;
+    dQ += scale dS K, dK += scale dS^T Q."""
     q, k, v, rule, params, out, lse = res
     f32 = jnp.float32
     n_q, n_k = q.shape[3] // st.bq, k.shape[2] // st.bk

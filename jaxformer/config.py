@@ -10,14 +10,43 @@ from jaxformer.backends import AUTO, BACKENDS
 from jaxformer.positions import ROPE_SCALINGS, RopeScaling  # noqa: F401
 from jaxformer.presets import PRESETS
 from jaxformer.schemes import POSITION_SCHEMES, schemes_of
-from jaxformer.validation import ConfigError, Section, check_choice, check_number  # noqa: F401
+from jaxformer.validation import (ConfigError, Section, check_choice, check_number,  # noqa: F401
+                                  coerce, type_names)
 
 SINUSOIDAL_SCALES = ("table", "tokens", "unit")
-NORMS = ("layernorm", "rmsnorm")
-BLOCKS = ("pre_ln", "post_ln")
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")
+BLOCKS = ("pre_ln", "post_ln", "sandwich", "res_post_ln", "parallel", "parallel_shared_ln")
+QK_NORMS = ("none", "head", "projection")
 FFNS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu")
 REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind(Section):
+    """One kind of layer in a model's layer pattern (model.layer_kinds): what its
+    attention sees and how its queries and keys are rotated.
+
+    window: the sliding window of its attention (None: every earlier key).
+    rope: False makes it a NoPE layer (nothing rotated; a rotary position scheme only).
+    rope_theta, rope_scaling: this kind's RoPE base and scaling; None: the model's.
+    """
+
+    window: int | None = None
+    rope: bool = True
+    rope_theta: float | None = None
+    rope_scaling: RopeScaling | None = None
+
+    SECTION = "layer_kinds.<kind>"
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        check_number(self.SECTION, "window", self.window, int, low=1, optional=True)
+        if not isinstance(self.rope, bool):
+            raise ConfigError(f"{self.SECTION}.rope={self.rope!r} must be true or false")
+        check_number(self.SECTION, "rope_theta", self.rope_theta, float, low=1, low_open=True,
+                     optional=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +67,29 @@ class ModelConfig(Section):
     of Vaswani et al.'s embeddings * sqrt(d_model) with the embeddings left as they are;
     tokens: Vaswani et al.'s form, embeddings * sqrt(d_model) + table; unit: table as is
     (its RMS of 0.71 per dimension swamps the tokens ~35:1).
+    rope_fraction: the share of each head's dimensions RoPE rotates (GPT-NeoX's rotary_pct,
+    HF's partial_rotary_factor): the first head_dim * rope_fraction, paired half with
+    half among themselves, with frequencies over those dimensions; the rest pass through.
+
+    norm: layernorm, rmsnorm, or rmsnorm_offset (x / rms(x) * (1 + scale), the scale
+    initialised at 0: Gemma). block (jaxformer.layers.BLOCK_FLOWS): pre_ln, post_ln,
+    sandwich (a norm before and after each sublayer, inside the residual: Gemma 2/3),
+    res_post_ln (a norm after each sublayer only, inside the residual: OLMo 2), parallel
+    (x + attn(norm1 x) + ffn(norm2 x): GPT-NeoX), parallel_shared_ln (one norm for both:
+    Cohere, GPT-J). qk_norm: the model's norm on queries and keys before RoPE, per head
+    over head_dim (head: Qwen3, Gemma 3) or over the whole projection (projection: OLMo 2).
+
+    attn_scale: the logits' scale (None: 1 / sqrt(head_dim)). attn_softcap, final_softcap:
+    cap * tanh(x / cap) on the scaled attention logits (before any position bias and the
+    mask) and on the output logits (Gemma 2). embed_multiplier (Gemma: sqrt(d_model),
+    rounded to the compute dtype; Granite), residual_multiplier (each sublayer's output
+    before it joins the residual: Granite), logits_multiplier (Cohere's logit_scale,
+    Granite's 1 / logits_scaling).
+
+    layer_pattern, layer_kinds: a list of kind names repeated over the layers (layer i is
+    layer_pattern[i % len]), each a LayerKind in layer_kinds (its window, its RoPE or
+    none): Gemma 3's five local layers to one global. Empty: every layer alike, with
+    sliding_window.
     """
 
     vocab_size: int = 256
@@ -68,6 +120,16 @@ class ModelConfig(Section):
     remat: str = "none"
     sliding_window: int | None = None
     attention_impl: str = "auto"
+    rope_fraction: float = 1.0
+    qk_norm: str = "none"
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_multiplier: float = 1.0
+    layer_pattern: tuple[str, ...] = ()
+    layer_kinds: Mapping[str, LayerKind] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -80,6 +142,7 @@ class ModelConfig(Section):
                               "a mapping of its fields, or a kind name")
         if self.qkv_bias is None:
             set_("qkv_bias", self.use_bias)
+        self._read_pattern(set_)
         self._check_fields()
         self._resolve_sizes(set_)
         self._check_together(set_)
@@ -108,6 +171,39 @@ class ModelConfig(Section):
         check_choice(o, "attention_impl", self.attention_impl, (AUTO, *BACKENDS))
         check_choice(o, "dtype", self.dtype, DTYPES)
         check_choice(o, "param_dtype", self.param_dtype, DTYPES)
+        check_choice(o, "qk_norm", self.qk_norm, QK_NORMS)
+        check_number(o, "rope_fraction", self.rope_fraction, float, low=0, low_open=True, high=1)
+        for name in ("attn_scale", "attn_softcap", "final_softcap"):
+            check_number(o, name, getattr(self, name), float, low=0, low_open=True, optional=True)
+        for name in ("embed_multiplier", "residual_multiplier", "logits_multiplier"):
+            check_number(o, name, getattr(self, name), float, low=0, low_open=True)
+
+    def _read_pattern(self, set_):
+        """layer_pattern as a tuple of names ('local,global' from the command line) and
+        layer_kinds as a hashable tuple of (name, LayerKind), from mappings of values."""
+        pattern = self.layer_pattern
+        if isinstance(pattern, str):
+            pattern = [p.strip() for p in pattern.split(",") if p.strip()]
+        set_("layer_pattern", tuple(pattern or ()))
+        kinds = self.layer_kinds
+        if isinstance(kinds, Mapping):
+            kinds = kinds.items()
+        fields = type_names(LayerKind)
+        read = []
+        for name, kind in kinds or ():
+            if isinstance(kind, Mapping):
+                bad = sorted(set(kind) - set(fields))
+                if bad:
+                    raise ConfigError(f"unknown key(s) {', '.join(f'model.layer_kinds.{name}.{b}' for b in bad)}; "
+                                      f"valid keys are: {', '.join(fields)}")
+                kind = LayerKind(**{k: v if k == "rope_scaling" else
+                                    coerce(v, fields[k], f"model.layer_kinds.{name}.{k}")
+                                    for k, v in kind.items()})
+            elif not isinstance(kind, LayerKind):
+                raise ConfigError(f"model.layer_kinds.{name}={kind!r} must be a mapping of "
+                                  f"{', '.join(fields)}")
+            read.append((str(name), kind))
+        set_("layer_kinds", tuple(read))
 
     def _resolve_sizes(self, set_):
         """n_kv_heads, head_dim and d_ff where they are None."""
@@ -137,6 +233,14 @@ class ModelConfig(Section):
                 f"position={self.position!r} cannot use it; use attention_impl="
                 f"{' or '.join(map(repr, takers))} (or {AUTO!r}), or "
                 f"{'/'.join(n for n, s in POSITION_SCHEMES.items() if s.kind != 'bias')} positions")
+        if self.attn_softcap is not None and backend is not None and not backend.takes_softcap:
+            raise ConfigError(f"model.attention_impl={self.attention_impl!r} cannot soft-cap the "
+                              f"logits (model.attn_softcap={self.attn_softcap}); use one of "
+                              f"{', '.join(n for n, b in BACKENDS.items() if b.takes_softcap)} "
+                              f"or {AUTO!r}")
+        if self.rope_fraction != 1 and scheme.kind != "rotary":
+            raise ConfigError(f"model.rope_fraction={self.rope_fraction} needs a rotary position "
+                              f"scheme, not position={self.position!r}")
         if scheme.check is not None:
             scheme.check(self)
         if self.t5_max_distance <= self.t5_num_buckets // 2:
@@ -148,10 +252,73 @@ class ModelConfig(Section):
                 self.rope_scaling.original_max_seq_len is None:
             set_("rope_scaling", dataclasses.replace(self.rope_scaling,
                                                      original_max_seq_len=self.max_seq_len))
+        self._check_pattern(scheme)
         if self.rope_scaling.kind != "none" and scheme.kind != "rotary":
             rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
             raise ConfigError(f"model.rope_scaling.kind={self.rope_scaling.kind!r} needs "
                               f"{rotary} (got {self.position!r})")
+
+    def _check_pattern(self, scheme):
+        """The layer pattern names kinds that exist, each used; windows per kind replace
+        sliding_window; RoPE settings per kind need a rotary scheme."""
+        names = [n for n, _ in self.layer_kinds]
+        if not self.layer_pattern:
+            if names:
+                raise ConfigError(f"model.layer_kinds ({', '.join(names)}) needs model."
+                                  "layer_pattern, the kinds' order over the layers")
+            return
+        unknown = sorted(set(self.layer_pattern) - set(names))
+        if unknown:
+            raise ConfigError(f"model.layer_pattern names {', '.join(map(repr, unknown))}, not in "
+                              f"model.layer_kinds ({', '.join(names) or 'none defined'})")
+        unused = [n for n in names if n not in self.layer_pattern]
+        if unused:
+            raise ConfigError(f"model.layer_kinds {', '.join(map(repr, unused))} not used by "
+                              f"model.layer_pattern={list(self.layer_pattern)}")
+        if len(self.layer_pattern) > self.n_layers:
+            raise ConfigError(f"model.layer_pattern has {len(self.layer_pattern)} entries, more "
+                              f"than model.n_layers={self.n_layers}")
+        if self.sliding_window is not None:
+            raise ConfigError(f"model.sliding_window={self.sliding_window} with a layer_pattern: "
+                              "set each kind's window in model.layer_kinds instead")
+        for name, kind in self.layer_kinds:
+            rope_set = not kind.rope or kind.rope_theta is not None or kind.rope_scaling is not None
+            if rope_set and scheme.kind != "rotary":
+                raise ConfigError(f"model.layer_kinds.{name} sets RoPE (rope, rope_theta or "
+                                  f"rope_scaling), which needs a rotary position scheme, not "
+                                  f"position={self.position!r}")
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """The layer kinds, resolved (window, RoPE base and scaling filled in from the model's
+        fields), indexed by kind id; one kind when there is no layer pattern."""
+        if not self.layer_pattern:
+            return (LayerKind(window=self.sliding_window, rope_theta=self.rope_theta,
+                              rope_scaling=self.rope_scaling),)
+        def scaling(s):
+            if s is None:
+                return self.rope_scaling
+            if s.kind in ("yarn", "llama3") and s.original_max_seq_len is None:
+                return dataclasses.replace(s, original_max_seq_len=self.max_seq_len)
+            return s
+        return tuple(dataclasses.replace(
+            k, rope_theta=self.rope_theta if k.rope_theta is None else k.rope_theta,
+            rope_scaling=scaling(k.rope_scaling)) for _, k in self.layer_kinds)
+
+    @property
+    def layer_kind_ids(self) -> tuple[int, ...]:
+        """Each layer's kind id (an index into `kinds`)."""
+        if not self.layer_pattern:
+            return (0,) * self.n_layers
+        ids = {name: i for i, (name, _) in enumerate(self.layer_kinds)}
+        p = self.layer_pattern
+        return tuple(ids[p[i % len(p)]] for i in range(self.n_layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["layer_pattern"] = list(self.layer_pattern)
+        out["layer_kinds"] = {n: dataclasses.asdict(k) for n, k in self.layer_kinds}
+        return out
 
     SECTION = "model"  # from_dict, to_dict, replace: jaxformer.validation.Section
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
-from jaxformer.kv_cache import init_cache, kv_cache_bytes  # noqa: F401
+from jaxformer.kv_cache import init_cache, kv_cache_bytes, take_rows  # noqa: F401
 from jaxformer.model import Transformer, unstack_layers
 
 
@@ -103,23 +103,15 @@ def _inputs(cfg: ModelConfig, prompts, prompt_lengths, max_new_tokens: int):
     return jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
 
 
-def _prefill(model, params, prompts, lengths, max_len, cache_dtype):
-    """Fill the cache with the prompts (padding marked empty); logits of each row's last
-    real token [B, V]."""
+def _prefill(model, params, prompts, lengths, max_len, cache_dtype, windowed):
+    """Fill the cache (windowed: rings for windowed layers) with the prompts (padding
+    marked empty); logits of each row's last real token [B, V]."""
     b, w = prompts.shape
-    cache = init_cache(model.cfg, b, max_len, cache_dtype)
+    cache = init_cache(model.cfg, b, max_len, cache_dtype, windowed=windowed)
     positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
     real = (positions < lengths[:, None]).astype(jnp.int32)  # segment id 0 = padding
     logits, cache = model.apply({"params": params}, prompts, positions, real, cache=cache)
     return logits[jnp.arange(b), lengths - 1], cache
-
-
-def _take_rows(cache, rows, n_kv_heads: int):
-    """The cache of batch rows `rows` [R] (each owns n_kv_heads consecutive K/V rows)."""
-    kv_rows = (rows[:, None] * n_kv_heads + jnp.arange(n_kv_heads)).reshape(-1)
-    return dict(cache, layers=jax.tree.map(lambda x: jnp.take(x, kv_rows, axis=-3),
-                                           cache["layers"]),  # [(L,) R * K, S, H]
-                positions=jnp.take(cache["positions"], rows, axis=0))
 
 
 def _forward_one(model, params, tokens, positions, cache):
@@ -140,13 +132,14 @@ def _looped(cfg: ModelConfig):
 
 @functools.lru_cache(maxsize=64)
 def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
-                 cache_dtype):
+                 cache_dtype, windowed_cache=True):
     model, unstack = _looped(cfg)
 
     def run(params, prompts, lengths, rng):
         b, w = prompts.shape
         params = unstack(params)
-        last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, cache_dtype)
+        last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, cache_dtype,
+                               windowed_cache)
 
         def emit(logits, rng, done):
             tok = sample_logits(rng, logits, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -180,7 +173,7 @@ def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eo
 def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
              max_new_tokens: int, rng, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos_id: int | None = None, pad_id: int = 0,
-             cache_dtype=None, hooks=None) -> Generated:
+             cache_dtype=None, windowed_cache: bool = True, hooks=None) -> Generated:
     """Continue each row of `prompts` [batch, width] (right-padded; `prompt_lengths` [batch]
     gives the real lengths, None = all full) by `max_new_tokens` tokens.
 
@@ -188,8 +181,10 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     emits `pad_id` and its length stops growing. `logprobs` are log p(token) under the
     model's unmodified distribution. Compiles once per (config, shapes, settings); jittable
     and vmappable. cache_dtype: the KV cache's dtype (default the compute dtype; bf16 halves
-    its memory). hooks: {name: fn} as jaxformer.inspect.run_with_hooks takes them, applied
-    through the KV-cached path: to the prompt's values in the prefill, then to each new
+    its memory). windowed_cache: a layer whose sliding window is shorter than the
+    sequence keeps only a window of slots (a ring: jaxformer.kv_cache), e.g. Gemma 3's
+    local layers; False keeps every layer at full length. hooks: {name: fn} as
+    jaxformer.inspect.run_with_hooks takes them, applied through the KV-cached path: to the prompt's values in the prefill, then to each new
     token's (e.g. a steering vector added to `blocks.1.hook_resid_post` at every step).
     Attention patterns and scores are not computed there, so they cannot be hooked.
     """
@@ -203,7 +198,7 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     settings = (cfg, max_new_tokens, float(temperature), top_k,
                 None if top_p is None else float(top_p), eos_id, pad_id,
-                None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+                None if cache_dtype is None else jnp.dtype(cache_dtype).name, bool(windowed_cache))
     if not hooks:
         return _generate_fn(*settings)(params, prompts, lengths, rng)
     patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))
@@ -225,10 +220,10 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
     def run(params, prompts, lengths):
         b, w = prompts.shape
         params = unstack(params)
-        last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, None)
+        last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, None, True)
         v = last.shape[-1]
         # every beam starts as a copy of its row; only beam 0 is live at first
-        cache = _take_rows(cache, jnp.repeat(jnp.arange(b), k), cfg.n_kv_heads)  # B * k rows
+        cache = take_rows(cache, jnp.repeat(jnp.arange(b), k), cfg.n_kv_heads)  # B * k rows
         logits = jnp.repeat(last, k, axis=0)  # [B*k, V]
         scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # [B, k]
         state = dict(cache=cache, logits=logits, scores=scores,
@@ -251,7 +246,7 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
             length = take(state["length"]) + (~was_done).astype(jnp.int32)
             done = was_done | (tok == eos_id) if eos_id is not None else was_done
             flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
-            cache = _take_rows(state["cache"], flat_parent, cfg.n_kv_heads)
+            cache = take_rows(state["cache"], flat_parent, cfg.n_kv_heads)
             pos = jnp.take(state["pos"], flat_parent)
             logits, cache = _forward_one(model, params, tok.reshape(-1), pos, cache)
             return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,

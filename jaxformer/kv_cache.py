@@ -8,6 +8,14 @@ none, e.g. a prompt's padding); and ``index``, the next slot to write. Every row
 its next token into the same slot, so rows with prompts of different lengths decode
 together, each at its own positions, and the cache is updated in place.
 
+A layer with a sliding window w shorter than the cache (a windowed cache, `windowed=True`;
+unscanned layers, as generate runs them) keeps a ring of w slots instead: the token at
+position p sits in slot p % w, and the layer's own ``positions`` [batch, w] say which
+position each slot holds. A query at p sees positions p - w + 1 .. p, one per slot, so
+nothing it can see is overwritten while the positions of a row only grow (as in decoding;
+a rollback to an earlier position needs the full-length cache). Its bytes are w / max_len
+of a full layer's.
+
 One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
 matmuls, and the reshape that then sits between the in-place cache update and the matmul
 made XLA:CPU copy each layer's K four times and transpose V on every decode step
@@ -28,24 +36,62 @@ from jaxformer.sharding import constrain
 EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
 
 
-def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None) -> int:
-    """2 (K and V) * layers * kv_heads * head_dim * seq_len * bytes per value, per batch row."""
+def layer_slots(cfg, max_len: int, windowed: bool = False) -> tuple[int, ...]:
+    """Each layer's slots: max_len, or in a windowed cache its window where that is
+    shorter (a ring)."""
+    if not windowed:
+        return (max_len,) * cfg.n_layers
+    windows = [cfg.kinds[i].window for i in cfg.layer_kind_ids]
+    return tuple(max_len if w is None else min(w, max_len) for w in windows)
+
+
+def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = False) -> int:
+    """2 (K and V) * kv_heads * head_dim * bytes per value * batch * the layers' slots
+    (seq_len each, or a windowed layer's window: layer_slots)."""
     itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * seq_len * itemsize * batch
+    slots = sum(layer_slots(cfg, seq_len, windowed))
+    return 2 * cfg.n_kv_heads * cfg.head_dim * slots * itemsize * batch
 
 
-def init_cache(cfg, batch: int, max_len: int, dtype=None):
-    """An empty cache for `batch` rows of up to `max_len` tokens."""
+def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False):
+    """An empty cache for `batch` rows of up to `max_len` tokens. windowed: layers with a
+    window shorter than max_len keep a ring of window slots (unscanned layers only)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch * cfg.n_kv_heads, max_len, cfg.head_dim)
+    rows = batch * cfg.n_kv_heads
     if cfg.scan_layers:
-        layers = {"blocks": {"k": jnp.zeros((cfg.n_layers, *shape), dtype),
-                             "v": jnp.zeros((cfg.n_layers, *shape), dtype)}}
+        if windowed:
+            raise ValueError("a windowed KV cache needs unscanned layers (its layers differ in "
+                             "size); use scan_layers=false, or windowed=False")
+        shape = (cfg.n_layers, rows, max_len, cfg.head_dim)
+        layers = {"blocks": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}}
     else:
-        layers = {f"block_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-                  for i in range(cfg.n_layers)}
+        layers = {}
+        for i, s in enumerate(layer_slots(cfg, max_len, windowed)):
+            layers[f"block_{i}"] = {"k": jnp.zeros((rows, s, cfg.head_dim), dtype),
+                                    "v": jnp.zeros((rows, s, cfg.head_dim), dtype)}
+            if s < max_len:  # a ring: its slots' positions
+                layers[f"block_{i}"]["positions"] = jnp.full((batch, s), EMPTY_SLOT, jnp.int32)
     return {"layers": layers, "positions": jnp.full((batch, max_len), EMPTY_SLOT, jnp.int32),
             "index": jnp.zeros([], jnp.int32)}
+
+
+def has_rings(cache) -> bool:
+    """Whether any layer of the cache is a ring (a windowed layer's)."""
+    return cache is not None and any("positions" in layer for layer in cache["layers"].values())
+
+
+def take_rows(cache, rows, n_kv_heads: int):
+    """The cache of batch rows `rows` [R] (each owns n_kv_heads consecutive K/V rows; a
+    ring's positions one row)."""
+    kv_rows = (rows[:, None] * n_kv_heads + jnp.arange(n_kv_heads)).reshape(-1)
+
+    def take(layer):
+        return {name: jnp.take(x, rows if name == "positions" else kv_rows,
+                               axis=0 if name == "positions" else -3)  # [(L,) R * K, S, H]
+                for name, x in layer.items()}
+
+    return dict(cache, layers={n: take(layer) for n, layer in cache["layers"].items()},
+                positions=jnp.take(cache["positions"], rows, axis=0))
 
 
 def key_positions(cache, positions, segment_ids):
@@ -77,15 +123,49 @@ def write_layer(layer, k, v, index):
     return {"k": update(layer["k"], k), "v": update(layer["v"], v)}
 
 
+def write_ring(layer, k, v, k_positions):
+    """A ring layer's cache with k, v [B, T, K, H] at positions k_positions [B, T]
+    (EMPTY_SLOT: padding, not written) put in slots position % S; of several new tokens
+    for one slot (T > S) the latest position is kept."""
+    b, t, n_kv, h = k.shape
+    s = layer["positions"].shape[1]
+    real = k_positions != EMPTY_SLOT
+    slot = jnp.where(real, k_positions % s, s)  # slot s: out of range, dropped
+    row = jnp.arange(b)[:, None]
+    if t > 1:  # only each slot's latest position (a scatter-max has no order to depend on)
+        latest = jnp.full((b, s + 1), -1, jnp.int32).at[row, slot].max(k_positions)
+        slot = jnp.where(jnp.take_along_axis(latest, slot, 1) == k_positions, slot, s)
+
+    def put(cache, new):  # cache [B * K, S, H] seen as [B, K, S, H]; new [B, T, K, H]
+        c = cache.reshape(b, n_kv, s, h).at[row, :, slot].set(new.astype(cache.dtype),
+                                                              mode="drop")
+        return c.reshape(cache.shape)
+
+    return {"k": put(layer["k"], k), "v": put(layer["v"], v),
+            "positions": layer["positions"].at[row, slot].set(k_positions, mode="drop")}
+
+
+def ring_keys(layer, k, v, k_positions):
+    """A ring's keys and values [B * K, S + T, H] followed by the new tokens' (k, v
+    [B, T, K, H]), and their positions [B, S + T]: what a chunk of T > 1 tokens attends
+    over before it is written (its first queries may see keys the write replaces)."""
+    b, t, n_kv, h = k.shape
+    rows = lambda x, new: jnp.concatenate(  # noqa: E731
+        [x, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, h).astype(x.dtype)], axis=1)
+    return (rows(layer["k"], k), rows(layer["v"], v),
+            jnp.concatenate([layer["positions"], k_positions], axis=1))
+
+
 def as_keys(x, batch: int):
     """A layer's k or v [B * K, S, H] as [B, S, K, H], the layout every backend reads."""
     rows, s, h = x.shape
     return x.reshape(batch, rows // batch, s, h).swapaxes(1, 2)
 
 
-def cached_attention(q, k, v, *, mask=None, bias=None):
+def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None):
     """Attention of q [B, T, N, H] over a layer's cache k, v [B * K, S, H] (a decode
-    step): one row of slots per (batch row, K/V head), batch-major."""
+    step): one row of slots per (batch row, K/V head), batch-major. softcap: the scaled
+    logits s become softcap * tanh(s / softcap) before the bias and the mask."""
     b, t, n, h = q.shape
     rows, s, _ = k.shape
     n_kv = rows // b
@@ -93,7 +173,7 @@ def cached_attention(q, k, v, *, mask=None, bias=None):
     q = q.reshape(b, t, n_kv, g, h).transpose(0, 2, 3, 1, 4).reshape(rows, g * t, h)
     logits = jnp.einsum("rqh,rsh->rqs", q, k, preferred_element_type=jnp.float32)
     logits = scale_and_mask(logits.reshape(b, n_kv, g, t, s), mask=mask, bias=bias,
-                            scale=1.0 / math.sqrt(h))
+                            scale=1.0 / math.sqrt(h), softcap=softcap)
     w = softmax(logits).reshape(rows, g * t, s)
     out = jnp.einsum("rqs,rsh->rqh", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out.reshape(b, n_kv, g, t, h).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]

@@ -1,4 +1,5 @@
-"""Norms, feed-forward networks and the transformer Block (pre-LN or post-LN)."""
+"""Feed-forward networks and the transformer Block: how attention and the feed-forward
+network meet the residual (BLOCK_FLOWS, one entry per model.block)."""
 
 from __future__ import annotations
 
@@ -10,45 +11,11 @@ import jax.numpy as jnp
 
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
-from jaxformer.hooks import active, hook_point
+from jaxformer.hooks import hook_point
+from jaxformer.masks import pick_rule
 from jaxformer.matmul import flat_dot_general
+from jaxformer.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.sharding import constrain, init_with_names
-
-
-def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
-    """LayerNorm (bias follows use_bias) or RMSNorm; statistics in float32."""
-    scale = init_with_names(nn.initializers.ones, "norm")
-    if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                          scale_init=scale, name=name)
-    return nn.LayerNorm(epsilon=cfg.norm_eps, use_bias=cfg.use_bias, use_fast_variance=False,
-                        dtype=cfg.dtype, param_dtype=cfg.param_dtype, scale_init=scale,
-                        bias_init=init_with_names(nn.initializers.zeros, "norm"), name=name)
-
-
-def normalize(cfg: ModelConfig, x):
-    """x [..., D] normalised in float32, before the norm's scale and bias: (x - mean) /
-    std for LayerNorm, x / rms for RMSNorm."""
-    x = x.astype(jnp.float32)
-    if cfg.norm == "rmsnorm":
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.norm_eps)
-    centred = x - jnp.mean(x, axis=-1, keepdims=True)
-    return centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True)
-                                   + cfg.norm_eps)
-
-
-def apply_norm(cfg: ModelConfig, norm: nn.Module, x):
-    """norm(x). When jaxformer.inspect reads or hooks its `hook_normalized` (the normalised
-    x before the scale and bias, float32, as TransformerLens has it), the norm is computed
-    here from its params, around that hook point."""
-    y = norm(x)
-    if not active(norm, "hook_normalized"):
-        return y
-    p = norm.variables["params"]
-    h = hook_point(norm, "hook_normalized", normalize(cfg, x)) * p["scale"].astype(jnp.float32)
-    if "bias" in p:
-        h = h + p["bias"].astype(jnp.float32)
-    return h.astype(y.dtype)
 
 
 ACTIVATIONS = {
@@ -85,43 +52,98 @@ class FeedForward(nn.Module):
         return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)
 
 
-class Block(nn.Module):
-    """pre_ln:  x + attn(norm(x)), then x + ffn(norm(x))
-    post_ln: norm(x + attn(x)),  then norm(x + ffn(x))   (Vaswani et al. 2017)
+# ---- blocks: how the sublayers meet the residual, one entry per model.block -------------
+# Each flow takes the Block's `b` (b.norm(name, x): that norm, created on first use;
+# b.attention(h), b.ffn(h): the sublayers; b.out(hook, y): y times residual_multiplier, hooked
+# as the sublayer's output; b.hook(name, x)) and the residual x, and returns the new x.
 
-    With ``scanned`` it returns (x, None), the carry/output pair nn.scan expects.
+def _pre_ln(b, x):
+    x = x + b.out("hook_attn_out", b.attention(b.norm("attn_norm", x)))
+    x = b.hook("hook_resid_mid", x)
+    return x + b.out("hook_mlp_out", b.ffn(b.norm("ffn_norm", x)))
+
+
+def _post_ln(b, x):
+    x = b.hook("hook_resid_mid", b.norm("attn_norm", x + b.out("hook_attn_out", b.attention(x))))
+    return b.norm("ffn_norm", x + b.out("hook_mlp_out", b.ffn(x)))
+
+
+def _sandwich(b, x):
+    x = x + b.out("hook_attn_out", b.norm("attn_post_norm", b.attention(b.norm("attn_norm", x))))
+    x = b.hook("hook_resid_mid", x)
+    return x + b.out("hook_mlp_out", b.norm("ffn_post_norm", b.ffn(b.norm("ffn_norm", x))))
+
+
+def _res_post_ln(b, x):
+    x = x + b.out("hook_attn_out", b.norm("attn_post_norm", b.attention(x)))
+    x = b.hook("hook_resid_mid", x)
+    return x + b.out("hook_mlp_out", b.norm("ffn_post_norm", b.ffn(x)))
+
+
+def _parallel(b, x):
+    attn = b.out("hook_attn_out", b.attention(b.norm("attn_norm", x)))
+    return x + attn + b.out("hook_mlp_out", b.ffn(b.norm("ffn_norm", x)))
+
+
+def _parallel_shared_ln(b, x):
+    h = b.norm("attn_norm", x)
+    return x + b.out("hook_attn_out", b.attention(h)) + b.out("hook_mlp_out", b.ffn(h))
+
+
+BLOCK_FLOWS = {"pre_ln": _pre_ln, "post_ln": _post_ln, "sandwich": _sandwich,
+               "res_post_ln": _res_post_ln, "parallel": _parallel,
+               "parallel_shared_ln": _parallel_shared_ln}
+
+
+class Block(nn.Module):
+    """One layer: attention and the feed-forward network joined to the residual as
+    cfg.block says (BLOCK_FLOWS), e.g. pre_ln: x + attn(norm(x)), then x + ffn(norm(x)).
+
+    kind: the layer's kind (an index into cfg.kinds: its window and RoPE); a scanned
+    Block gets it per layer as `kind_id` instead. With ``scanned`` it returns (x, None),
+    the carry/output pair nn.scan expects.
     """
 
     cfg: ModelConfig
     deterministic: bool = True
     scanned: bool = False
     impl: str | None = None  # the attention backend the model chose for this forward
+    kind: int = 0
 
     @nn.compact
-    def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None):
+    def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind_id=None):
         """Returns x, or (x, updated cache) when a KV cache is given (always a pair when
-        scanned: nn.scan's carry and per-layer output)."""
+        scanned: nn.scan's carry and per-layer output). mask: one MaskRule per layer kind."""
         c = self.cfg
+        kind = self.kind if kind_id is None else kind_id
         attn = Attention(c, self.deterministic, self.impl, name="attn")
         ffn = FeedForward(c, self.deterministic, name="ffn")
-        attn_norm, ffn_norm = make_norm(c, "attn_norm"), make_norm(c, "ffn_norm")
+        block = self
 
-        def attention(h):
-            nonlocal cache
-            out = attn(h, positions, mask, bias, cache, cache_index)
-            if cache is not None:
-                out, cache = out
-            return out
+        class Parts:  # what a flow reads (see BLOCK_FLOWS)
+            def norm(self, name, h):  # each flow uses a norm once
+                return apply_norm(c, make_norm(c, name), h)
+
+            def attention(self, h):
+                nonlocal cache
+                out = attn(h, positions, pick_rule(mask, kind) if isinstance(mask, tuple)
+                           else mask, bias, cache, cache_index, kind=kind)
+                if cache is not None:
+                    out, cache = out
+                return out
+
+            def ffn(self, h):
+                return ffn(h)
+
+            def out(self, name, y):
+                if c.residual_multiplier != 1.0:
+                    y = y * jnp.asarray(c.residual_multiplier, y.dtype)
+                return hook_point(block, name, y)
+
+            def hook(self, name, h):
+                return hook_point(block, name, h)
 
         x = hook_point(self, "hook_resid_pre", x)
-        if c.block == "pre_ln":
-            x = x + hook_point(self, "hook_attn_out", attention(apply_norm(c, attn_norm, x)))
-            x = hook_point(self, "hook_resid_mid", x)
-            x = x + hook_point(self, "hook_mlp_out", ffn(apply_norm(c, ffn_norm, x)))
-        else:
-            x = x + hook_point(self, "hook_attn_out", attention(x))
-            x = hook_point(self, "hook_resid_mid", apply_norm(c, attn_norm, x))
-            x = x + hook_point(self, "hook_mlp_out", ffn(x))
-            x = apply_norm(c, ffn_norm, x)
+        x = BLOCK_FLOWS[c.block](Parts(), x)
         x = hook_point(self, "hook_resid_post", constrain(x, "act_batch", "act_seq", "act_embed"))
         return (x, cache) if self.scanned or cache is not None else x

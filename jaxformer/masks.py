@@ -66,6 +66,12 @@ class MaskRule:
     window: int | None = flax.struct.field(pytree_node=False, default=None)
     is_causal: bool = flax.struct.field(pytree_node=False, default=False)
     by_index: bool = flax.struct.field(pytree_node=False, default=False)
+    layer_window: jnp.ndarray | None = None  # a traced window (scanned layer kinds), or None
+
+    @property
+    def any_window(self):
+        """The window the rule applies: the static one, the traced one, or None."""
+        return self.window if self.layer_window is None else self.layer_window
 
     def block(self, q_start, q_len: int, k_start, k_len: int):
         """The mask of queries [q_start, +q_len) and keys [k_start, +k_len) (starts may
@@ -75,7 +81,7 @@ class MaskRule:
         mask = make_attention_mask(
             take(self.q_positions, q_start, q_len), take(self.k_positions, k_start, k_len),
             take(self.q_segment_ids, q_start, q_len), take(self.k_segment_ids, k_start, k_len),
-            causal=self.causal, window=self.window)
+            causal=self.causal, window=self.any_window)
         if self.is_causal:
             rows = q_start + jnp.arange(q_len)[:, None]
             mask &= (k_start + jnp.arange(k_len)[None, :] <= rows)[None, None]
@@ -84,3 +90,20 @@ class MaskRule:
     def dense(self):
         """The whole mask, [B, 1, Tq, Tk]."""
         return self.block(0, self.q_positions.shape[1], 0, self.k_positions.shape[1])
+
+
+NO_WINDOW = 2**31 - 1  # a traced window that hides nothing: a global layer among local ones
+
+
+def pick_rule(rules: tuple[MaskRule, ...], kind):
+    """The mask rule of layer kind `kind` from one rule per kind (differing only in their
+    window). kind is an int, or traced inside a scan over layers: then the kinds' windows
+    become data (layer_window), and by_index is off (a by-index backend needs its window
+    static)."""
+    if not isinstance(kind, jax.Array):
+        return rules[kind]
+    windows = [r.window for r in rules]
+    if len(set(windows)) == 1:
+        return rules[0]
+    table = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
+    return rules[0].replace(window=None, layer_window=table[kind], by_index=False)

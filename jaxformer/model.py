@@ -39,12 +39,12 @@ def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
     if cfg.remat != "none":
         block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
-        return [block(cfg, deterministic, impl=impl, name=f"block_{i}")
-                for i in range(cfg.n_layers)]
+        return [block(cfg, deterministic, impl=impl, kind=kind, name=f"block_{i}")
+                for i, kind in enumerate(cfg.layer_kind_ids)]
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True,
                       "dropout": True}, metadata_params={nn.PARTITION_NAME: "layers"},
-                      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
-                      length=cfg.n_layers)  # positions, mask, bias, cache (per layer), index
+                      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
+                      length=cfg.n_layers)  # positions, masks, bias, cache, index, kind id
     return scanned(cfg, deterministic, scanned=True, impl=impl, name="blocks")
 
 
@@ -98,16 +98,19 @@ class Transformer(nn.Module):
             index, layers = cache["index"], cache["layers"]
             k_positions = kv_cache.key_positions(cache, positions, segment_ids)
             k_segments = segment_ids = None
-        bias = PositionBias(c, name="position_bias")()  # a LogitBias, or None
         impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim, position=c.position,
-                            logits_bytes=dense_logits_bytes(b, c.n_heads, t, k_positions.shape[1]))
-        mask = MaskRule(positions, k_positions, segment_ids, k_segments, window=c.sliding_window,
-                        is_causal=cache is None, by_index=by_index)
-        if not takes_structure(impl, t, cached=cache is not None):  # once, for every layer
-            bias = dense_bias(bias, positions, k_positions)  # [B|1, N, T, S]
+                            logits_bytes=dense_logits_bytes(b, c.n_heads, t, k_positions.shape[1]),
+                            softcap=c.attn_softcap is not None,
+                            window_as_data=c.scan_layers and len({k.window for k in c.kinds}) > 1)
+        mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
+                              is_causal=cache is None, by_index=by_index)
+                     for k in c.kinds)  # one per layer kind: each block picks its own
+        bias = self.position_bias(impl, t, cache, positions, k_positions)
         blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
-        if c.scan_layers:
-            x, stacked = blocks(x, positions, mask, bias, layers and layers["blocks"], index)
+        if c.scan_layers:  # the layer kinds travel as data: each layer's kind id
+            kind_ids = jnp.asarray(c.layer_kind_ids, jnp.int32) if len(c.kinds) > 1 else None
+            x, stacked = blocks(x, positions, mask, bias, layers and layers["blocks"], index,
+                                kind_ids)
             layers = layers and {"blocks": stacked}
         else:
             for block in blocks:
@@ -122,12 +125,24 @@ class Transformer(nn.Module):
         logits = self.logits(embed, x)
         return logits if cache is None else (logits, cache)
 
+    def position_bias(self, impl: str, t: int, cache, positions, k_positions):
+        """The scheme's bias as a LogitBias where the backend reads it a block at a time (or
+        a ring in the cache recomputes it over its own slots), else once as an array
+        [B|1, N, T, S] for every layer; None without a bias scheme."""
+        bias = PositionBias(self.cfg, name="position_bias")()  # a LogitBias, or None
+        if takes_structure(impl, t, cached=cache is not None) or kv_cache.has_rings(cache):
+            return bias
+        return dense_bias(bias, positions, k_positions)
+
     def embed_inputs(self, embed, tokens, positions, deterministic: bool):
         """Token embeddings [B, T, D], with absolute positions added if the scheme has them."""
         c = self.cfg
         # the lookup reads the table gathered over fsdp (vocab stays split over tensor)
         x = jnp.take(constrain(embed.embedding, "vocab", "act_embed"), tokens, axis=0)
-        x = hook_point(self, "hook_embed", x.astype(c.dtype))
+        x = x.astype(c.dtype)
+        if c.embed_multiplier != 1.0:  # in the compute dtype, as Gemma's sqrt(d_model)
+            x = x * jnp.asarray(c.embed_multiplier, c.dtype)
+        x = hook_point(self, "hook_embed", x)
         embed_positions = POSITION_SCHEMES[c.position].embed
         if embed_positions is not None:  # an absolute scheme: terms added to the input
             x, terms = embed_positions(self, c, x, positions)
@@ -136,9 +151,10 @@ class Transformer(nn.Module):
         return constrain(x, "act_batch", "act_seq", "act_embed")
 
     def logits(self, embed, x):
-        """The final norm (pre-LN) and the LM head (tied to `embed` or not): float32 logits."""
+        """The final norm (all but post-LN blocks), the LM head (tied to `embed` or not), its
+        multiplier and soft-cap: float32 logits."""
         c = self.cfg
-        if c.block == "pre_ln":  # post-LN blocks already end in a norm
+        if c.block != "post_ln":  # post-LN blocks already end in a norm
             x = apply_norm(c, make_norm(c, "final_norm"), x)
         if c.tie_embeddings:
             logits = head_dot(x, embed.embedding.astype(c.dtype),
@@ -148,7 +164,12 @@ class Transformer(nn.Module):
                               param_dtype=c.param_dtype, dot_general=head_dot,
                               kernel_init=init_with_names(dense_init(), "embed", "vocab"),
                               name="lm_head")(x)
-        return constrain(logits.astype(jnp.float32), "act_batch", "act_seq", "act_vocab")
+        logits = logits.astype(jnp.float32)
+        if c.logits_multiplier != 1.0:
+            logits = logits * jnp.float32(c.logits_multiplier)
+        if c.final_softcap is not None:
+            logits = c.final_softcap * jnp.tanh(logits / c.final_softcap)
+        return constrain(logits, "act_batch", "act_seq", "act_vocab")
 
 
 # ---- params: counting and reshaping ------------------------------------------------
@@ -176,17 +197,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
       biases are negligible and not counted. Each weight costs 2 FLOPs forward, 4 backward.
     - attention scores (q.k) and the weighted sum (a.v) cost 2 * 2 * n_heads * head_dim per
       query-key pair forward, x3 with backward = 12 * n_heads * head_dim. Causal attention
-      is counted once at half: context = seq_len / 2 keys per query (no FLOPs for the masked
-      half). With a sliding window w < seq_len, context = w - w^2 / (2 seq_len), the mean
-      number of keys a query sees.
+        half). With a sliding window w < seq_len, context = w - w^2 / (2 seq_len), the mean
+      number of keys a query sees; with a layer pattern, each layer's own.
     """
     c = cfg
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
     ffn = (3 if c.gated_ffn else 2) * c.d_model * c.d_ff
     n_matmul = c.n_layers * (attn + ffn) + c.d_model * c.vocab_size
-    w = c.sliding_window
-    context = seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
-    return 6.0 * n_matmul + 12.0 * c.n_layers * c.n_heads * c.head_dim * context
+
+    def context(w):
+        return seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
+
+    keys = sum(context(c.kinds[i].window) for i in c.layer_kind_ids)
+    return 6.0 * n_matmul + 12.0 * c.n_heads * c.head_dim * keys
 
 
 def stack_layers(params, n_layers: int):

@@ -149,26 +149,60 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0,
     return inv_freq, attention_factor
 
 
-def apply_rope(x, positions, *, theta: float = 10000.0, scaling: RopeScaling | None = None):
-    """Rotate x [batch, seq, heads, head_dim] by its positions [batch, seq].
+def rotary_dims(head_dim: int, fraction: float = 1.0) -> int:
+    """How many of a head's dimensions RoPE rotates: int(head_dim * fraction), as
+    GPT-NeoX's rotary_ndims and HF's partial_rotary_factor."""
+    return int(head_dim * fraction)
 
-    Half-rotation layout (HF Llama / GPT-NeoX): dimension i pairs with i + head_dim/2.
-    Angles and the rotation are computed in float32; the result has x's dtype.
-    """
-    inv_freq, attention_factor = rope_frequencies(x.shape[-1], theta, scaling)
+
+def rope_tables(positions, head_dim: int, *, theta: float = 10000.0,
+                scaling: RopeScaling | None = None, fraction: float = 1.0):
+    """cos and sin tables [B, T, 1, head_dim] float32 for `rotate`: over the first
+    rotary_dims(head_dim, fraction) dimensions [cos, cos] and [-sin, sin] (times the
+    attention factor), over the rest 1 and 0."""
+    rot = rotary_dims(head_dim, fraction)
+    inv_freq, attention_factor = rope_frequencies(rot, theta, scaling)
     angle = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq, jnp.float32)
-    cos = jnp.cos(angle) * attention_factor  # [B, T, 1, H/2]
+    cos = jnp.cos(angle) * attention_factor  # [B, T, 1, rot/2]
     sin = jnp.sin(angle) * attention_factor
     # Full-width tables, x * [cos, cos] + [x2, x1] * [-sin, sin]: the same products and
     # sums as the split form. Written with the halves, XLA:CPU fused cos and sin into every
     # layer's rotation and recomputed them per element (~8% of a Llama-shaped train step);
     # through the concatenated tables they are computed once
     # (tests/test_model.py::test_rope_angles_are_computed_once_per_step).
-    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+    cos, sin = [cos, cos], [-sin, sin]
+    if rot < head_dim:  # partial rotary: the other dimensions pass through
+        rest = angle.shape[:-1] + (head_dim - rot,)
+        cos, sin = cos + [jnp.ones(rest)], sin + [jnp.zeros(rest)]
+    return jnp.concatenate(cos, axis=-1), jnp.concatenate(sin, axis=-1)
+
+
+def no_rope_tables(positions, head_dim: int):
+    """The tables of no rotation (a NoPE layer among rotary ones): cos 1, sin 0."""
+    shape = positions.shape + (1, head_dim)
+    return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+
+
+def rotate(x, cos, sin, rot: int | None = None):
+    """x [B, T, N, H] rotated by the tables of rope_tables: dimension i pairs with
+    i + rot/2 among the first rot (default all H); computed in float32, x's dtype out."""
+    rot = x.shape[-1] if rot is None else rot
     xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)  # [B, T, N, H/2] each
-    out = xf * cos + jnp.concatenate([x2, x1], axis=-1) * sin
-    return out.astype(x.dtype)
+    x1, x2, rest = xf[..., :rot // 2], xf[..., rot // 2:rot], xf[..., rot:]
+    swapped = jnp.concatenate([x2, x1] + ([rest] if rest.shape[-1] else []), axis=-1)
+    return (xf * cos + swapped * sin).astype(x.dtype)
+
+
+def apply_rope(x, positions, *, theta: float = 10000.0, scaling: RopeScaling | None = None,
+               fraction: float = 1.0):
+    """Rotate x [batch, seq, heads, head_dim] by its positions [batch, seq].
+
+    Half-rotation layout (HF Llama / GPT-NeoX): dimension i pairs with i + rot/2, rot =
+    the rotated dimensions (all of them unless fraction < 1, as GPT-NeoX's rotary_pct).
+    Angles and the rotation are computed in float32; the result has x's dtype.
+    """
+    cos, sin = rope_tables(positions, x.shape[-1], theta=theta, scaling=scaling, fraction=fraction)
+    return rotate(x, cos, sin, rotary_dims(x.shape[-1], fraction))
 
 
 # ---- ALiBi ------------------------------------------------------------------------

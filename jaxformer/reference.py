@@ -4,6 +4,9 @@ sum, written once and shared by every backend and by inspection (attention patte
 Layout is [batch, seq, heads, head_dim] for q/k/v (as jax.nn.dot_product_attention and
 cuDNN). Boolean masks are [batch, 1, q_len, k_len] (True = may attend) and broadcast over
 heads; biases broadcast to [batch, heads, q_len, k_len].
+
+Logits are s = q.k * scale, soft-capped if asked (Gemma 2: cap * tanh(s / cap), before
+the bias and the mask), plus the bias, -inf where masked.
 """
 
 from __future__ import annotations
@@ -36,22 +39,49 @@ def query_groups(n_heads: int, n_kv_heads: int) -> int:
     return n_heads // n_kv_heads
 
 
-def grouped_logits(q, k, *, mask, bias, scale, precision=HIGHEST):
+def grouped_logits(q, k, *, mask, bias, scale, precision=HIGHEST, softcap=None):
     """Float32 logits [B, K, G, Tq, Tk], masked entries -inf. GQA groups the query heads,
-    so K/V are never copied per query head."""
+    so K/V are never copied per query head. softcap: see scale_and_mask."""
     b, t, n, h = q.shape
     n_kv = k.shape[2]
     q = q.reshape(b, t, n_kv, query_groups(n, n_kv), h)  # [B, T, K, G, H]
     logits = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=precision,
                         preferred_element_type=jnp.float32)
     return scale_and_mask(logits, mask=mask, bias=bias,
-                           scale=1.0 / math.sqrt(h) if scale is None else scale)
+                          scale=1.0 / math.sqrt(h) if scale is None else scale, softcap=softcap)
 
 
-def scale_and_mask(logits, *, mask, bias, scale):
-    """logits [B, K, G, Tq, Tk] * scale (+ bias), masked entries -inf."""
+def check_softcap(softcap):
+    """A soft-cap as the backends take it: None (no cap), or a positive finite Python
+    float (hashable: the custom-gradient backends take it as a static argument)."""
+    if softcap is None:
+        return None
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"attention softcap must be a positive finite number or None, "
+                         f"got {softcap!r}")
+    return cap
+
+
+def soft_cap(scores, softcap):
+    """Gemma 2's logit soft-capping, cap * tanh(scores / cap), in float32; scores unchanged
+    (no op added) for softcap None. Its derivative is 1 - tanh(scores / cap)^2."""
+    if softcap is None:
+        return scores
+    cap = jnp.float32(softcap)
+    return cap * jnp.tanh(scores / cap)
+
+
+def scale_and_mask(logits, *, mask, bias, scale, softcap=None):
+    """logits [B, K, G, Tq, Tk] * scale, soft-capped if softcap (cap * tanh(. / cap)),
+    (+ bias), masked entries -inf."""
+    logits = soft_cap(logits * jnp.float32(scale), softcap)
+    return bias_and_mask(logits, mask=mask, bias=bias)
+
+
+def bias_and_mask(logits, *, mask, bias):
+    """Scaled (and capped) logits [B, K, G, Tq, Tk] + bias, masked entries -inf."""
     n_kv = logits.shape[1]
-    logits = logits * jnp.float32(scale)
     if bias is not None:
         logits = logits + group_heads(bias.astype(jnp.float32), n_kv)
     if mask is not None:
@@ -87,15 +117,16 @@ def and_causal(mask, t: int):
     return causal if mask is None else mask & causal
 
 
-def attention_weights(q, k, *, mask=None, bias=None, scale=None):
+def attention_weights(q, k, *, mask=None, bias=None, scale=None, softcap=None):
     """Softmax attention weights [B, N, Tq, Tk] in float32 (for inspection and plots)."""
-    w = softmax(grouped_logits(q, k, mask=as_4d(mask), bias=as_4d(bias), scale=scale))
+    w = softmax(grouped_logits(q, k, mask=as_4d(mask), bias=as_4d(bias), scale=scale,
+                               softcap=softcap))
     return w.reshape(w.shape[0], -1, *w.shape[3:])  # [B, K, G, T, S] -> [B, N, T, S]
 
 
-def reference_attention(q, k, v, *, mask, bias, scale, precision=HIGHEST):
-    w = softmax(grouped_logits(q, k, mask=mask, bias=bias, scale=scale,
-                                 precision=precision))  # [B, K, G, T, S]
+def reference_attention(q, k, v, *, mask, bias, scale, precision=HIGHEST, softcap=None):
+    w = softmax(grouped_logits(q, k, mask=mask, bias=bias, scale=scale, precision=precision,
+                               softcap=softcap))  # [B, K, G, T, S]
     return mix(w, v, q, precision)  # [B, T, N, H]
 
 

@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import flax.struct
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.positions import (FIRE_THRESHOLD, alibi_bias, alibi_slopes, apply_rope,
-                                 fire_distance, sinusoidal, t5_bias)
+from jaxformer.positions import (FIRE_THRESHOLD, alibi_bias, alibi_slopes, fire_distance,
+                                 no_rope_tables, rope_tables, rotary_dims, rotate, sinusoidal,
+                                 t5_bias)
 from jaxformer.sharding import init_with_names
 from jaxformer.validation import ConfigError
 
@@ -52,7 +54,8 @@ class PositionScheme:
 
     embed(module, cfg, x [B, T, D], positions [B, T]) -> (x, terms [B, T, D]): the input
       is x + terms (terms hooked as hook_pos_embed); params are declared on `module`.
-    rotate(cfg, x [B, T, N, H], positions [B, T]) -> x rotated (queries and keys alike).
+    rotate(cfg, x [B, T, N, H], positions [B, T], kind) -> x rotated (queries and keys
+      alike) as layer kind `kind` (an index into cfg.kinds; traced in a scan) wants.
     bias(module, cfg) -> LogitBias, its params declared on `module`.
     max_length(cfg) -> the longest sequence the scheme can encode (a learned table's
       rows), or None for any length.
@@ -108,8 +111,40 @@ def _even(field: str, why: str):
 
 # ---- rotary --------------------------------------------------------------------------
 
-def _rope(cfg, x, positions):
-    return apply_rope(x, positions, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+def _rope(cfg, x, positions, kind=0):
+    """RoPE with the base and scaling of layer kind `kind` (a NoPE kind: x as it is).
+    Traced inside a scan over layers, kind picks its tables among the kinds' own."""
+    kinds, rot = cfg.kinds, rotary_dims(cfg.head_dim, cfg.rope_fraction)
+
+    def tables(k):
+        if not k.rope:
+            return no_rope_tables(positions, cfg.head_dim)
+        return rope_tables(positions, cfg.head_dim, theta=k.rope_theta, scaling=k.rope_scaling,
+                           fraction=cfg.rope_fraction)
+
+    if not isinstance(kind, jax.Array):
+        if not kinds[kind].rope:
+            return x
+        return rotate(x, *tables(kinds[kind]), rot)
+    rotations = [(k.rope, k.rope_theta, k.rope_scaling) for k in kinds]
+    distinct = list(dict.fromkeys(rotations))
+    if len(distinct) == 1:
+        cos, sin = tables(kinds[0])
+    else:
+        which = jnp.asarray([distinct.index(r) for r in rotations], jnp.int32)[kind]
+        each = [tables(kinds[rotations.index(r)]) for r in distinct]
+        cos, sin = (jnp.stack(t)[which] for t in zip(*each))  # [B, T, 1, H]
+    return rotate(x, cos, sin, rot)
+
+
+def _check_rope(cfg):
+    rot = rotary_dims(cfg.head_dim, cfg.rope_fraction)
+    if cfg.rope_fraction == 1:
+        _even("head_dim", "RoPE rotates pairs of dimensions and needs an even head_dim")(cfg)
+    elif rot % 2 or rot == 0:
+        raise ConfigError(f"model.head_dim={cfg.head_dim} * model.rope_fraction="
+                          f"{cfg.rope_fraction} = {rot} dimensions rotated; RoPE rotates pairs "
+                          "and needs an even number > 0")
 
 
 # ---- biases --------------------------------------------------------------------------
@@ -164,8 +199,7 @@ def fire_bias(p, q_positions, k_positions):
 # ---- the table -----------------------------------------------------------------------
 
 POSITION_SCHEMES: dict[str, PositionScheme] = {
-    "rope": PositionScheme("rotary", rotate=_rope, check=_even(
-        "head_dim", "RoPE rotates pairs of dimensions and needs an even head_dim")),
+    "rope": PositionScheme("rotary", rotate=_rope, check=_check_rope),
     "alibi": PositionScheme("bias", bias=_alibi),
     "sinusoidal": PositionScheme("absolute", embed=_sinusoidal, check=_even(
         "d_model", "sinusoidal positions pair sin and cos and need an even d_model")),

@@ -6,7 +6,8 @@ Off a TPU it runs in Pallas interpret mode: slow, for tests (its error against a
 reference is ~1e-6, forward and backward), with a one-line warning. Its masks are by
 index, which is the model's rule whenever positions count up by one inside a segment
 (jaxformer.positions.segment_positions, or arange). It takes no additive bias: ALiBi,
-T5 and FIRE are refused by the config (use blockwise).
+T5 and FIRE are refused by the config (use blockwise). A logit soft-cap is the kernel's
+own attn_logits_soft_cap (applied to the pre-scaled q's logits: after the scale).
 """
 
 from __future__ import annotations
@@ -20,22 +21,28 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxformer.masks import MaskRule
+from jaxformer.reference import check_softcap
 from jaxformer.sharding import current_spec
 
 BLOCK = 128  # the kernel's default block sizes: T is padded to a multiple inside
 _WARNED: set = set()
 
 
-def splash_attention(q, k, v, rule: MaskRule, *, scale=None):
+def splash_attention(q, k, v, rule: MaskRule, *, scale=None, softcap=None):
     """q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K) -> [B, T, N, H].
 
     Self-attention with a causal rule (window optional, segment ids optional: id 0 is
     padding, and a padding query gets zeros, as on every other backend). Under
     jaxformer.sharding.sharding_context it runs per device under shard_map, rows split as
     act_batch says and heads as act_heads / act_kv_heads say (query heads stay whole
-    where key/value heads cannot be split alike); the sequence must not be split."""
+    where key/value heads cannot be split alike); the sequence must not be split.
+    softcap: the logits s = q.k * scale become softcap * tanh(s / softcap)."""
     if not rule.causal or q.shape[1] != k.shape[1]:
         raise ValueError("splash attention here is causal self-attention (Tq = Tk)")
+    if rule.layer_window is not None:
+        raise NotImplementedError("splash attention needs each layer's window static, but the "
+                                  "layer kinds' windows differ under scan_layers; set "
+                                  "model.scan_layers=false or another attention_impl")
     interpret = jax.default_backend() != "tpu"
     if interpret and "interpret" not in _WARNED:
         _WARNED.add("interpret")
@@ -44,7 +51,8 @@ def splash_attention(q, k, v, rule: MaskRule, *, scale=None):
     seg = rule.q_segment_ids if rule.q_segment_ids is not None else \
         jnp.ones(q.shape[:2], jnp.int32)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    local = functools.partial(_splash, window=rule.window, scale=scale, interpret=interpret)
+    local = functools.partial(_splash, window=rule.window, scale=scale,
+                              softcap=check_softcap(softcap), interpret=interpret)
     where = current_spec(q.shape, "act_batch", "act_seq", "act_heads", "head_dim")
     if where is None or where[0].size == 1:
         return local(q, k, v, seg)
@@ -60,7 +68,7 @@ def splash_attention(q, k, v, rule: MaskRule, *, scale=None):
                          out_specs=q_spec, check_vma=False)(q, k, v, seg)
 
 
-def _splash(q, k, v, seg, *, window, scale, interpret):
+def _splash(q, k, v, seg, *, window, scale, softcap, interpret):
     """The kernel on one device's rows and heads."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
@@ -70,6 +78,7 @@ def _splash(q, k, v, seg, *, window, scale, interpret):
     base = sa.CausalMask((tp, tp)) if window is None else \
         sa.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0)
     kernel = sa.make_splash_mha_single_device(sa.MultiHeadMask([base] * n),
+                                              attn_logits_soft_cap=softcap,
                                               interpret=interpret)
     heads = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # noqa: E731
     out = jax.vmap(kernel)(heads(q * jnp.asarray(scale, q.dtype)), heads(k), heads(v),

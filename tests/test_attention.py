@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import backends, chunked
+from jaxformer.backends import rule_attention
 from jaxformer.attention import (
     attention_weights,
     causal_mask,
@@ -85,8 +86,9 @@ def np_segment(q_seg, k_seg):
     return same & np_padding(q_seg, k_seg)
 
 
-def np_attention(q, k, v=None, mask=None, bias=None, scale=None):
-    """Float64 softmax(q k^T * scale + bias, where mask) [v]; K/V repeated per group.
+def np_attention(q, k, v=None, mask=None, bias=None, scale=None, softcap=None):
+    """Float64 softmax(cap(q k^T * scale) + bias, where mask) [v]; K/V repeated per group;
+    cap(s) = softcap * tanh(s / softcap) if softcap (Gemma 2), else s.
 
     Returns the weights [B, N, Tq, Tk], and the output [B, Tq, N, H] when v is given.
     A row with no allowed key gets zero weights.
@@ -97,6 +99,8 @@ def np_attention(q, k, v=None, mask=None, bias=None, scale=None):
     k = np.repeat(k, group, axis=2)  # query head n reads kv head n // group
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
     if bias is not None:
         logits = logits + np.asarray(bias, np.float64)
     if mask is not None:
@@ -305,23 +309,29 @@ def test_is_causal_with_broadcast_masks_and_gradients(rng, impl, mask_shape, bia
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
-def np_attention_grads(q, k, v, d_out, mask, bias, scale=None):
+def np_attention_grads(q, k, v, d_out, mask, bias, scale=None, softcap=None):
     """Float64 gradients of sum(attention(q, k, v) * d_out) for q, k, v and the bias, from
     the softmax's Jacobian row by row: dlogits = w * (dw - sum_keys(w * dw)). The bias's
-    gradient is summed over the axes it broadcasts along."""
+    gradient is summed over the axes it broadcasts along. With a softcap, q and k get
+    dlogits * (1 - tanh(s / softcap)^2), s = q k^T * scale; the bias dlogits itself."""
     q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
     group = q.shape[2] // k.shape[2]
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-    w, _ = np_attention(q, k, v, mask=mask, bias=bias, scale=scale)  # [B, N, T, S]
+    w, _ = np_attention(q, k, v, mask=mask, bias=bias, scale=scale,
+                        softcap=softcap)  # [B, N, T, S]
     kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     dw = np.einsum("btnh,bsnh->bnts", d_out, vr)
-    ds = w * (dw - np.sum(w * dw, axis=-1, keepdims=True))  # d logits [B, N, T, S]
+    d_logits = w * (dw - np.sum(w * dw, axis=-1, keepdims=True))  # [B, N, T, S]
+    ds = d_logits
+    if softcap is not None:
+        s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+        ds = d_logits * (1.0 - np.tanh(s / softcap) ** 2)
     dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
     per_head = lambda x: x.reshape(x.shape[0], x.shape[1], k.shape[2], group, -1).sum(3)  # noqa: E731
     dk = per_head(np.einsum("bnts,btnh->bsnh", ds, q) * scale)
     dv = per_head(np.einsum("bnts,btnh->bsnh", w, d_out))
     axes = tuple(i for i in range(4) if np.shape(bias)[i] == 1)
-    return dq, dk, dv, ds.sum(axis=axes, keepdims=True)
+    return dq, dk, dv, d_logits.sum(axis=axes, keepdims=True)
 
 
 @pytest.mark.parametrize("t, n, kv, window, packed", [(128, 4, 4, None, False),
@@ -827,3 +837,187 @@ def test_query_heads_not_multiple_of_kv_heads_raises(rng, impl):
         dot_product_attention(q, k, v, impl=impl)
     with pytest.raises(ValueError, match="multiple"):
         attention_weights(q, k)
+
+
+# ---- 9. logit soft-capping (Gemma 2: cap * tanh(s / cap) after the scale) --------------
+
+SOFTCAP = 2.0
+# every backend here that applies a soft-cap, by the table: given arrays, and given a rule
+SOFTCAP_ARRAYS = [n for n in BACKENDS if backends.BACKENDS[n].takes_softcap]
+SOFTCAP_RULES = [n for n in backends.backends_here() if backends.BACKENDS[n].takes_softcap]
+
+
+def capped_qkv(rng, b, tq, tk, n, kv):
+    """q and k of std 2 (logits of std ~4, so a cap of 2 binds), v of std 1."""
+    q, k, v = random_qkv(rng, b, tq, tk, n, kv)
+    return q * 2, k * 2, v
+
+
+def two_segments(rng, t):
+    """Segment ids [B, T]: two packed segments of random lengths (one may be empty; row 0's
+    longer one has >= T/2 tokens, so the cap has keys to bind on), and 1 or 2 tokens of
+    padding (id 0) at the end of row 1."""
+    seg = np.sort(rng.integers(1, 3, (B, t)), axis=1)
+    seg[1, t - int(rng.integers(1, 3)):] = 0
+    return seg
+
+
+def assert_cap_binds(q, k, v, mask, bias, want):
+    """The capped answer is far from the uncapped one: the test would see a missing cap."""
+    uncapped = np_attention(q, k, v, mask=mask, bias=bias)[1]
+    assert np.abs(uncapped - want).max() > 0.3, np.abs(uncapped - want).max()
+
+
+@pytest.mark.parametrize("impl", SOFTCAP_ARRAYS)
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_softcap_output_and_gradients_match_float64(rng, impl, is_causal):
+    """dot_product_attention(softcap=2): output, attention_weights, and the gradients of q,
+    k, v and the bias against float64 NumPy, GQA 4:2, a packed and padded mask (padding
+    rows have no key), causal (is_causal: chunked's blocked path) or not, an ALiBi-like
+    bias."""
+    n, kv, t = 4, 2, 8
+    q, k, v = capped_qkv(rng, B, t, t, n, kv)
+    seg, pos = two_segments(rng, t), np.broadcast_to(np.arange(t), (B, t))
+    mask = np_segment(seg, seg)  # [B, 1, T, T]
+    bias = alibi_like_bias(rng, pos, pos, n)  # [B, N, T, T]
+    full_mask = np_index_causal(mask, t) if is_causal else mask
+    jmask, jbias = as_jnp(mask, bias)
+    d_out = rng.normal(size=(B, t, n, H)).astype(np.float32)
+    w_want, want = np_attention(q, k, v, mask=full_mask, bias=bias, softcap=SOFTCAP)
+    assert_cap_binds(q, k, v, full_mask, bias, want)
+
+    def loss(q, k, v, bias):
+        out = dot_product_attention(q, k, v, mask=jmask, bias=bias, impl=impl,
+                                    is_causal=is_causal, softcap=SOFTCAP)
+        return jnp.sum(out * d_out), out
+
+    got, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, jbias)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    w = attention_weights(q, k, mask=jnp.asarray(full_mask), bias=jbias, softcap=SOFTCAP)
+    np.testing.assert_allclose(np.asarray(w), w_want, rtol=1e-5, atol=1e-6)
+    for name, g, w in zip("q k v bias".split(), got, np_attention_grads(
+            q, k, v, d_out, full_mask, bias, softcap=SOFTCAP)):
+        assert g.shape == w.shape, name
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", SOFTCAP_RULES)
+def test_softcap_through_rule_attention_matches_float64(rng, impl):
+    """rule_attention(softcap=2), the model's path: a packed and padded causal rule and
+    ALiBi as a LogitBias (where the backend adds a bias), GQA 4:2; output and gradients of
+    q, k, v and the slopes against float64 NumPy."""
+    from jaxformer.masks import MaskRule
+    from jaxformer.positions import alibi_bias, alibi_slopes, segment_positions
+    from jaxformer.schemes import LogitBias
+    n, kv, t = 4, 2, 8
+    q, k, v = capped_qkv(rng, B, t, t, n, kv)
+    seg = two_segments(rng, t)
+    pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    mask = np_causal(pos, pos) & np.tril(np.ones((t, t), bool)) & np_segment(seg, seg)
+    biased = backends.BACKENDS[impl].takes_bias
+    slopes = jnp.asarray(alibi_slopes(n) * rng.uniform(0.5, 2.0, n), jnp.float32)
+    dist = np.abs(pos[:, :, None] - pos[:, None, :])  # [B, T, S]
+    bias = -np.asarray(slopes, np.float64)[None, :, None, None] * dist[:, None] \
+        if biased else np.zeros((1,) * 4)
+    rule = MaskRule(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg),
+                    is_causal=True)
+    d_out = rng.normal(size=(B, t, n, H)) * (seg > 0)[..., None, None]  # padding rows: 0
+    want = np_attention(q, k, v, mask=mask, bias=bias, softcap=SOFTCAP)[1]
+    assert_cap_binds(q, k, v, mask, bias, want)
+
+    def loss(q, k, v, slopes):
+        out = rule_attention(q, k, v, rule, LogitBias(alibi_bias, slopes) if biased else None,
+                             impl=impl, softcap=SOFTCAP)
+        return jnp.sum(out * d_out), out
+
+    got, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, slopes)
+    real = (seg > 0)[..., None, None]
+    np.testing.assert_allclose(np.asarray(out) * real, want * real, rtol=1e-5, atol=2e-5)
+    dq, dk, dv, d_logits = np_attention_grads(q, k, v, d_out, mask, bias, softcap=SOFTCAP)
+    d_slopes = -np.einsum("bnts,bts->n", d_logits, dist)
+    for name, g, w in zip("q k v slopes".split(), got, (dq, dk, dv, d_slopes)):
+        if name == "slopes" and not biased:
+            continue
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_cached_attention_softcap_matches_float64(rng):
+    """A decode step over a KV cache (kv_cache.cached_attention, [B * K, S, H] rows) with
+    softcap=2, a padding mask and a bias, GQA 4:2, against float64 NumPy."""
+    from jaxformer import kv_cache
+    n, kv, tq, tk = 4, 2, 3, 8
+    q, k, v = capped_qkv(rng, B, tq, tk, n, kv)
+    k_seg = np.ones((B, tk), np.int32)
+    k_seg[1, tk - int(rng.integers(1, 3)):] = 0  # padding: row 1's last query or two
+    k_pos = random_positions(rng, B, tk)
+    q_pos, q_seg = k_pos[:, tk - tq:], k_seg[:, tk - tq:]  # the last tq slots' tokens
+    mask = np_causal(q_pos, k_pos) & np_padding(q_seg, k_seg)
+    bias = alibi_like_bias(rng, q_pos, k_pos, n)
+    rows = lambda x: jnp.swapaxes(x, 1, 2).reshape(B * kv, tk, H)  # noqa: E731
+    out = kv_cache.cached_attention(q, rows(k), rows(v), mask=jnp.asarray(mask),
+                                    bias=jnp.asarray(bias), softcap=SOFTCAP)
+    want = np_attention(q, k, v, mask=mask, bias=bias, softcap=SOFTCAP)[1]
+    assert_cap_binds(q, k, v, mask, bias, want)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_softcap_on_a_backend_without_one_raises_naming_it(rng):
+    """xla and cudnn (jax.nn.dot_product_attention) apply no cap: naming one with a
+    softcap raises, naming it and the backends that do, whichever way in."""
+    from jaxformer.masks import MaskRule
+    without = [n for n, b in backends.BACKENDS.items() if not b.takes_softcap]
+    assert "xla" in without
+    q, k, v = random_qkv(rng, 1, 4, 4, 2, 1)
+    pos = jnp.broadcast_to(jnp.arange(4), (1, 4))
+    rule = MaskRule(pos, pos, is_causal=True, by_index=True)  # xla's by-index form too
+    for impl in without:
+        for call in (lambda: dot_product_attention(q, k, v, impl=impl, softcap=SOFTCAP),
+                     lambda: rule_attention(q, k, v, rule, impl=impl, softcap=SOFTCAP),
+                     lambda: resolve_impl(impl, jnp.float32, H, softcap=True)):
+            with pytest.raises(ValueError) as info:
+                call()
+            message = str(info.value)
+            assert f"{impl!r}" in message and "softcap" in message
+            for name in backends.softcap_backends():
+                assert name in message
+        assert resolve_impl(impl, jnp.float32, H) == impl  # no cap: as before
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="softcap"):
+            dot_product_attention(q, k, v, impl="reference", softcap=bad)
+
+
+def test_auto_with_softcap_picks_only_backends_that_take_it(capsys, monkeypatch):
+    """Every setting `auto` decides from, on CPU, GPU and TPU, with a softcap: exactly one
+    entry's rule answers (the rules themselves, not resolve_impl's guard), and it takes a
+    softcap; on a GPU where xla or cudnn answer without a cap, chunked (dense logits within
+    the budget) or blockwise (past it) answer with one, saying why."""
+    monkeypatch.setattr(backends, "_EXPLAINED", set())
+    big = backends.DENSE_LOGITS_BYTES + 4
+    changed = set()
+    for platform in ("cpu", "gpu", "tpu"):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for head_dim in (64, 60):
+                for position in ("rope", "alibi"):
+                    for logits_bytes in (0, big):
+                        setting = backends.Setting(platform, dtype, head_dim, position,
+                                                   logits_bytes, softcap=True)
+                        answers = [n for n, b in backends.BACKENDS.items()
+                                   if b.auto is not None and b.auto(setting) is not None]
+                        assert len(answers) == 1, (setting, answers)
+                        assert backends.BACKENDS[answers[0]].takes_softcap, (setting, answers)
+                        plain = [n for n, b in backends.BACKENDS.items() if b.auto is not None
+                                 and b.auto(backends.Setting(platform, dtype, head_dim,
+                                                             position, logits_bytes)) is not None]
+                        if plain != answers:
+                            changed.add((platform, plain[0], answers[0]))
+    assert changed == {("gpu", "xla", "chunked"), ("gpu", "cudnn", "chunked"),
+                       ("gpu", "cudnn", "blockwise")}, changed
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_impl("auto", jnp.bfloat16, 64) == "cudnn"
+    assert resolve_impl("auto", jnp.bfloat16, 64, softcap=True) == "chunked"
+    assert resolve_impl("auto", jnp.float32, 64, softcap=True) == "chunked"
+    assert resolve_impl("auto", jnp.bfloat16, 64, logits_bytes=big, softcap=True) == "blockwise"
+    err = capsys.readouterr().err
+    assert "auto chose chunked: the logits are soft-capped, which xla and cudnn" in err
+    assert "auto chose blockwise: dense logits would take" in err and \
+        "; the logits are soft-capped" in err

@@ -32,7 +32,7 @@ def test_frozen_and_hashable():
     (dict(sinusoidal_scale="vaswani"), ["sinusoidal_scale='vaswani'", "table", "tokens", "unit"]),
     (dict(t5_num_buckets=32, t5_max_distance=16), ["t5_max_distance=16", "t5_num_buckets=32"]),
     (dict(norm="batchnorm"), ["norm='batchnorm'", "layernorm", "rmsnorm"]),
-    (dict(block="sandwich"), ["block='sandwich'", "pre_ln", "post_ln"]),
+    (dict(block="sideways"), ["block='sideways'", "pre_ln", "post_ln", "sandwich", "parallel"]),
     (dict(ffn="swish"), ["ffn='swish'", "gelu", "relu", "swiglu", "geglu"]),
     (dict(remat="some"), ["remat='some'", "none", "full", "dots"]),
     (dict(attention_impl="flash"), ["attention_impl='flash'", "reference", "xla", "cudnn"]),
