@@ -494,7 +494,10 @@ LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=
     (dict(attention_bias=True, mlp_bias=False), "attention_bias=True with mlp_bias=False"),
     (dict(hidden_act="relu"), "hidden_act='relu'"),
     (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
-          sliding_window=16, max_window_layers=1), "layer_types"),
+          sliding_window=16, layer_types=["chunked_attention", "full_attention"]),
+     "layer_types.*chunked_attention"),
+    (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+          layer_types=["sliding_attention", "full_attention"]), "layer_types.*no sliding_window"),
 ])
 def test_unsupported_llama_configs_are_named(changes, match):
     from jaxformer.convert import config_from_hf
@@ -510,14 +513,10 @@ NEOX_V5 = {**{k: v for k, v in NEOX.items() if k != "rotary_pct"},
 
 
 @pytest.mark.parametrize("config, match", [
-    (dict(NEOX, use_parallel_residual=True), "use_parallel_residual=True.*gpt_neox.*not supp"),
-    ({k: v for k, v in NEOX.items() if k != "use_parallel_residual"},  # Pythia's default
-     "use_parallel_residual=True.*gpt_neox"),
-    (dict(NEOX, rotary_pct=0.25), "rotary_pct=0.25.*gpt_neox.*partial rotary"),
-    ({k: v for k, v in NEOX.items() if k != "rotary_pct"}, "rotary_pct=0.25.*gpt_neox"),
+    (dict(NEOX, rotary_pct=1.5), "rotary_pct=1.5.*in \\(0, 1\\]"),
     (dict(NEOX_V5, rope_parameters=dict(rope_type="default", rope_theta=1e4,
-                                        partial_rotary_factor=0.25)),
-     r"rope_parameters\.partial_rotary_factor=0.25.*gpt_neox"),
+                                        partial_rotary_factor=0.0)),
+     r"rope_parameters\.partial_rotary_factor=0.0"),
     (dict(NEOX, hidden_act="gelu_fast"), "hidden_act='gelu_fast'.*gpt_neox"),
     (dict(NEOX, attention_bias=False), "attention_bias=False.*gpt_neox"),
     (dict(NEOX, architectures=["GPTNeoXForSequenceClassification"]),
@@ -563,9 +562,10 @@ def test_llama_configs_of_both_transformers_generations():
     (dict(norm="rmsnorm", ffn="swiglu", rope_scaling="ntk"), "model.rope_scaling.kind='ntk'"),
     (dict(norm="rmsnorm", ffn="swiglu", use_bias=True, qkv_bias=False), "model.qkv_bias"),
     (dict(position="learned", n_kv_heads=2), "model.n_kv_heads=2"),
-    (dict(n_kv_heads=2), "model.n_kv_heads=2 .*GPT-NeoX has no grouped-query"),
-    (dict(use_bias=False), "model.use_bias=False .*GPT-NeoX"),
-    (dict(sliding_window=8), "model.sliding_window=8 .*GPT-NeoX"),
+    (dict(n_kv_heads=2), "model.n_kv_heads=2 .*nearest, gpt_neox, differs in n_kv_heads"),
+    (dict(use_bias=False), "model.use_bias=False .*gpt_neox, differs in use_bias"),
+    (dict(sliding_window=8), "model.sliding_window=8 .*gpt_neox, differs in sliding_window"),
+    (dict(block="parallel", n_kv_heads=2), "model.n_kv_heads=2 .*gpt_neox"),
 ])
 def test_models_hf_cannot_express_are_refused(tmp_path, changes, match):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, **changes)

@@ -188,7 +188,7 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
     cfg = config_from_hf(hf).replace(param_dtype=jnp.dtype(dtype or "float32").name,
                                      scan_layers=scan_layers)
     family = model_family(hf["model_type"])
-    rules = rules_for(family, cfg, rope_layout)
+    rules = rules_for(family, cfg, rope_layout, hf["model_type"])
     reader = SafetensorsReader(folder)
     try:
         names = _resolve(reader, rules, family, folder)
@@ -262,7 +262,7 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
     hf = config_to_hf(cfg, dtype.name)
     hf.update(config_overrides or {})
     base = cfg.replace(scan_layers=False)
-    rules = rules_for(model_family(hf["model_type"]), base, rope_layout)
+    rules = rules_for(model_family(hf["model_type"]), base, rope_layout, hf["model_type"])
     get = _param_getter(cfg, params)
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,10 +28,11 @@ def cannot(field: str, value: Any, why: str) -> ConfigError:
                        f"checkpoint: {why}")
 
 
-def rope_from_hf(hf, get, max_len: int, theta_key: str = "rope_theta"
-                 ) -> tuple[float, RopeScaling]:
+def rope_from_hf(hf, get, max_len: int, theta_key: str = "rope_theta",
+                 fraction=None) -> tuple[float, RopeScaling]:
     """(rope_theta, RopeScaling) of a config.json; theta_key: the top-level key holding
-    theta when rope_parameters does not (GPT-NeoX 4.x: rotary_emb_base)."""
+    theta when rope_parameters does not (GPT-NeoX 4.x: rotary_emb_base). fraction: the
+    model's partial rotary factor as the caller read it (None: only 1 is accepted)."""
     # transformers 5 writes rope_parameters (rope_theta inside); 4.x wrote rope_theta and
     # rope_scaling (null for plain RoPE). Like transformers, rope_scaling wins when both exist.
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
@@ -41,8 +42,9 @@ def rope_from_hf(hf, get, max_len: int, theta_key: str = "rope_theta"
     theta = params.pop("rope_theta", get(theta_key))
     kind = params.pop("rope_type", params.pop("type", "default"))
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise unsupported("partial_rotary_factor", partial, "jaxformer rotates every dimension")
+    if fraction is None and partial not in (None, 1, 1.0):
+        raise unsupported("partial_rotary_factor", partial, f"{hf.get('model_type')} rotates "
+                          "every dimension of a head")
     if kind not in ROPE_KEYS:
         raise unsupported(f"{key}.rope_type", kind, f"supported: {', '.join(ROPE_KEYS)} "
                           "('dynamic' NTK changes with the input length; jaxformer's ntk is "
@@ -79,8 +81,12 @@ def rope_from_hf(hf, get, max_len: int, theta_key: str = "rope_theta"
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    s = cfg.rope_scaling
-    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta}
+    return rope_dict(cfg.rope_theta, cfg.rope_scaling)
+
+
+def rope_dict(theta: float, s: RopeScaling) -> dict[str, Any]:
+    """rope_parameters (transformers 5) of a RoPE base and scaling."""
+    rope: dict[str, Any] = {"rope_theta": theta}
     if s.kind == "none":
         return dict(rope, rope_type="default")
     if s.kind == "linear":

@@ -28,7 +28,8 @@ HEAD = {"gpt2": "lm_head.weight", "llama": "lm_head.weight", "gpt_neox": "embed_
 # HF buffers that are not params (causal-mask and RoPE tables of older checkpoints).
 IGNORED = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",
            r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
-           r"(gpt_neox\.)?layers\.\d+\.attention\.((masked_)?bias|rotary_emb\.inv_freq)")
+           r"(gpt_neox\.)?layers\.\d+\.attention\.((masked_)?bias|rotary_emb\.inv_freq)",
+           r"(model\.)?rotary_emb\.\w*inv_freq", r"(model\.)?embed_tokens\.embed_scale")
 ROPE_LAYOUTS = ("half", "interleaved")
 
 
@@ -112,40 +113,91 @@ def gpt2_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
-def llama_rules(cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
-    """Llama / Mistral / Qwen2. rope_layout="interleaved": the checkpoint's q/k weights
-    (and biases) rotate interleaved pairs; they are permuted to half rotation on load and
-    back on save."""
+# our norm -> its HF tensor (under model.layers.N.), per model.block
+NORM_TENSORS = {
+    "pre_ln": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "parallel_shared_ln": {"attn_norm": "input_layernorm"},
+    "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm",
+                 "ffn_post_norm": "post_feedforward_layernorm"},
+    "res_post_ln": {"attn_post_norm": "post_attention_layernorm",
+                    "ffn_post_norm": "post_feedforward_layernorm"},
+}
+FUSED = {"phi3"}  # q|k|v in one qkv_proj, gate|up in one gate_up_proj
+NATIVE_ROPE_LAYOUT = {"cohere2": "interleaved"}  # rotates adjacent pairs (2i, 2i+1)
+
+
+def _split_rows(block_path, names, hf_name, sizes, d, shapes) -> Rule:
+    """One fused Linear [sum(sizes), D] <-> kernels [D, size] reshaped to `shapes`."""
+    cuts = list(np.cumsum(sizes)[:-1])
+    return Rule(tuple(block_path + (n, "kernel") for n in names), (hf_name,), ((sum(sizes), d),),
+                lambda w: tuple(x.T.reshape(shape) for x, shape in
+                                zip(np.split(w, cuts, axis=0), shapes)),
+                lambda *ks: (np.concatenate([k.reshape(d, -1).T for k in ks], axis=0),))
+
+
+def llama_rules(cfg: ModelConfig, rope_layout: str = "half", model_type: str = "llama"
+                ) -> list[Rule]:
+    """The Llama layout and its lineage: norms named per block (NORM_TENSORS), QK-norm
+    weights, Phi-3's fused projections. rope_layout="interleaved": the checkpoint's q/k
+    weights (and biases, QK-norm weights) rotate interleaved pairs; they are permuted to
+    half rotation on load and back on save."""
     d, n, k, h, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                         cfg.vocab_size)
-    rope = _rope_permutation(rope_layout)
+    rope = _rope_permutation(NATIVE_ROPE_LAYOUT.get(model_type, rope_layout))
     t = PREFIX["llama"]
     rules = [_copy(("embed", "embedding"), f"{t}embed_tokens.weight", (v, d))]
     for i in range(cfg.n_layers):
         b, p = f"block_{i}", f"{t}layers.{i}."
-        for ours, hf, heads, post in (("query", "q_proj", n, rope), ("key", "k_proj", k, rope),
-                                      ("value", "v_proj", k, None)):
-            rules.append(_linear((b, "attn", ours, "kernel"), f"{p}self_attn.{hf}.weight",
-                                 (heads * h, d), (d, heads, h), post))
-            if cfg.qkv_bias:
-                rules.append(_reshaped((b, "attn", ours, "bias"), f"{p}self_attn.{hf}.bias",
-                                       (heads * h,), (heads, h), post))
+        rules += _llama_attention(cfg, (b, "attn"), f"{p}self_attn.", rope, model_type)
         rules.append(_linear((b, "attn", "out", "kernel"), f"{p}self_attn.o_proj.weight",
                              (d, n * h), (n, h, d)))
-        rules += [_copy((b, "attn_norm", "scale"), f"{p}input_layernorm.weight", (d,)),
-                  _copy((b, "ffn_norm", "scale"), f"{p}post_attention_layernorm.weight", (d,))]
+        for ours, hf in NORM_TENSORS[cfg.block].items():
+            rules.append(_copy((b, ours, "scale"), f"{p}{hf}.weight", (d,)))
+            if cfg.norm == "layernorm" and cfg.use_bias:
+                rules.append(_copy((b, ours, "bias"), f"{p}{hf}.bias", (d,)))
         mlp = (("wi_gate", "gate_proj", (f, d)), ("wi_up", "up_proj", (f, d)),
                ("wo", "down_proj", (d, f)))
-        for ours, hf, shape in mlp:
-            rules.append(_linear((b, "ffn", ours, "kernel"), f"{p}mlp.{hf}.weight", shape,
-                                 shape[::-1]))
+        if model_type in FUSED:
+            rules.append(_split_rows((b, "ffn"), ("wi_gate", "wi_up"), f"{p}mlp.gate_up_proj.weight",
+                                     (f, f), d, ((d, f), (d, f))))
+            rules.append(_linear((b, "ffn", "wo", "kernel"), f"{p}mlp.down_proj.weight", (d, f),
+                                 (f, d)))
+        else:
+            rules += [_linear((b, "ffn", ours, "kernel"), f"{p}mlp.{hf}.weight", shape,
+                              shape[::-1]) for ours, hf, shape in mlp]
         if cfg.use_bias:
             rules.append(_copy((b, "attn", "out", "bias"), f"{p}self_attn.o_proj.bias", (d,)))
             rules += [_copy((b, "ffn", ours, "bias"), f"{p}mlp.{hf}.bias", shape[:1])
                       for ours, hf, shape in mlp]
     rules.append(_copy(("final_norm", "scale"), f"{t}norm.weight", (d,)))
+    if cfg.norm == "layernorm" and cfg.use_bias:
+        rules.append(_copy(("final_norm", "bias"), f"{t}norm.bias", (d,)))
     if not cfg.tie_embeddings:
         rules.append(_linear(("lm_head", "kernel"), "lm_head.weight", (v, d), (d, v)))
+    return rules
+
+
+def _llama_attention(cfg: ModelConfig, a: Path, p: str, rope, model_type: str) -> list[Rule]:
+    """q/k/v projections (fused for Phi-3), their biases, and the QK-norm weights."""
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    heads = (("query", "q_proj", n, rope), ("key", "k_proj", k, rope), ("value", "v_proj", k, None))
+    rules = []
+    if model_type in FUSED:
+        rules.append(_split_rows(a, ("query", "key", "value"), f"{p}qkv_proj.weight",
+                                 (n * h, k * h, k * h), d, ((d, n, h), (d, k, h), (d, k, h))))
+    else:
+        rules += [_linear(a + (ours, "kernel"), f"{p}{hf}.weight", (m * h, d), (d, m, h), post)
+                  for ours, hf, m, post in heads]
+    if cfg.qkv_bias:
+        rules += [_reshaped(a + (ours, "bias"), f"{p}{hf}.bias", (m * h,), (m, h), post)
+                  for ours, hf, m, post in heads]
+    if cfg.qk_norm == "head":
+        rules += [_reshaped(a + (x, "scale"), f"{p}{x}.weight", (h,), (h,), rope)
+                  for x in ("q_norm", "k_norm")]
+    elif cfg.qk_norm == "projection":
+        rules += [_reshaped(a + (x, "scale"), f"{p}{x}.weight", (m * h,), (m, h), rope)
+                  for x, m in (("q_norm", n), ("k_norm", k))]
     return rules
 
 
@@ -211,9 +263,13 @@ def neox_rules(cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
     return rules
 
 
-def rules_for(family: str, cfg: ModelConfig, rope_layout: str = "half") -> list[Rule]:
+def rules_for(family: str, cfg: ModelConfig, rope_layout: str = "half",
+              model_type: str | None = None) -> list[Rule]:
+    """The rules of a tensor layout (family); model_type picks a lineage's variant."""
     if family == "gpt2":
         if rope_layout != "half":
             raise ValueError("rope_layout applies to RoPE models; GPT-2 has learned positions")
         return gpt2_rules(cfg)
-    return {"llama": llama_rules, "gpt_neox": neox_rules}[family](cfg, rope_layout)
+    if family == "llama":
+        return llama_rules(cfg, rope_layout, model_type or "llama")
+    return neox_rules(cfg, rope_layout)

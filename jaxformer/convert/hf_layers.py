@@ -1,0 +1,149 @@
+"""HF's per-layer attention (layer_types, sliding_window, NoPE layers, RoPE per layer type)
+<-> jaxformer's model.layer_pattern and model.layer_kinds.
+
+A layer of type full_attention or sliding_attention, rotated or not (NoPE), is a kind
+named after it ("full", "sliding", "full_nope", ...); the pattern is the shortest period
+of the layers' kinds. A model whose layers are all alike gets no pattern: a window for
+every layer is model.sliding_window, and NoPE everywhere is position "none".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxformer.config import ModelConfig, RopeScaling
+from jaxformer.convert.hf_rope import cannot, rope_dict, rope_from_hf, unsupported
+
+TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _types(hf, get, model_type: str, lineage) -> list[str]:
+    n = get("num_hidden_layers")
+    if lineage.layer_type is None:
+        return ["full_attention"] * n
+    types = hf.get("layer_types") if lineage.layer_types_key else None
+    if types is None:
+        return [lineage.layer_type(get, i) for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise unsupported("layer_types", types, f"it must list one type per layer ({n})")
+    bad = sorted(set(types) - set(TYPES))
+    if bad:
+        raise unsupported("layer_types", bad, f"{model_type} layers in jaxformer are "
+                          f"{' or '.join(TYPES)}")
+    return types
+
+
+def _window(get, model_type: str, types: list[str]) -> int | None:
+    if "sliding_attention" not in types:
+        return None
+    window = get("sliding_window")
+    if model_type in ("qwen2", "qwen3", "smollm3") and not get("use_sliding_window"):
+        window = None  # as the family's config class: no window unless use_sliding_window
+    if window is None:
+        raise unsupported("layer_types", types, "it lists sliding_attention layers, but "
+                          "there is no sliding_window (or use_sliding_window is false)")
+    return window
+
+
+def _period(names: list[str]) -> list[str]:
+    """The shortest prefix that, repeated, gives `names`."""
+    for p in range(1, len(names) + 1):
+        if all(names[i] == names[i % p] for i in range(len(names))):
+            return names[:p]
+    return names
+
+
+def layer_fields(hf, get, model_type: str, lineage, ropes) -> dict[str, Any]:
+    """ModelConfig fields for the layers' attention: layer_pattern and layer_kinds, or
+    sliding_window (and rope_theta, rope_scaling, position). ropes: layer type ->
+    (theta, RopeScaling)."""
+    types = _types(hf, get, model_type, lineage)
+    window = _window(get, model_type, types)
+    kinds, names = {}, []
+    for i, kind_type in enumerate(types):
+        rotated = (lineage.rope_of(get, i) if lineage.rope_of is not None
+                   else kind_type == "sliding_attention" if model_type == "cohere2" else True)
+        name = TYPES[kind_type] + ("" if rotated else "_nope")
+        theta, scaling = ropes[kind_type]
+        kinds[name] = dict(window=window if kind_type == "sliding_attention" else None,
+                           rope=rotated, rope_theta=float(theta) if rotated else None,
+                           rope_scaling=scaling if rotated else None)
+        names.append(name)
+    rotated = [k for k in kinds.values() if k["rope"]]
+    first = rotated[0] if rotated else {"rope_theta": 10000.0, "rope_scaling": RopeScaling()}
+    base = dict(rope_theta=first["rope_theta"], rope_scaling=first["rope_scaling"])
+    if len(kinds) == 1:  # every layer alike: no pattern
+        (kind,) = kinds.values()
+        return dict(base, sliding_window=kind["window"],
+                    position="rope" if kind["rope"] else "none")
+    for kind in kinds.values():  # a kind's RoPE as the model's is left unset
+        if kind["rope_theta"] == base["rope_theta"] and kind["rope_scaling"] == base["rope_scaling"]:
+            kind.update(rope_theta=None, rope_scaling=None)
+    return dict(base, layer_pattern=tuple(_period(names)), layer_kinds=kinds)
+
+
+def layers_to_hf(cfg: ModelConfig, model_type: str, lineage) -> dict[str, Any]:
+    """layer_types, sliding_window (and use_sliding_window, no_rope_layers) as the family
+    writes them."""
+    layers = [cfg.kinds[i] for i in cfg.layer_kind_ids]
+    windows = {k.window for k in layers if k.window is not None}
+    if len(windows) > 1:
+        raise cannot("layer_kinds", sorted(windows), "HF has one sliding_window for every "
+                     "sliding layer")
+    window = windows.pop() if windows else None
+    types = ["full_attention" if k.window is None else "sliding_attention" for k in layers]
+    out: dict[str, Any] = {}
+    if lineage.layer_type is not None:
+        out["sliding_window"] = window
+    if lineage.layer_types_key:
+        out["layer_types"] = types
+    if model_type in ("qwen2", "qwen3", "smollm3"):
+        out["use_sliding_window"] = window is not None
+        out["max_window_layers"] = 0
+    if model_type == "smollm3":
+        out["no_rope_layers"] = [int(k.rope and cfg.position == "rope") for k in layers]
+    return out
+
+
+def rope_per_type_from_hf(hf, get, max_len: int, defaults: dict, legacy: dict) -> dict:
+    """layer type -> (theta, RopeScaling) for families whose rope_parameters are keyed by
+    layer type (Gemma 3, OLMo 3), with their legacy keys: a top-level theta per type, and
+    rope_scaling (or a flat rope_parameters) for full-attention layers only."""
+    params = hf.get("rope_parameters")
+    keyed = isinstance(params, dict) and params and all(isinstance(v, dict)
+                                                        for v in params.values())
+    out = {}
+    if keyed:
+        bad = sorted(set(params) - set(TYPES))
+        if bad:
+            raise unsupported("rope_parameters", bad, f"layer types are {', '.join(TYPES)}")
+        for kind_type in TYPES:
+            sub = params.get(kind_type) or {"rope_type": "default",
+                                            "rope_theta": defaults[kind_type]}
+            out[kind_type] = rope_from_hf({"rope_parameters": sub}, lambda k, t=kind_type:
+                                          defaults[t], max_len)
+        return out
+    thetas = dict(defaults)
+    for key, kind_type in legacy.items():
+        if key in hf:
+            thetas[kind_type] = hf[key]
+    flat = dict(hf.get("rope_scaling") or params or {})
+    full_theta = flat.pop("rope_theta", thetas["full_attention"])
+    out["full_attention"] = rope_from_hf({"rope_parameters": dict(flat, rope_theta=full_theta)},
+                                         get, max_len)
+    out["sliding_attention"] = (thetas["sliding_attention"], RopeScaling())
+    return out
+
+
+def rope_per_type_to_hf(cfg: ModelConfig) -> dict:
+    layers = [cfg.kinds[i] for i in cfg.layer_kind_ids]
+    out = {}
+    for kind_type in TYPES:
+        ropes = {(k.rope_theta, k.rope_scaling) for k in layers if k.rope and
+                 (k.window is None) == (kind_type == "full_attention")}
+        if len(ropes) > 1:
+            raise cannot("layer_kinds", f"several RoPE bases among {kind_type} layers",
+                         "HF has one RoPE per layer type")
+        theta, scaling = ropes.pop() if ropes else (cfg.rope_theta, cfg.rope_scaling)
+        out[kind_type] = rope_dict(theta, scaling)
+    return out
