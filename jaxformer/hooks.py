@@ -36,7 +36,10 @@ class Session:
 _SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "jaxformer_hook_session", default=None)
 
-_PARTS = {"ffn": "mlp", "attn_norm": "ln1", "ffn_norm": "ln2", "final_norm": "ln_final"}
+# module name -> TransformerLens's; the norms after a sublayer (sandwich, res_post_ln) are
+# TransformerLens's ln1_post and ln2_post (its Gemma 2/3 and OLMo 2 adapters)
+_PARTS = {"ffn": "mlp", "attn_norm": "ln1", "ffn_norm": "ln2", "final_norm": "ln_final",
+          "attn_post_norm": "ln1_post", "ffn_post_norm": "ln2_post"}
 
 
 def hook_name(path: tuple[str, ...], name: str) -> str:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.hooks import session
-from jaxformer.layers import normalize
+from jaxformer.norms import normalize, scale_and_shift
 from jaxformer.model import Transformer, unstack_layers
 
 Names = Iterable[str] | Callable[[str], bool] | None
@@ -69,7 +69,9 @@ def run_with_cache(model: Transformer, params, tokens, *, positions=None, segmen
 
 def logit_lens(model: Transformer, params, cache):
     """The logits read from every layer's residual stream: each `blocks.{i}.hook_resid_post`
-    through the final norm (pre-LN; with its scale and bias) and the LM head.
+    through what the model does after its last block: the final norm (all but post-LN
+    blocks; with its scale, 1 + scale for rmsnorm_offset, and bias), the LM head, the
+    logits' multiplier and soft-cap.
     -> float32 [n_layers, B, T, V]; the last layer's equals the model's logits."""
     cfg = model.cfg
     _, params = _as_loop(model, params)
@@ -79,16 +81,17 @@ def logit_lens(model: Transformer, params, cache):
         raise ValueError(f"logit_lens needs {', '.join(missing)} in the cache; run "
                          "run_with_cache with those names (or all)")
     x = jnp.stack([cache[f"blocks.{i}.hook_resid_post"] for i in range(cfg.n_layers)])
-    x = x.astype(jnp.float32)
-    if cfg.block == "pre_ln":
-        norm = params["final_norm"]
-        x = normalize(cfg, x) * norm["scale"].astype(jnp.float32)
-        if "bias" in norm:
-            x = x + norm["bias"].astype(jnp.float32)
-        x = x.astype(cfg.dtype)
+    if cfg.block != "post_ln":  # post-LN blocks already end in a norm (Transformer.logits)
+        x = scale_and_shift(cfg, params["final_norm"], normalize(cfg, x)).astype(cfg.dtype)
     head = (params["embed"]["embedding"].T if cfg.tie_embeddings
             else params["lm_head"]["kernel"]).astype(cfg.dtype)  # [D, V]
-    return jnp.einsum("lbtd,dv->lbtv", x, head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("lbtd,dv->lbtv", x.astype(cfg.dtype), head,
+                        preferred_element_type=jnp.float32)
+    if cfg.logits_multiplier != 1.0:
+        logits = logits * jnp.float32(cfg.logits_multiplier)
+    if cfg.final_softcap is not None:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
 
 
 def next_token_loss(logits, tokens):

@@ -1,6 +1,7 @@
 """jaxformer.inspect: cached activations against a float64 NumPy forward, hooks that change
 what flows on, and their composition with jit, vmap, grad and scan."""
 
+import math
 import re
 
 import jax
@@ -22,9 +23,26 @@ def np_cache(cfg, params, tokens, positions=None, segment_ids=None):
     return out
 
 
+GEMMA = dict(norm="rmsnorm_offset", block="sandwich", ffn="geglu", use_bias=False,
+             tie_embeddings=True, n_kv_heads=2, head_dim=16, embed_multiplier=math.sqrt(32),
+             attn_scale=24 ** -0.5)  # d_model 32 (small's); query_pre_attn_scalar 24
+# today's families beside tests/test_model.py's variants: exported as gemma2, gemma3_text and
+# qwen3; 12 tokens (tm.init) against local windows of 4; soft-caps low enough to bind
+FAMILIES = {
+    "gemma2": dict(GEMMA, attn_softcap=1.0, final_softcap=2.0, layer_pattern=("local", "global"),
+                   layer_kinds={"local": dict(window=4), "global": {}}),
+    "gemma3": dict(GEMMA, qk_norm="head", final_softcap=2.0, rope_theta=1e6,
+                   layer_pattern=("local", "global"),
+                   layer_kinds={"local": dict(window=4, rope_theta=1e4), "global": {}}),
+    "qwen3": dict(norm="rmsnorm", ffn="swiglu", qk_norm="head", use_bias=False,
+                  tie_embeddings=False, n_kv_heads=2, head_dim=16, rope_theta=1e6),
+}
+
+
 def built(rng, name, **init):
-    """(config, tokens, params) of a tests/test_model.py variant, its params randomised."""
-    cfg = small(**VARIANTS[name])
+    """(config, tokens, params) of a tests/test_model.py variant or one of FAMILIES, its
+    params randomised."""
+    cfg = small(**VARIANTS.get(name, FAMILIES.get(name)))
     tm.rng = rng
     return (cfg, *tm.init(cfg, **init))
 
@@ -180,20 +198,29 @@ def test_scan_and_remat_keep_per_layer_names_and_values(rng):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(loop_logits), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "alibi-post-ln"])
+@pytest.mark.parametrize("name", ["gpt2", "alibi-post-ln", "gemma2"])
 def test_logit_lens_last_layer_is_the_models_logits(rng, name):
     cfg, tokens, params = built(rng, name)
     logits, cache = run_with_cache(Transformer(cfg), params, tokens)
     lens = logit_lens(Transformer(cfg), params, cache)
     assert lens.shape == (cfg.n_layers, *logits.shape)
     np.testing.assert_allclose(np.asarray(lens[-1]), np.asarray(logits), rtol=1e-5, atol=1e-5)
-    # an earlier layer, against float64: its residual through the final norm and the head
-    want = np_cache(cfg, params, tokens)["blocks.0.hook_resid_post"]
+    # an earlier layer, against float64: its residual (test_model's float64 forward's; ours
+    # for a sandwich block, which that forward lacks) through the final norm (Gemma's
+    # scale 1 + w), the head and the soft-cap
+    want = (np_cache(cfg, params, tokens) if name in VARIANTS else
+            cache)["blocks.0.hook_resid_post"]
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    if cfg.block == "pre_ln":
-        want = tm.np_norm(cfg, p["final_norm"], want)
-    np.testing.assert_allclose(np.asarray(lens[0]), want @ p["embed"]["embedding"].T,
-                               rtol=2e-4, atol=2e-5)
+    if cfg.block != "post_ln":
+        final = dict(p["final_norm"])
+        if cfg.norm == "rmsnorm_offset":
+            final["scale"] = 1 + final["scale"]
+        want = tm.np_norm(cfg.replace(norm="rmsnorm") if cfg.norm == "rmsnorm_offset" else cfg,
+                          final, np.asarray(want, np.float64))
+    want = want @ p["embed"]["embedding"].T
+    if cfg.final_softcap is not None:
+        want = cfg.final_softcap * np.tanh(want / cfg.final_softcap)
+    np.testing.assert_allclose(np.asarray(lens[0]), want, rtol=2e-4, atol=2e-5)
 
 
 def test_bad_hooks_and_names_are_refused(rng):
@@ -287,21 +314,32 @@ def test_patching_sweep_against_token_swaps_and_single_runs(rng):
                                rtol=1e-5, atol=1e-5)  # position 0 is the same in both runs
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+# TransformerLens 4 fires a per-head QK-norm's hooks on HF's attention layout [B, N, T, H]
+# (as its hook_q_normed); ours keep hook_q's and hook_rot_q's [B, T, N, H]: the same values
+# with heads and positions swapped, compared as such
+THEIR_LAYOUT = {r"\.attn\.[qk]_norm\.hook_normalized$": lambda a: a.transpose(0, 2, 1, 3)}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", *FAMILIES])
 def test_every_name_matches_transformer_lens(rng, name, tmp_path):
     """Parity with TransformerLens 4 on the same weights: the model exported through
     jaxformer.convert, booted offline from its folder (with a tokenizer) by
     TransformerBridge, weights unprocessed. Every one of our names is one of theirs, with
-    the same shape and values."""
+    the same shape and values (Gemma's hook_embed times sqrt(d_model), its post-norms
+    ln1_post/ln2_post, the QK-norms' hook_normalized, soft-capped scores, local layers'
+    -inf outside the window)."""
     tl = pytest.importorskip("transformer_lens.model_bridge")
     import tokenizers
     import torch
     import transformers
 
     from jaxformer.convert import to_hf
-    cfg = small(**{**VARIANTS[name], "norm_eps": 1e-5})
+    from jaxformer.convert.hf_config import export_model_type
+    cfg = small(**{"norm_eps": 1e-5, **VARIANTS.get(name, FAMILIES.get(name))})
+    if name in FAMILIES:
+        assert export_model_type(cfg) == {"gemma3": "gemma3_text"}.get(name, name)
     tm.rng = rng
-    tokens, params = tm.init(cfg)
+    tokens, params = tm.init(cfg)  # weights ~0.1, norm scales 0.1 off their init
     to_hf(cfg, params, tmp_path)
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
     word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
@@ -316,6 +354,9 @@ def test_every_name_matches_transformer_lens(rng, name, tmp_path):
     assert set(ours) <= set(theirs.keys()), sorted(set(ours) - set(theirs.keys()))
     for key, value in ours.items():
         want = theirs[key].detach().numpy()
+        for pattern, layout in THEIR_LAYOUT.items():
+            if re.search(pattern, key):
+                want = layout(want)
         got = np.asarray(value)
         assert got.shape == want.shape, key
         assert (np.isfinite(got) == np.isfinite(want)).all(), key
