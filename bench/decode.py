@@ -5,6 +5,13 @@ generate() on a GPT-2 of the same shape in PyTorch; tokens/s and ratios, one run
     python bench/decode.py [--layers 4 --d-model 256 --heads 4 --vocab 256 --prompt 16
         --new-tokens 256 --batches 1 16 --repeats 3 --torch-threads 1 2]
 
+    python bench/decode.py --windowed [--layers 6 --window 64 --new-tokens 1024 ...]
+
+--windowed: a Gemma 3-shaped model instead (five local layers with a sliding window to one
+global, GQA with one K/V head, QK-norm, sandwich norms, GeGLU), decoded with a windowed KV
+cache (each local layer a ring of `window` slots) against a full-length one: KV-cache bytes
+and tokens/s.
+
 Greedy decoding, float32. Every decoder runs once to compile / warm up, then once per round,
 rounds interleaved (load from other processes on a shared machine falls on all alike);
 times are medians over rounds. HF runs at each --torch-threads count: on a busy 2-core
@@ -25,7 +32,7 @@ import numpy as np
 
 from jaxformer import ModelConfig, Transformer
 from jaxformer.config import PRESETS
-from jaxformer.decoding import generate
+from jaxformer.decoding import generate, kv_cache_bytes
 
 
 def median_times(fns, repeats):
@@ -57,9 +64,45 @@ def recompute_fn(model, new_tokens):
     return run
 
 
+def gemma3_shaped(a, max_len: int) -> ModelConfig:
+    """A small Gemma 3: 5 local (window a.window, RoPE base 10k) : 1 global (1M) layers."""
+    return ModelConfig(
+        vocab_size=a.vocab, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads,
+        n_kv_heads=1, head_dim=a.d_model // a.heads, d_ff=4 * a.d_model, max_seq_len=max_len,
+        position="rope", rope_theta=1e6, norm="rmsnorm_offset", block="sandwich",
+        ffn="geglu", use_bias=False, qk_norm="head", tie_embeddings=True,
+        embed_multiplier=a.d_model ** 0.5, layer_pattern=("local",) * 5 + ("global",),
+        layer_kinds={"local": {"window": a.window, "rope_theta": 1e4}, "global": {}})
+
+
+def windowed_table(a):
+    """Windowed against full-length KV caches on a Gemma 3-shaped model."""
+    max_len = a.prompt + a.new_tokens
+    cfg = gemma3_shaped(a, max_len)
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    print(f"device: {jax.devices()[0].device_kind}; Gemma 3 shape: {a.layers} layers (5 local "
+          f"with window {a.window} : 1 global), d_model {a.d_model}, {a.heads} heads, 1 K/V "
+          f"head, vocab {a.vocab}, float32; prompt {a.prompt}, {a.new_tokens} new tokens, greedy")
+    header = f"{'KV cache':<12} {'batch':>5} {'cache MiB':>10} {'seconds':>9} {'tokens/s':>10} " \
+             f"{'vs full':>8}"
+    print(header)
+    print("-" * len(header))
+    for batch in a.batches:
+        prompts = np.random.default_rng(0).integers(0, a.vocab, (batch, a.prompt)).astype(np.int32)
+        run = lambda windowed: lambda: generate(  # noqa: E731
+            model, params, prompts, max_new_tokens=a.new_tokens, rng=jax.random.key(0),
+            temperature=0.0, windowed_cache=windowed).tokens.block_until_ready()
+        times = median_times({"full": run(False), "windowed": run(True)}, a.repeats)
+        for name, sec in times.items():
+            mib = kv_cache_bytes(cfg, batch, max_len, windowed=name == "windowed") / 2**20
+            print(f"{name:<12} {batch:>5} {mib:>10.2f} {sec:>9.3f} "
+                  f"{batch * a.new_tokens / sec:>10,.0f} {times['full'] / sec:>7.2f}x")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=None, help="default 4, or 6 with --windowed")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
@@ -69,7 +112,13 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--torch-threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--windowed", action="store_true",
+                   help="a Gemma 3-shaped model: windowed against full-length KV cache")
+    p.add_argument("--window", type=int, default=64)
     a = p.parse_args()
+    a.layers = a.layers or (6 if a.windowed else 4)
+    if a.windowed:
+        return windowed_table(a)
 
     max_len = a.prompt + a.new_tokens
     cfg = ModelConfig.from_dict({**PRESETS["gpt2-small"], "n_layers": a.layers,
