@@ -144,10 +144,27 @@ def splash(out):
     """attention_impl='splash' under shard_map on meshes that split rows and heads (with
     GQA heads that tensor=4 cannot split: query heads then stay whole): logits and
     gradients of a packed, padded batch against the reference backend on one device."""
+    like_one_device(out, CFG.replace(position="rope", attention_impl="splash",
+                                     sliding_window=6))
+
+
+def patterns(out):
+    """A Gemma 3-like layer pattern (a local window and two RoPE bases, scanned as data),
+    QK-norm over the whole projection (its heads split over tensor), sandwich norms with
+    Gemma's 1 + w, partial rotary and both soft-caps, blockwise with remat: as splash."""
+    like_one_device(out, CFG.replace(
+        position="rope", norm="rmsnorm_offset", block="sandwich", qk_norm="projection",
+        rope_fraction=0.5, attn_softcap=2.0, final_softcap=5.0, attention_impl="blockwise",
+        remat="full", layer_pattern=("local", "global"),
+        layer_kinds={"local": {"window": 4, "rope_theta": 100.0}, "global": {}}))
+
+
+def like_one_device(out, cfg):
+    """cfg's logits and gradients of a packed, padded batch on meshes (2, 1, 4), (2, 2, 2)
+    and (8, 1, 1) against the reference backend's on one device."""
     from jaxformer.positions import segment_positions
     from jaxformer.sharding import sharding_context
 
-    cfg = CFG.replace(position="rope", attention_impl="splash", sliding_window=6)
     rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
     tokens = rng.integers(0, cfg.vocab_size, (8, 16)).astype(np.int32)
     seg = np.where(np.arange(16) < rng.integers(4, 12, (8, 1)), 1, 2)
@@ -164,8 +181,8 @@ def splash(out):
 
     model = Transformer(cfg)
     params = model.init(jax.random.key(int(rng.integers(1 << 30))), tokens[:1])["params"]
-    (_, ref), ref_grads = jax.jit(lambda p: run(cfg.replace(attention_impl="reference"), p))(
-        params)
+    (_, ref), ref_grads = jax.jit(lambda p: run(cfg.replace(attention_impl="reference",
+                                                            remat="none"), p))(params)
     res = {}
     for shape in [(2, 1, 4), (2, 2, 2), (8, 1, 1)]:
         mesh = make_mesh(*shape)
@@ -188,4 +205,4 @@ def splash(out):
 
 if __name__ == "__main__":
     {"losses": losses, "checkpoint": checkpoint, "decode": decode,
-     "splash": splash}[sys.argv[1]](sys.argv[2])
+     "splash": splash, "patterns": patterns}[sys.argv[1]](sys.argv[2])

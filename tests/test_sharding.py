@@ -80,7 +80,11 @@ def test_rules_overrides_and_their_errors():
 @pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("kw", [*(dict(position=p) for p in POSITION_SCHEMES),  # the table
                                 dict(ffn="swiglu", norm="rmsnorm", tie_embeddings=False,
-                                     n_kv_heads=1, qkv_bias=True, use_bias=False)])
+                                     n_kv_heads=1, qkv_bias=True, use_bias=False),
+                                dict(norm="rmsnorm_offset", block="sandwich",
+                                     qk_norm="projection", layer_pattern="local,global",
+                                     layer_kinds={"local": {"window": 2}, "global": {}}),
+                                dict(block="parallel", qk_norm="head")])
 def test_every_param_has_one_logical_name_per_dim(scan, kw):
     cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, max_seq_len=8,
                       scan_layers=scan, **kw)
@@ -126,13 +130,16 @@ def mesh_runs(tmp_path_factory):
     return run_worker("losses", tmp_path_factory.mktemp("mesh"))
 
 
-def test_splash_runs_under_shard_map_like_one_device(tmp_path):
-    """Splash (interpret mode) on 8 devices, rows and heads split: logits and gradients of
-    a packed, padded batch equal the reference backend's on one device."""
-    res = run_worker("splash", tmp_path)
+@pytest.mark.parametrize("task", ["splash", "patterns"])
+def test_runs_on_every_mesh_like_one_device(task, tmp_path):
+    """On 8 devices, rows and heads split: logits and gradients of a packed, padded batch
+    equal the reference backend's on one device. splash (interpret mode) runs under
+    shard_map; patterns: a Gemma 3-like layer pattern, QK-norm over the split heads,
+    soft-caps, blockwise with remat (tests/mesh_worker.py)."""
+    res = run_worker(task, tmp_path)
     assert set(res) == {"(2, 1, 4)", "(2, 2, 2)", "(8, 1, 1)"}
     for shape, r in res.items():
-        assert r["shard_map"], shape
+        assert r["shard_map"] == (task == "splash"), shape
         assert r["logits_diff"] < 1e-5, (shape, r)
         assert r["grad_diff"] < 1e-6 * r["grad_scale"], (shape, r)
 
