@@ -25,7 +25,9 @@ from jaxformer.blockwise import blockwise_attention, index_bias
 from jaxformer.chunked import chunked_attention
 from jaxformer.masks import MaskRule
 from jaxformer.reference import and_causal, as_4d, check_softcap, reference_attention
+from jaxformer.ring import context_attention
 from jaxformer.schemes import POSITION_SCHEMES, LogitBias, dense_bias
+from jaxformer.sharding import sequence_split
 from jaxformer.splash import splash_attention
 
 AUTO = "auto"  # the attention_impl that picks a backend per forward
@@ -47,6 +49,8 @@ class Setting:
     logits_bytes: int
     softcap: bool = False
     window_as_data: bool = False
+    context: int = 1  # devices the sequence is split over (mesh.context)
+    kv_bytes: int = 0  # one layer's keys and values of the whole sequence, in bytes
 
     @property
     def biased(self) -> bool:
@@ -85,6 +89,8 @@ class Backend:
       behind xla and cudnn, has none).
     over_cache: its rule function also runs over a KV cache's slots (a prefill; empty
       slots sit at EMPTY_SLOT, which the rule hides).
+    splits_sequence: it runs with the sequence split over a mesh axis (context
+      parallelism); auto picks such a backend exactly when the sequence is split.
     platforms: where it runs (jax.default_backend() names), None for everywhere.
     auto(setting) -> why `auto` picks it in this setting ('' to pick it silently), or
       None; exactly one entry answers for any setting.
@@ -96,6 +102,7 @@ class Backend:
     takes_bias: bool = True
     takes_softcap: bool = False
     over_cache: bool = False
+    splits_sequence: bool = False
     platforms: tuple[str, ...] | None = None
     auto: Callable[[Setting], str | None] | None = None
 
@@ -163,6 +170,31 @@ def _splash_rule(q, k, v, rule, bias, softcap=None):
     return splash_attention(q, k, v, rule, softcap=softcap)
 
 
+def _context_rule(gather: bool):
+    """Context parallel attention (jaxformer.ring), by ring or over gathered keys; with the
+    sequence on one device, blockwise attention (a ring of one)."""
+    def rule_fn(q, k, v, rule, bias, softcap=None):
+        split = sequence_split()
+        if split is None:
+            return _blockwise_rule(q, k, v, rule, bias, softcap)
+        return context_attention(q, k, v, rule, bias, split=split, gather=gather,
+                                 softcap=softcap)
+    return rule_fn
+
+
+GATHERED_KV_BYTES = 64 << 20  # auto: up to this, one layer's whole K/V is gathered
+
+
+def _auto_context(gather: bool):
+    def auto(s: Setting) -> str | None:
+        if s.context == 1 or (s.kv_bytes <= GATHERED_KV_BYTES) != gather:
+            return None
+        return (f"the sequence is split over {s.context} devices and one layer's keys and "
+                f"values take {s.kv_bytes / 2**20:.1f} MiB "
+                f"({'<=' if gather else '>'} GATHERED_KV_BYTES = {GATHERED_KV_BYTES >> 20} MiB)")
+    return auto
+
+
 def _budget(s: Setting) -> str:
     return (f"dense logits would take {s.logits_bytes / 2**30:.1f} GiB per layer "
             f"(> DENSE_LOGITS_BYTES = {DENSE_LOGITS_BYTES / 2**30:g} GiB)")
@@ -210,6 +242,10 @@ BACKENDS: dict[str, Backend] = {
                        takes_softcap=True, auto=_auto_chunked),
     "blockwise": Backend(arrays=_blockwise_arrays, rule=_blockwise_rule, over_cache=True,
                          takes_softcap=True, auto=_auto_blockwise),
+    "ring": Backend(rule=_context_rule(gather=False), takes_softcap=True, splits_sequence=True,
+                    auto=_auto_context(gather=False)),
+    "all_gather": Backend(rule=_context_rule(gather=True), takes_softcap=True,
+                          splits_sequence=True, auto=_auto_context(gather=True)),
     "splash": Backend(rule=_splash_rule, takes_bias=False, takes_softcap=True, auto=lambda s: (
         "a TPU, and no logit bias") if s.platform == "tpu" and not s.biased and not s.window_as_data
         else None),
@@ -233,12 +269,14 @@ def softcap_backends() -> list[str]:
 
 def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
                  position: str | None = None, softcap: bool = False,
-                 window_as_data: bool = False) -> str:
+                 window_as_data: bool = False, context: int = 1, kv_bytes: int = 0) -> str:
     """`impl`, or for `auto` the backend whose entry answers for this platform, position
     scheme and length (logits_bytes: one layer's dense float32 logits); its reason is
     printed once per process. softcap: the logits are soft-capped; an `impl` that takes
     no softcap raises, and `auto` picks only a backend that takes one. window_as_data:
-    the scanned layers' windows differ (see Setting)."""
+    the scanned layers' windows differ (see Setting). context, kv_bytes: the devices the
+    sequence is split over, one layer's K/V bytes (auto picks a backend that splits the
+    sequence exactly when context > 1)."""
     if impl != AUTO and impl not in BACKENDS:
         raise ValueError(f"attention impl={impl!r} is not one of "
                          f"{', '.join([AUTO, *BACKENDS])}")
@@ -248,8 +286,11 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
                              f"{', '.join([AUTO, *softcap_backends()])}")
         return impl
     setting = Setting(jax.default_backend(), dtype, head_dim, position, logits_bytes,
-                      softcap=bool(softcap), window_as_data=window_as_data)
+                      softcap=bool(softcap), window_as_data=window_as_data, context=context,
+                      kv_bytes=kv_bytes)
     for name, backend in BACKENDS.items():
+        if backend.splits_sequence != (context > 1):
+            continue
         if setting.softcap and not backend.takes_softcap:
             continue  # the table's rules never answer so; this is the guard
         reason = None if backend.auto is None else backend.auto(setting)

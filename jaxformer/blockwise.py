@@ -57,6 +57,23 @@ def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=No
     bias_fn: hashable, (bias_params, q_positions [B, bq], k_positions [B, bk]) -> float
     [B|1, N, bq, bk]. Any T and S: blocks are padded inside. A query with no key it may
     attend to gets zeros. Returns [B, T, N, H] in q.dtype."""
+    st, qh, kh, vh, rule = prepare(q, k, v, rule, bias_fn=bias_fn, scale=scale,
+                                   block_q=block_q, block_k=block_k, softcap=softcap)
+    out = _flash(st, qh, kh, vh, rule, bias_params)  # [B, K, G, Tp, H] float32
+    return heads_back(out, q)
+
+
+def heads_back(out, q):
+    """[B, K, G, Tp, H] float32 -> q's layout, length and dtype [B, T, N, H]."""
+    b, t, n, h = q.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, -1, n, h)[:, :t].astype(q.dtype)
+
+
+def prepare(q, k, v, rule: MaskRule, *, bias_fn=None, scale=None, block_q=None, block_k=None,
+            softcap=None):
+    """The static settings and the inputs as the block loops read them: q [B, K, G, Tp,
+    H], k, v [B, K, Sp, H] and the rule, padded to whole blocks (padded keys hidden by
+    the key count, padded queries cut by heads_back)."""
     b, t, n, h = q.shape
     s, n_kv = k.shape[1], k.shape[2]
     if n % n_kv:
@@ -73,8 +90,7 @@ def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=No
                  check_softcap(softcap))
     qh = pad(q, tp).reshape(b, tp, n_kv, n // n_kv, h).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,H]
     kh, vh = (pad(x, sp).transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, S, H]
-    out = _flash(st, qh, kh, vh, rule, bias_params)  # [B, K, G, Tp, H] float32
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, tp, n, h)[:, :t].astype(q.dtype)
+    return st, qh, kh, vh, rule
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -22,7 +22,7 @@ from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.masks import MaskRule
 from jaxformer.matmul import flat_dot_general
 from jaxformer.schemes import POSITION_SCHEMES, PositionBias, dense_bias
-from jaxformer.sharding import constrain, init_with_names
+from jaxformer.sharding import constrain, init_with_names, sequence_split
 
 head_dot = functools.partial(flat_dot_general, preferred_element_type=jnp.float32)  # f32 logits
 
@@ -98,12 +98,10 @@ class Transformer(nn.Module):
             index, layers = cache["index"], cache["layers"]
             k_positions = kv_cache.key_positions(cache, positions, segment_ids)
             k_segments = segment_ids = None
-        impl = resolve_impl(c.attention_impl, c.dtype, c.head_dim, position=c.position,
-                            logits_bytes=dense_logits_bytes(b, c.n_heads, t, k_positions.shape[1]),
-                            softcap=c.attn_softcap is not None,
-                            window_as_data=c.scan_layers and len({k.window for k in c.kinds}) > 1)
+        split = sequence_split()  # context parallelism: the order of a row is the caller's
+        impl = self.backend(b, t, k_positions.shape[1], split)
         mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
-                              is_causal=cache is None, by_index=by_index)
+                              is_causal=cache is None and split is None, by_index=by_index)
                      for k in c.kinds)  # one per layer kind: each block picks its own
         bias = self.position_bias(impl, t, cache, positions, k_positions)
         blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
@@ -124,6 +122,18 @@ class Transformer(nn.Module):
 
         logits = self.logits(embed, x)
         return logits if cache is None else (logits, cache)
+
+    def backend(self, b: int, t: int, s: int, split) -> str:
+        """The attention backend of this forward, chosen once for every layer (`auto`: by
+        platform, scheme, the logits' size, soft-cap, windows as data, a split sequence)."""
+        c = self.cfg
+        return resolve_impl(
+            c.attention_impl, c.dtype, c.head_dim, position=c.position,
+            logits_bytes=dense_logits_bytes(b, c.n_heads, t, s),
+            softcap=c.attn_softcap is not None,
+            window_as_data=c.scan_layers and len({k.window for k in c.kinds}) > 1,
+            context=1 if split is None else split[0].shape[split[1]],
+            kv_bytes=2 * b * s * c.n_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize)
 
     def position_bias(self, impl: str, t: int, cache, positions, k_positions):
         """The scheme's bias as a LogitBias where the backend reads it a block at a time (or

@@ -2,13 +2,15 @@
 
 Every param carries logical axis names (``nn.with_logical_partitioning``) and key
 activations carry logical constraints (``constrain``); a rule table maps each logical
-name to mesh axes of the ``('data', 'fsdp', 'tensor')`` mesh:
+name to mesh axes of the ``('data', 'fsdp', 'tensor', 'context')`` mesh:
 
     data    replicas: the batch is split over it, params are copied on it
     fsdp    the batch is split over it too, and params and optimizer state are sharded
             along their embed axis (ZeRO-3 / FSDP: gathered just before use)
     tensor  Megatron tensor parallelism: attention heads and the FFN hidden axis split,
             one all-reduce after the attention output and one after the FFN
+    context context parallelism: the sequence of every activation is split (params are
+            not); attention runs as ring attention or over gathered keys (jaxformer.ring)
 
 A mesh of (n, 1, 1) is data parallel, (1, n, 1) FSDP, (1, 1, n) tensor parallel, and any
 product of them combines them. The same jitted code runs on all of them, and on one CPU.
@@ -30,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxformer.validation import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "context")
 
 # logical name -> mesh axes (None = replicated). Params use the plain names; activations
 # the act_ ones, so that an activation's embed axis stays whole while FSDP shards the
@@ -47,7 +49,7 @@ DEFAULT_RULES: dict[str, Any] = {
     "table": None,         # learned position table rows, T5 buckets
     "pos_mlp": None,       # FIRE's hidden layer
     "act_batch": ("data", "fsdp"),
-    "act_seq": None,
+    "act_seq": "context",
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
@@ -110,11 +112,12 @@ def _as_axes(name: str, axes: Any):
     return None if not listed else listed[0] if len(listed) == 1 else tuple(listed)
 
 
-def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
-    """The (data, fsdp, tensor) sizes, with one -1 standing for the remaining devices."""
-    sizes = [data, fsdp, tensor]
+def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int, context: int = 1
+               ) -> tuple[int, ...]:
+    """The (data, fsdp, tensor, context) sizes, one -1 standing for the remaining devices."""
+    sizes = [data, fsdp, tensor, context]
     if sizes.count(-1) > 1:
-        raise ConfigError(f"mesh.data/fsdp/tensor = {sizes}: at most one may be -1")
+        raise ConfigError(f"mesh.data/fsdp/tensor/context = {sizes}: at most one may be -1")
     if -1 in sizes:
         rest = int(np.prod([s for s in sizes if s != -1]))
         if n_devices % rest:
@@ -122,18 +125,40 @@ def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, 
                               "the product of the given axes")
         sizes[sizes.index(-1)] = n_devices // rest
     if int(np.prod(sizes)) != n_devices:
-        raise ConfigError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = "
-                          f"{int(np.prod(sizes))} devices, but there are {n_devices}; make the "
-                          "product equal the device count, or set one axis to -1")
+        raise ConfigError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} x "
+                          f"context={sizes[3]} = {int(np.prod(sizes))} devices, but there are "
+                          f"{n_devices}; make the product equal the device count, or set one "
+                          "axis to -1")
     return tuple(sizes)
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all, on every process)."""
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 1, devices=None
+              ) -> jax.sharding.Mesh:
+    """A ('data', 'fsdp', 'tensor', 'context') mesh over `devices` (default: all, on every
+    process)."""
     devices = jax.devices() if devices is None else list(devices)
-    shape = mesh_shape(data, fsdp, tensor, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+    shape = mesh_shape(data, fsdp, tensor, len(devices), context)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4,
                          devices=devices)
+
+
+def check_context_split(seq_len: int, context: int) -> None:
+    """A sequence split over `context` devices in zigzag order needs 2 * context chunks."""
+    if context > 1 and seq_len % (2 * context):
+        raise ConfigError(f"train.seq_len={seq_len} must be a multiple of 2 x mesh.context = "
+                          f"{2 * context} (mesh.context={context}: each device holds two "
+                          "chunks of the zigzag order)")
+
+
+def sequence_split():
+    """(mesh, its axis the sequence is split over, the axes of the rows, of the heads)
+    under sharding_context when act_seq maps to a mesh axis of size > 1; else None."""
+    rules, mesh = dict(nn.get_logical_axis_rules()), _MESH.get()
+    axis = rules.get("act_seq") if mesh is not None else None
+    if not isinstance(axis, str) or mesh.shape.get(axis, 1) == 1:
+        return None
+    names = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)  # noqa: E731
+    return mesh, axis, names(rules.get("act_batch")), names(rules.get("act_heads"))
 
 
 @contextmanager
@@ -218,7 +243,7 @@ def batch_sharding(mesh, rules) -> NamedSharding:
 def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
     """The rows of a global batch that this process's devices hold (each process reads
     only these)."""
-    idx = sharding.addressable_devices_indices_map((batch_size, 1)).values()
+    idx = sharding.addressable_devices_indices_map((batch_size, sharding.mesh.size)).values()
     starts = [i[0].start or 0 for i in idx]
     stops = [batch_size if i[0].stop is None else i[0].stop for i in idx]
     lo, hi = min(starts), max(stops)

@@ -58,10 +58,13 @@ def splash_attention(q, k, v, rule: MaskRule, *, scale=None, softcap=None):
         return local(q, k, v, seg)
     mesh, q_spec = where
     kv_spec = current_spec(k.shape, "act_batch", "act_seq", "act_kv_heads", "head_dim")[1]
-    if q_spec[1] is not None:
+    seq_axes = () if q_spec[1] is None else (q_spec[1],) if isinstance(q_spec[1], str) \
+        else q_spec[1]
+    if math.prod(mesh.shape[a] for a in seq_axes) > 1:
         raise NotImplementedError(f"splash attention with the sequence split over the mesh "
-                                  f"(act_seq -> {q_spec[1]}); map act_seq to null, or use "
-                                  "attention_impl='blockwise'")
+                                  f"(act_seq -> {q_spec[1]}) is not supported; use "
+                                  "attention_impl=auto, which picks context parallel attention")
+    q_spec, kv_spec = (P(x[0], None, *x[2:]) for x in (q_spec, kv_spec))  # a size-1 axis
     if q_spec[2] != kv_spec[2] and k.shape[2] > 1:  # a group's heads must share a device
         q_spec, kv_spec = P(q_spec[0], None, None, None), P(kv_spec[0], None, None, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0])),

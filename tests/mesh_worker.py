@@ -7,6 +7,7 @@ import sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import json  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -20,7 +21,7 @@ from jaxformer.training.config import OptimConfig  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
 from jaxformer.training.step import init_state, make_train_step, state_shardings  # noqa: E402
 
-MESHES = [(8, 1, 1), (1, 8, 1), (2, 1, 4), (2, 2, 2)]
+MESHES = [(8, 1, 1), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 1, 1, 4)]
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   max_seq_len=16, ffn="swiglu", d_ff=64, norm="rmsnorm", scan_layers=True,
                   position="t5", t5_num_buckets=8, t5_max_distance=12,  # a learned bias
@@ -203,6 +204,73 @@ def like_one_device(out, cfg):
     json.dump(res, open(out, "w"))
 
 
+# (position scheme, window, mesh (data, fsdp, tensor, context), strategy): every scheme,
+# mesh and strategy meets; the rows of a 24-row product that a pairwise covering needs
+CONTEXT_CASES = [("rope", 5, (2, 1, 1, 4), "ring"), ("alibi", None, (1, 1, 1, 8), "ring"),
+                 ("t5", None, (1, 1, 2, 4), "ring"), ("fire", 6, (1, 1, 1, 8), "ring"),
+                 ("rope", 5, (1, 1, 2, 4), "all_gather"), ("alibi", 7, (2, 1, 1, 4), "all_gather")]
+
+
+def context(out):
+    """Context parallelism (jaxformer.ring): a model's logits and every param's gradient on
+    a packed, padded batch in zigzag order, on each CONTEXT_CASES mesh, against the reference
+    backend on one device in natural order; and which collectives the compiled step runs."""
+    from jaxformer.positions import segment_positions
+    from jaxformer.ring import zigzag_order
+    from jaxformer.sharding import sharding_context
+
+    rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
+    t, res = 32, {}
+    for position, window, shape, strategy in CONTEXT_CASES:
+        cfg = CFG.replace(position=position, sliding_window=window, max_seq_len=t,
+                          attention_impl=strategy, scan_layers=False)
+        tokens = rng.integers(0, cfg.vocab_size, (2, t)).astype(np.int32)
+        seg = np.where(np.arange(t) < rng.integers(6, 26, (2, 1)), 1, 2)
+        seg[:, -int(rng.integers(1, 4)):] = 0
+        pos = np.asarray(segment_positions(jnp.asarray(seg)))
+        w = rng.standard_normal((2, t, cfg.vocab_size)).astype(np.float32) * (seg > 0)[..., None]
+        model = Transformer(cfg)
+        params = model.init(jax.random.key(int(rng.integers(1 << 30))), tokens[:, :8])["params"]
+        params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype),
+                              params)
+
+        def run(cfg, p, order):
+            def loss(p):
+                logits = Transformer(cfg).apply({"params": p}, tokens[:, order],
+                                                positions=pos[:, order], segment_ids=seg[:, order])
+                return jnp.sum(w[:, order] * logits), logits
+            return jax.value_and_grad(loss, has_aux=True)(p)
+
+        natural = np.arange(t)
+        (_, ref), ref_grads = jax.jit(lambda p: run(cfg.replace(attention_impl="reference"), p,
+                                                    natural))(params)
+        mesh = make_mesh(*shape[:3], context=shape[3])
+        order = zigzag_order(t, shape[3])
+
+        def body(p):
+            with sharding_context(mesh, RULES):
+                return run(cfg, p, order)
+        step = jax.jit(body)
+        (_, logits), grads = step(jax.device_put(params, param_shardings(model, mesh, RULES)))
+        real = (seg > 0)[:, order]
+        hlo = step.lower(params).compile().as_text()
+        # the attention's own all-gathers of the whole sequence (XLA may still gather a
+        # K-sized gradient for a projection's weight gradient outside it, by its own cost
+        # model; with a bias the heads are gathered over tensor, not the sequence)
+        gathers = [m for line in hlo.splitlines() if "attn.attend" in line
+                   for m in re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(", line)
+                   if t in map(int, m.split(","))]
+        res[f"{position} {shape} {strategy}"] = dict(
+            logits_diff=float(np.max(np.abs(np.asarray(logits)[real] -
+                                            np.asarray(ref)[:, order][real]))),
+            grad_diff=max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                          for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))),
+            grad_scale=max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(ref_grads)),
+            permutes=hlo.count("collective-permute-start(") + hlo.count("collective-permute("),
+            attention_gathers=len(gathers))
+    json.dump(res, open(out, "w"))
+
+
 if __name__ == "__main__":
     {"losses": losses, "checkpoint": checkpoint, "decode": decode,
-     "splash": splash, "patterns": patterns}[sys.argv[1]](sys.argv[2])
+     "splash": splash, "patterns": patterns, "context": context}[sys.argv[1]](sys.argv[2])

@@ -40,8 +40,9 @@ def run_worker(task, tmp_path):
 # ---- in process ----------------------------------------------------------------------
 
 def test_mesh_shape_fills_one_axis_and_rejects_wrong_products():
-    assert mesh_shape(-1, 2, 2, 8) == (2, 2, 2)
-    assert mesh_shape(1, -1, 1, 8) == (1, 8, 1)
+    assert mesh_shape(-1, 2, 2, 8) == (2, 2, 2, 1)
+    assert mesh_shape(1, -1, 1, 8) == (1, 8, 1, 1)
+    assert mesh_shape(2, 1, 1, 8, context=-1) == (2, 1, 1, 4)
     with pytest.raises(ConfigError, match="4 devices, but there are 8"):
         mesh_shape(2, 2, 1, 8)
     with pytest.raises(ConfigError, match="not divisible by 3"):
@@ -101,6 +102,42 @@ def test_every_param_has_one_logical_name_per_dim(scan, kw):
         assert (names[:1] == ("layers",)) == (scan and "blocks" in jax.tree_util.keystr(path))
 
 
+def test_zigzag_gives_every_device_equal_causal_work():
+    """Device d holds chunks d and 2n - 1 - d of 2n: by hand for 8 positions on 2 devices;
+    for any n every device's queries see the same number of keys (sum of position + 1);
+    a length 2n does not divide is refused naming both."""
+    from jaxformer.ring import zigzag_order
+    assert zigzag_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    for n in (1, 2, 3, 4, 8):
+        order = zigzag_order(16 * n, n)
+        assert sorted(order.tolist()) == list(range(16 * n))
+        work = (order + 1).reshape(n, -1).sum(1)
+        assert (work == work[0]).all(), (n, work)
+    with pytest.raises(ValueError, match="2 \\* 4 = 8, got 12"):
+        zigzag_order(12, 4)
+
+
+def test_context_settings_and_their_errors():
+    """mesh.context reads from a config and fills the devices with -1; a train.seq_len the
+    zigzag cannot split names both numbers; auto picks the all-gather while one layer's K/V
+    fit GATHERED_KV_BYTES, then the ring, and only with a split sequence."""
+    from jaxformer import backends
+    from jaxformer.sharding import check_context_split
+    cfg = load_config(None, ["mesh.context=4", "mesh.data=2"])
+    assert (cfg.mesh.data, cfg.mesh.context) == (2, 4)
+    assert load_config(None, ["mesh.context=-1"]).mesh.data == 1
+    with pytest.raises(ConfigError, match="at most one"):
+        load_config(None, ["mesh.context=-1", "mesh.fsdp=-1"])
+    with pytest.raises(ConfigError, match="train.seq_len=100 must be a multiple of 2 x "
+                                          "mesh.context = 16"):
+        check_context_split(100, 8)
+    check_context_split(100, 1)
+    big = backends.GATHERED_KV_BYTES + 1
+    pick = lambda context, kv: backends.resolve_impl(  # noqa: E731
+        "auto", jnp.float32, 64, position="alibi", context=context, kv_bytes=kv)
+    assert (pick(4, 1 << 20), pick(4, big), pick(1, big)) == ("all_gather", "ring", "chunked")
+
+
 def test_process_rows_on_one_process_is_the_whole_batch():
     sh = batch_sharding(make_mesh(), resolve_rules())
     assert process_rows(sh, 8) == slice(0, 8)
@@ -122,7 +159,7 @@ def test_cluster_detection(monkeypatch):
 
 # ---- 8 fake devices --------------------------------------------------------------------
 
-MESHES = ["(8, 1, 1)", "(1, 8, 1)", "(2, 1, 4)", "(2, 2, 2)"]
+MESHES = ["(8, 1, 1)", "(1, 8, 1)", "(2, 1, 4)", "(2, 2, 2)", "(2, 1, 1, 4)"]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +179,24 @@ def test_runs_on_every_mesh_like_one_device(task, tmp_path):
         assert r["shard_map"] == (task == "splash"), shape
         assert r["logits_diff"] < 1e-5, (shape, r)
         assert r["grad_diff"] < 1e-6 * r["grad_scale"], (shape, r)
+
+
+def test_context_parallel_logits_and_gradients_equal_one_devices(tmp_path):
+    """A sequence split over the context axis (ring attention, or keys and values gathered;
+    zigzag order; tests/mesh_worker.py CONTEXT_CASES: RoPE with a window, ALiBi, T5, FIRE
+    on (data 2, context 4), (context 8), (tensor 2, context 4); GQA; a packed and padded
+    batch): logits and every param's gradient equal the reference backend's on one device.
+    The ring passes K/V with collective-permutes and its attention gathers nothing; the
+    all-gather strategy gathers and passes nothing."""
+    res = run_worker("context", tmp_path)
+    assert len(res) == 6 and {k.split()[0] for k in res} == {"rope", "alibi", "t5", "fire"}
+    for name, r in res.items():
+        assert r["logits_diff"] < 1e-5, (name, r)
+        assert r["grad_diff"] < 2e-6 * r["grad_scale"], (name, r)
+        if name.endswith("ring"):
+            assert r["permutes"] > 0 and r["attention_gathers"] == 0, (name, r)
+        else:
+            assert r["permutes"] == 0 and r["attention_gathers"] > 0, (name, r)
 
 
 def test_every_mesh_trains_like_one_device(mesh_runs):

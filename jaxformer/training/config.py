@@ -105,26 +105,30 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The ('data', 'fsdp', 'tensor') device mesh; one axis may be -1: the rest of the
-    devices. data=None (the default) is the rest, or 1 when fsdp or tensor is -1; so
-    mesh.fsdp=-1 alone is FSDP over every device. rules: logical axis -> mesh axes
+    """The ('data', 'fsdp', 'tensor', 'context') device mesh; one axis may be -1: the rest
+    of the devices. data=None (the default) is the rest, or 1 when another axis is -1; so
+    mesh.fsdp=-1 alone is FSDP over every device. context: the devices one sequence is
+    split over (context parallelism: jaxformer.ring). rules: logical axis -> mesh axes
     overrides of jaxformer.sharding.DEFAULT_RULES (e.g. {embed: null})."""
 
     data: int | None = None
     fsdp: int = 1
     tensor: int = 1
+    context: int = 1
     rules: dict | None = None
 
     def __post_init__(self):
         if self.data is None:
-            object.__setattr__(self, "data", 1 if -1 in (self.fsdp, self.tensor) else -1)
-        for name in ("data", "fsdp", "tensor"):
+            object.__setattr__(self, "data", 1 if -1 in (self.fsdp, self.tensor, self.context)
+                               else -1)
+        for name in ("data", "fsdp", "tensor", "context"):
             value = getattr(self, name)
             check_number("mesh", name, value, int, low=-1)
             if value == 0:
                 raise ConfigError(f"mesh.{name}=0 must be >= 1, or -1 for the remaining devices")
-        if [self.data, self.fsdp, self.tensor].count(-1) > 1:
-            raise ConfigError("at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1")
+        if [self.data, self.fsdp, self.tensor, self.context].count(-1) > 1:
+            raise ConfigError("at most one of mesh.data / mesh.fsdp / mesh.tensor / "
+                              "mesh.context may be -1")
         if self.rules is not None and not isinstance(self.rules, Mapping):
             raise ConfigError(f"mesh.rules={self.rules!r} must be a mapping of logical axis "
                               "names to mesh axes")

@@ -23,8 +23,9 @@ from jaxformer.training.config import RunConfig
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
-from jaxformer.sharding import (batch_sharding, initialize_distributed, make_mesh,
-                                per_device_bytes, place_batch, process_rows, resolve_rules)
+from jaxformer.sharding import (batch_sharding, check_context_split, initialize_distributed,
+                                make_mesh, per_device_bytes, place_batch, process_rows,
+                                resolve_rules)
 from jaxformer.training.step import init_state, make_eval_step, make_train_step, state_shardings
 
 
@@ -116,12 +117,13 @@ class _Run:
             log(f"no evaluation: {e}")
         self.model = model = Transformer(mcfg)
         tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
-        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, context=cfg.mesh.context)
         rules = resolve_rules(cfg.mesh.rules)
         split = mesh.shape["data"] * mesh.shape["fsdp"] * cfg.optim.grad_accum
         if t.batch_size % split:
             raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of mesh.data "
                               f"x mesh.fsdp x optim.grad_accum = {split} (mesh {dict(mesh.shape)})")
+        check_context_split(t.seq_len, mesh.shape["context"])
         shardings = state_shardings(model, tx, mesh, rules)
         batch_sh = batch_sharding(mesh, rules)
         self.rows = process_rows(batch_sh, t.batch_size)

@@ -11,8 +11,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxformer.model import Transformer
-from jaxformer.sharding import (batch_sharding, constrain, logical_axes, shardings_for,
-                                traced_under)
+from jaxformer.ring import zigzag_batch
+from jaxformer.sharding import (batch_sharding, constrain, logical_axes, sequence_split,
+                                shardings_for, traced_under)
 
 
 @flax.struct.dataclass
@@ -66,9 +67,14 @@ def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
     """Summed next-token cross entropy over unmasked targets, and their count.
 
     batch: inputs/targets int32 [B, T], loss_mask float32 [B, T], optional positions and
-    segment_ids [B, T]. Logits and the loss are float32.
+    segment_ids [B, T]. Logits and the loss are float32. With the sequence split over a
+    mesh axis (context parallelism) the rows are put in zigzag order first
+    (jaxformer.ring.zigzag_batch): the sum is the same.
     """
     deterministic = dropout_rng is None
+    split = sequence_split()
+    if split is not None:  # context parallelism: every device gets equal causal work
+        batch = zigzag_batch(batch, split[0].shape[split[1]])
     logits = model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
                          segment_ids=batch.get("segment_ids"), deterministic=deterministic,
                          rngs=None if deterministic else {"dropout": dropout_rng})  # [B, T, V]
