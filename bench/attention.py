@@ -13,14 +13,25 @@ splash runs in Pallas interpret mode off TPUs: its times there measure the inter
 
 --chunk sets the chunked backend's query rows per causal block (one row per value).
 
+--context N splits the sequence over N devices (a (1, 1, 1, N) mesh; --devices N fakes them
+on a CPU), in zigzag order, for the backends that split it: --impls ring all_gather. On
+fake devices every device's work shares the host's cores, so read the times against each
+other, not as one device's.
+
 Prints a table; asserts nothing about speed. Timings are medians over --repeats calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+
+if "--devices" in sys.argv:  # before jax is imported
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + \
+        f" --xla_force_host_platform_device_count={sys.argv[sys.argv.index('--devices') + 1]}"
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +39,8 @@ import jax.numpy as jnp
 from jaxformer import chunked
 from jaxformer.attention import resolve_impl, rule_attention
 from jaxformer.masks import MaskRule
+from jaxformer.ring import zigzag_order
+from jaxformer.sharding import make_mesh, resolve_rules, sharding_context
 
 
 def timed(fn, *args, repeats):
@@ -56,7 +69,10 @@ def main():
     p.add_argument("--impls", nargs="+", default=["reference", "xla", "chunked", "blockwise"])
     p.add_argument("--chunk", type=int, nargs="+", default=[chunked.CHUNK])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--context", type=int, default=1)
+    p.add_argument("--devices", type=int, default=None)
     a = p.parse_args()
+    mesh = make_mesh(1, 1, 1, a.context, devices=jax.devices()[:a.context])
 
     dtype = jnp.dtype(a.dtype)
     print(f"backend={jax.default_backend()} devices={jax.device_count()} dtype={a.dtype} "
@@ -74,6 +90,9 @@ def main():
             v = jax.random.normal(keys[2], (a.batch, seq, kv, a.head_dim), dtype)
             pos = jnp.broadcast_to(jnp.arange(seq), (a.batch, seq))
             rule = MaskRule(pos, pos, is_causal=True, by_index=True)
+            if a.context > 1:  # positions carry causality in zigzag order
+                pos = jnp.broadcast_to(jnp.asarray(zigzag_order(seq, a.context)), pos.shape)
+                rule = MaskRule(pos, pos)
             runs = [(impl, None) for impl in a.impls if impl != "chunked"]
             runs += [("chunked", c) for c in a.chunk if "chunked" in a.impls]
             for impl, chunk in runs:
@@ -81,7 +100,8 @@ def main():
                 name = impl if chunk is None else f"chunked/{chunk}"
 
                 def fwd(q, k, v, rule, impl=impl):
-                    return rule_attention(q, k, v, rule, impl=impl)
+                    with sharding_context(mesh, resolve_rules()):
+                        return rule_attention(q, k, v, rule, impl=impl)
 
                 def fwd_bwd(q, k, v, rule, fwd=fwd):
                     return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, rule).astype(

@@ -3,7 +3,10 @@ lowered and compiled for abstract inputs (nothing is allocated) and XLA's memory
 printed for each mesh asked for.
 
     python bench/memory.py configs/gpt2_small.yaml --devices 8 \
-        --mesh 8,1,1 --mesh 1,8,1 --mesh 2,2,2 [section.key=value ...]
+        --mesh 8,1,1 --mesh 1,8,1 --mesh 2,2,2 --mesh 1,1,1,8 [section.key=value ...]
+
+A mesh is data,fsdp,tensor[,context]; one of fewer devices than there are runs on the
+first ones (1,1,1,1: the whole sequence on one device).
 
 --devices fakes that many CPU devices, so a GPU or TPU mesh can be sized on a laptop: the
 bytes are the compiler's for CPU, close to but not exactly a GPU's (fusion and layouts
@@ -13,6 +16,7 @@ differ). On the target machine itself leave --devices out. Prints a table; asser
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -23,7 +27,7 @@ def main(argv):
     ap.add_argument("config", nargs="?", default="configs/tiny.yaml")
     ap.add_argument("--devices", type=int, default=None, help="fake this many CPU devices")
     ap.add_argument("--mesh", action="append", default=None,
-                    help="data,fsdp,tensor (repeatable; default: the config's mesh)")
+                    help="data,fsdp,tensor[,context] (repeatable; default: the config's mesh)")
     args, overrides = ap.parse_known_args(argv)
     if args.devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -34,7 +38,7 @@ def main(argv):
     import jax.numpy as jnp
 
     from jaxformer.model import Transformer, count_params
-    from jaxformer.sharding import batch_sharding, make_mesh, resolve_rules
+    from jaxformer.sharding import batch_sharding, check_context_split, make_mesh, resolve_rules
     from jaxformer.training import load_config
     from jaxformer.training.optim import make_optimizer
     from jaxformer.training.step import abstract_state, make_train_step, state_shardings
@@ -44,17 +48,19 @@ def main(argv):
     tx, schedule = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     rules = resolve_rules(cfg.mesh.rules)
     meshes = [tuple(int(s) for s in m.split(",")) for m in args.mesh] if args.mesh else \
-        [(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)]
+        [(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.context)]
     b, t = cfg.train.batch_size, cfg.train.seq_len
     gib = 2**30
     print(f"{args.config}: {count_params(cfg.model) / 1e6:,.1f}M params, batch {b} x {t}, "
           f"{cfg.model.dtype} compute, {cfg.model.param_dtype} params, remat={cfg.model.remat}, "
           f"{jax.device_count()} {jax.devices()[0].platform} devices")
-    print("| mesh (data, fsdp, tensor) | arguments GiB | outputs GiB | temporaries GiB | "
-          "peak GiB / device | compile s |")
-    print("|---|---|---|---|---|---|")
+    print("| mesh (data, fsdp, tensor, context) | attention | arguments GiB | outputs GiB | "
+          "temporaries GiB | peak GiB / device | compile s |")
+    print("|---|---|---|---|---|---|---|")
     for shape in meshes:
-        mesh = make_mesh(*shape)
+        n = math.prod(s for s in shape if s > 0)
+        mesh = make_mesh(*shape, devices=jax.devices()[:n] if -1 not in shape else None)
+        check_context_split(t, mesh.shape["context"])
         shardings = state_shardings(model, tx, mesh, rules)
         abstract = abstract_state(model, tx)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -71,7 +77,7 @@ def main(argv):
         # output that is not an alias)
         peak = m.argument_size_in_bytes + m.temp_size_in_bytes + \
             max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
-        print(f"| {shape} | {m.argument_size_in_bytes / gib:.3f} | "
+        print(f"| {shape} | {cfg.model.attention_impl} | {m.argument_size_in_bytes / gib:.3f} | "
               f"{m.output_size_in_bytes / gib:.3f} | {m.temp_size_in_bytes / gib:.3f} | "
               f"{peak / gib:.3f} | {seconds:.1f} |")
 
