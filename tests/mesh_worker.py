@@ -268,7 +268,27 @@ def context(out):
             grad_scale=max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(ref_grads)),
             permutes=hlo.count("collective-permute-start(") + hlo.count("collective-permute("),
             attention_gathers=len(gathers))
+    res["scanned"] = scanned_context_ranks(cfg.replace(scan_layers=True, remat="full"),
+                                           mesh, tokens, pos, seg, w, order)
     json.dump(res, open(out, "w"))
+
+
+def scanned_context_ranks(cfg, mesh, tokens, pos, seg, w, order):
+    """The ranks of the float arrays in a scanned, rematted model's compiled gradient on a
+    context mesh: blockwise keeps per-block logits only when it is differentiated through
+    (a [steps, q blocks, k blocks, B, K, G, bq, bk] stack: rank 8) instead of by its VJP."""
+    from jaxformer.sharding import sharding_context
+
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(0), tokens[:, :8])["params"]
+
+    def loss(p):
+        with sharding_context(mesh, RULES):
+            logits = model.apply({"params": p}, tokens[:, order], positions=pos[:, order],
+                                 segment_ids=seg[:, order])
+        return jnp.sum(w[:, order] * logits)
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    return sorted({len(d.split(",")) for d in re.findall(r"= f32\[([\d,]+)\]", hlo)})
 
 
 if __name__ == "__main__":

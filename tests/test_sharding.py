@@ -189,6 +189,8 @@ def test_context_parallel_logits_and_gradients_equal_one_devices(tmp_path):
     The ring passes K/V with collective-permutes and its attention gathers nothing; the
     all-gather strategy gathers and passes nothing."""
     res = run_worker("context", tmp_path)
+    # scanned and rematted: no per-block logits kept (a rank-8 stack) for the backward
+    assert max(res.pop("scanned")) <= 6
     assert len(res) == 6 and {k.split()[0] for k in res} == {"rope", "alibi", "t5", "fire"}
     for name, r in res.items():
         assert r["logits_diff"] < 1e-5, (name, r)
