@@ -291,6 +291,23 @@ def scanned_context_ranks(cfg, mesh, tokens, pos, seg, w, order):
     return sorted({len(d.split(",")) for d in re.findall(r"= f32\[([\d,]+)\]", hlo)})
 
 
+def study_eval(out):
+    """The positions study's perplexity at 128 L (L = 16) with the sequence split over 8
+    devices (mesh.context=8), against one device."""
+    from jaxformer.experiments.positions import _evaluator, perplexity
+
+    cfg = CFG.replace(position="alibi", max_seq_len=16 * 128, scan_layers=True, remat="full")
+    rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
+    params = Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    tokens = rng.integers(0, cfg.vocab_size, 2 * 16 * 128 + 1)
+    res = {f"context {c}": perplexity(cfg, params, tokens, 16 * 128, 4096, c) for c in (1, 8)}
+    batch = {k: jnp.zeros((2, 16 * 128), d) for k, d in (("inputs", jnp.int32),
+             ("targets", jnp.int32), ("loss_mask", jnp.float32))}
+    res["split"] = "manual_computation" in _evaluator(cfg, 8).lower(params, batch).as_text()
+    json.dump(res, open(out, "w"))
+
+
 if __name__ == "__main__":
     {"losses": losses, "checkpoint": checkpoint, "decode": decode,
-     "splash": splash, "patterns": patterns, "context": context}[sys.argv[1]](sys.argv[2])
+     "splash": splash, "patterns": patterns, "context": context,
+     "study_eval": study_eval}[sys.argv[1]](sys.argv[2])

@@ -201,6 +201,15 @@ def test_context_parallel_logits_and_gradients_equal_one_devices(tmp_path):
             assert r["permutes"] == 0 and r["attention_gathers"] > 0, (name, r)
 
 
+def test_positions_study_evaluates_128L_on_a_context_mesh(tmp_path):
+    """The positions study's perplexity at 128 L with each window split over 8 devices
+    (mesh.context=8) equals one device's."""
+    res = run_worker("study_eval", tmp_path)
+    assert res["split"]  # the 8-device evaluation ran attention under shard_map
+    assert res["context 8"] == pytest.approx(res["context 1"], rel=1e-5)
+    assert 1 < res["context 1"] < 1000
+
+
 def test_every_mesh_trains_like_one_device(mesh_runs):
     ref = mesh_runs["None"]
     assert ref["losses"][2] != ref["losses"][0]  # the steps did something

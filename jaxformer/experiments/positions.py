@@ -28,6 +28,7 @@ import math
 import sys
 import time
 
+import jax
 import numpy as np
 
 from jaxformer.config import ConfigError, ModelConfig, RopeScaling
@@ -38,6 +39,7 @@ from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, Study
 from jaxformer.experiments.report import summarize, write_outputs
 from jaxformer.experiments.seeds import seed_slice, train_seeds
 from jaxformer.model import Transformer, count_params
+from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
 from jaxformer.training.step import make_eval_step
 
 __all__ = ["DEFAULT_CONFIG", "SMALL", "StudyConfig", "StudySettings", "eval_config",
@@ -47,8 +49,15 @@ __all__ = ["DEFAULT_CONFIG", "SMALL", "StudyConfig", "StudySettings", "eval_conf
 # ---- training and evaluation ----------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _evaluator(mcfg: ModelConfig):
-    return make_eval_step(Transformer(mcfg))
+def _evaluator(mcfg: ModelConfig, context: int = 1):
+    """The jitted eval step; context > 1: with each sequence split over that many devices
+    (context parallelism: lengths past one device's memory), the params replicated."""
+    model = Transformer(mcfg)
+    if context == 1:
+        return make_eval_step(model)
+    mesh, rules = make_mesh(1, 1, 1, context, devices=jax.devices()[:context]), resolve_rules()
+    return make_eval_step(model, mesh=mesh, rules=rules,
+                          param_shardings=param_shardings(model, mesh, rules))
 
 
 def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log):
@@ -65,15 +74,19 @@ def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log):
 
 
 def perplexity(mcfg: ModelConfig, params, tokens, length: int,
-               batch_tokens: int) -> float | None:
+               batch_tokens: int, context: int = 1) -> float | None:
     """exp(mean next-token NLL) over tokens[1:], the tokens cut into windows of `length`.
 
     tokens: [n * length + 1] ints; each window is scored with no context from before it.
+    context: the devices each window is split over (length a multiple of 2 x context).
     """
+    if context > 1 and length % (2 * context):
+        raise ConfigError(f"evaluation length {length} must be a multiple of 2 x mesh.context "
+                          f"= {2 * context} to split it over {context} devices")
     x = np.asarray(tokens, np.int32)
     inputs, targets = x[:-1].reshape(-1, length), x[1:].reshape(-1, length)  # [W, length]
     rows = min(max(1, batch_tokens // length), len(inputs))
-    eval_step, total, count = _evaluator(mcfg), 0.0, 0.0
+    eval_step, total, count = _evaluator(mcfg, context), 0.0, 0.0
     for i in range(0, len(inputs), rows):
         inp, tgt = inputs[i:i + rows], targets[i:i + rows]
         mask = np.ones(inp.shape, np.float32)
@@ -133,7 +146,8 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
             params = seed_slice(stacked, k)
             for name, scaling in zip(names, scalings):
                 ppl = [perplexity(eval_config(mcfg, scaling, m, t.seq_len), params, val, n,
-                                  s.eval_batch_tokens) if n <= mcfg.max_seq_len else None
+                                  s.eval_batch_tokens, cfg.run.mesh.context)
+                       if n <= mcfg.max_seq_len else None
                        for m, n in zip(s.eval_multiples, lengths)]
                 rows[name]["ppl"].append(ppl)
                 log(f"    {name}, seed {seed}, val ppl: " + "  ".join(

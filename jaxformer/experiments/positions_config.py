@@ -21,7 +21,7 @@ from jaxformer.validation import coerce, read_config_file
 
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")
-SECTIONS = ("study", "model", "data", "optim", "train")
+SECTIONS = ("study", "model", "data", "optim", "train", "mesh")  # mesh: for evaluation
 TRAIN_KEYS = ("steps", "batch_size", "seq_len", "seed", "log_every")
 SET_BY_STUDY = {"position": "choose schemes with study.schemes",
                 "rope_scaling": "RoPE scaling is applied at evaluation only: study.rope_scaling",
@@ -205,7 +205,8 @@ def check_run_sections(sections: dict[str, dict], set_by_study: Mapping[str, str
 
 
 def load_study_config(path: str | None = None, overrides=()) -> StudyConfig:
-    """A YAML file of sections (study, model, data, optim, train) with key=value overrides."""
+    """A YAML file of sections (study, model, data, optim, train, mesh) with key=value
+    overrides. mesh.context > 1 evaluates with the sequence split over that many devices."""
     sections = read_sections(path, overrides, SECTIONS, "configs/experiments/positions.yaml")
     check_run_sections(sections, SET_BY_STUDY)
     study = settings_from_dict(StudySettings, sections.pop("study"))
