@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxformer.blockwise import _backward, _forward, heads_back, prepare
+from jaxformer.blockwise import _backward, _forward, blockwise_attention, heads_back, prepare
 from jaxformer.masks import MaskRule
 
 def zigzag_batch(batch, n: int):
@@ -149,8 +149,6 @@ def gathered_attention(q, k, v, rule: MaskRule, *, axis: str, bias_fn=None, bias
                        softcap=None, block_q=None, block_k=None):
     """As ring_attention, by gathering every device's keys, values, positions and segment
     ids first (one all-gather each), then blockwise attention over the whole sequence."""
-    from jaxformer.blockwise import blockwise_attention
-
     gather = lambda x: None if x is None else jax.lax.all_gather(  # noqa: E731
         x, axis, axis=1, tiled=True)
     rule = rule.replace(k_positions=gather(rule.k_positions),
@@ -166,8 +164,8 @@ def context_attention(q, k, v, rule: MaskRule, bias=None, *, split, gather: bool
     """Attention of global q [B, T, N, H] over k, v [B, T, K, H] with the sequence split
     as `split` says (jaxformer.sharding.sequence_split: the mesh, the sequence's axis, the
     rows' and the heads' axes, each used where it divides): shard_map of ring_attention,
-    or of gathered_attention with `gather`. bias: a LogitBias or None (its params replicated, their gradient
-    summed over the devices)."""
+    or of gathered_attention with `gather`. bias: a LogitBias or None (its params
+    replicated, their gradient summed over the devices)."""
     mesh, axis, batch_axes, head_axes = split
     size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
     rows = tuple(a for a in batch_axes if mesh.shape[a] > 1)
