@@ -303,7 +303,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one(tmp_path):
+def test_two_processes_and_a_context_mesh_train_like_one(tmp_path):
     words = ["def", "return", "self", "import", "class", "for", "in", "if", "None", "x"]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(800)))
@@ -347,3 +347,16 @@ def test_two_processes_train_like_one(tmp_path):
             assert got[step] == pytest.approx(ref[step], rel=1e-5), (key, step)
     assert (run / "sample.txt").read_text() == (tmp_path / "one" / "sample.txt").read_text()
     assert sorted(os.listdir(run / "checkpoints")) == ["3"]
+
+    # one process, the sequence split over 4 devices by the ring (zigzag order)
+    env["XLA_FLAGS"] = xla_flags(devices=8)
+    ring = subprocess.run([sys.executable, "train.py", *common, "mesh.data=2", "mesh.context=4",
+                           "model.attention_impl=ring", f"train.run_dir={tmp_path / 'ring'}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert ring.returncode == 0, ring.stderr[-3000:]
+    assert "'context': 4" in ring.stdout
+    for key in ("loss", "val_loss"):
+        ref, got = losses(tmp_path / "one", key), losses(tmp_path / "ring", key)
+        assert sorted(got) == sorted(ref)
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=1e-5), (key, step)
