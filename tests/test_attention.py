@@ -785,7 +785,7 @@ def test_unknown_impl_raises_naming_allowed_values(rng):
 
 def test_resolve_impl():
     assert {backends.AUTO, *backends.BACKENDS} == {"auto", "reference", "xla", "cudnn", "chunked",
-                                                   "blockwise", "splash"}
+                                                   "blockwise", "ring", "all_gather", "splash"}
     for impl in ("reference", "xla", "cudnn", "chunked", "blockwise"):
         assert resolve_impl(impl, jnp.float32, 64) == impl
     backend = jax.default_backend()
