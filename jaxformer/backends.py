@@ -120,12 +120,9 @@ def _fused(implementation: str, bias_as_q: bool = False):
     the bias is handed over in the dtype of q (cuDNN takes it so).
 
     Its masked rows average over all keys; rows with no allowed key are set to zero here so
-    that every backend answers like the reference. It has no logit soft-cap: a softcap
-    other than None raises (the dispatch never hands it one)."""
-    def call(q, k, v, mask, bias, scale, softcap, **structure):
-        if softcap is not None:
-            raise ValueError(f"attention_impl={implementation!r} takes no softcap "
-                             "(jax.nn.dot_product_attention has none)")
+    that every backend answers like the reference. It has no logit soft-cap (no
+    takes_softcap: the dispatch never hands it one)."""
+    def call(q, k, v, mask, bias, scale, **structure):
         if bias is not None and bias_as_q:
             bias = bias.astype(q.dtype)
         out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
@@ -135,12 +132,11 @@ def _fused(implementation: str, bias_as_q: bool = False):
             out = out * jnp.swapaxes(any_key, 1, 2)[..., None].astype(out.dtype)
         return out
 
-    def arrays(q, k, v, *, mask, bias, scale, is_causal, softcap=None):
-        return call(q, k, v, and_causal(mask, q.shape[1]) if is_causal else mask, bias, scale,
-                    softcap)
+    def arrays(q, k, v, *, mask, bias, scale, is_causal):
+        return call(q, k, v, and_causal(mask, q.shape[1]) if is_causal else mask, bias, scale)
 
-    def by_index(q, k, v, bias, window, softcap=None):  # is_causal, local_window_size
-        return call(q, k, v, None, bias, None, softcap, is_causal=True,
+    def by_index(q, k, v, bias, window):  # is_causal, local_window_size: no mask array
+        return call(q, k, v, None, bias, None, is_causal=True,
                     local_window_size=None if window is None else (window - 1, 0))
 
     return arrays, by_index
@@ -346,8 +342,7 @@ def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO, soft
     if isinstance(bias, LogitBias):
         bias = dense_bias(bias, rule.q_positions, rule.k_positions)
     causal = rule.causal or rule.is_causal
-    fast = backend.by_index is not None and (softcap is None or backend.takes_softcap)
-    if fast and rule.by_index and causal and rule.q_segment_ids is None:
+    if backend.by_index is not None and rule.by_index and causal and rule.q_segment_ids is None:
         return backend.by_index(q, k, v, as_4d(bias), rule.window, **_cap(softcap))
     return dot_product_attention(q, k, v, mask=rule.dense(), bias=bias, impl=impl,
                                  is_causal=rule.is_causal, softcap=softcap)
