@@ -204,11 +204,12 @@ def like_one_device(out, cfg):
     json.dump(res, open(out, "w"))
 
 
-# (position scheme, window, mesh (data, fsdp, tensor, context), strategy): every scheme,
-# mesh and strategy meets; the rows of a 24-row product that a pairwise covering needs
-CONTEXT_CASES = [("rope", 5, (2, 1, 1, 4), "ring"), ("alibi", None, (1, 1, 1, 8), "ring"),
-                 ("t5", None, (1, 1, 2, 4), "ring"), ("fire", 6, (1, 1, 1, 8), "ring"),
-                 ("rope", 5, (1, 1, 2, 4), "all_gather"), ("alibi", 7, (2, 1, 1, 4), "all_gather")]
+# (position scheme, window, mesh (data, fsdp, tensor, context), strategy): the ring on
+# every scheme and mesh the issue names, the all-gather strategy on two of them
+CONTEXT_MESHES = [(2, 1, 1, 4), (1, 1, 1, 8), (1, 1, 2, 4)]
+CONTEXT_CASES = ([(p, w, m, "ring") for p, w in [("rope", 5), ("alibi", None), ("t5", None),
+                                                   ("fire", 6)] for m in CONTEXT_MESHES]
+                 + [("rope", 5, (1, 1, 2, 4), "all_gather"), ("alibi", 7, (2, 1, 1, 4), "all_gather")])
 
 
 def context(out):
@@ -250,16 +251,19 @@ def context(out):
         def body(p):
             with sharding_context(mesh, RULES):
                 return run(cfg, p, order)
-        step = jax.jit(body)
-        (_, logits), grads = step(jax.device_put(params, param_shardings(model, mesh, RULES)))
+        sharded = jax.device_put(params, param_shardings(model, mesh, RULES))
+        step = jax.jit(body).lower(sharded).compile()
+        (_, logits), grads = step(sharded)
         real = (seg > 0)[:, order]
-        hlo = step.lower(params).compile().as_text()
-        # the attention's own all-gathers of the whole sequence (XLA may still gather a
-        # K-sized gradient for a projection's weight gradient outside it, by its own cost
-        # model; with a bias the heads are gathered over tensor, not the sequence)
+        hlo = step.as_text()
+        # the attention's own all-gathers along a dimension of the whole sequence's length
+        # (XLA may still gather a K-sized gradient for a projection's weight gradient
+        # outside it, by its own cost model; with a bias the heads are gathered over
+        # tensor, not the sequence, and FIRE's [32, heads] weight along its heads)
         gathers = [m for line in hlo.splitlines() if "attn.attend" in line
-                   for m in re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(", line)
-                   if t in map(int, m.split(","))]
+                   for m in re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(.*dimensions=\{(\d+)\}",
+                                       line)
+                   if int(m[0].split(",")[int(m[1])]) == t]
         res[f"{position} {shape} {strategy}"] = dict(
             logits_diff=float(np.max(np.abs(np.asarray(logits)[real] -
                                             np.asarray(ref)[:, order][real]))),

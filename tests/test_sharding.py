@@ -191,7 +191,7 @@ def test_context_parallel_logits_and_gradients_equal_one_devices(tmp_path):
     res = run_worker("context", tmp_path)
     # scanned and rematted: no per-block logits kept (a rank-8 stack) for the backward
     assert max(res.pop("scanned")) <= 6
-    assert len(res) == 6 and {k.split()[0] for k in res} == {"rope", "alibi", "t5", "fire"}
+    assert len(res) == 14 and {k.split()[0] for k in res} == {"rope", "alibi", "t5", "fire"}
     for name, r in res.items():
         assert r["logits_diff"] < 1e-5, (name, r)
         assert r["grad_diff"] < 2e-6 * r["grad_scale"], (name, r)
