@@ -22,6 +22,7 @@ from jaxformer.backends import (dot_product_attention, prefill_impl, resolve_imp
                                 rule_attention, takes_structure)
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import active, hook_point
+from jaxformer.lora import LoRA
 from jaxformer.masks import (MaskRule, causal_mask, make_attention_mask,  # noqa: F401
                              padding_mask, segment_mask, sliding_window_mask)
 from jaxformer.matmul import flat_dot_general
@@ -67,6 +68,14 @@ class Attention(nn.Module):
         self.out = dense(c.d_model, (-2, -1), "out", ("heads", "head_dim", "embed"), c.use_bias,
                          0.02 / math.sqrt(2 * c.n_layers))
         self.dropout = nn.Dropout(c.dropout)
+        for name, (in_axes, names) in {"query": (1, q_names), "key": (1, kv_names),
+                                       "value": (1, kv_names),
+                                       "out": (2, ("heads", "head_dim", "embed"))}.items():
+            if name in c.lora.projections():  # LoRA: attn/{name}_lora/{lora_a, lora_b}
+                shape = dict(query=(c.n_heads, c.head_dim), out=(c.d_model,)).get(
+                    name, (c.n_kv_heads, c.head_dim))
+                setattr(self, f"{name}_lora", LoRA(c.lora, in_axes, shape, names, c.dtype,
+                                                   c.param_dtype, self.deterministic))
         if c.qk_norm != "none":  # over head_dim per head, or over the whole projection
             heads = c.qk_norm == "projection"
             self.q_norm = make_norm(c, "q_norm", ("heads", "head_dim") if heads else ("head_dim",))
@@ -86,8 +95,8 @@ class Attention(nn.Module):
         """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H]: QK-normed if qk_norm, rotated
         as layer kind `kind` wants if the scheme rotates, q scaled by attn_scale."""
         c = self.cfg
-        q, k, v = (hook_point(self, f"hook_{n}", f(x))
-                   for n, f in (("q", self.query), ("k", self.key), ("v", self.value)))
+        q, k, v = (hook_point(self, f"hook_{n}", self.projection(name, x))
+                   for n, name in (("q", "query"), ("k", "key"), ("v", "value")))
         if c.qk_norm != "none":
             q, k = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
         rotate = POSITION_SCHEMES[c.position].rotate
@@ -101,6 +110,13 @@ class Attention(nn.Module):
         v = constrain(v, "act_batch", "act_seq", "act_kv_heads", "head_dim")
         return q, k, v
 
+    def projection(self, name, x):
+        """Projection `name` of x, plus its LoRA update when the model has one."""
+        y = getattr(self, name)(x)
+        if name not in self.cfg.lora.projections():
+            return y
+        return y + getattr(self, f"{name}_lora")(x)
+
     def attend_with_pattern(self, q, k, v, mask, bias):
         """The reference attention with hook points on the scores (scaled, biased, -inf where
         masked) and the pattern [B, N, Tq, Tk]: for jaxformer.inspect, when asked for."""
@@ -113,7 +129,7 @@ class Attention(nn.Module):
 
     def finish(self, z):
         """Heads [B, T, N, H] -> output projection (+ dropout) [B, T, D]."""
-        return self.dropout(self.out(z), deterministic=self.deterministic)
+        return self.dropout(self.projection("out", z), deterministic=self.deterministic)
 
     def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind=0):
         """Without a cache: attention within x. With a layer's KV cache (jaxformer.kv_cache)

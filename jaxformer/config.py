@@ -7,6 +7,7 @@ import math
 from typing import Any, Mapping
 
 from jaxformer.backends import AUTO, BACKENDS
+from jaxformer.lora import LoRAConfig
 from jaxformer.positions import ROPE_SCALINGS, RopeScaling  # noqa: F401
 from jaxformer.presets import PRESETS
 from jaxformer.schemes import POSITION_SCHEMES, schemes_of
@@ -86,6 +87,8 @@ class ModelConfig(Section):
     before it joins the residual: Granite), logits_multiplier (Cohere's logit_scale,
     Granite's 1 / logits_scaling).
 
+    lora (jaxformer.lora.LoRAConfig): low-rank adapters on the projections; rank 0: none.
+
     layer_pattern, layer_kinds: a list of kind names repeated over the layers (layer i is
     layer_pattern[i % len]), each a LayerKind in layer_kinds (its window, its RoPE or
     none): Gemma 3's five local layers to one global. Empty: every layer alike, with
@@ -130,9 +133,12 @@ class ModelConfig(Section):
     logits_multiplier: float = 1.0
     layer_pattern: tuple[str, ...] = ()
     layer_kinds: Mapping[str, LayerKind] = dataclasses.field(default_factory=dict)
+    lora: LoRAConfig = LoRAConfig()
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if isinstance(self.lora, Mapping):
+            set_("lora", LoRAConfig.from_dict(self.lora))
         if isinstance(self.rope_scaling, Mapping):
             set_("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         elif isinstance(self.rope_scaling, str):
@@ -146,6 +152,11 @@ class ModelConfig(Section):
         self._check_fields()
         self._resolve_sizes(set_)
         self._check_together(set_)
+        absent = ("wi",) if self.gated_ffn else ("wi_gate", "wi_up")
+        if set(absent) & set(self.lora.targets):
+            raise ConfigError(f"model.lora.targets names {', '.join(absent)}, which a model with "
+                              f"ffn={self.ffn} does not have; its MLP projections are "
+                              f"{'wi_gate, wi_up, wo' if self.gated_ffn else 'wi, wo'} (or: mlp)")
 
     def _check_fields(self):
         """Each field alone: its type, range, or one of its choices (a table's names)."""
@@ -318,6 +329,7 @@ class ModelConfig(Section):
         out = super().to_dict()
         out["layer_pattern"] = list(self.layer_pattern)
         out["layer_kinds"] = {n: dataclasses.asdict(k) for n, k in self.layer_kinds}
+        out["lora"] = self.lora.to_dict()
         return out
 
     SECTION = "model"  # from_dict, to_dict, replace: jaxformer.validation.Section

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
+from jaxformer.lora import adapted
 from jaxformer.masks import pick_rule
 from jaxformer.matmul import flat_dot_general
 from jaxformer.norms import apply_norm, make_norm, normalize  # noqa: F401
@@ -36,19 +37,21 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x):  # [B, T, D]
         c = self.cfg
-        def dense(feats, name, names, std=0.02):  # names: the kernel's logical axes
-            return nn.Dense(feats, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
-                            kernel_init=init_with_names(dense_init(std), *names),
-                            bias_init=init_with_names(nn.initializers.zeros, names[1]),
-                            dot_general=flat_dot_general, name=name)
+        def dense(x, feats, name, names, std=0.02):  # names: the kernel's logical axes
+            y = nn.Dense(feats, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+                         kernel_init=init_with_names(dense_init(std), *names),
+                         bias_init=init_with_names(nn.initializers.zeros, names[1]),
+                         dot_general=flat_dot_general, name=name)(x)
+            return adapted(self, c.lora, name, y, x, 1, names, c.dtype, c.param_dtype,
+                           self.deterministic)
 
         act, up = ACTIVATIONS[c.ffn], ("embed", "mlp")
-        pre = hook_point(self, "hook_pre", dense(c.d_ff, "wi_gate" if c.gated_ffn else "wi", up)(x))
+        pre = hook_point(self, "hook_pre", dense(x, c.d_ff, "wi_gate" if c.gated_ffn else "wi", up))
         h = act(pre)  # [B, T, F]
         if c.gated_ffn:
-            h = h * hook_point(self, "hook_pre_linear", dense(c.d_ff, "wi_up", up)(x))
+            h = h * hook_point(self, "hook_pre_linear", dense(x, c.d_ff, "wi_up", up))
         h = hook_point(self, "hook_post", constrain(h, "act_batch", "act_seq", "act_mlp"))
-        out = dense(c.d_model, "wo", ("mlp", "embed"), 0.02 / math.sqrt(2 * c.n_layers))(h)
+        out = dense(h, c.d_model, "wo", ("mlp", "embed"), 0.02 / math.sqrt(2 * c.n_layers))
         return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)
 
 

@@ -48,6 +48,7 @@ DEFAULT_RULES: dict[str, Any] = {
     "norm": None,
     "table": None,         # learned position table rows, T5 buckets
     "pos_mlp": None,       # FIRE's hidden layer
+    "lora_rank": None,     # an adapter's rank
     "act_batch": ("data", "fsdp"),
     "act_seq": "context",
     "act_embed": None,

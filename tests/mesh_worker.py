@@ -157,7 +157,8 @@ def patterns(out):
         position="rope", norm="rmsnorm_offset", block="sandwich", qk_norm="projection",
         rope_fraction=0.5, attn_softcap=2.0, final_softcap=5.0, attention_impl="blockwise",
         remat="full", layer_pattern=("local", "global"),
-        layer_kinds={"local": {"window": 4, "rope_theta": 100.0}, "global": {}}))
+        layer_kinds={"local": {"window": 4, "rope_theta": 100.0}, "global": {}},
+        lora={"rank": 2, "targets": ("query", "out", "wi_up")}))
 
 
 def like_one_device(out, cfg):

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from jaxformer import validation
 from jaxformer.config import PRESETS, ModelConfig, RopeScaling
 from jaxformer.data import DataConfig
+from jaxformer.lora import LoRAConfig
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.sharding import resolve_rules
 from jaxformer.validation import (ConfigError, build_section, check_choice, check_number, merge,
@@ -205,7 +206,7 @@ class RunConfig:
                                       f"{', '.join(PRESETS)}")
                 raw = merge(PRESETS[preset], raw)  # keeps the preset's other rope_scaling keys
             sections[name] = build_section(
-                section_cls, raw, name, nested={"rope_scaling": RopeScaling},
+                section_cls, raw, name, nested={"rope_scaling": RopeScaling, "lora": LoRAConfig},
                 extra=" (or preset)" if name == "model" else "")
         return cls(**sections)
 

@@ -39,9 +39,10 @@ def learning_rate_schedule(cfg: OptimConfig, model: ModelConfig, total_steps: in
 
 
 def decay_mask(params):
-    """Weight decay on matmul kernels only: not on norms, biases or embeddings."""
+    """Weight decay on matmul kernels (and LoRA's A and B) only: not on norms, biases or
+    embeddings."""
     def is_kernel(path, _):
-        return getattr(path[-1], "key", None) == "kernel"
+        return getattr(path[-1], "key", None) in ("kernel", "lora_a", "lora_b")
 
     return jax.tree_util.tree_map_with_path(is_kernel, params)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxformer import lora
 from jaxformer.model import Transformer
 from jaxformer.ring import zigzag_batch
 from jaxformer.sharding import (batch_sharding, constrain, logical_axes, sequence_split,
@@ -30,8 +31,21 @@ def _init_fn(model: Transformer, tx: optax.GradientTransformation):
         tokens = jnp.zeros((1, min(8, model.cfg.max_seq_len)), jnp.int32)
         params = model.init(init_key, tokens)["params"]
         return TrainState(step=jnp.zeros([], jnp.int32), params=params,
-                          opt_state=tx.init(params), rng=rng)
+                          opt_state=tx.init(trained_part(params)[0]), rng=rng)
     return init
+
+
+def trained_part(params):
+    """(trained, frozen): with LoRA adapters in the model, the adapters and the frozen
+    base (jaxformer.lora.partition); else all the params and nothing. The optimizer
+    holds state for the trained part only."""
+    adapters, base = lora.partition(params)
+    return (adapters, base) if adapters else (params, {})
+
+
+def joined(trained, frozen):
+    """The params tree again from trained_part's two halves."""
+    return lora.combine(trained, frozen) if frozen else trained
 
 
 def abstract_state(model: Transformer, tx: optax.GradientTransformation) -> TrainState:
@@ -46,7 +60,7 @@ def state_shardings(model: Transformer, tx: optax.GradientTransformation, mesh, 
     params = shardings_for(logical_axes(model), abstract.params, mesh, rules)
     replicated = NamedSharding(mesh, P())
     opt_state = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, abstract.opt_state, params,
+        tx, lambda _, s: s, abstract.opt_state, trained_part(params)[0],
         transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated)
 
@@ -95,17 +109,18 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
     """
     use_dropout = model.cfg.dropout > 0
 
-    def grad_sums(params, micro, rng):
-        def f(p):
-            total, count = loss_sums(model, p, micro, dropout_rng=rng if use_dropout else None)
-            return total, count
-        (total, count), grads = jax.value_and_grad(f, has_aux=True)(params)
+    def grad_sums(trained, frozen, micro, rng):
+        def f(t):  # the gradient of the trained part alone: a frozen base gets none
+            return loss_sums(model, joined(t, frozen), micro,
+                             dropout_rng=rng if use_dropout else None)
+        (total, count), grads = jax.value_and_grad(f, has_aux=True)(trained)
         return total, count, grads
 
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
+        trained, frozen = trained_part(state.params)
         if grad_accum == 1:
-            total, count, grads = grad_sums(state.params, batch, rng)
+            total, count, grads = grad_sums(trained, frozen, batch, rng)
         else:
             micro = jax.tree.map(lambda x: jnp.swapaxes(
                 x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)  # [A, B / A, T]
@@ -113,15 +128,15 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
             def body(carry, xs):
                 i, mb = xs
                 mb = jax.tree.map(lambda x: constrain(x, "act_batch", "act_seq"), mb)
-                t, c, g = grad_sums(state.params, mb, jax.random.fold_in(rng, i))
+                t, c, g = grad_sums(trained, frozen, mb, jax.random.fold_in(rng, i))
                 return jax.tree.map(jnp.add, carry, (t, c, g)), None
 
-            zeros = (jnp.zeros([]), jnp.zeros([]), jax.tree.map(jnp.zeros_like, state.params))
+            zeros = (jnp.zeros([]), jnp.zeros([]), jax.tree.map(jnp.zeros_like, trained))
             (total, count, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, trained)
+        params = joined(optax.apply_updates(trained, updates), frozen)
         metrics = {
             "loss": total / count,
             "grad_norm": optax.tree.norm(grads),

@@ -1,0 +1,133 @@
+"""LoRA adapters (jaxformer.lora) against the update written out in float64, and training
+with a frozen base."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from jaxformer import ModelConfig, Transformer, lora
+from jaxformer.config import ConfigError
+from jaxformer.decoding import generate
+from jaxformer.training.step import TrainState, make_train_step, trained_part
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+
+
+def small(**kw):
+    base = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32,
+                lora={"rank": 3, "alpha": 5.0})
+    return ModelConfig(**{**base, **kw})
+
+
+def init(cfg, random_b=True):
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 12)))
+    params = Transformer(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    if random_b:  # B starts at 0; a random one makes the update show
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: jnp.asarray(rng.standard_normal(x.shape), x.dtype) * 0.1
+            if p[-1].key == "lora_b" else x, params)
+    return tokens, params
+
+
+def merged_by_hand(params, cfg):
+    """W + (alpha / r) A B in float64 for every adapter, written out; adapters dropped."""
+    flat = flatten_dict(jax.device_get(params))
+    out = {k: np.float64(v) for k, v in flat.items() if k[-1] not in ("lora_a", "lora_b")}
+    r = cfg.lora.rank
+    for k, a in flat.items():
+        if k[-1] != "lora_a":
+            continue
+        b = np.float64(flat[k[:-1] + ("lora_b",)])
+        kernel = k[:-2] + (k[-2].removesuffix("_lora"), "kernel")
+        w = out[kernel]
+        layers = w.shape[:1] if cfg.scan_layers else ()
+        for i in np.ndindex(*layers):
+            a2 = np.float64(a[i]).reshape(-1, r)  # [in, r]
+            b2 = b[i].reshape(r, -1)               # [r, out]
+            w[i] += (cfg.lora.alpha / r) * (a2 @ b2).reshape(w[i].shape)
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(ffn="swiglu", scan_layers=True, remat="full"),
+                                dict(lora={"rank": 2, "alpha": 7.0, "targets": "query,wo"})],
+                         ids=["gelu", "swiglu-scanned", "two-targets"])
+def test_forward_equals_the_merged_weights_in_float64(kw):
+    cfg = small(**kw)
+    tokens, params = init(cfg)
+    ref = merged_by_hand(params, cfg)
+    got = lora.merge(params, cfg.lora)
+    flat = flatten_dict(got)
+    assert set(flat) == set(ref)
+    for k in ref:
+        np.testing.assert_allclose(flat[k], ref[k], rtol=1e-6, atol=1e-7, err_msg=str(k))
+    plain = cfg.replace(lora=lora.LoRAConfig())
+    ref_params = jax.tree.map(jnp.float32, unflatten_dict(ref))
+    want = Transformer(plain).apply({"params": ref_params}, tokens)
+    out = Transformer(cfg).apply({"params": params}, tokens)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(out - Transformer(plain).apply({"params": lora.partition(params)[1]},
+                                                         tokens))) > 1e-3  # the update shows
+
+
+def _train(cfg, params, steps=3):
+    tx = optax.apply_if_finite(optax.adamw(3e-2), 5)
+    state = TrainState(step=jnp.zeros([], jnp.int32), params=params,
+                       opt_state=tx.init(trained_part(params)[0]), rng=jax.random.PRNGKey(0))
+    step = make_train_step(Transformer(cfg), tx, lambda s: 0.0)
+    for i in range(steps):
+        toks = rng.integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
+        batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
+                 "loss_mask": np.ones((2, 12), np.float32)}
+        state, m = step(state, batch)
+    return state, m
+
+
+@pytest.mark.parametrize("targets,moving", [
+    ("all", {"query", "key", "value", "out", "wi", "wo"}), ("value,wi", {"value", "wi"})])
+def test_training_moves_the_adapters_alone_by_updates_of_rank_r(targets, moving):
+    cfg = small(lora={"rank": 2, "targets": targets})
+    _, params = init(cfg, random_b=False)
+    base_before = jax.device_get(lora.partition(params)[1])
+    state, _ = _train(cfg, params)
+    adapters, base = lora.partition(state.params)
+    # the base, norms and embeddings included, is bitwise unchanged
+    for (k, x), y in zip(flatten_dict(base_before).items(), flatten_dict(jax.device_get(base)).values()):
+        assert np.array_equal(x, y), k
+    # the optimizer holds moments for the adapters alone
+    opt_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim)
+    assert opt_bytes == 2 * sum(x.nbytes for x in jax.tree.leaves(adapters))
+    # merged: only the targets' kernels move, each by a delta of rank <= r (here == r)
+    merged, before = flatten_dict(lora.merge(state.params, cfg.lora)), flatten_dict(base_before)
+    moved = {k[-2] for k in merged if not np.array_equal(merged[k], before[k])}
+    assert moved == moving
+    for k in merged:
+        if k[-2] in moved and k[-1] == "kernel":
+            d = np.float64(merged[k]) - before[k]
+            n_in = 2 if k[-2] == "out" else 1
+            assert np.linalg.matrix_rank(d.reshape(int(np.prod(d.shape[:n_in])), -1),
+                                         tol=1e-6) == 2, k
+
+
+def test_a_lora_model_decodes_as_its_merged_weights():
+    cfg = small(position="alibi", sliding_window=5)
+    tokens, params = init(cfg)
+    plain = cfg.replace(lora=lora.LoRAConfig())
+    merged = jax.tree.map(jnp.float32, lora.merge(params, cfg.lora))
+    kw = dict(max_new_tokens=6, rng=jax.random.key(1), temperature=0.0)
+    a = generate(Transformer(cfg), params, tokens[:, :5], **kw)
+    b = generate(Transformer(plain), merged, tokens[:, :5], **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ConfigError, match="targets.*wq.*not a projection"):
+        small(lora={"rank": 2, "targets": "wq"})
+    with pytest.raises(ConfigError, match="wi, which a model with ffn=swiglu"):
+        small(ffn="swiglu", lora={"rank": 2, "targets": "wi"})
+    with pytest.raises(ConfigError, match="model.lora.rank"):
+        small(lora={"rank": -1})
+    assert not lora.partition(init(small(lora={"rank": 0}))[1])[0]  # rank 0: no adapters
