@@ -2,6 +2,7 @@
 
     python train.py                                   # configs/tiny.yaml
     python train.py configs/gpt2_small.yaml train.steps=2000 optim.lr=6e-4
+    python train.py train.init_from=HF_DIR model.lora.rank=8    # no default config file
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
-    path = argv[0] if argv and "=" not in argv[0] else DEFAULT_CONFIG
     overrides = [a for a in argv if "=" in a]
+    # fine-tuning (train.init_from) takes its model from the weights, not from tiny.yaml
+    default = None if any(a.startswith("train.init_from=") for a in overrides) else DEFAULT_CONFIG
+    path = argv[0] if argv and "=" not in argv[0] else default
     stray = [a for a in argv if "=" not in a and a != path]
     if stray:
         print(f"error: unexpected argument(s) {' '.join(stray)}; usage: python train.py "

@@ -349,3 +349,6 @@ class ModelConfig(Section):
     def gated_ffn(self) -> bool:
         return self.ffn in ("swiglu", "geglu")
 
+
+# the model's fields that are sections of their own (model.rope_scaling.kind=yarn)
+NESTED = {"rope_scaling": RopeScaling, "lora": LoRAConfig}

@@ -142,6 +142,23 @@ def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layou
     return hf
 
 
+def to_peft_run(path: str, peft_dir: str, *, best=False, base_model=None, rope_layout="half",
+                log=print) -> dict:
+    import json
+
+    from jaxformer.convert.peft import to_peft
+
+    cfg, params, run = load_run_params(path, best=best)
+    base_model = base_model or cfg.train.init_from
+    config = to_peft(cfg.model, params, peft_dir, base_model=base_model, rope_layout=rope_layout)
+    log(f"{path} -> {peft_dir}: adapter_config.json, adapter_model.safetensors")
+    log(json.dumps({k: config[k] for k in ("r", "lora_alpha", "fan_in_fan_out",
+                                           "base_model_name_or_path")}, sort_keys=True))
+    log("load it with peft.PeftModel.from_pretrained(base, "
+        f"{str(peft_dir)!r}), base: the HF model without the adapters")
+    return config
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxformer.convert",
                                 description="Convert Hugging Face checkpoints to jaxformer runs "
@@ -157,6 +174,13 @@ def main(argv=None) -> int:
     b.add_argument("hf_dir")
     b.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
     b.add_argument("--max-shard-mb", type=float, default=None, help="split the weights")
+    c = sub.add_parser("to-peft", help="a LoRA run's adapters -> a PEFT adapter folder")
+    c.add_argument("run", help="RUN_DIR, RUN_DIR/checkpoints/STEP or RUN_DIR/best/STEP")
+    c.add_argument("peft_dir")
+    c.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
+    c.add_argument("--base-model", default=None,
+                   help="base_model_name_or_path to record (e.g. the HF folder it started from)")
+    c.add_argument("--rope-layout", default="half", choices=("half", "interleaved"))
     for s in (a, b):
         s.add_argument("--dtype", default=None, help="weights dtype (default float32)")
         s.add_argument("--rope-layout", default="half", choices=("half", "interleaved"),
@@ -169,6 +193,9 @@ def main(argv=None) -> int:
         if args.command == "from-hf":
             from_hf_run(args.hf_dir, args.run_dir, args.overrides, dtype=args.dtype,
                         scan_layers=args.scan_layers, rope_layout=args.rope_layout)
+        elif args.command == "to-peft":
+            to_peft_run(args.run, args.peft_dir, best=args.best, base_model=args.base_model,
+                        rope_layout=args.rope_layout)
         else:
             shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
             to_hf_run(args.run, args.hf_dir, best=args.best, dtype=args.dtype or "float32",

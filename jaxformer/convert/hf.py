@@ -21,7 +21,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxformer import lora
 from jaxformer.config import ModelConfig
+from jaxformer.lora import LoRAConfig
 from jaxformer.convert.hf_config import config_from_hf, config_to_hf, model_family
 from jaxformer.convert.tensors import HEAD, IGNORED, PREFIX, rules_for
 from jaxformer.model import param_shapes
@@ -251,7 +253,8 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
           max_shard_bytes: int | None = None, config_overrides: dict | None = None) -> dict:
     """Write config.json and safetensors weights that transformers' from_pretrained loads as
     the same model; returns the config.json written. params: per-layer or stacked
-    ("blocks"). A model HF cannot express is a ConfigError naming the field.
+    ("blocks"); LoRA adapters (cfg.lora) are merged into their weights, in float64, one
+    tensor at a time. A model HF cannot express is a ConfigError naming the field.
 
     dtype: the weights' dtype on disk. max_shard_bytes: split the weights into shards of
     about that size with an index (default: one model.safetensors). config_overrides: extra
@@ -259,11 +262,12 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
     an earlier export in `path` (model*.safetensors, the index) are replaced.
     """
     dtype = jnp.dtype(dtype)
-    hf = config_to_hf(cfg, dtype.name)
+    plain = cfg.replace(lora=LoRAConfig())  # LoRA adapters are merged into their weights
+    hf = config_to_hf(plain, dtype.name)
     hf.update(config_overrides or {})
-    base = cfg.replace(scan_layers=False)
+    base = plain.replace(scan_layers=False)
     rules = rules_for(model_family(hf["model_type"]), base, rope_layout, hf["model_type"])
-    get = _param_getter(cfg, params)
+    get = merged_getter(cfg, params)
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [out / WEIGHTS, out / INDEX, *out.glob("model-*-of-*.safetensors")]:
@@ -302,7 +306,24 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
     return hf
 
 
-def _param_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
+def merged_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
+    """param_getter's arrays, each kernel with its LoRA adapter (if any) folded in:
+    W + (alpha / r) A B, computed in float64 (jaxformer.lora.delta)."""
+    get, targets = param_getter(cfg, params), cfg.lora.projections()
+
+    def merged(path: Path) -> np.ndarray:
+        w = get(path)
+        if path[-1] != "kernel" or path[-2] not in targets:
+            return w
+        adapter = path[:-2] + (path[-2] + "_lora",)
+        d = lora.delta(np.float64(get(adapter + ("lora_a",))), np.float64(get(adapter + ("lora_b",))),
+                       w.ndim, cfg.lora.scale, np)
+        return (w.astype(np.float64) + d).astype(w.dtype)
+
+    return merged
+
+
+def param_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
     """path (per-layer form) -> the param as a NumPy array, after checking the tree against
     the config; a stacked param is sliced on its device, one layer at a time."""
     flat = _flatten(params)

@@ -15,11 +15,11 @@ import dataclasses
 from typing import Any, Mapping
 
 from jaxformer import validation
-from jaxformer.config import PRESETS, ModelConfig, RopeScaling
+from jaxformer.config import NESTED, PRESETS, ModelConfig
 from jaxformer.data import DataConfig
-from jaxformer.lora import LoRAConfig
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.sharding import resolve_rules
+from jaxformer.training.init_from import initial_sections
 from jaxformer.validation import (ConfigError, build_section, check_choice, check_number, merge,
                                   read_config_file)
 
@@ -80,6 +80,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     sample_temperature: float = 0.8
     progress: bool = True
+    init_from: str | None = None  # an HF folder or a run (RUN, RUN@STEP): jaxformer.training.init_from
 
     def __post_init__(self):
         o = "train"
@@ -91,6 +92,9 @@ class TrainConfig:
         check_choice(o, "resume", self.resume, RESUME)
         if not self.run_dir:
             raise ConfigError("train.run_dir must be a directory path")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or
+                                           not self.init_from):
+            raise ConfigError(f"train.init_from={self.init_from!r} must be a path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +200,7 @@ class RunConfig:
         if unknown:
             raise ConfigError(f"unknown config section(s) {', '.join(unknown)}; sections are: "
                               f"{', '.join(SECTIONS)}")
+        values = initial_sections(values)  # train.init_from: the model it starts from
         sections = {}
         for name, section_cls in SECTIONS.items():
             raw = dict(values.get(name) or {})
@@ -206,7 +211,7 @@ class RunConfig:
                                       f"{', '.join(PRESETS)}")
                 raw = merge(PRESETS[preset], raw)  # keeps the preset's other rope_scaling keys
             sections[name] = build_section(
-                section_cls, raw, name, nested={"rope_scaling": RopeScaling, "lora": LoRAConfig},
+                section_cls, raw, name, nested=NESTED,
                 extra=" (or preset)" if name == "model" else "")
         return cls(**sections)
 

@@ -20,13 +20,15 @@ from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
+from jaxformer.training.initial_weights import load_initial
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
 from jaxformer.sharding import (batch_sharding, check_context_split, initialize_distributed,
                                 make_mesh, per_device_bytes, place_batch, process_rows,
                                 resolve_rules)
-from jaxformer.training.step import init_state, make_eval_step, make_train_step, state_shardings
+from jaxformer.training.step import (init_state, make_eval_step, make_train_step,
+                                     state_shardings, trained_part)
 
 
 class TrainingStopped(RuntimeError):
@@ -132,13 +134,17 @@ class _Run:
         self.ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, log=log,
                                  async_save=cfg.checkpoint.async_save)
         cleanup.callback(self.ckpt.close)  # completes the saves in flight, however we leave
+        if t.init_from and self.ckpt.latest_step() is None:  # a new run from given weights
+            state = state.replace(params=load_initial(t.init_from, mcfg, state.params,
+                                                      shardings.params, mesh, rules, log))
         self.state = resume(self.ckpt, state, cfg, log)
         self.start = int(self.state.step)
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_step = flops_per_token(mcfg, t.seq_len) * self.tokens_per_step
         self.peak, peak_source = peak_flops(mcfg.dtype)
         log(f"data: {data.source}; train {len(data.train):,} tokens, val {len(data.val):,}")
-        log(f"model: {count_params(mcfg):,} params; {t.steps} steps x "
+        trained = sum(x.size for x in jax.tree.leaves(trained_part(self.state.params)[0]))
+        log(f"model: {count_params(mcfg):,} params ({trained:,} trained); {t.steps} steps x "
             f"{self.tokens_per_step:,} tokens; peak {self.peak / 1e9:,.0f} GFLOP/s "
             f"({peak_source}); run dir {run_dir}")
         log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} "

@@ -1,0 +1,84 @@
+"""LoRA adapters out in PEFT's format: adapter_config.json and adapter_model.safetensors,
+which ``peft.PeftModel.from_pretrained(base, folder)`` loads onto the base model that
+``to_hf`` of the same run without its adapters writes.
+
+The HF tensors are not always our kernels one to one: GPT-2 and Phi-3 fuse q|k|v (and
+Phi-3 gate|up) into one weight, GPT-NeoX interleaves q, k, v per head, and the export
+reorders rows for a RoPE layout. Every such rule is linear in our kernels and leaves
+their input axes alone, so the HF weight's update is exactly B' A' with A' our adapters'
+A stacked ([k r, in] for the k of ours that feed it) and B' = (rule applied to the
+updates) A'^+ (A' has full row rank). A fused weight so gets rank k r (PEFT's
+rank_pattern and alpha_pattern, keeping alpha / r). The factorisation is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from jaxformer import lora
+from jaxformer.config import ModelConfig
+from jaxformer.convert.hf import param_getter
+from jaxformer.convert.hf_config import config_to_hf, model_family
+from jaxformer.convert.tensors import rules_for
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
+            base_model: str | None = None, dtype="float32") -> dict:
+    """Write the model's LoRA adapters as a PEFT adapter folder; returns its config."""
+    if not cfg.lora.rank:
+        raise ValueError("the model has no LoRA adapters (model.lora.rank is 0): export it "
+                         "whole with to-hf")
+    plain = cfg.replace(lora=lora.LoRAConfig(), scan_layers=False)
+    model_type = config_to_hf(plain)["model_type"]
+    family = model_family(model_type)
+    rules = rules_for(family, plain, rope_layout, model_type)
+    raw, r, scale = param_getter(cfg, params), cfg.lora.rank, cfg.lora.scale
+    tensors, ranks = {}, {}
+    for rule in rules:
+        adapted = [p for p in rule.ours if p[-1] == "kernel" and p[-2] in cfg.lora.projections()]
+        if not adapted:
+            continue
+        updates = [_update(raw, p, scale) if p in adapted else np.zeros_like(raw(p), np.float64)
+                   for p in rule.ours]
+        a = np.concatenate([np.float64(raw(_adapter(p, "lora_a"))).reshape(-1, r).T
+                            for p in adapted])  # [k r, in]
+        for name, w in zip(rule.hf, rule.to_hf(*updates)):
+            module = name.removesuffix(".weight")
+            w = w.T if family == "gpt2" else w  # Conv1D weights are [in, out]
+            b = w @ np.linalg.pinv(a)  # [out, k r]
+            if np.max(np.abs(b @ a - w)) > 1e-9 * max(np.max(np.abs(w)), 1e-30):
+                raise ValueError(f"{name}: its update is not (B A) over the adapters' A")
+            for leaf, x in (("lora_A", a), ("lora_B", b / scale)):  # safetensors writes the
+                tensors[f"base_model.model.{module}.{leaf}.weight"] = \
+                    np.ascontiguousarray(x.astype(dtype))  # buffer: a transpose needs a copy
+            ranks[module] = a.shape[0]
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r,
+              "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
+              "target_modules": sorted(ranks), "fan_in_fan_out": family == "gpt2",
+              "bias": "none", "base_model_name_or_path": base_model, "inference_mode": True,
+              "rank_pattern": {m: k for m, k in ranks.items() if k != r},
+              "alpha_pattern": {m: cfg.lora.alpha * k / r for m, k in ranks.items() if k != r},
+              "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return config
+
+
+def _adapter(kernel_path, leaf):
+    return kernel_path[:-2] + (kernel_path[-2] + "_lora", leaf)
+
+
+def _update(raw, kernel_path, scale) -> np.ndarray:
+    """The kernel's update (alpha / r) A B in float64, shaped like the kernel."""
+    w = raw(kernel_path)
+    return lora.delta(np.float64(raw(_adapter(kernel_path, "lora_a"))),
+                      np.float64(raw(_adapter(kernel_path, "lora_b"))), w.ndim, scale, np)
+

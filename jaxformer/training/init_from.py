@@ -1,0 +1,89 @@
+"""train.init_from: a new run that starts from another model's weights, a Hugging Face
+folder (any family jaxformer.convert reads) or a jaxformer run (RUN, or RUN@STEP).
+
+This module settles the config: the model section comes from the source; the run's own
+model keys may change only how the model runs (RUNTIME: dtypes, scan_layers, remat,
+attention_impl, dropout, the LoRA adapters, max_seq_len unless it sizes a table);
+anything else is an error naming the field. With the source's tokenizer.json that is the
+default tokenizer. The weights are loaded by jaxformer.training.initial_weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Mapping
+
+from jaxformer import lora
+from jaxformer.config import NESTED, ConfigError, ModelConfig
+from jaxformer.validation import build_section, merge, read_config_file, type_names
+
+RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout", "lora",
+           "max_seq_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    kind: str                 # "hf" or "run"
+    path: pathlib.Path
+    step: int | None = None   # a run's checkpoint step (None: its latest)
+
+
+def parse_source(spec: str) -> Source:
+    """PATH -> an HF folder (config.json) or a run dir (config.yaml); RUN@STEP a run's step."""
+    path, step = str(spec), None
+    if "@" in path and not pathlib.Path(path).exists():
+        path, _, s = path.rpartition("@")
+        if not s.isdigit():
+            raise ConfigError(f"train.init_from={spec!r}: the step after @ must be a number "
+                              "(RUN_DIR@STEP)")
+        step = int(s)
+    p = pathlib.Path(path)
+    if (p / "config.yaml").is_file():
+        return Source("run", p, step)
+    if (p / "config.json").is_file() and step is None:
+        return Source("hf", p)
+    raise FileNotFoundError(f"train.init_from={spec!r} is neither a Hugging Face model folder "
+                            "(with config.json) nor a jaxformer run dir (with config.yaml)")
+
+
+def source_config(src: Source) -> tuple[ModelConfig, str | None]:
+    """The source's ModelConfig and its tokenizer.json (None if it has none)."""
+    tok = src.path / "tokenizer.json"
+    tok = str(tok) if tok.is_file() else None
+    if src.kind == "hf":
+        from jaxformer.convert.hf import read_hf_config
+        return read_hf_config(src.path), tok
+    model = read_config_file(str(src.path / "config.yaml")).get("model") or {}
+    return build_section(ModelConfig, model, "model", nested=NESTED), tok
+
+
+def initial_sections(values: Mapping[str, Any]) -> dict:
+    """The run's raw config sections with train.init_from's model (and tokenizer, unless
+    data.tokenizer is set) filled in; a model key that would change the weights' meaning
+    or shape is refused."""
+    spec = (values.get("train") or {}).get("init_from")
+    if not spec or set(type_names(ModelConfig)) <= set(values.get("model") or {}):
+        return dict(values)  # no source, or a run's own config.yaml: the whole model is here
+    model, tok = source_config(parse_source(spec))
+    theirs = model.replace(lora=lora.LoRAConfig()).to_dict()
+    ours = dict(values.get("model") or {})
+    if "preset" in ours:
+        raise ConfigError(f"model.preset={ours['preset']} and train.init_from={spec} both give "
+                          "the model; drop model.preset (the weights' model is used)")
+    combined = build_section(ModelConfig, merge(theirs, ours), "model", nested=NESTED)
+    changed = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME
+               and getattr(combined, f.name) != getattr(model, f.name)]
+    if "max_seq_len" in ours and model.position == "learned" and \
+            combined.max_seq_len != model.max_seq_len:
+        changed.append("max_seq_len")
+    if changed:
+        raise ConfigError(
+            f"model.{changed[0]}={getattr(combined, changed[0])!r} differs from "
+            f"{getattr(model, changed[0])!r} in train.init_from={spec} "
+            f"({', '.join('model.' + c for c in changed)}); a run started from weights may "
+            f"set only model.{', model.'.join(RUNTIME)}")
+    out = {**values, "model": merge(theirs, ours)}
+    if tok and "tokenizer" not in (values.get("data") or {}):
+        out["data"] = {**(values.get("data") or {}), "tokenizer": tok}
+    return out

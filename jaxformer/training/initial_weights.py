@@ -1,0 +1,55 @@
+"""The weights a new run starts from (train.init_from, jaxformer.training.init_from): an HF
+folder's, loaded one tensor at a time into the mesh's shardings, or a run's, restored
+sharded by orbax; the new run's fresh LoRA adapters are kept beside them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer import lora
+from jaxformer.config import ModelConfig
+from jaxformer.model import Transformer, stack_layers, unstack_layers
+from jaxformer.training.checkpoint import Checkpointer
+from jaxformer.training.config import load_config
+from jaxformer.training.init_from import Source, parse_source
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.step import abstract_state, state_shardings
+
+
+def load_initial(spec: str, cfg: ModelConfig, params, param_shardings, mesh, rules, log=print):
+    """params (a fresh init, for its LoRA adapters) with the base replaced by the source's
+    weights, in `param_shardings`."""
+    src = parse_source(spec)
+    adapters, _ = lora.partition(params)
+    base_shardings = lora.partition(param_shardings)[1]
+    if src.kind == "hf":
+        from jaxformer.convert.hf import from_hf
+        _, base = from_hf(src.path, dtype=cfg.param_dtype, shardings=base_shardings,
+                          scan_layers=cfg.scan_layers)
+    else:
+        base = _run_weights(src, cfg, base_shardings, mesh, rules)
+    log(f"init_from {spec}: {sum(x.size for x in jax.tree.leaves(base)):,} weights loaded "
+        f"({src.kind}); {sum(x.size for x in jax.tree.leaves(adapters)):,} adapter params fresh")
+    return lora.combine(adapters, base)
+
+
+def _run_weights(src: Source, cfg: ModelConfig, base_shardings, mesh, rules):
+    """A run's params at src.step (default latest), restored sharded, adapters merged,
+    stacked or unstacked and cast as `cfg` wants, and placed in base_shardings."""
+    run = load_config(str(src.path / "config.yaml"))
+    model = Transformer(run.model)
+    tx, _ = make_optimizer(run.optim, run.model, run.train.steps)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            abstract_state(model, tx), state_shardings(model, tx, mesh, rules))
+    ckpt = Checkpointer(src.path, keep=run.checkpoint.keep, async_save=False, read_only=True)
+    try:
+        params = ckpt.restore(abstract, run.model, step=src.step).params
+    finally:
+        ckpt.close()
+    if run.model.lora.rank:
+        params = lora.merge(params, run.model.lora, xp=jnp)
+    if run.model.scan_layers != cfg.scan_layers:
+        params = stack_layers(params, cfg.n_layers) if cfg.scan_layers else unstack_layers(params)
+    return jax.tree.map(lambda x, sh: jax.device_put(x.astype(cfg.param_dtype), sh),
+                        params, base_shardings)

@@ -1,0 +1,111 @@
+"""Fine-tuning: train.init_from (an HF folder or a run) and LoRA runs through train.py's loop."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+from safetensors.numpy import load_file
+
+from jaxformer import lora
+from jaxformer.config import ConfigError
+from jaxformer.training import load_config, train
+from tests.test_training import corpus, restored_state  # noqa: F401 (a fixture)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+RUN = ["train.seq_len=32", "train.batch_size=2", "train.eval_batches=1", "train.progress=false",
+       "train.sample_tokens=0", "train.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A random Llama (GQA, untied) saved by transformers, with a tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.BPE(vocab={chr(c): i for i, c in enumerate(range(32, 127))},
+                               merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def run_config(corpus, run_dir, *extra):  # noqa: F811
+    return load_config(None, [*RUN, f"data.path={corpus}", f"train.run_dir={run_dir}",
+                              f"data.cache_dir={run_dir.parent / 'cache'}", *extra])
+
+
+def test_a_run_from_an_hf_folder_at_lr_0_exports_the_folder_exactly(hf_llama, corpus, tmp_path):  # noqa: F811
+    from jaxformer.convert.__main__ import to_hf_run
+    cfg = run_config(corpus, tmp_path / "run", f"train.init_from={hf_llama}", "train.steps=1",
+                     "optim.warmup_steps=5", "data.tokenizer=bytes")  # lr 0 at step 0
+    assert (cfg.model.d_model, cfg.model.n_kv_heads, cfg.model.ffn) == (32, 2, "swiglu")
+    train(cfg, log=lambda *a: None)
+    assert int(restored_state(cfg, tmp_path / "run").step) == 1
+    to_hf_run(str(tmp_path / "run"), str(tmp_path / "out"), log=lambda *a: None)
+    theirs, ours = load_file(hf_llama / "model.safetensors"), load_file(tmp_path / "out/model.safetensors")
+    assert set(theirs) == set(ours)
+    for k in theirs:
+        assert np.array_equal(theirs[k], ours[k]), k
+    tokens = torch.tensor(np.random.default_rng().integers(0, 256, (2, 9)))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    with torch.no_grad():
+        assert torch.equal(load(hf_llama).eval()(tokens).logits,
+                           load(tmp_path / "out").eval()(tokens).logits)
+
+
+def test_init_from_takes_the_folders_model_and_tokenizer_and_refuses_shape_changes(hf_llama):
+    cfg = load_config(None, [f"train.init_from={hf_llama}", "model.remat=full",
+                             "model.lora.rank=4", "model.scan_layers=true"])
+    assert cfg.data.tokenizer == str(hf_llama / "tokenizer.json")
+    assert (cfg.model.n_layers, cfg.model.remat, cfg.model.lora.rank) == (2, "full", 4)
+    with pytest.raises(ConfigError, match=r"model.d_model=64 differs from 32 in train.init_from"):
+        load_config(None, [f"train.init_from={hf_llama}", "model.d_model=64"])
+    with pytest.raises(ConfigError, match=r"model.norm='layernorm' differs from 'rmsnorm'"):
+        load_config(None, [f"train.init_from={hf_llama}", "model.norm=layernorm"])
+    with pytest.raises(ConfigError, match="drop model.preset"):
+        load_config(None, [f"train.init_from={hf_llama}", "model.preset=gpt2-small"])
+    with pytest.raises(FileNotFoundError, match="neither a Hugging Face model folder"):
+        load_config(None, [f"train.init_from={hf_llama}/nothing"])
+
+
+def test_a_run_from_a_runs_step_with_lora_starts_from_its_weights(corpus, tmp_path):  # noqa: F811
+    """Run A (scanned) for 3 steps; run B from A@2, unscanned, with LoRA: at lr 0 its base
+    is A's step-2 params, its adapters are new (B = 0), its step counter and optimizer
+    start over (moments for the adapters only); at the end its merged weights differ from
+    A@2 in the target kernels only."""
+    a = run_config(corpus, tmp_path / "a", "model.preset=tiny", "model.d_model=32",
+                   "model.n_layers=2", "model.scan_layers=true", "train.steps=3",
+                   "checkpoint.every=1", "checkpoint.keep=5")
+    train(a, log=lambda *m: None)
+    b = run_config(corpus, tmp_path / "b", f"train.init_from={tmp_path / 'a'}@2",
+                   "train.steps=2", "optim.warmup_steps=1", "model.scan_layers=false",
+                   "model.lora.rank=2", "model.lora.targets=query,wo", "checkpoint.every=1")
+    train(b, log=lambda *m: None)
+    want = flatten_dict(jax.device_get(restored_state(a, tmp_path / "a", step=2).params))
+    first = restored_state(b, tmp_path / "b", step=1)  # lr 0 at its first step
+    adapters, base = (flatten_dict(jax.device_get(t)) for t in lora.partition(first.params))
+    got = base
+    for k, v in got.items():
+        if k[0].startswith("block_"):
+            np.testing.assert_array_equal(v, want[("blocks",) + k[1:]][int(k[0][6:])], str(k))
+        else:
+            np.testing.assert_array_equal(v, want[k], str(k))
+    assert {k[-2] for k in adapters} == {"query_lora", "wo_lora"}
+    assert all(not v.any() for k, v in adapters.items() if k[-1] == "lora_b")
+    assert int(first.step) == 1
+    moments = [x for x in jax.tree.leaves(first.opt_state) if x.ndim]
+    assert sum(x.size for x in moments) == 2 * sum(v.size for v in adapters.values())
+    last = restored_state(b, tmp_path / "b")
+    merged = flatten_dict(lora.merge(last.params, b.model.lora))
+    moved = {k[-2] for k in merged if not np.array_equal(merged[k], got[k])}
+    assert moved == {"query", "wo"}
+    assert json.loads((tmp_path / "b/metrics.jsonl").read_text().splitlines()[0])["step"] == 1
