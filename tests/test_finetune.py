@@ -109,3 +109,36 @@ def test_a_run_from_a_runs_step_with_lora_starts_from_its_weights(corpus, tmp_pa
     moved = {k[-2] for k in merged if not np.array_equal(merged[k], got[k])}
     assert moved == {"query", "wo"}
     assert json.loads((tmp_path / "b/metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_lora_on_prompt_completion_records_end_to_end(hf_llama, tmp_path):
+    """HF folder in (its tokenizer), LoRA, prompt/completion records, then the adapters out
+    as PEFT's folder and the merged model as HF's: peft on the base gives the merged
+    export's logits."""
+    peft = pytest.importorskip("peft")
+    from jaxformer.convert.__main__ import main
+    words = ["alpha", "beta", "gamma", "delta", "eps"]
+    gen = np.random.default_rng()
+    records = [{"prompt": " ".join(gen.choice(words, 3)) + " :", "completion": " " + w}
+               for w in gen.choice(words, 60)]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records))
+    cfg = run_config(data, tmp_path / "run", f"train.init_from={hf_llama}", "train.steps=3",
+                     "data.format=prompt_completion", "model.lora.rank=4", "optim.lr=1e-2",
+                     "optim.warmup_steps=0", "train.batch_size=4", "data.val_fraction=0.2")
+    assert cfg.data.tokenizer == str(hf_llama / "tokenizer.json")
+    summary = train(cfg, log=lambda *a: None)
+    assert np.isfinite(summary["val_loss"])
+    assert main(["to-peft", str(tmp_path / "run"), str(tmp_path / "adapter")]) == 0
+    assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    adapter_cfg = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == str(hf_llama)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    tokens = torch.tensor(gen.integers(0, 95, (2, 9)))
+    with torch.no_grad():
+        merged = load(tmp_path / "merged").eval()(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(load(hf_llama), tmp_path / "adapter").eval()(
+            tokens).logits
+        base = load(hf_llama).eval()(tokens).logits
+    assert torch.allclose(adapted, merged, rtol=1e-5, atol=1e-5 * float(merged.abs().max()))
+    assert not torch.allclose(base, merged, atol=1e-4)  # three steps moved the adapters

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxformer.config import ConfigError
+from jaxformer.data import Dataset
 from jaxformer.training import TrainingStopped, load_config, loop, train
 from jaxformer.training.config import OptimConfig
 from jaxformer.training.metrics import read_metrics
@@ -157,19 +158,17 @@ def test_stop_and_resume_equals_straight_run(corpus, tmp_path):
     resumed = tmp_path / "resumed"
     cfg = config(corpus, resumed, "train.steps=10", "checkpoint.every=100", "model.dropout=0.1")
     calls = {"n": 0}
-    real_get_batch = loop.get_batch
+    real_batch = Dataset.train_batch
 
-    def get_batch_then_sigterm(*args, **kw):
+    def batch_then_sigterm(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 5:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_get_batch(*args, **kw)
+        return real_batch(*args, **kw)
 
-    loop.get_batch = get_batch_then_sigterm
-    try:
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Dataset, "train_batch", batch_then_sigterm)
         summary = train(cfg, log=lambda *a: None)
-    finally:
-        loop.get_batch = real_get_batch
     assert summary["stopped_early"] and summary["step"] == 5
     summary = train(cfg, log=lambda *a: None)
     assert summary["start_step"] == 5 and summary["step"] == 10
@@ -249,21 +248,19 @@ def test_nonfinite_step_leaves_state_unchanged(rng):
 
 def test_too_many_skips_stop_the_run_with_a_checkpoint(corpus, tmp_path):
     run = tmp_path / "run"
-    real_get_batch = loop.get_batch
+    real_batch = Dataset.train_batch
 
     def poisoned(*args, step, **kw):
-        batch = real_get_batch(*args, step=step, **kw)
+        batch = real_batch(*args, step=step, **kw)
         if step >= 3:
             batch["loss_mask"] = batch["loss_mask"] * np.float32(np.nan)
         return batch
 
-    loop.get_batch = poisoned
-    try:
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Dataset, "train_batch", poisoned)
         with pytest.raises(TrainingStopped, match="4 consecutive steps had non-finite"):
             train(config(corpus, run, "train.steps=50", "optim.max_skips=4",
                          "checkpoint.every=1000"), log=lambda *a: None)
-    finally:
-        loop.get_batch = real_get_batch
     saved = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
     assert saved and max(saved) >= 7
 

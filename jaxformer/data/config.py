@@ -9,6 +9,7 @@ from jaxformer.validation import ConfigError, Section, check_choice, check_numbe
 
 TOKENIZERS = ("bytes", "bpe")
 BIN_DTYPES = ("uint16", "uint32")
+FORMATS = ("text", "prompt_completion")
 
 
 class DataError(ValueError):
@@ -37,6 +38,9 @@ class DataConfig(Section):
     bin_dtype: the dtype of .bin token files: uint16 | uint32.
     pack: batches carry segment_ids and positions that restart at document boundaries.
     cache_dir: where tokenized corpora are cached; None = ~/.cache/jaxformer.
+    format: text (a corpus, as above) | prompt_completion (a .jsonl or .parquet file of
+      records with the fields prompt_field and completion_field, packed one record per
+      segment with the loss on the completion alone: jaxformer.data.completions).
     """
 
     path: str | None = None
@@ -48,6 +52,9 @@ class DataConfig(Section):
     bin_dtype: str = "uint16"
     pack: bool = False
     cache_dir: str | None = None
+    format: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
 
     def __post_init__(self):
         o = "data"
@@ -71,6 +78,18 @@ class DataConfig(Section):
         if not isinstance(self.text_field, str) or not self.text_field:
             raise ConfigError(f"data.text_field={self.text_field!r} must be a non-empty string")
         check_choice(o, "bin_dtype", self.bin_dtype, BIN_DTYPES)
+        check_choice(o, "format", self.format, FORMATS)
+        for name in ("prompt_field", "completion_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"data.{name}={getattr(self, name)!r} must be a field name")
+        if self.format == "prompt_completion" and not str(self.path).endswith(
+                (".jsonl", ".json", ".parquet")):
+            raise ConfigError(f"data.format=prompt_completion reads a .jsonl or .parquet file "
+                              f"of records, not data.path={self.path!r}")
+        if self.format == "prompt_completion" and self.tokenizer == "bpe":
+            raise ConfigError("data.format=prompt_completion needs a tokenizer it does not "
+                              "train: data.tokenizer=bytes or a tokenizer.json (e.g. the one "
+                              "of the model it fine-tunes, the default with train.init_from)")
         if not isinstance(self.pack, bool):
             raise ConfigError(f"data.pack={self.pack!r} must be true or false")
 

@@ -18,6 +18,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from jaxformer.data.batches import eval_batches, get_batch
+from jaxformer.data.completions import CompletionData, load_completions
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import Corpus, find_corpus, read_pieces
 from jaxformer.data.token_files import open_tokens
@@ -47,10 +49,26 @@ class Dataset:
     tokenizer: Tokenizer
     source: str
 
+    @property
+    def token_counts(self) -> tuple[int, int]:
+        return len(self.train), len(self.val)
+
+    def train_batch(self, *, seed: int, step: int, batch_size: int, seq_len: int,
+                    pack: bool = False, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        """get_batch over the train split (a pure function of seed and step)."""
+        return get_batch(self.train, self.train_docs, seed=seed, step=step,
+                         batch_size=batch_size, seq_len=seq_len, pack=pack, rows=rows)
+
+    def eval_batches(self, *, batch_size: int, seq_len: int, max_batches: int | None = None,
+                     pack: bool = False, rows: slice = slice(None)):
+        """eval_batches over the val split."""
+        return eval_batches(self.val, self.val_docs, batch_size=batch_size, seq_len=seq_len,
+                            max_batches=max_batches, pack=pack, rows=rows)
+
 
 def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
                  vocab_size: int | None = None, progress: bool = True,
-                 log: Callable[[str], None] | None = None) -> Dataset:
+                 log: Callable[[str], None] | None = None) -> Dataset | CompletionData:
     """The train/val token streams that ``cfg`` describes.
 
     run_dir: where the tokenizer is saved as tokenizer.json (required for "bpe"; a
@@ -69,6 +87,10 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
         log(f"data: removed {os.path.join(cache_dir, name)}, left by process {pid}, which "
             "is gone")
     tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir, progress, log)
+    if cfg.format == "prompt_completion":
+        data = load_completions(cfg, tokenizer, log)
+        _check_ids(cfg, data, int(data.train.tokens.max(initial=0)), vocab_size)
+        return data
     if corpus.source.holds_text:
         ds, max_id = _tokenized_text(cfg, corpus, tokenizer, cache_dir, progress, log)
     else:  # token ids, mapped in place

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import pathlib
 import signal
@@ -15,7 +16,7 @@ from jax.experimental.multihost_utils import process_allgather
 import yaml
 
 from jaxformer.config import ConfigError
-from jaxformer.data import DataError, eval_batches, get_batch, load_dataset
+from jaxformer.data import DataError, eval_batches, load_dataset
 from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
@@ -58,13 +59,15 @@ class _StopFlag:
 
 
 def evaluate(eval_step, params, tokens, docs, cfg: RunConfig, place=lambda b: b,
-             rows=slice(None)) -> dict:
-    """Mean validation loss over cfg.train.eval_batches batches (this process reads its
-    `rows` of each; `place` makes them global arrays)."""
+             rows=slice(None), data=None) -> dict:
+    """Mean validation loss over cfg.train.eval_batches batches of the val tokens and
+    docs, or of `data` (a loaded dataset) when given (this process reads its `rows` of
+    each; `place` makes them global arrays)."""
     total = count = 0.0
-    for batch in eval_batches(tokens, docs, batch_size=cfg.train.batch_size,
-                              seq_len=cfg.train.seq_len, max_batches=cfg.train.eval_batches,
-                              pack=cfg.data.pack, rows=rows):
+    batches = data.eval_batches if data is not None else functools.partial(eval_batches, tokens,
+                                                                            docs)
+    for batch in batches(batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
+                         max_batches=cfg.train.eval_batches, pack=cfg.data.pack, rows=rows):
         t, c = eval_step(params, place(batch))
         total, count = total + float(t), count + float(c)
     loss = total / max(count, 1.0)
@@ -111,8 +114,8 @@ class _Run:
         if lead:  # load_dataset has saved the tokenizer beside it
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         try:
-            eval_batches(data.val, data.val_docs, batch_size=t.batch_size, seq_len=t.seq_len,
-                         max_batches=1, pack=cfg.data.pack)
+            next(iter(data.eval_batches(batch_size=t.batch_size, seq_len=t.seq_len,
+                                        max_batches=1, pack=cfg.data.pack)))
             self.can_eval = True
         except DataError as e:
             self.can_eval = False
@@ -142,7 +145,8 @@ class _Run:
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_step = flops_per_token(mcfg, t.seq_len) * self.tokens_per_step
         self.peak, peak_source = peak_flops(mcfg.dtype)
-        log(f"data: {data.source}; train {len(data.train):,} tokens, val {len(data.val):,}")
+        log(f"data: {data.source}; train {data.token_counts[0]:,} tokens, "
+            f"val {data.token_counts[1]:,}")
         trained = sum(x.size for x in jax.tree.leaves(trained_part(self.state.params)[0]))
         log(f"model: {count_params(mcfg):,} params ({trained:,} trained); {t.steps} steps x "
             f"{self.tokens_per_step:,} tokens; peak {self.peak / 1e9:,.0f} GFLOP/s "
@@ -163,9 +167,9 @@ class _Run:
 
     def batch_at(self, step):
         t = self.cfg.train
-        return self.place(get_batch(self.data.train, self.data.train_docs, seed=t.seed,
-                                    step=step, batch_size=t.batch_size, seq_len=t.seq_len,
-                                    pack=self.cfg.data.pack, rows=self.rows))
+        return self.place(self.data.train_batch(seed=t.seed, step=step,
+                                                batch_size=t.batch_size, seq_len=t.seq_len,
+                                                pack=self.cfg.data.pack, rows=self.rows))
 
     def steps(self) -> bool:
         """Train to train.steps, evaluating and saving on the way; True when stopped early
@@ -197,8 +201,8 @@ class _Run:
     def evaluate_and_keep_best(self, step):
         """Validation loss now; a new best is saved under best/ with its loss. A non-finite
         one stops the run."""
-        ev = evaluate(self.eval_step, self.state.params, self.data.val, self.data.val_docs,
-                      self.cfg, self.place, self.rows)
+        ev = evaluate(self.eval_step, self.state.params, None, None, self.cfg, self.place,
+                      self.rows, data=self.data)
         self.metrics.write({"step": step, **ev})
         if not math.isfinite(ev["val_loss"]):
             raise TrainingStopped(

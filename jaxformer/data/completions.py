@@ -1,0 +1,219 @@
+"""Prompt/completion records (data.format=prompt_completion): the loss on the completion.
+
+Each JSONL line (or Parquet row) holds a prompt and a completion (fields
+data.prompt_field, data.completion_field). A record is tokenised as prompt + completion
+(+ the tokenizer's end-of-text id, when it has one, so the model learns to stop), and
+its targets count only where the token predicted is a completion token (or the end).
+Records are packed whole, in order, into rows of seq_len inputs: each record's inputs
+are its tokens but the last, its targets the tokens but the first, its segment id its
+place in the row (1, 2, ...) and its positions restart at 0; the rest of a row is
+padding (segment 0, no loss). A record longer than seq_len + 1 tokens is cut to that
+(counted in the log). Every data.val_fraction-th record (spread evenly) is held out.
+
+Batches are as jaxformer.data.batches', a pure function of (seed, step): a training
+batch draws batch_size packed rows at random, evaluation reads them in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterator
+
+import numpy as np
+
+from jaxformer.data.config import DataConfig, DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class Records:
+    """Tokenised records: tokens int32 [n_tokens] (the records one after another),
+    weights uint8 [n_tokens] (1: a completion token), offsets int64 [n_records + 1]."""
+
+    tokens: np.ndarray
+    weights: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def subset(self, keep: np.ndarray) -> "Records":
+        idx = np.flatnonzero(keep)
+        parts = [slice(self.offsets[i], self.offsets[i + 1]) for i in idx]
+        lengths = np.array([p.stop - p.start for p in parts], np.int64)
+        cat = (lambda a: np.concatenate([a[p] for p in parts]) if parts else a[:0])
+        return Records(cat(self.tokens), cat(self.weights),
+                       np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+
+def read_records(path: str, prompt_field: str, completion_field: str
+                 ) -> Iterator[tuple[str, str, str]]:
+    """(record name, prompt, completion) of each JSONL line or Parquet row; a missing or
+    non-text field is a DataError naming the record."""
+    if path.endswith(".parquet"):
+        rows = _parquet_rows(path, (prompt_field, completion_field))
+    else:
+        rows = _jsonl_rows(path)
+    for name, row in rows:
+        values = []
+        for field in (prompt_field, completion_field):
+            value = row.get(field) if isinstance(row, dict) else None
+            if not isinstance(value, str):
+                found = "missing" if value is None else f"{type(value).__name__}, not text"
+                raise DataError(f"{name}: field {field!r} is {found}; each record needs the "
+                                f"text fields {prompt_field!r} and {completion_field!r} (set "
+                                "data.prompt_field / data.completion_field)")
+            values.append(value)
+        if not values[1]:
+            raise DataError(f"{name}: the completion is empty, so the record has nothing to "
+                            "learn; remove it or give it a completion")
+        yield name, values[0], values[1]
+
+
+def _jsonl_rows(path: str):
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{i}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{i} is not JSON ({e.msg}); each line must be one "
+                                "JSON object") from None
+
+
+def _parquet_rows(path: str, fields):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("Parquet needs pyarrow: pip install 'jaxformer[data]'") from None
+    f = pq.ParquetFile(path)
+    missing = [c for c in fields if c not in f.schema_arrow.names]
+    if missing:
+        raise DataError(f"{path} has no column {missing[0]!r} (columns: "
+                        f"{', '.join(f.schema_arrow.names)}); set data.prompt_field / "
+                        "data.completion_field")
+    i = 0
+    for batch in f.iter_batches(batch_size=1024, columns=list(fields)):
+        for row in batch.to_pylist():
+            yield f"{path}:row {i}", row
+            i += 1
+
+
+def tokenize(records, tokenizer) -> Records:
+    """records: (name, prompt, completion) triples."""
+    tokens, weights, lengths = [], [], []
+    end = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    for _, prompt, completion in records:
+        p = np.asarray(tokenizer.encode(prompt), np.int64)
+        c = np.concatenate([np.asarray(tokenizer.encode(completion), np.int64), end])
+        tokens += [p, c]
+        weights += [np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]
+        lengths.append(len(p) + len(c))
+    if not lengths:
+        return Records(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
+    return Records(np.concatenate(tokens).astype(np.int32), np.concatenate(weights),
+                   np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+
+def pack(records: Records, seq_len: int) -> tuple[np.ndarray, int]:
+    """Row boundaries: int64 [n_rows + 1] record indices (row r holds records
+    bounds[r] .. bounds[r + 1] - 1, in order), and how many records were cut."""
+    slots = np.minimum(np.diff(records.offsets) - 1, seq_len)  # inputs each record fills
+    bounds, used = [0], 0
+    for i, n in enumerate(slots):
+        if used + n > seq_len:
+            bounds.append(i)
+            used = 0
+        used += n
+    if len(records):
+        bounds.append(len(records))
+    cut = int(np.sum(np.diff(records.offsets) - 1 > seq_len))
+    return np.asarray(bounds, np.int64), cut
+
+
+def rows_batch(records: Records, bounds: np.ndarray, rows: np.ndarray,
+               seq_len: int) -> dict[str, np.ndarray]:
+    """The batch of packed rows `rows` (see the module docstring for its arrays)."""
+    b = len(rows)
+    out = {k: np.zeros((b, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids",
+                                                          "positions")}
+    out["loss_mask"] = np.zeros((b, seq_len), np.float32)
+    for r, row in enumerate(rows):
+        at = 0
+        for seg, i in enumerate(range(bounds[row], bounds[row + 1]), 1):
+            s = records.offsets[i]
+            n = int(min(records.offsets[i + 1] - s - 1, seq_len))
+            ids = records.tokens[s:s + n + 1]
+            out["inputs"][r, at:at + n] = ids[:-1]
+            out["targets"][r, at:at + n] = ids[1:]
+            out["loss_mask"][r, at:at + n] = records.weights[s + 1:s + n + 1]
+            out["segment_ids"][r, at:at + n] = seg
+            out["positions"][r, at:at + n] = np.arange(n)
+            at += n
+    return out
+
+
+@dataclasses.dataclass
+class CompletionData:
+    """The train and val records of a prompt/completion file, packed per seq_len on first
+    use; answers the loop's batch calls as jaxformer.data.Dataset does."""
+
+    train: Records
+    val: Records
+    tokenizer: object
+    source: str
+    log: object = print
+    _bounds: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def token_counts(self) -> tuple[int, int]:
+        return len(self.train.tokens), len(self.val.tokens)
+
+    def packed(self, split: str, seq_len: int) -> np.ndarray:
+        """The row bounds of a split packed into rows of seq_len (computed once)."""
+        if (split, seq_len) not in self._bounds:
+            records = getattr(self, split)
+            bounds, cut = pack(records, seq_len)
+            if cut:
+                self.log(f"data: {cut} of {len(records):,} {split} records are longer than "
+                         f"seq_len + 1 = {seq_len + 1} tokens and are cut to it")
+            self._bounds[split, seq_len] = bounds
+        return self._bounds[split, seq_len]
+
+    def train_batch(self, *, seed: int, step: int, batch_size: int, seq_len: int,
+                    pack: bool = True, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        bounds = self.packed("train", seq_len)
+        if len(bounds) < 2:
+            raise DataError(f"{self.source}: no training records")
+        rng = np.random.default_rng([seed, step])
+        picked = rng.integers(0, len(bounds) - 1, size=batch_size)
+        return rows_batch(self.train, bounds, picked[rows], seq_len)
+
+    def eval_batches(self, *, batch_size: int, seq_len: int, max_batches: int | None = None,
+                     pack: bool = True, rows: slice = slice(None)):
+        bounds = self.packed("val", seq_len)
+        n = (len(bounds) - 1) // batch_size
+        if n == 0:
+            raise DataError(f"{self.source}: the val split packs into {len(bounds) - 1} rows of "
+                            f"seq_len={seq_len}, fewer than batch_size={batch_size}; raise "
+                            "data.val_fraction or lower train.batch_size")
+        n = n if max_batches is None else min(n, max_batches)
+        return (rows_batch(self.val, bounds, (b * batch_size + np.arange(batch_size))[rows],
+                           seq_len) for b in range(n))
+
+
+def load_completions(cfg: DataConfig, tokenizer, log=print) -> CompletionData:
+    """The prompt/completion file cfg.path, tokenised and split."""
+    records = tokenize(read_records(cfg.path, cfg.prompt_field, cfg.completion_field), tokenizer)
+    if not records.weights.any():
+        raise DataError(f"{cfg.path} holds no completion tokens; each record needs a non-empty "
+                        f"{cfg.completion_field!r}")
+    i = np.arange(len(records))
+    val = np.floor((i + 1) * cfg.val_fraction) > np.floor(i * cfg.val_fraction)
+    max_id = int(records.tokens.max())
+    if max_id >= tokenizer.vocab_size:
+        raise DataError(f"{cfg.path}: the tokenizer gave id {max_id} >= its vocab_size")
+    return CompletionData(records.subset(~val), records.subset(val), tokenizer,
+                          f"prompt/completion records {cfg.path} ({len(records):,}: "
+                          f"{int((~val).sum()):,} train, {int(val.sum()):,} val)", log)

@@ -1,0 +1,103 @@
+"""Prompt/completion records (jaxformer.data.completions): packing, the loss on the
+completion alone, and the errors a bad file gets."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.config import ConfigError
+from jaxformer.data import DataConfig, DataError, load_dataset
+from jaxformer.data.completions import rows_batch
+from jaxformer.training.step import loss_sums
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+
+
+def write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def load(path, tmp_path, **kw):
+    cfg = DataConfig(path=str(path), format="prompt_completion", cache_dir=str(tmp_path / "c"),
+                     **kw)
+    return load_dataset(cfg, run_dir=str(tmp_path / "run"), vocab_size=256, progress=False,
+                        log=lambda *a: None)
+
+
+def test_records_pack_as_written_by_hand(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "completion": "cd"},
+                                              {"prompt": "x", "completion": "yz"},
+                                              {"prompt": "hello", "completion": "!"}])
+    data = load(path, tmp_path, val_fraction=0.0)
+    batch = data.train_batch(seed=0, step=0, batch_size=1, seq_len=8)
+    bounds = data.packed("train", 8)
+    assert list(bounds) == [0, 2, 3]  # "ab|cd" (3 inputs) + "x|yz" (2) fit 8; "hello|!" not
+    first = {k: v[0] for k, v in rows_batch(data.train, bounds, np.array([0]), 8).items()}
+    assert list(first["inputs"]) == [97, 98, 99, 120, 121, 0, 0, 0]
+    assert list(first["targets"]) == [98, 99, 100, 121, 122, 0, 0, 0]
+    assert list(first["loss_mask"]) == [0, 1, 1, 1, 1, 0, 0, 0]
+    assert list(first["segment_ids"]) == [1, 1, 1, 2, 2, 0, 0, 0]
+    assert list(first["positions"]) == [0, 1, 2, 0, 1, 0, 0, 0]
+    assert batch["inputs"].shape == (1, 8)
+
+
+def test_the_loss_is_the_float64_nll_of_the_completions_alone(tmp_path):
+    letters = np.array(list("abcdefghij klmnop"))
+    records = [{"question": "".join(rng.choice(letters, rng.integers(0, 8))) + "?",
+                "answer": "".join(rng.choice(letters, rng.integers(1, 7)))} for _ in range(40)]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    data = load(path, tmp_path, prompt_field="question", completion_field="answer",
+                val_fraction=0.1)
+    assert len(data.train) == 36 and len(data.val) == 4
+    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,
+                      position="learned")  # absolute: positions must restart
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(int(rng.integers(1 << 30))), np.zeros((1, 4), np.int32))["params"]
+    batch = data.train_batch(seed=int(rng.integers(1 << 30)), step=3, batch_size=4, seq_len=24)
+    total, count = (float(x) for x in jax.jit(lambda p, b: loss_sums(model, p, b))(params, batch))
+    # each record of the batch alone: its completion tokens' NLL in float64
+    want, n = 0.0, 0
+    for r in range(4):
+        for seg in range(1, int(batch["segment_ids"][r].max()) + 1):
+            at = batch["segment_ids"][r] == seg
+            ids = np.concatenate([batch["inputs"][r][at], batch["targets"][r][at][-1:]])
+            logits = np.float64(model.apply({"params": params}, ids[None, :-1])[0])
+            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                   keepdims=True)) - logits.max(-1, keepdims=True)
+            prompt_len = bytes(ids.tolist()).decode().index("?") + 1  # prompts end at "?"
+            for i in range(prompt_len - 1, len(ids) - 1):  # completion targets only
+                want -= logp[i, ids[i + 1]]
+                n += 1
+    assert count == n
+    np.testing.assert_allclose(total, want, rtol=2e-6)
+
+
+def test_bad_records_are_named(tmp_path):
+    bad = [([{"prompt": "a", "completion": ""}], r"d.jsonl:1: the completion is empty"),
+           ([{"prompt": "a", "completion": "b"}, {"prompt": "a"}],
+            r"d.jsonl:2: field 'completion' is missing"),
+           ([{"prompt": 3, "completion": "b"}], r"d.jsonl:1: field 'prompt' is int, not text")]
+    for records, match in bad:
+        path = write_jsonl(tmp_path / "d.jsonl", records)
+        with pytest.raises(DataError, match=match):
+            load(path, tmp_path)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="holds no completion tokens"):
+        load(tmp_path / "empty.jsonl", tmp_path)
+    with pytest.raises(ConfigError, match="reads a .jsonl or .parquet file"):
+        load(tmp_path, tmp_path)
+
+
+def test_parquet_records(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"prompt": ["ab", "x"], "completion": ["cd", "yz"]}),
+                   tmp_path / "d.parquet")
+    data = load(tmp_path / "d.parquet", tmp_path, val_fraction=0.0)
+    batch = data.train_batch(seed=0, step=0, batch_size=2, seq_len=8)
+    assert set(batch["loss_mask"].sum(1)) == {4.0}  # both rows hold the one packed row
+    with pytest.raises(DataError, match="no column 'answer'"):
+        load(tmp_path / "d.parquet", tmp_path, completion_field="answer")
