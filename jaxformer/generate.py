@@ -45,13 +45,16 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     return cfg, state.params
 
 
-def load_run(run_dir: str, *, best: bool = False):
-    """(model, params, tokenizer) of a training run directory."""
+def load_run(run_dir: str, *, best: bool = False, member: int | None = None):
+    """(model, params, tokenizer) of a training run directory (a sweep's: adapter
+    `member`'s)."""
+    from jaxformer import lora
     from jaxformer.data import load_tokenizer
     from jaxformer.model import Transformer
 
     cfg, params = load_run_params(run_dir, best=best)
-    return Transformer(cfg.model), params, load_tokenizer(run_dir)
+    m, params = lora.pick_member(cfg.model.lora, params, member)
+    return Transformer(cfg.model.replace(lora=m)), params, load_tokenizer(run_dir)
 
 
 def main(argv=None) -> int:
@@ -65,13 +68,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--beam-width", type=int, default=None, help="beam search instead of sampling")
     p.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
+    p.add_argument("--member", type=int, default=None, help="a sweep run's adapter")
     a = p.parse_args(argv)
 
     from jaxformer.decoding import beam_search, generate
     from jaxformer.training.checkpoint import CheckpointError
     from jaxformer.training.loop import continuation_text
     try:
-        model, params, tok = load_run(a.run, best=a.best)
+        model, params, tok = load_run(a.run, best=a.best, member=a.member)
         prompt = np.asarray(tok.encode(a.prompt), np.int32)[None]
         if prompt.shape[1] == 0:
             raise ValueError("the prompt is empty; give at least one character")

@@ -29,7 +29,8 @@ from jaxformer.validation import ConfigError, Section, check_number
 ATTENTION = ("query", "key", "value", "out")
 MLP = ("wi", "wi_gate", "wi_up", "wo")
 GROUPS = {"attention": ATTENTION, "mlp": MLP, "all": ATTENTION + MLP}
-PARAMS = ("lora_a", "lora_b")  # the two leaves of an adapter
+PARAMS = ("lora_a", "lora_b")  # an adapter's trained leaves
+SCALE = "lora_scale"           # and its frozen alpha / r
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +47,34 @@ class LoRAConfig(Section):
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("all",)
+    seed: int = 0
+    sweep_rank: tuple[int, ...] = ()
+    sweep_seeds: int = 1
 
     SECTION = "model.lora"
 
     def __post_init__(self):
         o = self.SECTION
+        ranks = self.sweep_rank
+        if isinstance(ranks, (str, int)):
+            ranks = [r for r in str(ranks).split(",") if r.strip()]
+        try:
+            object.__setattr__(self, "sweep_rank", tuple(int(r) for r in ranks))
+        except (TypeError, ValueError):
+            raise ConfigError(f"model.lora.sweep_rank={self.sweep_rank!r} must be ranks, e.g. "
+                              "4,8,16") from None
+        if any(r < 1 for r in self.sweep_rank):
+            raise ConfigError(f"model.lora.sweep_rank={list(self.sweep_rank)}: ranks are >= 1")
+        check_number(o, "seed", self.seed, int, low=0)
+        check_number(o, "sweep_seeds", self.sweep_seeds, int, low=1)
+        if self.sweep_rank and self.rank not in (0, max(self.sweep_rank)):
+            raise ConfigError(f"model.lora.rank={self.rank} with sweep_rank="
+                              f"{list(self.sweep_rank)}: leave rank out (it is the largest)")
+        if self.sweep_rank:
+            object.__setattr__(self, "rank", max(self.sweep_rank))
         check_number(o, "rank", self.rank, int, low=0)
+        if self.sweep_seeds > 1 and not self.rank:
+            raise ConfigError("model.lora.sweep_seeds needs adapters: set model.lora.rank")
         check_number(o, "alpha", self.alpha, float, low=0, low_open=True)
         check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
         targets = self.targets
@@ -68,6 +91,15 @@ class LoRAConfig(Section):
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def members(self) -> tuple["LoRAConfig", ...]:
+        """The adapters a sweep trains side by side (each rank, then each seed); one
+        adapter, this one, without a sweep."""
+        if not self.sweep_rank and self.sweep_seeds == 1:
+            return (self,)
+        return tuple(dataclasses.replace(self, rank=r, seed=self.seed + s, sweep_rank=(),
+                                         sweep_seeds=1)
+                     for r in (self.sweep_rank or (self.rank,)) for s in range(self.sweep_seeds))
+
     def projections(self) -> frozenset[str]:
         """The targeted projection names, groups expanded (none at rank 0)."""
         if not self.rank:
@@ -75,12 +107,18 @@ class LoRAConfig(Section):
         return frozenset(p for t in self.targets for p in GROUPS.get(t, (t,)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "targets": list(self.targets)}
+        return {**super().to_dict(), "targets": list(self.targets),
+                "sweep_rank": list(self.sweep_rank)}
 
 
-def _uniform(bound: float):
+def _uniform_columns(bound: float, seed: int):
+    """U(-bound, bound) drawn column by column (the last axis: the rank), so the first r
+    columns of a rank-R adapter are those of a rank-r one with the same seed."""
     def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
+        key = jax.random.fold_in(key, seed)
+        cols = [jax.random.uniform(jax.random.fold_in(key, j), shape[:-1], dtype, -bound, bound)
+                for j in range(shape[-1])]
+        return jnp.stack(cols, axis=-1)
     return init
 
 
@@ -100,18 +138,22 @@ class LoRA(nn.Module):
     def __call__(self, x):
         n, r = self.in_axes, self.cfg.rank
         fan_in = math.prod(x.shape[-n:])
-        a = self.param("lora_a", init_with_names(_uniform(1 / math.sqrt(fan_in)),
+        a = self.param("lora_a", init_with_names(_uniform_columns(1 / math.sqrt(fan_in),
+                                                                  self.cfg.seed),
                                                  *self.names[:n], "lora_rank"),
                        (*x.shape[-n:], r), self.param_dtype)
         b = self.param("lora_b", init_with_names(nn.initializers.zeros, "lora_rank",
                                                  *self.names[n:]),
                        (r, *self.out_shape), self.param_dtype)
+        # alpha / r as a (frozen) param: a sweep's adapters each carry their own
+        scale = self.param("lora_scale", init_with_names(nn.initializers.constant(
+            self.cfg.scale)), (), jnp.float32)
         x = nn.Dropout(self.cfg.dropout)(x, deterministic=self.deterministic)
         x, a, b = (t.astype(self.dtype) for t in (x, a, b))
         z = flat_dot_general(x, a, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))),
                                     ((), ())))  # [B, T, r]
         y = flat_dot_general(z, b, (((z.ndim - 1,), (0,)), ((), ())))  # [B, T, out...]
-        return y * jnp.asarray(self.cfg.scale, y.dtype)
+        return y * scale.astype(y.dtype)
 
 
 def adapted(module: nn.Module, cfg: LoRAConfig, name: str, y, x, in_axes: int,
@@ -126,22 +168,29 @@ def adapted(module: nn.Module, cfg: LoRAConfig, name: str, y, x, in_axes: int,
 
 # ---- the params tree: adapters against base ------------------------------------------
 
-def is_adapter(path) -> bool:
-    """A params-tree path (a tuple of keys) leading to an adapter's A or B."""
+def _leaf(path) -> str:
     last = path[-1]
-    return getattr(last, "key", last) in PARAMS
+    return getattr(last, "key", last)
 
 
-def partition(params) -> tuple[dict, dict]:
-    """(adapters, base): the params tree split into two trees with disjoint leaves."""
+def is_adapter(path) -> bool:
+    """A params-tree path (a tuple of keys) leading to an adapter's A or B (trained)."""
+    return _leaf(path) in PARAMS
+
+
+def partition(params, *, scales: bool = False) -> tuple[dict, ...]:
+    """(adapters, base): the params tree split into trees with disjoint leaves, A and B
+    against the rest; with scales, (adapters, scales, base): each adapter's alpha / r
+    apart too (a sweep's, one per member, like its adapters)."""
     flat = _flatten(params)
-    return (_unflatten({k: v for k, v in flat.items() if is_adapter(k)}),
-            _unflatten({k: v for k, v in flat.items() if not is_adapter(k)}))
+    group = lambda k: 0 if is_adapter(k) else 1 if scales and _leaf(k) == SCALE else 2  # noqa
+    parts = [_unflatten({k: v for k, v in flat.items() if group(k) == g}) for g in range(3)]
+    return tuple(parts) if scales else (parts[0], parts[2])
 
 
-def combine(adapters, base) -> dict:
+def combine(*trees) -> dict:
     """The inverse of partition."""
-    return _unflatten({**_flatten(base), **_flatten(adapters)})
+    return _unflatten({k: v for t in trees for k, v in _flatten(t).items()})
 
 
 def _flatten(tree) -> dict:
@@ -164,18 +213,50 @@ def delta(a, b, kernel_ndim: int, scale: float, xp=jnp):
     return scale * d.reshape(*a.shape[:-1], *b.shape[lead + 1:])
 
 
-def merge(params, cfg: LoRAConfig, xp=np) -> dict:
+def merge(params, cfg: LoRAConfig | None = None, xp=np) -> dict:
     """The params with every adapter folded into its kernel (W + scale A B, computed in
     float64 with NumPy by default) and the adapters removed: the model without LoRA."""
     flat = _flatten(params)
-    out = {k: v for k, v in flat.items() if not is_adapter(k)}
+    out = {k: v for k, v in flat.items() if not is_adapter(k) and k[-1] != SCALE}
+    f64 = (lambda x: xp.asarray(x, xp.float64)) if xp is np else xp.asarray
     for k in flat:
         if k[-1] != "lora_a":
             continue
         module = k[:-2] + (k[-2][:-len("_lora")], "kernel")  # attn/query_lora -> attn/query
         kernel = flat[module]
-        d = delta(xp.asarray(flat[k], xp.float64 if xp is np else None),
-                  xp.asarray(flat[k[:-1] + ("lora_b",)], xp.float64 if xp is np else None),
-                  kernel.ndim, cfg.scale, xp)
+        d = delta(f64(flat[k]), f64(flat[k[:-1] + ("lora_b",)]), kernel.ndim, 1.0, xp)
+        scale = f64(flat[k[:-1] + (SCALE,)])  # [] or [L] (scanned)
+        d = d * scale.reshape(scale.shape + (1,) * (d.ndim - scale.ndim))
         out[module] = (xp.asarray(kernel, d.dtype) + d).astype(kernel.dtype)
     return _unflatten(out)
+
+
+def member(cfg: LoRAConfig, params, i: int) -> tuple[LoRAConfig, dict]:
+    """A sweep's adapter i alone: its LoRAConfig, and params with its A and B (cut to its
+    rank) and scale in place of the stacked ones."""
+    m = cfg.members()[i]
+    flat = _flatten(params)
+    for k, v in flat.items():
+        if _leaf(k) in PARAMS + (SCALE,):
+            v = v[i]
+            if _leaf(k) == "lora_a":
+                v = v[..., :m.rank]
+            elif _leaf(k) == "lora_b":  # [L.., r, out...], L..: the scanned layers
+                v = v[(slice(None),) * (k[0] == "blocks") + (slice(0, m.rank),)]
+            flat[k] = v
+    return m, _unflatten(flat)
+
+
+def pick_member(cfg: LoRAConfig, params, i: int | None) -> tuple[LoRAConfig, dict]:
+    """member(cfg, params, i) for a sweep (i required); cfg and params as they are for one
+    adapter (i must be None)."""
+    members = cfg.members()
+    if len(members) == 1:
+        if i is not None:
+            raise ConfigError("--member picks one adapter of a sweep; this run has one")
+        return cfg, params
+    if i is None or not 0 <= i < len(members):
+        raise ConfigError(f"the run is a sweep of {len(members)} adapters (" + ", ".join(
+            f"{j}: rank {m.rank} seed {m.seed}" for j, m in enumerate(members)) +
+            "); pick one with --member I")
+    return member(cfg, params, i)

@@ -95,6 +95,8 @@ def coerce(value: Any, type_name: str, key: str) -> Any:
         return value
     if value.lower() in ("none", "null", "~") and "None" in type_name:
         return None
+    if type_name.startswith("tuple"):  # 'a,b' from the command line: the field splits it
+        return value
     try:
         if "int" in type_name and "float" not in type_name:
             return int(value)

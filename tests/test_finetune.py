@@ -92,7 +92,8 @@ def test_a_run_from_a_runs_step_with_lora_starts_from_its_weights(corpus, tmp_pa
     train(b, log=lambda *m: None)
     want = flatten_dict(jax.device_get(restored_state(a, tmp_path / "a", step=2).params))
     first = restored_state(b, tmp_path / "b", step=1)  # lr 0 at its first step
-    adapters, base = (flatten_dict(jax.device_get(t)) for t in lora.partition(first.params))
+    adapters, _, base = (flatten_dict(jax.device_get(t))
+                         for t in lora.partition(first.params, scales=True))
     got = base
     for k, v in got.items():
         if k[0].startswith("block_"):

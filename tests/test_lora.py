@@ -35,7 +35,8 @@ def init(cfg, random_b=True):
 def merged_by_hand(params, cfg):
     """W + (alpha / r) A B in float64 for every adapter, written out; adapters dropped."""
     flat = flatten_dict(jax.device_get(params))
-    out = {k: np.float64(v) for k, v in flat.items() if k[-1] not in ("lora_a", "lora_b")}
+    out = {k: np.float64(v) for k, v in flat.items()
+           if k[-1] not in ("lora_a", "lora_b", "lora_scale")}
     r = cfg.lora.rank
     for k, a in flat.items():
         if k[-1] != "lora_a":
@@ -68,7 +69,7 @@ def test_forward_equals_the_merged_weights_in_float64(kw):
     want = Transformer(plain).apply({"params": ref_params}, tokens)
     out = Transformer(cfg).apply({"params": params}, tokens)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    assert np.max(np.abs(out - Transformer(plain).apply({"params": lora.partition(params)[1]},
+    assert np.max(np.abs(out - Transformer(plain).apply({"params": lora.partition(params, scales=True)[2]},
                                                          tokens))) > 1e-3  # the update shows
 
 
@@ -131,3 +132,46 @@ def test_lora_settings_are_checked():
     with pytest.raises(ConfigError, match="model.lora.rank"):
         small(lora={"rank": -1})
     assert not lora.partition(init(small(lora={"rank": 0}))[1])[0]  # rank 0: no adapters
+
+
+def test_a_vmapped_sweep_equals_separate_runs_adapter_by_adapter():
+    """Ranks 1 and 3 times seeds 0 and 1 (four adapters) trained as one vmapped step equal
+    separate runs over the same batches: losses and adapters, step by step. Clipping
+    at a norm the first step exceeds checks that each member is clipped by its own norm."""
+    from jaxformer.training.config import OptimConfig
+    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.step import init_state
+
+    cfg = small(lora={"sweep_rank": "1,3", "sweep_seeds": 2, "alpha": 4.0}, scan_layers=True,
+                dropout=0.1)
+    members = cfg.lora.members()
+    assert [(m.rank, m.seed) for m in members] == [(1, 0), (1, 1), (3, 0), (3, 1)]
+    # eps 1e-4: Adam divides by sqrt(v) + eps, and A's first gradients are ~0 (B = 0), whose
+    # rounding would otherwise be blown up to a full step
+    ocfg = OptimConfig(lr=3e-2, warmup_steps=0, clip_norm=0.05, eps=1e-4)
+    batches = []
+    for _ in range(3):
+        toks = rng.integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
+        batches.append({"inputs": toks[:, :-1], "targets": toks[:, 1:],
+                        "loss_mask": np.ones((2, 12), np.float32)})
+
+    def run(cfg):
+        tx, schedule = make_optimizer(ocfg, cfg, 3)
+        model = Transformer(cfg)
+        state, step, out = init_state(model, tx, 7), make_train_step(model, tx, schedule), []
+        for b in batches:
+            state, m = step(state, b)
+            out.append(np.asarray(m["loss"]))
+        return np.stack(out, -1), state.params
+
+    losses, params = run(cfg)
+    assert losses.shape == (4, 3)
+    for i in (1, 2):  # (rank 1, seed 1) and (rank 3, seed 0): each differs from member 0
+        alone_losses, alone = run(cfg.replace(lora=members[i]))
+        np.testing.assert_allclose(losses[i], alone_losses, rtol=2e-6)
+        got = flatten_dict(jax.device_get(lora.member(cfg.lora, params, i)[1]))
+        for k, v in flatten_dict(jax.device_get(alone)).items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=2e-6, err_msg=str((i, k)))
+    # the padding stayed 0: member 0 (rank 1) holds zeros in A's columns 1, 2
+    a = flatten_dict(jax.device_get(params))[("blocks", "attn", "query_lora", "lora_a")]
+    assert a.shape[-1] == 3 and not a[0, ..., 1:].any() and a[2, ..., 1:].any()

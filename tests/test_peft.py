@@ -33,7 +33,7 @@ def test_peft_loads_the_adapters_as_the_merged_export(name, tmp_path):
                                 max_seq_len=64), **kw,
                          "lora": {"rank": 3, "alpha": 6.0, **kw.get("lora", {})}})
     params = init_params(cfg, std=0.1)
-    base_cfg, base = cfg.replace(lora=lora.LoRAConfig()), lora.partition(params)[1]
+    base_cfg, base = cfg.replace(lora=lora.LoRAConfig()), lora.partition(params, scales=True)[2]
     assert to_hf(base_cfg, base, tmp_path / "base")["model_type"] == name
     to_hf(cfg, params, tmp_path / "merged")
     config = to_peft(cfg, params, tmp_path / "adapter")

@@ -119,14 +119,23 @@ def load_run_params(path: str, *, best: bool = False):
     return cfg, params, src
 
 
+def one_member(cfg, params, member: int | None):
+    """A run's config and params as one adapter's (jaxformer.lora.pick_member)."""
+    from jaxformer import lora
+
+    m, params = lora.pick_member(cfg.model.lora, params, member)
+    return dataclasses.replace(cfg, model=cfg.model.replace(lora=m)), params
+
+
 def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layout="half",
-              max_shard_bytes=None, log=print) -> dict:
+              max_shard_bytes=None, member=None, log=print) -> dict:
     import json
 
     from jaxformer.convert import to_hf
     from jaxformer.data import HFTokenizer, load_tokenizer
 
     cfg, params, run = load_run_params(path, best=best)
+    cfg, params = one_member(cfg, params, member)
     tok = load_tokenizer(run) if (run / "tokenizer.json").is_file() else None
     hf_tok = isinstance(tok, HFTokenizer)  # the byte tokenizer has no HF form
     extra = {"eos_token_id": tok.eot_id} if hf_tok and tok.eot_id is not None else {}
@@ -143,12 +152,13 @@ def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layou
 
 
 def to_peft_run(path: str, peft_dir: str, *, best=False, base_model=None, rope_layout="half",
-                log=print) -> dict:
+                member=None, log=print) -> dict:
     import json
 
     from jaxformer.convert.peft import to_peft
 
     cfg, params, run = load_run_params(path, best=best)
+    cfg, params = one_member(cfg, params, member)
     base_model = base_model or cfg.train.init_from
     config = to_peft(cfg.model, params, peft_dir, base_model=base_model, rope_layout=rope_layout)
     log(f"{path} -> {peft_dir}: adapter_config.json, adapter_model.safetensors")
@@ -181,6 +191,9 @@ def main(argv=None) -> int:
     c.add_argument("--base-model", default=None,
                    help="base_model_name_or_path to record (e.g. the HF folder it started from)")
     c.add_argument("--rope-layout", default="half", choices=("half", "interleaved"))
+    for s in (b, c):
+        s.add_argument("--member", type=int, default=None,
+                       help="a sweep run's adapter (model.lora.sweep_rank / sweep_seeds)")
     for s in (a, b):
         s.add_argument("--dtype", default=None, help="weights dtype (default float32)")
         s.add_argument("--rope-layout", default="half", choices=("half", "interleaved"),
@@ -195,11 +208,11 @@ def main(argv=None) -> int:
                         scan_layers=args.scan_layers, rope_layout=args.rope_layout)
         elif args.command == "to-peft":
             to_peft_run(args.run, args.peft_dir, best=args.best, base_model=args.base_model,
-                        rope_layout=args.rope_layout)
+                        rope_layout=args.rope_layout, member=args.member)
         else:
             shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
             to_hf_run(args.run, args.hf_dir, best=args.best, dtype=args.dtype or "float32",
-                      rope_layout=args.rope_layout, max_shard_bytes=shard)
+                      rope_layout=args.rope_layout, max_shard_bytes=shard, member=args.member)
     except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -317,7 +317,7 @@ def merged_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
             return w
         adapter = path[:-2] + (path[-2] + "_lora",)
         d = lora.delta(np.float64(get(adapter + ("lora_a",))), np.float64(get(adapter + ("lora_b",))),
-                       w.ndim, cfg.lora.scale, np)
+                       w.ndim, float(get(adapter + (lora.SCALE,))), np)
         return (w.astype(np.float64) + d).astype(w.dtype)
 
     return merged

@@ -8,7 +8,8 @@ reorders rows for a RoPE layout. Every such rule is linear in our kernels and le
 their input axes alone, so the HF weight's update is exactly B' A' with A' our adapters'
 A stacked ([k r, in] for the k of ours that feed it) and B' = (rule applied to the
 updates) A'^+ (A' has full row rank). A fused weight so gets rank k r (PEFT's
-rank_pattern and alpha_pattern, keeping alpha / r). The factorisation is checked.
+rank_pattern), and each module the alpha its adapters' lora_scale gives (alpha_pattern
+where that is not model.lora.alpha). The factorisation is checked.
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
     model_type = config_to_hf(plain)["model_type"]
     family = model_family(model_type)
     rules = rules_for(family, plain, rope_layout, model_type)
-    raw, r, scale = param_getter(cfg, params), cfg.lora.rank, cfg.lora.scale
-    tensors, ranks = {}, {}
+    raw, r = param_getter(cfg, params), cfg.lora.rank
+    tensors, ranks, alphas = {}, {}, {}
     for rule in rules:
         adapted = [p for p in rule.ours if p[-1] == "kernel" and p[-2] in cfg.lora.projections()]
         if not adapted:
             continue
-        updates = [_update(raw, p, scale) if p in adapted else np.zeros_like(raw(p), np.float64)
+        updates = [_update(raw, p) if p in adapted else np.zeros_like(raw(p), np.float64)
                    for p in rule.ours]
+        scale = float(raw(_adapter(adapted[0], lora.SCALE)))  # PEFT's lora_alpha / r
         a = np.concatenate([np.float64(raw(_adapter(p, "lora_a"))).reshape(-1, r).T
                             for p in adapted])  # [k r, in]
         for name, w in zip(rule.hf, rule.to_hf(*updates)):
@@ -57,7 +59,7 @@ def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
             for leaf, x in (("lora_A", a), ("lora_B", b / scale)):  # safetensors writes the
                 tensors[f"base_model.model.{module}.{leaf}.weight"] = \
                     np.ascontiguousarray(x.astype(dtype))  # buffer: a transpose needs a copy
-            ranks[module] = a.shape[0]
+            ranks[module], alphas[module] = a.shape[0], scale * a.shape[0]
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
@@ -66,7 +68,8 @@ def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
               "target_modules": sorted(ranks), "fan_in_fan_out": family == "gpt2",
               "bias": "none", "base_model_name_or_path": base_model, "inference_mode": True,
               "rank_pattern": {m: k for m, k in ranks.items() if k != r},
-              "alpha_pattern": {m: cfg.lora.alpha * k / r for m, k in ranks.items() if k != r},
+              "alpha_pattern": {m: a for m, a in alphas.items()
+                                if not np.isclose(a, cfg.lora.alpha, rtol=1e-6, atol=0)},
               "use_rslora": False, "use_dora": False, "modules_to_save": None}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return config
@@ -76,9 +79,11 @@ def _adapter(kernel_path, leaf):
     return kernel_path[:-2] + (kernel_path[-2] + "_lora", leaf)
 
 
-def _update(raw, kernel_path, scale) -> np.ndarray:
-    """The kernel's update (alpha / r) A B in float64, shaped like the kernel."""
+def _update(raw, kernel_path) -> np.ndarray:
+    """The kernel's update (alpha / r) A B in float64, shaped like the kernel (the scale is
+    the adapter's lora_scale)."""
     w = raw(kernel_path)
     return lora.delta(np.float64(raw(_adapter(kernel_path, "lora_a"))),
-                      np.float64(raw(_adapter(kernel_path, "lora_b"))), w.ndim, scale, np)
+                      np.float64(raw(_adapter(kernel_path, "lora_b"))), w.ndim,
+                      float(raw(_adapter(kernel_path, lora.SCALE))), np)
 

@@ -21,8 +21,8 @@ def load_initial(spec: str, cfg: ModelConfig, params, param_shardings, mesh, rul
     """params (a fresh init, for its LoRA adapters) with the base replaced by the source's
     weights, in `param_shardings`."""
     src = parse_source(spec)
-    adapters, _ = lora.partition(params)
-    base_shardings = lora.partition(param_shardings)[1]
+    adapters, scales, _ = lora.partition(params, scales=True)
+    base_shardings = lora.partition(param_shardings, scales=True)[2]
     if src.kind == "hf":
         from jaxformer.convert.hf import from_hf
         _, base = from_hf(src.path, dtype=cfg.param_dtype, shardings=base_shardings,
@@ -31,7 +31,7 @@ def load_initial(spec: str, cfg: ModelConfig, params, param_shardings, mesh, rul
         base = _run_weights(src, cfg, base_shardings, mesh, rules)
     log(f"init_from {spec}: {sum(x.size for x in jax.tree.leaves(base)):,} weights loaded "
         f"({src.kind}); {sum(x.size for x in jax.tree.leaves(adapters)):,} adapter params fresh")
-    return lora.combine(adapters, base)
+    return lora.combine(adapters, scales, base)
 
 
 def _run_weights(src: Source, cfg: ModelConfig, base_shardings, mesh, rules):

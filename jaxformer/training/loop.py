@@ -69,9 +69,12 @@ def evaluate(eval_step, params, tokens, docs, cfg: RunConfig, place=lambda b: b,
     for batch in batches(batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                          max_batches=cfg.train.eval_batches, pack=cfg.data.pack, rows=rows):
         t, c = eval_step(params, place(batch))
-        total, count = total + float(t), count + float(c)
-    loss = total / max(count, 1.0)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        total, count = total + np.asarray(t, np.float64), count + float(c)
+    loss = total / max(count, 1.0)  # [S] for a sweep of adapters: each one's, and the mean
+    out = {"val_loss": float(np.mean(loss)), "val_ppl": math.exp(min(float(np.mean(loss)), 50.0))}
+    if np.ndim(loss):
+        out["val_losses"] = [float(x) for x in loss]
+    return out
 
 
 def _progress(total, initial, enabled):
@@ -145,15 +148,7 @@ class _Run:
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_step = flops_per_token(mcfg, t.seq_len) * self.tokens_per_step
         self.peak, peak_source = peak_flops(mcfg.dtype)
-        log(f"data: {data.source}; train {data.token_counts[0]:,} tokens, "
-            f"val {data.token_counts[1]:,}")
-        trained = sum(x.size for x in jax.tree.leaves(trained_part(self.state.params)[0]))
-        log(f"model: {count_params(mcfg):,} params ({trained:,} trained); {t.steps} steps x "
-            f"{self.tokens_per_step:,} tokens; peak {self.peak / 1e9:,.0f} GFLOP/s "
-            f"({peak_source}); run dir {run_dir}")
-        log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} "
-            f"device(s), {jax.process_count()} process(es); params per device "
-            f"{per_device_bytes(self.state.params) / 2**20:,.1f} MiB")
+        self.log_setup(mesh, peak_source)
         self.train_step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
                                           mesh=mesh, rules=rules, shardings=shardings)
         self.eval_step = make_eval_step(model, mesh=mesh, rules=rules,
@@ -164,6 +159,23 @@ class _Run:
         self.best = self.ckpt.best_val_loss()  # carried across resumes
         self.summary: dict = {"run_dir": str(run_dir), "start_step": self.start}
         self.window = {"t0": time.perf_counter(), "losses": []}
+
+    def log_setup(self, mesh, peak_source):
+        """What the run is about to do: data, model, sweep, mesh."""
+        log, data, t, mcfg = self.log, self.data, self.cfg.train, self.cfg.model
+        log(f"data: {data.source}; train {data.token_counts[0]:,} tokens, "
+            f"val {data.token_counts[1]:,}")
+        trained = sum(x.size for x in jax.tree.leaves(trained_part(self.state.params)[0]))
+        log(f"model: {count_params(mcfg):,} params ({trained:,} trained); {t.steps} steps x "
+            f"{self.tokens_per_step:,} tokens; peak {self.peak / 1e9:,.0f} GFLOP/s "
+            f"({peak_source}); run dir {self.run_dir}")
+        if len(mcfg.lora.members()) > 1:
+            log(f"sweep: {len(mcfg.lora.members())} LoRA adapters side by side, one vmapped "
+                "step (losses in this order): " + ", ".join(
+                    f"rank {m.rank} seed {m.seed}" for m in mcfg.lora.members()))
+        log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} "
+            f"device(s), {jax.process_count()} process(es); params per device "
+            f"{per_device_bytes(self.state.params) / 2**20:,.1f} MiB")
 
     def batch_at(self, step):
         t = self.cfg.train
@@ -221,29 +233,32 @@ class _Run:
         has run too: timing to `now` would count it in step k's window, and leave the
         last window a step short (it logged 1e8 tokens/s)."""
         t, window, bar = self.cfg.train, self.window, self.bar
-        m = jax.device_get(m)
+        m = jax.device_get(m)  # a sweep's metrics are [S]: one per adapter
         end = time.perf_counter() if end is None else end
-        window["losses"].append(float(m["loss"]))
-        if int(m["consecutive_skips"]) >= self.cfg.optim.max_skips:
+        window["losses"].append(np.asarray(m["loss"], np.float64))
+        if int(np.max(m["consecutive_skips"])) >= self.cfg.optim.max_skips:
             self.ckpt.save(int(self.state.step), self.state, self.cfg.model)
             raise TrainingStopped(
-                f"{int(m['consecutive_skips'])} consecutive steps had non-finite gradients "
+                f"{int(np.max(m['consecutive_skips']))} consecutive steps had non-finite gradients "
                 f"(up to step {done_step}); params are unchanged since the last good step and "
                 f"saved in {self.run_dir}/checkpoints. Lower optim.lr or check the data.")
         if done_step % t.log_every == 0 or done_step == t.steps:
             n, elapsed = len(window["losses"]), end - window["t0"]
             tok_s = n * self.tokens_per_step / elapsed
-            rec = {"step": done_step, "loss": float(np.mean(window["losses"])),
-                   "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                   "skipped": int(m["skipped"]), "tokens_per_s": tok_s,
+            losses = np.mean(window["losses"], axis=0)
+            rec = {"step": done_step, "loss": float(np.mean(losses)),
+                   "lr": float(np.max(m["lr"])), "grad_norm": float(np.max(m["grad_norm"])),
+                   "skipped": int(np.sum(m["skipped"])), "tokens_per_s": tok_s,
                    "mfu": self.flops_per_step * n / elapsed / self.peak}
+            if losses.ndim:
+                rec["losses"] = [float(x) for x in losses]
             self.metrics.write(rec)
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
             window.update(t0=end, losses=[])
         if bar is not None:
             bar.update(done_step - bar.n)
-        return float(m["loss"])
+        return float(np.mean(m["loss"]))
 
     def finish(self, stopped_early: bool) -> dict:
         """The last save; then, unless stopped early, the final evaluation and a sample.
@@ -262,7 +277,7 @@ class _Run:
             summary.update(ev)
             log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) "
                 f"at step {end_step}")
-        if not stopped_early and cfg.train.sample_tokens:  # every process decodes
+        if not stopped_early and cfg.train.sample_tokens and len(cfg.model.lora.members()) == 1:
             text = sample_text(self.model, self.state.params, self.data.tokenizer, cfg)
             if text is None:
                 log("no sample: train.sample_prompt is empty or fills model.max_seq_len")

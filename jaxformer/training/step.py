@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxformer import lora
 from jaxformer.model import Transformer
 from jaxformer.ring import zigzag_batch
+from jaxformer.training.sweep import member_losses, members, sweep_params, sweep_specs
 from jaxformer.sharding import (batch_sharding, constrain, logical_axes, sequence_split,
                                 shardings_for, traced_under)
 
@@ -26,12 +27,17 @@ class TrainState:
 
 
 def _init_fn(model: Transformer, tx: optax.GradientTransformation):
+    sweep = members(model) > 1  # several LoRA adapters side by side (training/sweep.py)
+
     def init(key):
         init_key, rng = jax.random.split(key)
         tokens = jnp.zeros((1, min(8, model.cfg.max_seq_len)), jnp.int32)
-        params = model.init(init_key, tokens)["params"]
+        params = (sweep_params(model, init_key, tokens) if sweep
+                  else model.init(init_key, tokens)["params"])
+        trained = trained_part(params)[0]
         return TrainState(step=jnp.zeros([], jnp.int32), params=params,
-                          opt_state=tx.init(trained_part(params)[0]), rng=rng)
+                          opt_state=jax.vmap(tx.init)(trained) if sweep else tx.init(trained),
+                          rng=rng)
     return init
 
 
@@ -57,7 +63,9 @@ def state_shardings(model: Transformer, tx: optax.GradientTransformation, mesh, 
     """NamedShardings of a TrainState: params by their logical names and `rules`, the
     optimizer's per-param moments like their params, scalars replicated."""
     abstract = abstract_state(model, tx)
-    params = shardings_for(logical_axes(model), abstract.params, mesh, rules)
+    specs = logical_axes(model)
+    params = shardings_for(sweep_specs(specs) if members(model) > 1 else specs,
+                           abstract.params, mesh, rules)
     replicated = NamedSharding(mesh, P())
     opt_state = optax.tree_utils.tree_map_params(
         tx, lambda _, s: s, abstract.opt_state, trained_part(params)[0],
@@ -97,6 +105,26 @@ def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+def gradient_sums(model: Transformer, trained, frozen, batch, rng):
+    """(summed loss, token count, gradient of the summed loss) with respect to the trained
+    part alone (a frozen base gets none); a sweep's losses are [S], each member's
+    gradient its own loss's (the members share no trained param)."""
+    def loss(params):
+        return loss_sums(model, params, batch,
+                         dropout_rng=rng if model.cfg.dropout > 0 else None)
+
+    if members(model) == 1:
+        (total, count), grads = jax.value_and_grad(
+            lambda t: loss(joined(t, frozen)), has_aux=True)(trained)
+        return total, count, grads
+
+    def summed(t):
+        totals, count = member_losses(loss, t, frozen)  # [S]
+        return jnp.sum(totals), (totals, count)
+    (_, (total, count)), grads = jax.value_and_grad(summed, has_aux=True)(trained)
+    return total, count, grads
+
+
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedule, *,
                     grad_accum: int = 1, mesh=None, rules=None, shardings=None):
     """A jitted step(state, batch) -> (state, metrics), donating the old state.
@@ -107,14 +135,10 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
     With a mesh, the step is traced under its rules; `shardings` (state_shardings) pins the
     state's layout in and out, and batches are split over data x fsdp.
     """
-    use_dropout = model.cfg.dropout > 0
+    sweep = members(model) > 1
 
     def grad_sums(trained, frozen, micro, rng):
-        def f(t):  # the gradient of the trained part alone: a frozen base gets none
-            return loss_sums(model, joined(t, frozen), micro,
-                             dropout_rng=rng if use_dropout else None)
-        (total, count), grads = jax.value_and_grad(f, has_aux=True)(trained)
-        return total, count, grads
+        return gradient_sums(model, trained, frozen, micro, rng)
 
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
@@ -131,15 +155,18 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
                 t, c, g = grad_sums(trained, frozen, mb, jax.random.fold_in(rng, i))
                 return jax.tree.map(jnp.add, carry, (t, c, g)), None
 
-            zeros = (jnp.zeros([]), jnp.zeros([]), jax.tree.map(jnp.zeros_like, trained))
+            zeros = (jnp.zeros([members(model)] if sweep else []), jnp.zeros([]),
+                     jax.tree.map(jnp.zeros_like, trained))
             (total, count, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, trained)
+        update, norm = (jax.vmap(tx.update), jax.vmap(optax.tree.norm)) if sweep else \
+            (tx.update, optax.tree.norm)  # a sweep: each member's own update
+        updates, opt_state = update(grads, state.opt_state, trained)
         params = joined(optax.apply_updates(trained, updates), frozen)
-        metrics = {
+        metrics = {  # each [S] for a sweep
             "loss": total / count,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": norm(grads),
             "lr": schedule(state.step - opt_state.total_notfinite),
             "skipped": jnp.logical_not(opt_state.last_finite).astype(jnp.int32),
             "consecutive_skips": opt_state.notfinite_count,
@@ -155,8 +182,10 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
 
 
 def make_eval_step(model: Transformer, *, mesh=None, rules=None, param_shardings=None):
-    """A jitted eval(params, batch) -> (summed loss, token count)."""
+    """A jitted eval(params, batch) -> (summed loss ([S] for a sweep), token count)."""
     def evaluate(params, batch):
+        if members(model) > 1:
+            return member_losses(lambda p: loss_sums(model, p, batch), *trained_part(params))
         return loss_sums(model, params, batch)
 
     if mesh is None:
