@@ -1,10 +1,10 @@
 """LoRA (Hu et al. 2021): a projection W becomes W + (alpha / r) A B, with A [in, r] and
 B [r, out] trained and W frozen.
 
-The adapters are params of the model like any other (`attn/query_lora/{lora_a, lora_b}`
-beside `attn/query/kernel`), so every forward, the KV-cached decoder, scan_layers, remat
-and every mesh see them without a second code path; the update is computed as
-(x A) B, never as a merged weight. Training takes the gradient of the adapters alone
+The adapters are params of the model like any other (`attn/query_lora/{lora_a, lora_b,
+lora_scale}` beside `attn/query/kernel`; lora_scale: alpha / r, frozen), so every
+forward, the KV-cached decoder, scan_layers, remat and every mesh see them without a
+second code path; the update is computed as (x A) B, never as a merged weight. Training takes the gradient of the adapters alone
 (`partition` splits the params tree into adapters and base, `combine` joins them), so
 the base is frozen and out of the optimizer state. `merge` folds the adapters into the
 weights (for export); `delta` is one projection's W update.
@@ -213,9 +213,9 @@ def delta(a, b, kernel_ndim: int, scale: float, xp=jnp):
     return scale * d.reshape(*a.shape[:-1], *b.shape[lead + 1:])
 
 
-def merge(params, cfg: LoRAConfig | None = None, xp=np) -> dict:
-    """The params with every adapter folded into its kernel (W + scale A B, computed in
-    float64 with NumPy by default) and the adapters removed: the model without LoRA."""
+def merge(params, xp=np) -> dict:
+    """The params with every adapter folded into its kernel (W + lora_scale A B, computed
+    in float64 with NumPy by default) and the adapters removed: the model without LoRA."""
     flat = _flatten(params)
     out = {k: v for k, v in flat.items() if not is_adapter(k) and k[-1] != SCALE}
     f64 = (lambda x: xp.asarray(x, xp.float64)) if xp is np else xp.asarray

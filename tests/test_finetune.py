@@ -106,7 +106,7 @@ def test_a_run_from_a_runs_step_with_lora_starts_from_its_weights(corpus, tmp_pa
     moments = [x for x in jax.tree.leaves(first.opt_state) if x.ndim]
     assert sum(x.size for x in moments) == 2 * sum(v.size for v in adapters.values())
     last = restored_state(b, tmp_path / "b")
-    merged = flatten_dict(lora.merge(last.params, b.model.lora))
+    merged = flatten_dict(lora.merge(last.params))
     moved = {k[-2] for k in merged if not np.array_equal(merged[k], got[k])}
     assert moved == {"query", "wo"}
     assert json.loads((tmp_path / "b/metrics.jsonl").read_text().splitlines()[0])["step"] == 1

@@ -59,7 +59,7 @@ def test_forward_equals_the_merged_weights_in_float64(kw):
     cfg = small(**kw)
     tokens, params = init(cfg)
     ref = merged_by_hand(params, cfg)
-    got = lora.merge(params, cfg.lora)
+    got = lora.merge(params)
     flat = flatten_dict(got)
     assert set(flat) == set(ref)
     for k in ref:
@@ -101,7 +101,7 @@ def test_training_moves_the_adapters_alone_by_updates_of_rank_r(targets, moving)
     opt_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim)
     assert opt_bytes == 2 * sum(x.nbytes for x in jax.tree.leaves(adapters))
     # merged: only the targets' kernels move, each by a delta of rank <= r (here == r)
-    merged, before = flatten_dict(lora.merge(state.params, cfg.lora)), flatten_dict(base_before)
+    merged, before = flatten_dict(lora.merge(state.params)), flatten_dict(base_before)
     moved = {k[-2] for k in merged if not np.array_equal(merged[k], before[k])}
     assert moved == moving
     for k in merged:
@@ -116,7 +116,7 @@ def test_a_lora_model_decodes_as_its_merged_weights():
     cfg = small(position="alibi", sliding_window=5)
     tokens, params = init(cfg)
     plain = cfg.replace(lora=lora.LoRAConfig())
-    merged = jax.tree.map(jnp.float32, lora.merge(params, cfg.lora))
+    merged = jax.tree.map(jnp.float32, lora.merge(params))
     kw = dict(max_new_tokens=6, rng=jax.random.key(1), temperature=0.0)
     a = generate(Transformer(cfg), params, tokens[:, :5], **kw)
     b = generate(Transformer(plain), merged, tokens[:, :5], **kw)

@@ -48,7 +48,7 @@ def _run_weights(src: Source, cfg: ModelConfig, base_shardings, mesh, rules):
     finally:
         ckpt.close()
     if run.model.lora.rank:
-        params = lora.merge(params, run.model.lora, xp=jnp)
+        params = lora.merge(params, xp=jnp)
     if run.model.scan_layers != cfg.scan_layers:
         params = stack_layers(params, cfg.n_layers) if cfg.scan_layers else unstack_layers(params)
     return jax.tree.map(lambda x, sh: jax.device_put(x.astype(cfg.param_dtype), sh),
