@@ -29,11 +29,13 @@ TEST_PATHS ?= tests notebooks
 TEST_ENV := JAXFORMER_SMALL=1 JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache \
 	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 XLA_FLAGS=--xla_backend_optimization_level=0
 
-# A test whose worker process dies runs once more (a failed assertion does not): XLA:CPU's
-# compiler segfaulted once in four full runs, compiling an eager optax update in
-# test_clipping_gives_adam_the_clipped_global_norm, and never when rerun.
+# A test whose worker process dies runs again, up to twice (a failed assertion does not):
+# XLA:CPU segfaults now and then, compiling (an eager optax update) or writing a compiled
+# program to the persistent cache (jax's put_executable_and_time, in
+# test_layer_patterns_scanned_and_rematted_match_the_reference, twice in three full runs),
+# and has never done so on the rerun.
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -n 2 -q --nbmake --reruns 1 --only-rerun "crashed while running" \
+	$(TEST_ENV) $(PY) -m pytest -n 2 -q --nbmake --reruns 2 --only-rerun "crashed while running" \
 		$(TEST_PATHS) $(PYTEST_ARGS)
 
 bench: $(STAMP)

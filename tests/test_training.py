@@ -342,8 +342,11 @@ def test_packed_evaluation_is_its_documents_run_apart(rng):
     cfg = load_config(str(REPO / "configs/tiny.yaml"),
                       [*TINY, "data.pack=true", "train.batch_size=2", "train.eval_batches=2"])
     model, T = Transformer(cfg.model), cfg.train.seq_len
-    docs = [rng.integers(0, cfg.model.vocab_size, n) for n in rng.integers(3, 20, 16)]
+    # 44 documents of >= 3 tokens: always the 4 T + 1 tokens of the 4 windows compared below
+    # (16 documents fell short for some seeds, and evaluation then read fewer windows)
+    docs = [rng.integers(0, cfg.model.vocab_size, n) for n in rng.integers(3, 20, 44)]
     tokens, starts = np.concatenate(docs), np.cumsum([0] + [len(d) for d in docs[:-1]])
+    assert len(tokens) >= 4 * T + 1
     tx, _ = make_optimizer(cfg.optim, cfg.model, 10)
     params = jax.device_get(init_state(model, tx, int(rng.integers(1 << 30))).params)
     got = loop.evaluate(make_eval_step(model), params, tokens, starts, cfg)["val_loss"]
