@@ -173,7 +173,10 @@ def separate_runs(mcfg, optim, steps: int, seeds, batch):
 def assert_each_seed_trained_alone(params, runs):
     """Seed i's slice of vmapped params equals the params of separate_runs' run i."""
     for i, (alone, _) in enumerate(runs):
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        # atol 1e-5: a param whose gradient is ~0 takes Adam steps of sign(rounding) (seen
+        # 2.7e-6 apart with JAXFORMER_TEST_SEED=118387609); another seed's batches move
+        # params by ~1e-2
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5),
                      seed_slice(params, i), alone)
 
 
