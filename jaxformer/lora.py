@@ -4,9 +4,10 @@ B [r, out] trained and W frozen.
 The adapters are params of the model like any other (`attn/query_lora/{lora_a, lora_b,
 lora_scale}` beside `attn/query/kernel`; lora_scale: alpha / r, frozen), so every
 forward, the KV-cached decoder, scan_layers, remat and every mesh see them without a
-second code path; the update is computed as (x A) B, never as a merged weight. Training takes the gradient of the adapters alone
-(`partition` splits the params tree into adapters and base, `combine` joins them), so
-the base is frozen and out of the optimizer state. `merge` folds the adapters into the
+second code path; the update is computed as (x A) B, never as a merged weight. Training
+takes the gradient of the adapters alone (`partition` splits the params tree into
+adapters and base, `combine` joins them), so the base is frozen and out of the optimizer
+state. `merge` folds the adapters into the
 weights (for export); `delta` is one projection's W update.
 """
 
@@ -211,6 +212,11 @@ def delta(a, b, kernel_ndim: int, scale: float, xp=jnp):
     b2 = b.reshape(*b.shape[:lead + 1], -1)           # [L.., r, out]
     d = xp.einsum("...ir,...ro->...io", a2, b2)
     return scale * d.reshape(*a.shape[:-1], *b.shape[lead + 1:])
+
+
+def adapter_path(kernel_path, leaf: str) -> tuple:
+    """The path of a kernel's adapter leaf: attn/query/kernel -> attn/query_lora/leaf."""
+    return tuple(kernel_path[:-2]) + (kernel_path[-2] + "_lora", leaf)
 
 
 def merge(params, xp=np) -> dict:

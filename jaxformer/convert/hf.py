@@ -315,12 +315,17 @@ def merged_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
         w = get(path)
         if path[-1] != "kernel" or path[-2] not in targets:
             return w
-        adapter = path[:-2] + (path[-2] + "_lora",)
-        d = lora.delta(np.float64(get(adapter + ("lora_a",))), np.float64(get(adapter + ("lora_b",))),
-                       w.ndim, float(get(adapter + (lora.SCALE,))), np)
-        return (w.astype(np.float64) + d).astype(w.dtype)
+        return (w.astype(np.float64) + adapter_update(get, path)).astype(w.dtype)
 
     return merged
+
+
+def adapter_update(get, kernel_path: Path) -> np.ndarray:
+    """A kernel's LoRA update lora_scale A B in float64, shaped like the kernel; `get`: a
+    param_getter."""
+    a, b, scale = (get(lora.adapter_path(kernel_path, leaf)) for leaf in
+                   ("lora_a", "lora_b", lora.SCALE))
+    return lora.delta(np.float64(a), np.float64(b), get(kernel_path).ndim, float(scale), np)
 
 
 def param_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:

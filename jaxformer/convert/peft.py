@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 from jaxformer import lora
 from jaxformer.config import ModelConfig
-from jaxformer.convert.hf import param_getter
+from jaxformer.convert.hf import adapter_update, param_getter
 from jaxformer.convert.hf_config import config_to_hf, model_family
 from jaxformer.convert.tensors import rules_for
 
@@ -45,10 +45,10 @@ def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
         adapted = [p for p in rule.ours if p[-1] == "kernel" and p[-2] in cfg.lora.projections()]
         if not adapted:
             continue
-        updates = [_update(raw, p) if p in adapted else np.zeros_like(raw(p), np.float64)
+        updates = [adapter_update(raw, p) if p in adapted else np.zeros_like(raw(p), np.float64)
                    for p in rule.ours]
-        scale = float(raw(_adapter(adapted[0], lora.SCALE)))  # PEFT's lora_alpha / r
-        a = np.concatenate([np.float64(raw(_adapter(p, "lora_a"))).reshape(-1, r).T
+        scale = float(raw(lora.adapter_path(adapted[0], lora.SCALE)))  # PEFT's lora_alpha / r
+        a = np.concatenate([np.float64(raw(lora.adapter_path(p, "lora_a"))).reshape(-1, r).T
                             for p in adapted])  # [k r, in]
         for name, w in zip(rule.hf, rule.to_hf(*updates)):
             module = name.removesuffix(".weight")
@@ -73,17 +73,4 @@ def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
               "use_rslora": False, "use_dora": False, "modules_to_save": None}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return config
-
-
-def _adapter(kernel_path, leaf):
-    return kernel_path[:-2] + (kernel_path[-2] + "_lora", leaf)
-
-
-def _update(raw, kernel_path) -> np.ndarray:
-    """The kernel's update (alpha / r) A B in float64, shaped like the kernel (the scale is
-    the adapter's lora_scale)."""
-    w = raw(kernel_path)
-    return lora.delta(np.float64(raw(_adapter(kernel_path, "lora_a"))),
-                      np.float64(raw(_adapter(kernel_path, "lora_b"))), w.ndim,
-                      float(raw(_adapter(kernel_path, lora.SCALE))), np)
 

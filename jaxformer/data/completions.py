@@ -211,9 +211,6 @@ def load_completions(cfg: DataConfig, tokenizer, log=print) -> CompletionData:
                         f"{cfg.completion_field!r}")
     i = np.arange(len(records))
     val = np.floor((i + 1) * cfg.val_fraction) > np.floor(i * cfg.val_fraction)
-    max_id = int(records.tokens.max())
-    if max_id >= tokenizer.vocab_size:
-        raise DataError(f"{cfg.path}: the tokenizer gave id {max_id} >= its vocab_size")
     return CompletionData(records.subset(~val), records.subset(val), tokenizer,
                           f"prompt/completion records {cfg.path} ({len(records):,}: "
                           f"{int((~val).sum()):,} train, {int(val.sum()):,} val)", log)

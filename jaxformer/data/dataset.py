@@ -89,7 +89,8 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
     tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir, progress, log)
     if cfg.format == "prompt_completion":
         data = load_completions(cfg, tokenizer, log)
-        _check_ids(cfg, data, int(data.train.tokens.max(initial=0)), vocab_size)
+        _check_ids(cfg, data, int(max(data.train.tokens.max(initial=0),
+                                      data.val.tokens.max(initial=0))), vocab_size)
         return data
     if corpus.source.holds_text:
         ds, max_id = _tokenized_text(cfg, corpus, tokenizer, cache_dir, progress, log)

@@ -16,10 +16,11 @@ from typing import Any, Mapping
 
 from jaxformer import lora
 from jaxformer.config import NESTED, ConfigError, ModelConfig
+from jaxformer.convert.hf_config import RUNTIME as HF_RUNTIME
 from jaxformer.validation import build_section, merge, read_config_file, type_names
 
-RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout", "lora",
-           "max_seq_len")
+# hf_config.RUNTIME (how a converted model may run), and its adapters and length
+RUNTIME = HF_RUNTIME + ("lora", "max_seq_len")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,14 +137,11 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
     """
     sweep = members(model) > 1
 
-    def grad_sums(trained, frozen, micro, rng):
-        return gradient_sums(model, trained, frozen, micro, rng)
-
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
         trained, frozen = trained_part(state.params)
         if grad_accum == 1:
-            total, count, grads = grad_sums(trained, frozen, batch, rng)
+            total, count, grads = gradient_sums(model, trained, frozen, batch, rng)
         else:
             micro = jax.tree.map(lambda x: jnp.swapaxes(
                 x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)  # [A, B / A, T]
@@ -152,7 +149,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
             def body(carry, xs):
                 i, mb = xs
                 mb = jax.tree.map(lambda x: constrain(x, "act_batch", "act_seq"), mb)
-                t, c, g = grad_sums(trained, frozen, mb, jax.random.fold_in(rng, i))
+                t, c, g = gradient_sums(model, trained, frozen, mb, jax.random.fold_in(rng, i))
                 return jax.tree.map(jnp.add, carry, (t, c, g)), None
 
             zeros = (jnp.zeros([members(model)] if sweep else []), jnp.zeros([]),
