@@ -76,6 +76,9 @@ class Attention(nn.Module):
                     name, (c.n_kv_heads, c.head_dim))
                 setattr(self, f"{name}_lora", LoRA(c.lora, in_axes, shape, names, c.dtype,
                                                    c.param_dtype, self.deterministic))
+        scheme = POSITION_SCHEMES[c.position]
+        if scheme.logits is not None:  # a contextual scheme: this layer's own logits (CoPE)
+            self.context_logits = scheme.logits(self, c)
         if c.qk_norm != "none":  # over head_dim per head, or over the whole projection
             heads = c.qk_norm == "projection"
             self.q_norm = make_norm(c, "q_norm", ("heads", "head_dim") if heads else ("head_dim",))
@@ -101,8 +104,8 @@ class Attention(nn.Module):
             q, k = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
         rotate = POSITION_SCHEMES[c.position].rotate
         if rotate is not None:
-            q = hook_point(self, "hook_rot_q", rotate(c, q, positions, kind))
-            k = hook_point(self, "hook_rot_k", rotate(c, k, positions, kind))
+            q = hook_point(self, "hook_rot_q", rotate(c, q, positions, kind, keys=False))
+            k = hook_point(self, "hook_rot_k", rotate(c, k, positions, kind, keys=True))
         if c.attn_scale is not None:  # the backends scale by 1 / sqrt(head_dim)
             q = q * jnp.asarray(c.attn_scale * math.sqrt(c.head_dim), q.dtype)
         q = constrain(q, "act_batch", "act_seq", "act_heads", "head_dim")
@@ -117,11 +120,20 @@ class Attention(nn.Module):
             return y
         return y + getattr(self, f"{name}_lora")(x)
 
-    def attend_with_pattern(self, q, k, v, mask, bias):
+    @property
+    def contextual(self) -> bool:
+        return POSITION_SCHEMES[self.cfg.position].logits is not None
+
+    def attend_with_pattern(self, q, k, v, mask, bias, is_causal=True):
         """The reference attention with hook points on the scores (scaled, biased, -inf where
-        masked) and the pattern [B, N, Tq, Tk]: for jaxformer.inspect, when asked for."""
-        logits = grouped_logits(q, k, mask=and_causal(as_4d(mask), q.shape[1]),
-                                bias=as_4d(bias), scale=None, **self.cap)  # [B, K, G, T, S]
+        masked) and the pattern [B, N, Tq, Tk]: for jaxformer.inspect, when asked for, and
+        for a contextual scheme (its own logits). mask: a bool array; is_causal: also hide
+        keys after each query's index (self-attention)."""
+        mask = and_causal(as_4d(mask), q.shape[1]) if is_causal else as_4d(mask)
+        if self.contextual:
+            logits = self.context_logits(q, k, mask)  # [B, K, G, T, S]
+        else:
+            logits = grouped_logits(q, k, mask=mask, bias=as_4d(bias), scale=None, **self.cap)
         scores = hook_point(self, "hook_attn_scores",
                             logits.reshape(q.shape[0], -1, *logits.shape[3:]))  # [B, N, T, S]
         pattern = hook_point(self, "hook_pattern", softmax(scores))
@@ -142,9 +154,17 @@ class Attention(nn.Module):
         q, k, v = self.project(x, positions, kind)
         if cache is None:
             return self.finish(hook_point(self, "hook_z", self.attend(q, k, v, mask, bias)))
+        if self.contextual and "positions" in cache:
+            raise ValueError(f"position={self.cfg.position!r} counts keys in row order, which a "
+                             "windowed layer's ring cache does not keep; use "
+                             "init_cache(..., windowed=False)")
         k, v, mask, cache = self.cached_keys(k, v, mask, cache, cache_index)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-        if takes_structure(self.backend, q.shape[1], cached=True):  # a prefill, by blocks
+        if self.contextual:  # over the cache's slots (in row order: CoPE has no ring)
+            z = self.attend_with_pattern(q, kv_cache.as_keys(k, q.shape[0]),
+                                         kv_cache.as_keys(v, q.shape[0]), mask.dense(), None,
+                                         is_causal=False)
+        elif takes_structure(self.backend, q.shape[1], cached=True):  # a prefill, by blocks
             z = rule_attention(q, kv_cache.as_keys(k, q.shape[0]), kv_cache.as_keys(v, q.shape[0]),
                                mask, bias, impl=prefill_impl(self.backend), **self.cap)
         else:
@@ -175,8 +195,9 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask, bias):
         """Attention within the sequence: the hooked reference when inspection asks for
-        scores or patterns (the whole grid, for this layer), else the chosen backend."""
-        if active(self, "hook_attn_scores", "hook_pattern"):
+        scores or patterns (the whole grid, for this layer) or the scheme computes the
+        logits itself (the model chose `reference` for it), else the chosen backend."""
+        if active(self, "hook_attn_scores", "hook_pattern") or self.contextual:
             if isinstance(mask, MaskRule):
                 if isinstance(bias, LogitBias):
                     bias = dense_bias(bias, mask.q_positions, mask.k_positions)

@@ -8,8 +8,8 @@ Two ways in: ``dot_product_attention`` (a mask and a bias as arrays; every backe
 takes arrays) and ``rule_attention`` (the model's path: the mask as a MaskRule, the bias
 as a LogitBias, each handed to the backend in the form it reads). Both take a logit
 soft-cap (``softcap``, Gemma 2: s -> softcap * tanh(s / softcap) after the scale, before
-the bias and the mask), which only the backends with takes_softcap apply: naming another
-raises, and `auto` never picks one when there is a cap.
+the bias and the mask), which only the backends with takes_softcap apply (naming another
+raises; `auto` never picks one), and a contextual scheme (CoPE) likewise.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ AUTO = "auto"  # the attention_impl that picks a backend per forward
 DENSE_LOGITS_BYTES = 1 << 30  # auto: above this, float32 [B, N, Tq, Tk] logits go blockwise
 
 
+def scheme_kind(position: str | None) -> str | None:
+    """The kind of position scheme `position` (jaxformer.schemes), None for no scheme."""
+    return None if position not in POSITION_SCHEMES else POSITION_SCHEMES[position].kind
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """What `auto` decides from: the platform, the compute dtype, head_dim, the position
@@ -54,8 +59,11 @@ class Setting:
 
     @property
     def biased(self) -> bool:
-        scheme = POSITION_SCHEMES.get(self.position)
-        return scheme is not None and scheme.kind == "bias"
+        return scheme_kind(self.position) == "bias"
+
+    @property
+    def contextual(self) -> bool:
+        return scheme_kind(self.position) == "contextual"
 
     @property
     def big(self) -> bool:
@@ -81,12 +89,11 @@ class Backend:
       built for it, and the bias applied densely).
     by_index(q, k, v, bias, window, softcap): index-causal (and windowed) self-attention
       with no mask array, for rules by index with nothing packed or padded (cuDNN's fast
-      path); None where the backend has no such form.
-      softcap (each function's keyword): the logit soft-cap, a float; passed only when
-      there is a cap, so only to a backend with takes_softcap.
+      path); None where the backend has no such form. (softcap, each function's keyword:
+      the logit soft-cap, passed only when there is one, to a backend with takes_softcap.)
     takes_bias: whether it adds a logit bias at all.
-    takes_softcap: whether it applies a logit soft-cap (jax.nn.dot_product_attention,
-      behind xla and cudnn, has none).
+    contextual: it runs a contextual scheme (CoPE: whole rows of keys at once).
+    takes_softcap: it applies a logit soft-cap (jax.nn.dot_product_attention has none).
     over_cache: its rule function also runs over a KV cache's slots (a prefill; empty
       slots sit at EMPTY_SLOT, which the rule hides).
     splits_sequence: it runs with the sequence split over a mesh axis (context
@@ -100,6 +107,7 @@ class Backend:
     rule: Callable | None = None
     by_index: Callable | None = None
     takes_bias: bool = True
+    contextual: bool = False
     takes_softcap: bool = False
     over_cache: bool = False
     splits_sequence: bool = False
@@ -228,7 +236,9 @@ _cudnn, _cudnn_by_index = _fused("cudnn", bias_as_q=True)
 _dense_fits = lambda s: s.platform != "tpu" and not s.big and not s.cudnn_fits  # noqa: E731
 
 BACKENDS: dict[str, Backend] = {
-    "reference": Backend(arrays=_reference, takes_softcap=True),
+    "reference": Backend(arrays=_reference, takes_softcap=True, contextual=True, auto=lambda s: (
+        f"position={s.position!r} computes the logits from whole rows of keys"
+        if s.contextual else None)),
     "xla": Backend(arrays=_xla, by_index=_xla_by_index, auto=lambda s: (
         "" if _dense_fits(s) and s.platform != "cpu" and not s.softcap else None)),
     "cudnn": Backend(arrays=_cudnn, by_index=_cudnn_by_index, platforms=("gpu",),
@@ -277,6 +287,8 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
         raise ValueError(f"attention impl={impl!r} is not one of "
                          f"{', '.join([AUTO, *BACKENDS])}")
     if impl != AUTO:
+        if scheme_kind(position) == "contextual" and not BACKENDS[impl].contextual:
+            raise ValueError(contextual_refusal(impl, position))
         if softcap and not BACKENDS[impl].takes_softcap:
             raise ValueError(f"attention impl={impl!r} takes no logit softcap; use one of "
                              f"{', '.join([AUTO, *softcap_backends()])}")
@@ -287,7 +299,8 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
     for name, backend in BACKENDS.items():
         if backend.splits_sequence != (context > 1):
             continue
-        if setting.softcap and not backend.takes_softcap:
+        if (setting.softcap and not backend.takes_softcap) or \
+                (setting.contextual and not backend.contextual):
             continue  # the table's rules never answer so; this is the guard
         reason = None if backend.auto is None else backend.auto(setting)
         if reason is not None:
@@ -296,6 +309,14 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
                 print(f"attention: auto chose {name}: {reason}", file=sys.stderr, flush=True)
             return name
     raise ValueError(f"no attention backend answers for {setting}")
+
+
+def contextual_refusal(impl: str, position: str) -> str:
+    """Why backend `impl` cannot run contextual scheme `position`, and what can."""
+    return (f"attention_impl={impl!r} cannot run position={position!r}: a key's position sums "
+            f"gates over the query's whole row of keys, which {impl} never holds at once; use "
+            f"attention_impl={' or '.join(repr(n) for n, b in BACKENDS.items() if b.contextual)}"
+            f" or {AUTO!r}")
 
 
 def takes_structure(impl: str, t: int, cached: bool) -> bool:
@@ -375,6 +396,5 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, sc
                                  is_causal=is_causal, **_cap(softcap))
 
 
-def _cap(softcap) -> dict:
-    """The softcap keyword for a backend's function: only when there is a cap."""
+def _cap(softcap) -> dict:  # the softcap keyword for a backend's function: only with a cap
     return {} if softcap is None else {"softcap": softcap}

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from jaxformer.backends import AUTO, BACKENDS
+from jaxformer.backends import AUTO, BACKENDS, contextual_refusal
 from jaxformer.lora import LoRAConfig
 from jaxformer.positions import ROPE_SCALINGS, RopeScaling  # noqa: F401
 from jaxformer.presets import PRESETS
@@ -61,8 +61,10 @@ class ModelConfig(Section):
     position (jaxformer.positions): rope, alibi, t5 (T5's learned bias per head and
     relative-position bucket; t5_num_buckets and t5_max_distance as in T5), fire (Li et
     al. 2023's MLP of the normalised log distance), sinusoidal, learned (a table of
-    max_seq_len rows), none (NoPE). The t5 and fire biases are computed once per forward
-    and shared by every layer.
+    max_seq_len rows), none (NoPE), and the length-generalisation schemes xpos (Sun et al.
+    2022), kerple (Chi et al. 2022, log), sandwich (Chi et al. 2023), cope (Golovneva et
+    al. 2024). The bias schemes' biases are computed once per forward and shared by every
+    layer (jaxformer.schemes.POSITION_SCHEMES).
     sinusoidal_scale: how the unit-amplitude sinusoidal table meets token embeddings
     initialised at std 0.02. table: the table / sqrt(d_model), the token-to-position ratio
     of Vaswani et al.'s embeddings * sqrt(d_model) with the embeddings left as they are;
@@ -71,6 +73,10 @@ class ModelConfig(Section):
     rope_fraction: the share of each head's dimensions RoPE rotates (GPT-NeoX's rotary_pct,
     HF's partial_rotary_factor): the first head_dim * rope_fraction, paired half with
     half among themselves, with frequencies over those dimensions; the rest pass through.
+    p_rope: p-RoPE's p (Barbero et al. 2024): the share of the rotated pairs' frequencies
+    kept, the highest; the lowest ones are set to 0 (those pairs pass through unrotated).
+    1 is RoPE, 0 NoPE. With rope_fraction < 1, a share of the frequencies of the rotated
+    dimensions. cope_positions: CoPE's number of position embeddings (npos_max).
 
     norm: layernorm, rmsnorm, or rmsnorm_offset (x / rms(x) * (1 + scale), the scale
     initialised at 0: Gemma). block (jaxformer.layers.BLOCK_FLOWS): pre_ln, post_ln,
@@ -124,6 +130,8 @@ class ModelConfig(Section):
     sliding_window: int | None = None
     attention_impl: str = "auto"
     rope_fraction: float = 1.0
+    p_rope: float = 1.0
+    cope_positions: int = 64
     qk_norm: str = "none"
     attn_scale: float | None = None
     attn_softcap: float | None = None
@@ -184,6 +192,8 @@ class ModelConfig(Section):
         check_choice(o, "param_dtype", self.param_dtype, DTYPES)
         check_choice(o, "qk_norm", self.qk_norm, QK_NORMS)
         check_number(o, "rope_fraction", self.rope_fraction, float, low=0, low_open=True, high=1)
+        check_number(o, "p_rope", self.p_rope, float, low=0, high=1)
+        check_number(o, "cope_positions", self.cope_positions, int, low=2)
         for name in ("attn_scale", "attn_softcap", "final_softcap"):
             check_number(o, name, getattr(self, name), float, low=0, low_open=True, optional=True)
         for name in ("embed_multiplier", "residual_multiplier", "logits_multiplier"):
@@ -244,14 +254,17 @@ class ModelConfig(Section):
                 f"position={self.position!r} cannot use it; use attention_impl="
                 f"{' or '.join(map(repr, takers))} (or {AUTO!r}), or "
                 f"{'/'.join(n for n, s in POSITION_SCHEMES.items() if s.kind != 'bias')} positions")
+        if scheme.kind == "contextual" and backend is not None and not backend.contextual:
+            raise ConfigError("model." + contextual_refusal(self.attention_impl, self.position))
         if self.attn_softcap is not None and backend is not None and not backend.takes_softcap:
             raise ConfigError(f"model.attention_impl={self.attention_impl!r} cannot soft-cap the "
                               f"logits (model.attn_softcap={self.attn_softcap}); use one of "
                               f"{', '.join(n for n, b in BACKENDS.items() if b.takes_softcap)} "
                               f"or {AUTO!r}")
-        if self.rope_fraction != 1 and scheme.kind != "rotary":
-            raise ConfigError(f"model.rope_fraction={self.rope_fraction} needs a rotary position "
-                              f"scheme, not position={self.position!r}")
+        for name in ("rope_fraction", "p_rope"):
+            if getattr(self, name) != 1 and scheme.kind != "rotary":
+                raise ConfigError(f"model.{name}={getattr(self, name)} needs a rotary position "
+                                  f"scheme, not position={self.position!r}")
         if scheme.check is not None:
             scheme.check(self)
         if self.t5_max_distance <= self.t5_num_buckets // 2:

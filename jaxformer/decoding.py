@@ -19,6 +19,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
 from jaxformer.kv_cache import init_cache, kv_cache_bytes, take_rows  # noqa: F401
 from jaxformer.model import Transformer, unstack_layers
+from jaxformer.schemes import POSITION_SCHEMES
 
 
 class Generated(NamedTuple):
@@ -183,7 +184,8 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     and vmappable. cache_dtype: the KV cache's dtype (default the compute dtype; bf16 halves
     its memory). windowed_cache: a layer whose sliding window is shorter than the
     sequence keeps only a window of slots (a ring: jaxformer.kv_cache), e.g. Gemma 3's
-    local layers; False keeps every layer at full length. hooks: {name: fn} as
+    local layers; False keeps every layer at full length (always, for a contextual
+    scheme: CoPE counts keys in row order, which a ring does not keep). hooks: {name: fn} as
     jaxformer.inspect.run_with_hooks takes them, applied through the KV-cached path: to the prompt's values in the prefill, then to each new
     token's (e.g. a steering vector added to `blocks.1.hook_resid_post` at every step).
     Attention patterns and scores are not computed there, so they cannot be hooked.
@@ -198,7 +200,8 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     settings = (cfg, max_new_tokens, float(temperature), top_k,
                 None if top_p is None else float(top_p), eos_id, pad_id,
-                None if cache_dtype is None else jnp.dtype(cache_dtype).name, bool(windowed_cache))
+                None if cache_dtype is None else jnp.dtype(cache_dtype).name,
+                bool(windowed_cache) and POSITION_SCHEMES[cfg.position].logits is None)
     if not hooks:
         return _generate_fn(*settings)(params, prompts, lengths, rng)
     patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))

@@ -155,16 +155,28 @@ def rotary_dims(head_dim: int, fraction: float = 1.0) -> int:
     return int(head_dim * fraction)
 
 
+def kept_frequencies(rot: int, p: float = 1.0) -> int:
+    """p-RoPE (Barbero et al. 2024): how many of the rot/2 frequencies keep rotating, the
+    highest, int(p * rot // 2) as Gemma's rope_proportion; the lowest are set to 0 (those
+    pairs pass through)."""
+    return int(p * rot // 2)
+
+
 def rope_tables(positions, head_dim: int, *, theta: float = 10000.0,
-                scaling: RopeScaling | None = None, fraction: float = 1.0):
+                scaling: RopeScaling | None = None, fraction: float = 1.0, p: float = 1.0,
+                scale=None):
     """cos and sin tables [B, T, 1, head_dim] float32 for `rotate`: over the first
     rotary_dims(head_dim, fraction) dimensions [cos, cos] and [-sin, sin] (times the
-    attention factor), over the rest 1 and 0."""
+    attention factor, and times `scale` [B, T, 1, rot/2] if given: xPos), over the rest 1
+    and 0. p: p-RoPE's share of the frequencies kept (kept_frequencies)."""
     rot = rotary_dims(head_dim, fraction)
     inv_freq, attention_factor = rope_frequencies(rot, theta, scaling)
+    inv_freq = np.where(np.arange(rot // 2) < kept_frequencies(rot, p), inv_freq, 0.0)
     angle = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq, jnp.float32)
     cos = jnp.cos(angle) * attention_factor  # [B, T, 1, rot/2]
     sin = jnp.sin(angle) * attention_factor
+    if scale is not None:
+        cos, sin = cos * scale, sin * scale
     # Full-width tables, x * [cos, cos] + [x2, x1] * [-sin, sin]: the same products and
     # sums as the split form. Written with the halves, XLA:CPU fused cos and sin into every
     # layer's rotation and recomputed them per element (~8% of a Llama-shaped train step);
@@ -175,6 +187,22 @@ def rope_tables(positions, head_dim: int, *, theta: float = 10000.0,
         rest = angle.shape[:-1] + (head_dim - rot,)
         cos, sin = cos + [jnp.ones(rest)], sin + [jnp.zeros(rest)]
     return jnp.concatenate(cos, axis=-1), jnp.concatenate(sin, axis=-1)
+
+
+XPOS_GAMMA = 0.4          # xPos's zeta_i = (2i / d + gamma) / (1 + gamma)
+XPOS_SCALE_BASE = 512.0   # ... raised to the power position / scale_base
+XPOS_MAX_POSITION = 32768  # zeta_0^(+-position / 512) stays within float32 up to here
+
+
+def xpos_scale(positions, rot: int, keys: bool = False):
+    """xPos's scale (Sun et al. 2022) of rotated pair i at position n: zeta_i^(n / 512) for
+    queries, zeta_i^(-n / 512) for keys, so that q_n.k_m gains zeta_i^((n - m) / 512) <= 1
+    for m <= n: a decay with distance, slowest for the highest frequency. [B, T, 1, rot/2]
+    float32. Uncentred positions (the paper's code centres them, which cancels in q.k):
+    exact while |n| <= XPOS_MAX_POSITION."""
+    zeta = (np.arange(0, rot, 2) + XPOS_GAMMA * rot) / ((1 + XPOS_GAMMA) * rot)  # [rot/2]
+    power = positions.astype(jnp.float32)[:, :, None, None] / XPOS_SCALE_BASE
+    return jnp.exp((-power if keys else power) * jnp.asarray(np.log(zeta), jnp.float32))
 
 
 def no_rope_tables(positions, head_dim: int):
@@ -296,3 +324,42 @@ def fire_distance(q_positions, k_positions, c, threshold):
     num = jnp.log(jnp.abs(c * rel) + 1.0)
     den = jnp.log(jnp.abs(c * jnp.maximum(q, threshold)) + 1.0) + FIRE_EPS
     return num / den[:, :, None]
+
+
+# ---- KERPLE ----------------------------------------------------------------------------
+
+KERPLE_EPS = 1e-2  # the reference code clamps r1, r2 to at least this after every step
+
+
+def kerple_bias(r1, r2, q_positions, k_positions):
+    """KERPLE's logarithmic kernel (Chi et al. 2022) as a logit bias, -r1 log(1 + r2 |i - j|):
+    [batch, heads, q_len, k_len] float32. r1, r2: [heads], used as max(r, KERPLE_EPS): the
+    reference code clamps them after each step, leaving the gradient of the clamped value
+    to move them; so here the clamp passes the gradient through to r."""
+    def clamped(r):
+        r = r.astype(jnp.float32)
+        return (r + jax.lax.stop_gradient(jnp.maximum(r, KERPLE_EPS) - r))[None, :, None, None]
+
+    r1, r2 = clamped(r1), clamped(r2)
+    distance = jnp.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(jnp.float32)
+    return -r1 * jnp.log1p(r2 * distance[:, None])
+
+
+# ---- Sandwich ---------------------------------------------------------------------------
+
+def sandwich_slopes(n_heads: int) -> np.ndarray:
+    """Sandwich's per-head compensation, 1 / (8 h / n_heads) for h = 1..n_heads (NeMo's
+    implementation), float64 [n_heads]."""
+    return n_heads / (8.0 * np.arange(1, n_heads + 1))
+
+
+def sandwich_bias(slopes, q_positions, k_positions, *, dims: int):
+    """Sandwich (Chi et al. 2023) as a logit bias: the inner product of two sinusoidal
+    embeddings of `dims` dimensions, which depends on the distance r = |i - j| alone,
+    shifted to 0 at r = 0 and scaled per head:
+    bias_h = slopes[h] * (sum_{k=1}^{dims/2} cos(r / 10000^(2k / dims)) - dims / 2).
+    slopes: [heads] (sandwich_slopes). [batch, heads, q_len, k_len] float32."""
+    inv_freq = 1.0 / 10000.0 ** (2.0 * np.arange(1, dims // 2 + 1) / dims)  # [dims/2]
+    r = jnp.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(jnp.float32)
+    total = jnp.cos(r[..., None] * jnp.asarray(inv_freq, jnp.float32)).sum(-1) - dims // 2
+    return total[:, None] * jnp.asarray(slopes, jnp.float32)[None, :, None, None]

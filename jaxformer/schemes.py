@@ -10,6 +10,9 @@ Where a scheme acts (its kind):
 - bias: `bias` declares a logit bias shared by every layer (alibi, t5, fire), which dense
   backends apply to all (query, key) pairs once per forward and blockwise attention to
   each block;
+- contextual: `logits` computes each layer's attention logits from q and k themselves
+  (cope: a key's position counts gates over the row), so only a backend that reads whole
+  rows of keys runs it (jaxformer.backends, Backend.contextual);
 - none: nothing (NoPE: the causal mask alone carries order).
 """
 
@@ -24,13 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.positions import (FIRE_THRESHOLD, alibi_bias, alibi_slopes, fire_distance,
-                                 no_rope_tables, rope_tables, rotary_dims, rotate, sinusoidal,
-                                 t5_bias)
+from jaxformer.positions import (FIRE_THRESHOLD, XPOS_MAX_POSITION, alibi_bias,
+                                 alibi_slopes, fire_distance, kerple_bias, no_rope_tables,
+                                 rope_tables, rotary_dims, rotate, sandwich_bias,
+                                 sandwich_slopes, sinusoidal, t5_bias, xpos_scale)
+from jaxformer.cope import cope_logits
 from jaxformer.sharding import init_with_names
 from jaxformer.validation import ConfigError
 
-KINDS = ("absolute", "rotary", "bias", "none")
+KINDS = ("absolute", "rotary", "bias", "contextual", "none")
 
 
 @flax.struct.dataclass
@@ -54,9 +59,13 @@ class PositionScheme:
 
     embed(module, cfg, x [B, T, D], positions [B, T]) -> (x, terms [B, T, D]): the input
       is x + terms (terms hooked as hook_pos_embed); params are declared on `module`.
-    rotate(cfg, x [B, T, N, H], positions [B, T], kind) -> x rotated (queries and keys
-      alike) as layer kind `kind` (an index into cfg.kinds; traced in a scan) wants.
+    rotate(cfg, x [B, T, N, H], positions [B, T], kind, keys) -> x rotated as layer kind
+      `kind` (an index into cfg.kinds; traced in a scan) wants; keys: x holds keys, not
+      queries (xPos scales the two the opposite way).
     bias(module, cfg) -> LogitBias, its params declared on `module`.
+    logits(module, cfg) -> fn(q [B, T, N, H], k [B, S, K, H], mask bool [B|1, 1, T, S])
+      -> float32 logits [B, K, G, T, S] (-inf where masked): one attention layer's, its
+      params declared on `module` (the layer's Attention).
     max_length(cfg) -> the longest sequence the scheme can encode (a learned table's
       rows), or None for any length.
     check(cfg): raises ConfigError naming a model field the scheme cannot work with.
@@ -66,13 +75,15 @@ class PositionScheme:
     embed: Callable | None = None
     rotate: Callable | None = None
     bias: Callable | None = None
+    logits: Callable | None = None
     max_length: Callable | None = None
     check: Callable | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"PositionScheme kind={self.kind!r} is not one of {', '.join(KINDS)}")
-        needs = {"absolute": "embed", "rotary": "rotate", "bias": "bias"}.get(self.kind)
+        needs = {"absolute": "embed", "rotary": "rotate", "bias": "bias",
+                 "contextual": "logits"}.get(self.kind)
         if needs and getattr(self, needs) is None:
             raise ValueError(f"a PositionScheme of kind {self.kind!r} needs `{needs}`")
 
@@ -111,30 +122,45 @@ def _even(field: str, why: str):
 
 # ---- rotary --------------------------------------------------------------------------
 
-def _rope(cfg, x, positions, kind=0):
-    """RoPE with the base and scaling of layer kind `kind` (a NoPE kind: x as it is).
-    Traced inside a scan over layers, kind picks its tables among the kinds' own."""
-    kinds, rot = cfg.kinds, rotary_dims(cfg.head_dim, cfg.rope_fraction)
+def _rotary(xpos: bool):
+    """RoPE (xpos False) or xPos (Sun et al. 2022: RoPE whose pairs also decay with
+    distance, jaxformer.positions.xpos_scale) as a scheme's rotate."""
+    def rotate_fn(cfg, x, positions, kind=0, keys=False):
+        """x rotated with the base and scaling of layer kind `kind` (a NoPE kind: x as it
+        is); keys: x holds keys (xPos scales them the other way). Traced inside a scan
+        over layers, kind picks its tables among the kinds' own."""
+        kinds, rot = cfg.kinds, rotary_dims(cfg.head_dim, cfg.rope_fraction)
+        scale = xpos_scale(positions, rot, keys) if xpos else None
 
-    def tables(k):
-        if not k.rope:
-            return no_rope_tables(positions, cfg.head_dim)
-        return rope_tables(positions, cfg.head_dim, theta=k.rope_theta, scaling=k.rope_scaling,
-                           fraction=cfg.rope_fraction)
+        def tables(k):
+            if not k.rope:
+                return no_rope_tables(positions, cfg.head_dim)
+            return rope_tables(positions, cfg.head_dim, theta=k.rope_theta,
+                               scaling=k.rope_scaling, fraction=cfg.rope_fraction,
+                               p=cfg.p_rope, scale=scale)
 
-    if not isinstance(kind, jax.Array):
-        if not kinds[kind].rope:
-            return x
-        return rotate(x, *tables(kinds[kind]), rot)
-    rotations = [(k.rope, k.rope_theta, k.rope_scaling) for k in kinds]
-    distinct = list(dict.fromkeys(rotations))
-    if len(distinct) == 1:
-        cos, sin = tables(kinds[0])
-    else:
-        which = jnp.asarray([distinct.index(r) for r in rotations], jnp.int32)[kind]
-        each = [tables(kinds[rotations.index(r)]) for r in distinct]
-        cos, sin = (jnp.stack(t)[which] for t in zip(*each))  # [B, T, 1, H]
-    return rotate(x, cos, sin, rot)
+        if not isinstance(kind, jax.Array):
+            if not kinds[kind].rope:
+                return x
+            return rotate(x, *tables(kinds[kind]), rot)
+        rotations = [(k.rope, k.rope_theta, k.rope_scaling) for k in kinds]
+        distinct = list(dict.fromkeys(rotations))
+        if len(distinct) == 1:
+            cos, sin = tables(kinds[0])
+        else:
+            which = jnp.asarray([distinct.index(r) for r in rotations], jnp.int32)[kind]
+            each = [tables(kinds[rotations.index(r)]) for r in distinct]
+            cos, sin = (jnp.stack(t)[which] for t in zip(*each))  # [B, T, 1, H]
+        return rotate(x, cos, sin, rot)
+    return rotate_fn
+
+
+def _check_xpos(cfg):
+    _check_rope(cfg)
+    if cfg.max_seq_len > XPOS_MAX_POSITION:
+        raise ConfigError(f"model.max_seq_len={cfg.max_seq_len} is past {XPOS_MAX_POSITION}, "
+                          "where xPos's per-position scales leave float32; use position=rope "
+                          "(or a shorter max_seq_len)")
 
 
 def _check_rope(cfg):
@@ -168,6 +194,33 @@ def _t5(module, cfg):
     return LogitBias(_T5Bias(cfg.t5_max_distance), table)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SandwichBias:  # hashable by value, as _T5Bias
+    dims: int
+
+    def __call__(self, slopes, q_positions, k_positions):
+        return sandwich_bias(slopes, q_positions, k_positions, dims=self.dims)
+
+
+def _sandwich(module, cfg):
+    """Sandwich over head_dim dimensions (the d' of NeMo's implementation)."""
+    return LogitBias(_SandwichBias(cfg.head_dim), jnp.asarray(sandwich_slopes(cfg.n_heads),
+                                                              jnp.float32))
+
+
+def _kerple(module, cfg):
+    """KERPLE-log's r1 ~ U(0, 2) and r2 ~ U(0, 1) per head (the reference code's init)."""
+    def uniform(high):
+        return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, 0.0, high)
+    param = lambda name, high: module.param(  # noqa: E731
+        name, init_with_names(uniform(high), "heads"), (cfg.n_heads,), jnp.float32)
+    return LogitBias(_kerple_bias, {"r1": param("r1", 2.0), "r2": param("r2", 1.0)})
+
+
+def _kerple_bias(p, q_positions, k_positions):
+    return kerple_bias(p["r1"], p["r2"], q_positions, k_positions)
+
+
 FIRE_WIDTH = 32  # FIRE's hidden layer
 
 
@@ -196,10 +249,29 @@ def fire_bias(p, q_positions, k_positions):
     return jnp.einsum("btsw,wn->bnts", h, f32("out_kernel")) + f32("out_bias")[:, None, None]
 
 
+# ---- contextual ------------------------------------------------------------------------
+
+def _cope(module, cfg):
+    """CoPE's position embeddings [head_dim, cope_positions] for one layer, shared by its
+    heads (the reference code's shape). Initialised N(0, 0.02), where the reference starts
+    at zeros (a NoPE model until trained): so a fresh model already counts positions."""
+    table = module.param("cope_embedding", init_with_names(nn.initializers.normal(0.02),
+                                                           "head_dim", "table"),
+                         (cfg.head_dim, cfg.cope_positions), cfg.param_dtype)
+    return lambda q, k, mask: cope_logits(q, k, table, mask)
+
+
+def _check_cope(cfg):
+    if cfg.attn_softcap is not None:
+        raise ConfigError(f"position='cope' with model.attn_softcap={cfg.attn_softcap}: "
+                          "CoPE's gates read the raw logits, a cap has no defined place; "
+                          "drop one of them")
+
+
 # ---- the table -----------------------------------------------------------------------
 
 POSITION_SCHEMES: dict[str, PositionScheme] = {
-    "rope": PositionScheme("rotary", rotate=_rope, check=_check_rope),
+    "rope": PositionScheme("rotary", rotate=_rotary(xpos=False), check=_check_rope),
     "alibi": PositionScheme("bias", bias=_alibi),
     "sinusoidal": PositionScheme("absolute", embed=_sinusoidal, check=_even(
         "d_model", "sinusoidal positions pair sin and cos and need an even d_model")),
@@ -207,6 +279,10 @@ POSITION_SCHEMES: dict[str, PositionScheme] = {
     "none": PositionScheme("none"),
     "t5": PositionScheme("bias", bias=_t5),
     "fire": PositionScheme("bias", bias=_fire),
+    "xpos": PositionScheme("rotary", rotate=_rotary(xpos=True), check=_check_xpos),
+    "kerple": PositionScheme("bias", bias=_kerple),
+    "sandwich": PositionScheme("bias", bias=_sandwich),
+    "cope": PositionScheme("contextual", logits=_cope, check=_check_cope),
 }
 
 

@@ -60,12 +60,35 @@ def np_gelu(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
-def np_rope(x, pos, theta):  # HF Llama: x * cos + rotate_half(x) * sin
+def np_rope(x, pos, theta, p=1.0, xpos=None):  # HF Llama: x * cos + rotate_half(x) * sin
+    """p: p-RoPE's share of frequencies kept (the highest, int(p * h // 2) of them, the rest
+    0: Barbero et al. 2024 as Gemma's rope_proportion); xpos: 'q' or 'k' for xPos (Sun et
+    al. 2022): pair i also scaled by zeta_i^(+-n / 512), zeta_i = (2i/h + 0.4) / 1.4."""
     h = x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
+    inv[int(p * h // 2):] = 0.0
     ang = pos[:, :, None, None] * np.concatenate([inv, inv])  # [B, T, 1, H]
     rot = np.concatenate([-x[..., h // 2:], x[..., : h // 2]], -1)
-    return x * np.cos(ang) + rot * np.sin(ang)
+    out = x * np.cos(ang) + rot * np.sin(ang)
+    if xpos is not None:
+        zeta = (np.arange(0, h, 2) / h + 0.4) / 1.4
+        power = pos[:, :, None, None] / 512.0 * (1 if xpos == "q" else -1)
+        out = out * np.concatenate([zeta, zeta]) ** power
+    return out
+
+
+def np_cope_scores(cfg, q, k, embedding, allowed):
+    """CoPE's logits [B, N, T, S] in float64 (Golovneva et al. 2024; the RAM reference
+    code): gates sigmoid(q.k / sqrt(d)) on allowed keys, a key's position the sum of the
+    gates from it to the query, clamped to P - 1, its embedding interpolated linearly."""
+    raw = np.einsum("btnh,bsnh->bnts", q, k)
+    d = math.sqrt(cfg.head_dim)
+    gates = np.where(allowed[:, None], 1 / (1 + np.exp(-raw / d)), 0.0)
+    pos = np.minimum(np.cumsum(gates[..., ::-1], -1)[..., ::-1], cfg.cope_positions - 1)
+    lo, hi = np.floor(pos).astype(int), np.ceil(pos).astype(int)
+    e_lo, e_hi = embedding.T[lo], embedding.T[hi]  # [B, N, T, S, H]
+    e = e_lo + (pos - lo)[..., None] * (e_hi - e_lo)
+    return (raw + np.einsum("btnh,bntsh->bnts", q, e)) / d
 
 
 def np_dense(p, x, spec):
@@ -93,6 +116,15 @@ def np_position_bias(cfg, p, pos):
         x = psi(rel) / (psi(np.maximum(threshold, pos))[:, :, None] + 1e-6)
         h = np.maximum(x[..., None] * f["hidden_kernel"] + f["hidden_bias"], 0)  # 1 -> 32, ReLU
         return np.moveaxis(h @ f["out_kernel"] + f["out_bias"], -1, 1)  # 32 -> heads
+    distance = np.abs(rel)[:, None]  # [B, 1, T, S]
+    if cfg.position == "kerple":  # -r1 log(1 + r2 |i - j|), r1, r2 clamped to >= 0.01
+        r1, r2 = (np.maximum(p["position_bias"][n], 0.01)[None, :, None, None]
+                  for n in ("r1", "r2"))
+        return -r1 * np.log(1 + r2 * distance)
+    if cfg.position == "sandwich":  # sum_k cos(r / 10000^(2k/d)) - d/2, head h / (8h/N)
+        d = cfg.head_dim
+        total = sum(np.cos(distance / 10000.0 ** (2 * k / d)) for k in range(1, d // 2 + 1))
+        return (total - d / 2) / (8 * np.arange(1, cfg.n_heads + 1) / cfg.n_heads)[:, None, None]
     return 0.0
 
 
@@ -100,12 +132,17 @@ def np_attention(cfg, p, x, pos, allowed, bias=0.0, out=None, pre=""):
     q = keep(out, pre + "hook_q", np_dense(p["query"], x, "btd,dnh->btnh"))
     k = keep(out, pre + "hook_k", np_dense(p["key"], x, "btd,dkh->btkh"))
     v = keep(out, pre + "hook_v", np_dense(p["value"], x, "btd,dkh->btkh"))
-    if cfg.position == "rope":
-        q = keep(out, pre + "hook_rot_q", np_rope(q, pos, cfg.rope_theta))
-        k = keep(out, pre + "hook_rot_k", np_rope(k, pos, cfg.rope_theta))
+    if cfg.position in ("rope", "xpos"):
+        xpos = cfg.position == "xpos"
+        q = keep(out, pre + "hook_rot_q", np_rope(q, pos, cfg.rope_theta, cfg.p_rope,
+                                                  "q" if xpos else None))
+        k = keep(out, pre + "hook_rot_k", np_rope(k, pos, cfg.rope_theta, cfg.p_rope,
+                                                  "k" if xpos else None))
     g = cfg.n_heads // cfg.n_kv_heads
     k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # query head n uses kv head n // g
     s = np.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(cfg.head_dim)
+    if cfg.position == "cope":
+        s = np_cope_scores(cfg, q, k, p["cope_embedding"], allowed)
     if cfg.position == "alibi":  # n_heads = 4: slopes 2^-2, 2^-4, 2^-6, 2^-8
         slopes = 2.0 ** (-2.0 * np.arange(1, 5))
         s = s - slopes[None, :, None, None] * np.abs(pos[:, None, :, None] - pos[:, None, None, :])
@@ -201,6 +238,11 @@ VARIANTS = {
     "fire-gqa": dict(position="fire", n_kv_heads=2, norm="rmsnorm", ffn="swiglu"),
     "nope-window": dict(position="none", sliding_window=3),
     "rope-window-headdim": dict(position="rope", head_dim=12, sliding_window=5),
+    "xpos-gqa": dict(position="xpos", n_kv_heads=2),
+    "p-rope": dict(position="rope", p_rope=0.5, head_dim=12),
+    "kerple-post-ln": dict(position="kerple", block="post_ln"),
+    "sandwich-window": dict(position="sandwich", sliding_window=5),
+    "cope-gqa": dict(position="cope", n_kv_heads=2, cope_positions=5),
     "qwen2-qkv-bias": dict(position="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2,
                            use_bias=False, qkv_bias=True),
 }
@@ -336,7 +378,7 @@ def _square_buffers(cfg, t):
     return sorted(s for s in shapes if sum(d >= t for d in s) >= 2)
 
 
-@pytest.mark.parametrize("position", ["t5", "fire"])
+@pytest.mark.parametrize("position", ["t5", "fire", "sandwich"])
 def test_blockwise_train_step_holds_no_t_by_t_buffer(position, monkeypatch):
     """Compiled forward+backward with attention_impl='blockwise': no buffer is [T, S]
     sized: no logits, mask or bias grid (T5's buckets and FIRE's MLP run per block). The
@@ -412,16 +454,21 @@ def test_default_positions_are_arange_and_shift_matters():
     assert np.abs(shifted - logits_of(cfg, params, tokens)).max() > 1e-4
 
 
-def test_relative_schemes_are_shift_invariant():
-    """Relative schemes see only offsets: shifting every position by s changes nothing.
-    (FIRE is not: it normalises by the query's position.)"""
-    for position in ("rope", "alibi", "t5"):
-        cfg = small(position=position)
-        tokens, params = init(cfg, batch=2, seq=10)
-        pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
-        s = int(rng.integers(1, 500))
-        np.testing.assert_allclose(logits_of(cfg, params, tokens, positions=pos + s),
-                                   logits_of(cfg, params, tokens), rtol=1e-4, atol=1e-4)
+# every scheme that sees only offsets (or, CoPE, no positions at all); FIRE normalises by
+# the query's position, the absolute ones add the position itself
+RELATIVE = [n for n, s in POSITION_SCHEMES.items() if s.kind not in ("absolute", "none")
+            and n != "fire"]
+
+
+@pytest.mark.parametrize("position", RELATIVE)
+def test_relative_schemes_are_shift_invariant(position):
+    """Relative schemes see only offsets: shifting every position by s changes nothing."""
+    cfg = small(position=position)
+    tokens, params = init(cfg, batch=2, seq=10)
+    pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+    s = int(rng.integers(1, 500))
+    np.testing.assert_allclose(logits_of(cfg, params, tokens, positions=pos + s),
+                               logits_of(cfg, params, tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_learned_positions_beyond_table_is_an_error():
@@ -546,6 +593,8 @@ def test_flags_together_match_the_reference(combo, monkeypatch):
     monkeypatch.setattr(blockwise, "BLOCK_Q", int(rng.integers(3, 6)))  # several blocks
     monkeypatch.setattr(blockwise, "BLOCK_K", int(rng.integers(3, 6)))
     flags = {k: v for k, v in combo.items() if k != "packed"}
+    if POSITION_SCHEMES[combo["position"]].kind == "contextual":  # reference alone runs it
+        flags["attention_impl"] = "reference"  # (the others refuse: test_attention.py)
     cfg = small(**flags, n_kv_heads=2)
     t = 12
     tokens, params = init(cfg.replace(scan_layers=False), batch=2, seq=t)  # per layer
