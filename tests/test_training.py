@@ -151,12 +151,14 @@ def test_tokens_per_s_times_each_window_of_steps(corpus, tmp_path, monkeypatch, 
 
 def test_stop_and_resume_equals_straight_run(corpus, tmp_path):
     """A run stopped after step k (here by SIGTERM) and resumed gives bitwise the same
-    losses at every later step as the uninterrupted run."""
+    losses at every later step as the uninterrupted run: dropout, and randomized positions
+    drawn for packed documents, included."""
+    same = ("train.steps=10", "checkpoint.every=100", "model.dropout=0.1", "data.pack=true",
+            "train.random_positions=300")
     straight = tmp_path / "straight"
-    train(config(corpus, straight, "train.steps=10", "checkpoint.every=100", "model.dropout=0.1"),
-          log=lambda *a: None)
+    train(config(corpus, straight, *same), log=lambda *a: None)
     resumed = tmp_path / "resumed"
-    cfg = config(corpus, resumed, "train.steps=10", "checkpoint.every=100", "model.dropout=0.1")
+    cfg = config(corpus, resumed, *same)
     calls = {"n": 0}
     real_batch = Dataset.train_batch
 

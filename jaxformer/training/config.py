@@ -81,12 +81,19 @@ class TrainConfig:
     sample_temperature: float = 0.8
     progress: bool = True
     init_from: str | None = None  # an HF folder or a run (RUN, RUN@STEP): jaxformer.training.init_from
+    random_positions: int | None = None  # MAX: train on sorted random positions < MAX (data.random_positions)
 
     def __post_init__(self):
         o = "train"
         for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
             check_number(o, name, getattr(self, name), int, low=1)
         check_number(o, "seed", self.seed, int, low=0)
+        check_number(o, "random_positions", self.random_positions, int, low=1, optional=True)
+        if self.random_positions is not None and self.random_positions < self.seq_len:
+            raise ConfigError(f"train.random_positions={self.random_positions} is less than "
+                              f"train.seq_len={self.seq_len}: a row's tokens need distinct "
+                              f"positions from [0, {self.random_positions}); raise it to at least "
+                              f"{self.seq_len}")
         check_number(o, "sample_tokens", self.sample_tokens, int, low=0)
         check_number(o, "sample_temperature", self.sample_temperature, float, low=0)
         check_choice(o, "resume", self.resume, RESUME)
@@ -189,6 +196,11 @@ class RunConfig:
             raise ConfigError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
                               f"{self.model.max_seq_len}, the {self.model.position} position "
                               "table; raise model.max_seq_len or lower train.seq_len")
+        top = self.train.random_positions
+        if longest is not None and top is not None and top > longest(self.model):
+            raise ConfigError(f"train.random_positions={top} exceeds model.max_seq_len="
+                              f"{self.model.max_seq_len}, the {self.model.position} position "
+                              "table's rows; raise model.max_seq_len or lower random_positions")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,6 +17,7 @@ import yaml
 
 from jaxformer.config import ConfigError
 from jaxformer.data import DataError, eval_batches, load_dataset
+from jaxformer.data.random_positions import randomize_batch
 from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
@@ -179,9 +180,11 @@ class _Run:
 
     def batch_at(self, step):
         t = self.cfg.train
-        return self.place(self.data.train_batch(seed=t.seed, step=step,
-                                                batch_size=t.batch_size, seq_len=t.seq_len,
-                                                pack=self.cfg.data.pack, rows=self.rows))
+        batch = self.data.train_batch(seed=t.seed, step=step, batch_size=t.batch_size,
+                                      seq_len=t.seq_len, pack=self.cfg.data.pack, rows=self.rows)
+        if t.random_positions is not None:  # Ruoss et al.: positions drawn from [0, MAX)
+            batch = randomize_batch(batch, t.random_positions, t.seed, step, self.rows)
+        return self.place(batch)
 
     def steps(self) -> bool:
         """Train to train.steps, evaluating and saving on the way; True when stopped early
