@@ -53,9 +53,15 @@ class Transformer(nn.Module):
 
     ``positions`` [B, T] default to arange; ``segment_ids`` [B, T] (optional) pack several
     documents in a row (attention stays inside a segment) and mark padding with 0.
+
+    ordered_positions: positions grow along each segment, so masks may read them. False
+    for ids that need not (position coupling, Abacus: jaxformer.experiments.tasks): the
+    causal mask then goes by index alone, and only whole sequences run (no KV cache, no
+    split sequence, no window).
     """
 
     cfg: ModelConfig
+    ordered_positions: bool = True
 
     @nn.nowrap
     def init(self, *args, **kwargs):
@@ -100,8 +106,10 @@ class Transformer(nn.Module):
             k_segments = segment_ids = None
         split = sequence_split()  # context parallelism: the order of a row is the caller's
         impl = self.backend(b, t, k_positions.shape[1], split)
+        self.check_unordered(cache, split)
         mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
-                              is_causal=cache is None and split is None, by_index=by_index)
+                              causal=self.ordered_positions, by_index=by_index,
+                              is_causal=cache is None and split is None)
                      for k in c.kinds)  # one per layer kind: each block picks its own
         bias = self.position_bias(impl, t, cache, positions, k_positions)
         blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
@@ -122,6 +130,13 @@ class Transformer(nn.Module):
 
         logits = self.logits(embed, x)
         return logits if cache is None else (logits, cache)
+
+    def check_unordered(self, cache, split):
+        """Positions out of row order mask by index: refused where that cannot hold."""
+        windows = {k.window for k in self.cfg.kinds} - {None}
+        if not self.ordered_positions and (cache is not None or split is not None or windows):
+            raise ValueError("ordered_positions=False masks by index within whole sequences: "
+                             "not with a KV cache, a split sequence or a sliding window")
 
     def backend(self, b: int, t: int, s: int, split) -> str:
         """The attention backend of this forward, chosen once for every layer (`auto`: by

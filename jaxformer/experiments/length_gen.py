@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.data.random_positions import randomize_batch
+from jaxformer.validation import check_choice, check_number
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.experiments import tasks
 from jaxformer.experiments.length_gen_report import summarize, write_outputs
@@ -72,6 +74,10 @@ class LengthGenSettings:
     eval_examples: examples scored at each length.
     eval_batch_tokens: tokens per evaluation forward pass (per seed).
     seeds: repeats with train.seed, train.seed + 1, ..., trained as one vmapped program.
+    task_positions: the position ids the model reads (jaxformer.experiments.tasks):
+      index (0, 1, 2, ...), coupled (Cho et al. 2024), abacus (McLeish et al. 2024).
+    position_offset: coupled and abacus ids get a random offset in 0..position_offset per
+      training example (none in evaluation), so ids past the training lengths are trained.
     out_dir: where results.json, results.md and length_gen.png are written.
     progress: print progress lines while it runs.
     """
@@ -83,6 +89,8 @@ class LengthGenSettings:
     eval_examples: int = 100
     eval_batch_tokens: int = 16384
     seeds: int = 1
+    task_positions: str = "index"
+    position_offset: int = 0
     out_dir: str = "runs/length_gen"
     progress: bool = True
 
@@ -93,6 +101,13 @@ class LengthGenSettings:
         check_settings(self, choices={"tasks": tasks.TASKS, "schemes": tuple(POSITION_SCHEMES)},
                        increasing=("eval_lengths",),
                        positive=("train_max_len", "eval_examples", "eval_batch_tokens", "seeds"))
+        check_choice("study", "task_positions", self.task_positions, tasks.TASK_POSITIONS)
+        check_number("study", "position_offset", self.position_offset, int, low=0)
+
+    @property
+    def ordered(self) -> bool:
+        """Whether the ids grow along each example (masks may read them)."""
+        return self.task_positions == "index"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +122,37 @@ class LengthGenConfig:
             raise ConfigError(f"train.seq_len={row} cannot hold one training example of "
                               f"study.train_max_len={s.train_max_len} input symbols ({need} "
                               "tokens); raise train.seq_len or lower study.train_max_len")
+        top = self.run.train.random_positions
+        if top is not None and not s.ordered:
+            raise ConfigError(f"train.random_positions={top} with study.task_positions="
+                              f"{s.task_positions}: both set the position ids; drop one")
+        if not s.ordered and self.run.model.sliding_window is not None:
+            raise ConfigError(f"study.task_positions={s.task_positions} ids are not in row "
+                              "order, which a sliding window reads; drop model.sliding_window")
         for scheme in s.schemes:  # every model builds, before anything trains
-            self.model_config(scheme)
+            self.check_table(self.model_config(scheme))
 
     def row_len(self, scheme: str) -> int:
-        """The evaluation rows' length: the learned table's size, or enough for the longest
-        evaluation example (and no less than the training rows)."""
+        """The evaluation rows' length: enough for the longest evaluation example (and no
+        less than the training rows); for a learned table of index positions its size,
+        the training rows' length (or the random positions it trains)."""
         longest = max(tasks.example_tokens(t, self.study.eval_lengths[-1]) - 1
                       for t in self.study.tasks)
         row = self.run.train.seq_len
-        return row if POSITION_SCHEMES[scheme].max_length is not None else max(row, longest)
+        if POSITION_SCHEMES[scheme].max_length is not None and self.study.ordered:
+            return max(row, self.run.train.random_positions or 0)
+        return max(row, longest)
+
+    def check_table(self, mcfg: ModelConfig):
+        """A learned table holds every id trained (coupled/abacus ids with their offsets)."""
+        longest = POSITION_SCHEMES[mcfg.position].max_length
+        s = self.study
+        top = max(int(tasks.example_positions(t, s.train_max_len, s.task_positions,
+                                              s.position_offset).max()) for t in s.tasks)
+        if longest is not None and top >= longest(mcfg):
+            raise ConfigError(f"study.position_offset={s.position_offset} trains position ids up "
+                              f"to {top}, past the {mcfg.position} table's {longest(mcfg)} rows; "
+                              "lower it, or raise train.seq_len")
 
     def model_config(self, scheme: str) -> ModelConfig:
         return self.run.model.replace(position=scheme, rope_scaling=RopeScaling(),
@@ -141,6 +177,11 @@ def train_rng(seed: int, task: str, step: int) -> np.random.Generator:
     return np.random.default_rng([TRAIN_STREAM, seed, tasks.TASKS.index(task), step])
 
 
+def eval_positions(cfg: LengthGenConfig, task: str, lengths) -> list[np.ndarray]:
+    """The evaluation examples' position ids (no offset), one per example length."""
+    return [tasks.example_positions(task, n, cfg.study.task_positions) for n in lengths]
+
+
 def eval_examples(task: str, length: int, count: int) -> list[np.ndarray]:
     """The examples scored at `length`: the same for every scheme, seed and config."""
     rng = np.random.default_rng([EVAL_STREAM, tasks.TASKS.index(task), length])
@@ -148,10 +189,10 @@ def eval_examples(task: str, length: int, count: int) -> list[np.ndarray]:
 
 
 @functools.lru_cache(maxsize=None)
-def _predictor(mcfg: ModelConfig):
+def _predictor(mcfg: ModelConfig, ordered_positions: bool = True):
     """predict(stacked params [N, ...], batch) -> argmax token ids [N, B, T]: every seed's
     greedy choice at every position, given the true tokens before it."""
-    model = Transformer(mcfg)
+    model = Transformer(mcfg, ordered_positions=ordered_positions)
 
     def predict(params, batch):
         logits = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
@@ -162,15 +203,16 @@ def _predictor(mcfg: ModelConfig):
 
 
 def exact_match(mcfg: ModelConfig, params, examples, answer_starts, row_len: int,
-                batch_tokens: int) -> np.ndarray:
+                batch_tokens: int, positions=None) -> np.ndarray:
     """bool [N, E]: whether greedy decoding from example e's prompt (its tokens before
-    answer_starts[e]) gives exactly its answer, for each of the N stacked params."""
-    packed = tasks.pack(examples, answer_starts, row_len)
+    answer_starts[e]) gives exactly its answer, for each of the N stacked params.
+    positions: each example's position ids (tasks.pack), None for index positions."""
+    packed = tasks.pack(examples, answer_starts, row_len, positions=positions)
     rows = max(1, batch_tokens // row_len)
     n_rows = -(-len(packed["inputs"]) // rows) * rows  # padded: one shape for every batch
     packed = {k: np.pad(v, ((0, n_rows - len(v)), (0, 0)), constant_values=-1 if k == "example"
                         else 0) for k, v in packed.items()}
-    predict, wrong = _predictor(mcfg), []
+    predict, wrong = _predictor(mcfg, positions is None), []
     for i in range(0, n_rows, rows):
         batch = {k: packed[k][i:i + rows] for k in ("inputs", "positions", "segment_ids")}
         wrong.append(np.asarray(predict(params, batch)) != packed["targets"][i:i + rows])
@@ -188,7 +230,9 @@ def accuracy(cfg: LengthGenConfig, mcfg: ModelConfig, params, task: str) -> list
     fits = [n for n in s.eval_lengths if tasks.example_tokens(task, n) - 1 <= row_len]
     examples = [ex for n in fits for ex in eval_examples(task, n, s.eval_examples)]
     starts = [tasks.answer_start(task, n) for n in fits for _ in range(s.eval_examples)]
-    solved = exact_match(mcfg, params, examples, starts, row_len, s.eval_batch_tokens)
+    ids = None if s.ordered else eval_positions(cfg, task, [n for n in fits
+                                                             for _ in range(s.eval_examples)])
+    solved = exact_match(mcfg, params, examples, starts, row_len, s.eval_batch_tokens, ids)
     by_length = solved.reshape(len(solved), len(fits), s.eval_examples).mean(-1)  # [N, F]
     return [[float(by_length[i, fits.index(n)]) if n in fits else None
              for n in s.eval_lengths] for i in range(len(solved))]
@@ -199,11 +243,14 @@ def train_task(cfg: LengthGenConfig, mcfg: ModelConfig, task: str, seeds, log):
     s, t = cfg.study, cfg.run.train
 
     def batch(seed, step):
-        return tasks.train_batch(task, s.train_max_len, t.batch_size, t.seq_len,
-                                 train_rng(seed, task, step))
+        rows = tasks.train_batch(task, s.train_max_len, t.batch_size, t.seq_len,
+                                 train_rng(seed, task, step), s.task_positions, s.position_offset)
+        if t.random_positions is None:
+            return rows
+        return randomize_batch(rows, t.random_positions, seed, step)  # Ruoss et al.
 
     return train_seeds(mcfg, cfg.run.optim, t.steps, seeds, batch, log_every=t.log_every,
-                       log=log)
+                       log=log, ordered_positions=s.ordered)
 
 
 def _print(*args):

@@ -7,7 +7,8 @@ the validation split at L, 2L, ... 32L.
 
 Sections: study.* (StudySettings), model.* (ModelConfig fields, or model.preset; not
 position, rope_scaling or max_seq_len, which the study sets), data.*, optim.*, and
-train.steps / batch_size / seq_len (= L) / seed / log_every.
+train.steps / batch_size / seq_len (= L) / seed / log_every / random_positions (MAX:
+train on sorted random positions from [0, MAX), Ruoss et al. 2023; evaluate on 0..n-1).
 
 Evaluation: the first N validation tokens (the same ones at every length) are cut into
 non-overlapping windows of n*L tokens; every token of every window is scored, with the
@@ -33,6 +34,7 @@ import numpy as np
 
 from jaxformer.config import ConfigError, ModelConfig, RopeScaling
 from jaxformer.data import DataError, get_batch, load_dataset
+from jaxformer.data.random_positions import randomize_batch
 from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, StudyConfig,
                                                     StudySettings, load_study_config,
                                                     multiples_of_l, study_main)
@@ -66,8 +68,11 @@ def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log):
     t = cfg.run.train
 
     def batch(seed, step):
-        return get_batch(train_tokens, None, seed=seed, step=step, batch_size=t.batch_size,
+        rows = get_batch(train_tokens, None, seed=seed, step=step, batch_size=t.batch_size,
                          seq_len=t.seq_len)
+        if t.random_positions is None:
+            return rows
+        return randomize_batch(rows, t.random_positions, seed, step)  # Ruoss et al.
 
     return train_seeds(mcfg, cfg.run.optim, t.steps, seeds, batch, log_every=t.log_every,
                        log=log)

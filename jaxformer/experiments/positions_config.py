@@ -22,7 +22,7 @@ from jaxformer.validation import coerce, read_config_file
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")
 SECTIONS = ("study", "model", "data", "optim", "train", "mesh")  # mesh: for evaluation
-TRAIN_KEYS = ("steps", "batch_size", "seq_len", "seed", "log_every")
+TRAIN_KEYS = ("steps", "batch_size", "seq_len", "seed", "log_every", "random_positions")
 SET_BY_STUDY = {"position": "choose schemes with study.schemes",
                 "rope_scaling": "RoPE scaling is applied at evaluation only: study.rope_scaling",
                 "max_seq_len": "it is train.seq_len (L) for learned positions, the longest "
@@ -117,8 +117,9 @@ class StudyConfig:
         return self.study.eval_tokens // step * step
 
     def model_config(self, scheme: str) -> ModelConfig:
-        """The run's model with this position scheme; the learned table has L rows."""
-        length = self.run.train.seq_len
+        """The run's model with this position scheme; the learned table has L rows (or
+        train.random_positions, the positions it trains)."""
+        length = max(self.run.train.seq_len, self.run.train.random_positions or 0)
         longest = max(length, *self.eval_lengths)
         table = POSITION_SCHEMES[scheme].max_length is not None  # its rows: L, no more
         return self.run.model.replace(position=scheme, rope_scaling=RopeScaling(),

@@ -17,11 +17,11 @@ from jaxformer.training.step import init_state, make_train_step
 
 
 @functools.lru_cache(maxsize=None)
-def vmapped_trainer(mcfg, optim, steps: int):
+def vmapped_trainer(mcfg, optim, steps: int, ordered_positions: bool = True):
     """(init(seeds [N]) -> N stacked TrainStates, step(states, batches) -> (states, metrics))
     for one model config: jitted once, whatever the number of seeds; every batch and metric
-    carries the seed axis first."""
-    model = Transformer(mcfg)
+    carries the seed axis first. ordered_positions: as the Transformer's."""
+    model = Transformer(mcfg, ordered_positions=ordered_positions)
     tx, schedule = make_optimizer(optim, mcfg, steps)
     step = make_train_step(model, tx, schedule, grad_accum=optim.grad_accum)
     init = jax.jit(jax.vmap(lambda seed: init_state(model, tx, seed)))
@@ -38,13 +38,14 @@ def stack(trees):
     return jax.tree.map(lambda *xs: np.stack(xs), *trees)
 
 
-def train_seeds(mcfg, optim, steps: int, seeds, batch, *, log_every: int, log):
+def train_seeds(mcfg, optim, steps: int, seeds, batch, *, log_every: int, log,
+                ordered_positions: bool = True):
     """Trains one model per seed, all at once: (stacked params, each seed's mean train loss
     over the last log interval).
 
     batch(seed, step) -> that seed's batch at that step (a dict of NumPy arrays).
     """
-    init, step_fn = vmapped_trainer(mcfg, optim, steps)
+    init, step_fn = vmapped_trainer(mcfg, optim, steps, ordered_positions)
     state = init(jnp.asarray(seeds, jnp.int32))
     recent, t0 = [], time.perf_counter()
     for step in range(steps):

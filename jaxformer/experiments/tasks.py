@@ -16,6 +16,17 @@ the final carry, 0 or 1), so an example's layout depends on n alone.
 
 The answer is everything after ``=``, the end-of-sequence token included: greedy decoding
 of the prompt (up to ``=``) has solved an example when it reproduces the answer exactly.
+
+Position ids (study.task_positions; example_positions):
+- index: 0, 1, 2, ... along the example;
+- coupled (Cho et al. 2024, position coupling): digits of equal significance share an
+  id across operands and answer, start + 1 + i for the i-th least significant; ``+`` and
+  ``=`` take start, the marker and end 0. For copy the i-th answer digit is coupled to
+  the i-th input digit, for reverse to the one it copies. start = 1 + a random offset in
+  training (so every id up to the largest is trained), 1 in evaluation;
+- abacus (McLeish et al. 2024): each digit's place within its number, 1, 2, ... (least
+  significant first), plus a random offset k in training (0 in evaluation); every other
+  token 0.
 """
 
 from __future__ import annotations
@@ -39,6 +50,31 @@ def example_tokens(task: str, length):
 def answer_start(task: str, length):
     """The index of an example's first answer token (the one after ``=``); int or array."""
     return 2 * length + 3 if task == "addition" else length + 2
+
+
+TASK_POSITIONS = ("index", "coupled", "abacus")
+
+
+def example_positions(task: str, length: int, kind: str, offset: int = 0) -> np.ndarray:
+    """The position ids of an example of `task` with `length` input symbols, one per token
+    (example_tokens of them), as `kind` (TASK_POSITIONS) assigns them, with the training
+    offset `offset` (0 in evaluation). int32."""
+    n = length
+    if kind == "index":
+        return np.arange(example_tokens(task, n), dtype=np.int32)
+    place = np.arange(1, n + 1)  # the digits' places, least significant first
+    if kind == "abacus":
+        run = lambda m: offset + np.arange(1, m + 1)  # noqa: E731  one number's digits
+        parts = [[0], run(n), [0], run(n), [0], run(n + 1), [0]] if task == "addition" else \
+            [[0], run(n), [0], run(n), [0]]
+    elif kind == "coupled":
+        start = 1 + offset
+        answer = {"addition": np.arange(1, n + 2), "copy": place, "reverse": place[::-1]}[task]
+        parts = [[0], start + place, [start], start + place, [start], start + answer, [0]] \
+            if task == "addition" else [[0], start + place, [start], start + answer, [0]]
+    else:
+        raise ValueError(f"unknown task positions {kind!r}; choose from {', '.join(TASK_POSITIONS)}")
+    return np.concatenate(parts).astype(np.int32)
 
 
 def make_examples(task: str, length: int, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -84,7 +120,8 @@ def sample_examples(task: str, lengths, rng: np.random.Generator) -> list[np.nda
     return out
 
 
-def pack(examples, answer_starts, row_len: int, rows: int | None = None) -> dict:
+def pack(examples, answer_starts, row_len: int, rows: int | None = None,
+         positions=None) -> dict:
     """Examples placed one after another into rows of `row_len` inputs, a row closed when
     the next example does not fit; padding fills the rest (token PAD, segment id 0).
 
@@ -93,7 +130,8 @@ def pack(examples, answer_starts, row_len: int, rows: int | None = None) -> dict
     within a row), positions (restarting at 0 at every example), example (its index in
     `examples`, -1 on padding), and float32 loss_mask: 1 exactly where the target is an
     answer token. rows: pad (with empty rows) or cut to this many rows; examples beyond
-    them are left out.
+    them are left out. positions: each example's position ids (example_positions), None
+    for 0, 1, 2, ...
     """
     placed = []  # (row, offset, example index)
     row, offset = 0, 0
@@ -118,20 +156,24 @@ def pack(examples, answer_starts, row_len: int, rows: int | None = None) -> dict
         ex, span = examples[i], slice(o, o + len(examples[i]) - 1)
         out["inputs"][r, span], out["targets"][r, span] = ex[:-1], ex[1:]
         out["segment_ids"][r, span], out["example"][r, span] = segment, i
-        out["positions"][r, span] = np.arange(len(ex) - 1)
+        out["positions"][r, span] = np.arange(len(ex) - 1) if positions is None else \
+            positions[i][:-1]
         out["loss_mask"][r, span] = np.arange(1, len(ex)) >= answer_starts[i]
     return out
 
 
 def train_batch(task: str, max_len: int, batch_size: int, row_len: int,
-                rng: np.random.Generator) -> dict:
+                rng: np.random.Generator, positions: str = "index", max_offset: int = 0) -> dict:
     """`batch_size` full rows of examples with lengths uniform in 1..max_len (packed, without
-    the example key): the model's training batch."""
+    the example key): the model's training batch. positions: TASK_POSITIONS' kind, each
+    example's offset uniform in 0..max_offset."""
     slots = example_tokens(task, 1) - 1  # the fewest slots an example takes
     lengths = rng.integers(1, max_len + 1, batch_size * (row_len // slots + 1))
     used = np.cumsum(example_tokens(task, lengths) - 1)
     lengths = lengths[:np.searchsorted(used, batch_size * row_len) + 1]  # enough to fill
     examples = sample_examples(task, lengths, rng)
-    batch = pack(examples, answer_start(task, lengths), row_len, rows=batch_size)
+    offsets = rng.integers(0, max_offset + 1, len(lengths))
+    ids = [example_positions(task, int(n), positions, int(k)) for n, k in zip(lengths, offsets)]
+    batch = pack(examples, answer_start(task, lengths), row_len, rows=batch_size, positions=ids)
     del batch["example"]
     return batch
