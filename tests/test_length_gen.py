@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.decoding import generate
+from jaxformer.decoding import generate, init_cache
 from jaxformer.experiments import length_gen, tasks
 from jaxformer.experiments.seeds import seed_slice, train_seeds
 from jaxformer.training.config import OptimConfig
@@ -242,3 +242,61 @@ def test_each_vmapped_seed_trains_on_its_own_batches(rng):
     runs = separate_runs(cfg.model_config("alibi"), cfg.run.optim, cfg.run.train.steps, seeds,
                          batch)
     assert_each_seed_trained_alone(params, runs)
+
+
+# ---- task position ids (position coupling, Abacus) --------------------------------------
+
+def test_coupled_and_abacus_ids_on_hand_written_examples():
+    """A 9 1 7 + 2 3 4 = ... : the papers' ids written out by hand (Cho et al.: '+' and '='
+    take start, digits of one significance share start + place; McLeish et al.: each
+    digit's place in its number, non-digits 0), with a training offset of 5."""
+    ids = lambda task, kind, offset=0: tasks.example_positions(task, 3, kind, offset).tolist()  # noqa: E731
+    #            A  a1 a2 a3 +  b1 b2 b3 =  s1 s2 s3 s4 $
+    assert ids("addition", "coupled") == [0, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 5, 0]
+    assert ids("addition", "coupled", 5) == [0, 7, 8, 9, 6, 7, 8, 9, 6, 7, 8, 9, 10, 0]
+    assert ids("addition", "abacus") == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 4, 0]
+    assert ids("addition", "abacus", 5) == [0, 6, 7, 8, 0, 6, 7, 8, 0, 6, 7, 8, 9, 0]
+    #            R  x1 x2 x3 =  x3 x2 x1 $
+    assert ids("reverse", "coupled") == [0, 2, 3, 4, 1, 4, 3, 2, 0]
+    assert ids("copy", "coupled") == [0, 2, 3, 4, 1, 2, 3, 4, 0]
+    assert ids("copy", "abacus", 2) == [0, 3, 4, 5, 0, 3, 4, 5, 0]
+    assert ids("copy", "index") == list(range(9))
+
+
+@pytest.mark.parametrize("position, impl", [("rope", "blockwise"), ("learned", "chunked"),
+                                            ("alibi", "xla")])
+def test_ids_out_of_row_order_mask_by_index(rng, position, impl):
+    """With coupled ids, '=' (id start) comes after digits of larger ids: a model with
+    ordered_positions=False still sees them (changing an operand digit changes the logits
+    at '='), and stays causal (a prefix's logits are the logits of the prefix alone)."""
+    cfg = ModelConfig(vocab_size=tasks.VOCAB_SIZE, d_model=32, n_layers=2, n_heads=4,
+                      max_seq_len=32, position=position, attention_impl=impl)
+    model = Transformer(cfg, ordered_positions=False)
+    ex = tasks.make_examples("addition", 4, 1, rng)[0]
+    pos = tasks.example_positions("addition", 4, "coupled", int(rng.integers(0, 8)))
+    tokens, pos = jnp.asarray(ex[None]), jnp.asarray(pos[None])
+    params = model.init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    logits = lambda x, p: np.asarray(model.apply({"params": params}, x, positions=p))  # noqa: E731
+    full = logits(tokens, pos)
+    eq = tasks.answer_start("addition", 4) - 1  # the '=' token
+    digit = int(rng.integers(1, 5))  # an operand digit, its id above '=''s
+    changed = tokens.at[0, digit].set(tasks.DIGIT + (int(ex[digit]) - tasks.DIGIT + 1) % 10)
+    assert np.abs(logits(changed, pos)[0, eq] - full[0, eq]).max() > 1e-4
+    p = int(rng.integers(2, len(ex)))
+    np.testing.assert_allclose(logits(tokens[:, :p], pos[:, :p]), full[:, :p], rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="ordered_positions=False.*not with a KV cache"):
+        model.apply({"params": params}, tokens, pos, cache=init_cache(cfg, 1, 32))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["study.task_positions=coupled", "train.random_positions=64"],
+     ["random_positions=64", "task_positions=coupled", "both set the position ids"]),
+    (["study.schemes=learned", "study.task_positions=abacus", "study.position_offset=40"],
+     ["position_offset=40", "learned table's 31 rows"]),
+    (["study.task_positions=fixed"], ["task_positions", "coupled", "abacus"]),
+])
+def test_bad_position_settings_exit_2_naming_them(capsys, args, words):
+    assert length_gen.main(["--small", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and all(w in err for w in words), err
