@@ -295,6 +295,7 @@ def test_ids_out_of_row_order_mask_by_index(rng, position, impl):
     (["study.schemes=learned", "study.task_positions=abacus", "study.position_offset=40"],
      ["position_offset=40", "learned table's 31 rows"]),
     (["study.task_positions=fixed"], ["task_positions", "coupled", "abacus"]),
+    (["study.eval_random_positions=true"], ["eval_random_positions", "train.random_positions"]),
 ])
 def test_bad_position_settings_exit_2_naming_them(capsys, args, words):
     assert length_gen.main(["--small", *args]) == 2

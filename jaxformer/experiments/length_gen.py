@@ -78,6 +78,8 @@ class LengthGenSettings:
       index (0, 1, 2, ...), coupled (Cho et al. 2024), abacus (McLeish et al. 2024).
     position_offset: coupled and abacus ids get a random offset in 0..position_offset per
       training example (none in evaluation), so ids past the training lengths are trained.
+    eval_random_positions: with train.random_positions=MAX, score each example at a sorted
+      random subset of [0, MAX) too, as Ruoss et al. evaluate (default: 0..n-1).
     out_dir: where results.json, results.md and length_gen.png are written.
     progress: print progress lines while it runs.
     """
@@ -91,6 +93,7 @@ class LengthGenSettings:
     seeds: int = 1
     task_positions: str = "index"
     position_offset: int = 0
+    eval_random_positions: bool = False
     out_dir: str = "runs/length_gen"
     progress: bool = True
 
@@ -123,6 +126,9 @@ class LengthGenConfig:
                               f"study.train_max_len={s.train_max_len} input symbols ({need} "
                               "tokens); raise train.seq_len or lower study.train_max_len")
         top = self.run.train.random_positions
+        if s.eval_random_positions and top is None:
+            raise ConfigError("study.eval_random_positions needs train.random_positions=MAX, "
+                              "the range its positions are drawn from")
         if top is not None and not s.ordered:
             raise ConfigError(f"train.random_positions={top} with study.task_positions="
                               f"{s.task_positions}: both set the position ids; drop one")
@@ -177,9 +183,18 @@ def train_rng(seed: int, task: str, step: int) -> np.random.Generator:
     return np.random.default_rng([TRAIN_STREAM, seed, tasks.TASKS.index(task), step])
 
 
-def eval_positions(cfg: LengthGenConfig, task: str, lengths) -> list[np.ndarray]:
-    """The evaluation examples' position ids (no offset), one per example length."""
-    return [tasks.example_positions(task, n, cfg.study.task_positions) for n in lengths]
+def eval_positions(cfg: LengthGenConfig, task: str, lengths) -> list[np.ndarray] | None:
+    """The evaluation examples' position ids, one per example length: the task's ids (no
+    offset), or sorted random ones from [0, train.random_positions) (the same for every
+    scheme and seed), or None for 0..n-1."""
+    s, top = cfg.study, cfg.run.train.random_positions
+    if s.eval_random_positions:
+        rng = np.random.default_rng([EVAL_STREAM, tasks.TASKS.index(task), top])
+        return [np.sort(rng.choice(top, tasks.example_tokens(task, n), replace=False))
+                for n in lengths]
+    if s.ordered:
+        return None
+    return [tasks.example_positions(task, n, s.task_positions) for n in lengths]
 
 
 def eval_examples(task: str, length: int, count: int) -> list[np.ndarray]:
@@ -227,11 +242,12 @@ def accuracy(cfg: LengthGenConfig, mcfg: ModelConfig, params, task: str) -> list
     """[seed][length] exact-match accuracy on the evaluation examples; None where they do not
     fit the evaluation rows (beyond the learned table)."""
     s, row_len = cfg.study, cfg.row_len(mcfg.position)
-    fits = [n for n in s.eval_lengths if tasks.example_tokens(task, n) - 1 <= row_len]
+    room = min(row_len + 1, cfg.run.train.random_positions or row_len + 1) \
+        if s.eval_random_positions else row_len + 1  # an example's tokens, at most
+    fits = [n for n in s.eval_lengths if tasks.example_tokens(task, n) <= room]
     examples = [ex for n in fits for ex in eval_examples(task, n, s.eval_examples)]
     starts = [tasks.answer_start(task, n) for n in fits for _ in range(s.eval_examples)]
-    ids = None if s.ordered else eval_positions(cfg, task, [n for n in fits
-                                                             for _ in range(s.eval_examples)])
+    ids = eval_positions(cfg, task, [n for n in fits for _ in range(s.eval_examples)])
     solved = exact_match(mcfg, params, examples, starts, row_len, s.eval_batch_tokens, ids)
     by_length = solved.reshape(len(solved), len(fits), s.eval_examples).mean(-1)  # [N, F]
     return [[float(by_length[i, fits.index(n)]) if n in fits else None

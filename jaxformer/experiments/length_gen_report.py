@@ -69,7 +69,9 @@ def markdown(results: dict) -> str:
         f"Exact-match accuracy of greedy decoding on {results['eval_examples']} examples per "
         f"length (input symbols; digits per operand for addition), the same for every scheme. "
         f"Models trained on lengths 1..{cut}; * marks lengths beyond them.",
-        "n/a: the example is longer than the learned position table (train.seq_len rows).",
+        "n/a: the example does not fit the learned position table (or, scored at random "
+        "positions, train.random_positions).",
+        positions_note(results.get("config", {})),
         "mean 1..L / mean > L: each seed's mean over those lengths, then mean ± std over seeds."
         " Bold: the best scheme and every scheme within one standard deviation of it (the "
         "larger of the two): differences among the bold ones are smaller than the seed "
@@ -81,6 +83,21 @@ def markdown(results: dict) -> str:
     ]
     tables = "\n\n".join(task_table(results, task) for task in results["tasks"])
     return tables + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
+def positions_note(config: dict) -> str:
+    """How the examples' position ids were given, from the study's resolved config."""
+    study, train = config.get("study", {}), config.get("train", {})
+    kind, offset = study.get("task_positions", "index"), study.get("position_offset", 0)
+    note = {"index": "Position ids 0, 1, 2, ... along each example",
+            "coupled": "Position ids coupled by significance (Cho et al. 2024)",
+            "abacus": "Abacus position ids (McLeish et al. 2024)"}[kind]
+    if kind != "index":
+        note += f", start offsets 0..{offset} in training, 0 in evaluation"
+    if train.get("random_positions"):
+        note += (f"; in training{' and evaluation' if study.get('eval_random_positions') else ''}"
+                 f" a sorted random subset of [0, {train['random_positions']}) (Ruoss et al. 2023)")
+    return note + "."
 
 
 def draw(results: dict, axes) -> None:
