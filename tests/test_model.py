@@ -749,4 +749,7 @@ def _check_layer_pattern(impl, block, qk_norm, monkeypatch):
     want = stack_layers(want, cfg.n_layers)
     for path, g in jax.tree_util.tree_leaves_with_path(got):
         ref = functools.reduce(lambda x, k: x[k.key], path, want)
-        np.testing.assert_allclose(g, ref, rtol=1e-3, atol=2e-5, err_msg=str(path))
+        # params x3 give gradients up to ~10: float32 rounding of a near-cancelling entry
+        # reached 5.7e-5 (1 entry of 12,288, once, under a loaded full run)
+        np.testing.assert_allclose(g, ref, rtol=1e-3, atol=1e-5 * max(1.0, np.abs(ref).max()),
+                                   err_msg=str(path))
