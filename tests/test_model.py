@@ -618,7 +618,11 @@ def test_flags_together_match_the_reference(combo, monkeypatch):
                                rtol=1e-4, atol=1e-5)
     for path, g in jax.tree_util.tree_leaves_with_path(got):
         ref = functools.reduce(lambda x, k: x[k.key], path, want)
-        np.testing.assert_allclose(g, ref, rtol=1e-3, atol=2e-5, err_msg=str(path))
+        # a scalar param's gradient (FIRE's c and threshold) sums every (query, key) pair's
+        # part, cancelling: summed in another order, FIRE's c moved by 0.24% (-0.018404
+        # against -0.018448) once in a loaded full run, and matched alone with the same seed
+        np.testing.assert_allclose(g, ref, rtol=1e-2 if np.ndim(ref) == 0 else 1e-3,
+                                   atol=2e-5, err_msg=str(path))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
