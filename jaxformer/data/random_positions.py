@@ -38,11 +38,14 @@ def random_positions(positions: np.ndarray, segment_ids: np.ndarray | None, max_
     return out
 
 
-def randomize_batch(batch: dict, max_position: int, seed: int, step: int,
+def randomize_batch(batch: dict, max_position: int | None, seed: int, step: int,
                     rows: slice = slice(None)) -> dict:
     """The batch with its positions drawn by random_positions, row i's from a generator
-    seeded by (seed, step, i) alone. rows: the batch's rows among the global batch's (a
-    process's share on several hosts), so every host draws what one host would."""
+    seeded by (seed, step, i) alone; the batch as it is for max_position None (the
+    setting off). rows: the batch's rows among the global batch's (a process's share on
+    several hosts), so every host draws what one host would."""
+    if max_position is None:
+        return batch
     inputs = batch["inputs"]
     positions = batch.get("positions")
     if positions is None:

@@ -242,8 +242,9 @@ def accuracy(cfg: LengthGenConfig, mcfg: ModelConfig, params, task: str) -> list
     """[seed][length] exact-match accuracy on the evaluation examples; None where they do not
     fit the evaluation rows (beyond the learned table)."""
     s, row_len = cfg.study, cfg.row_len(mcfg.position)
-    room = min(row_len + 1, cfg.run.train.random_positions or row_len + 1) \
-        if s.eval_random_positions else row_len + 1  # an example's tokens, at most
+    room = row_len + 1  # an example's tokens, at most: a row's inputs and its last target
+    if s.eval_random_positions:  # and no more than the positions drawn from
+        room = min(room, cfg.run.train.random_positions)
     fits = [n for n in s.eval_lengths if tasks.example_tokens(task, n) <= room]
     examples = [ex for n in fits for ex in eval_examples(task, n, s.eval_examples)]
     starts = [tasks.answer_start(task, n) for n in fits for _ in range(s.eval_examples)]
@@ -261,9 +262,7 @@ def train_task(cfg: LengthGenConfig, mcfg: ModelConfig, task: str, seeds, log):
     def batch(seed, step):
         rows = tasks.train_batch(task, s.train_max_len, t.batch_size, t.seq_len,
                                  train_rng(seed, task, step), s.task_positions, s.position_offset)
-        if t.random_positions is None:
-            return rows
-        return randomize_batch(rows, t.random_positions, seed, step)  # Ruoss et al.
+        return randomize_batch(rows, t.random_positions, seed, step)  # Ruoss et al., or none
 
     return train_seeds(mcfg, cfg.run.optim, t.steps, seeds, batch, log_every=t.log_every,
                        log=log, ordered_positions=s.ordered)

@@ -70,9 +70,7 @@ def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log):
     def batch(seed, step):
         rows = get_batch(train_tokens, None, seed=seed, step=step, batch_size=t.batch_size,
                          seq_len=t.seq_len)
-        if t.random_positions is None:
-            return rows
-        return randomize_batch(rows, t.random_positions, seed, step)  # Ruoss et al.
+        return randomize_batch(rows, t.random_positions, seed, step)  # Ruoss et al., or none
 
     return train_seeds(mcfg, cfg.run.optim, t.steps, seeds, batch, log_every=t.log_every,
                        log=log)

@@ -182,9 +182,8 @@ class _Run:
         t = self.cfg.train
         batch = self.data.train_batch(seed=t.seed, step=step, batch_size=t.batch_size,
                                       seq_len=t.seq_len, pack=self.cfg.data.pack, rows=self.rows)
-        if t.random_positions is not None:  # Ruoss et al.: positions drawn from [0, MAX)
-            batch = randomize_batch(batch, t.random_positions, t.seed, step, self.rows)
-        return self.place(batch)
+        # train.random_positions (Ruoss et al.): positions drawn from [0, MAX), or none
+        return self.place(randomize_batch(batch, t.random_positions, t.seed, step, self.rows))
 
     def steps(self) -> bool:
         """Train to train.steps, evaluating and saving on the way; True when stopped early
