@@ -1,5 +1,6 @@
 """KV-cached decoding: one prefill forward over the prompt batch, then a fixed-length
-jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p and beam search.
+jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p and beam search;
+with a draft, speculative decoding (jaxformer.speculative).
 
 The cache (its layout, writes and reads: jaxformer.kv_cache) is an explicit pytree
 updated in place; every row writes its next token into the same slot, so rows with
@@ -13,19 +14,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxformer.cached_forward import Generated, checked_inputs, forward_one, looped, prefill
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
 from jaxformer.kv_cache import init_cache, kv_cache_bytes, take_rows  # noqa: F401
-from jaxformer.model import Transformer, unstack_layers
+from jaxformer.model import Transformer
+from jaxformer.sampling import filter_logits, sample_logits  # noqa: F401
 from jaxformer.schemes import POSITION_SCHEMES
-
-
-class Generated(NamedTuple):
-    tokens: jax.Array    # int32 [batch, max_new_tokens]; pad_id after a row's EOS
-    logprobs: jax.Array  # float32 [batch, max_new_tokens]: log p(token) under the model
-    lengths: jax.Array   # int32 [batch]: tokens generated, the EOS included
+from jaxformer.speculative import speculative_fn
 
 
 class Beams(NamedTuple):
@@ -34,112 +31,17 @@ class Beams(NamedTuple):
     lengths: jax.Array   # int32 [batch]
 
 
-# ---- sampling -----------------------------------------------------------------------
-
-def filter_logits(logits, *, temperature: float = 1.0, top_k: int | None = None,
-                  top_p: float | None = None):
-    """The logits sampling draws from: divided by the temperature, then only the top_k
-    largest kept, then only the smallest set whose probability reaches top_p. Removed
-    entries are -inf. logits: [..., V] float32.
-
-    top_p: a token stays when the probability of the tokens ranked above it is below
-    top_p, so the most likely token always stays and a token for which it equals top_p
-    exactly goes (the rule of transformers' TopPLogitsWarper). Tokens tied with the last
-    one kept all stay, as with top_k (HF's top-p keeps only the part of a tie that its sort
-    puts first)."""
-    logits = logits.astype(jnp.float32) / temperature
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None:
-        desc = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
-        threshold = jnp.min(jnp.where(before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
-    return logits
-
-
-def sample_logits(rng, logits, *, temperature: float = 1.0, top_k=None, top_p=None):
-    """One token per row of logits [B, V]; temperature 0 is greedy (argmax)."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
-
-
 # ---- generate -----------------------------------------------------------------------
-
-def _concrete(x):
-    """x as a NumPy array, or None when it is traced (under jit/vmap: checked at trace time
-    only for its shape)."""
-    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
-
-
-def _inputs(cfg: ModelConfig, prompts, prompt_lengths, max_new_tokens: int):
-    """Validated (prompts int32 [B, W], lengths int32 [B]); errors name the bad input."""
-    if not isinstance(prompts, jax.Array):
-        prompts = np.asarray(prompts)
-    if prompts.ndim != 2 or prompts.shape[1] == 0:
-        raise ValueError(f"prompts must be [batch, width] with width >= 1, got shape "
-                         f"{prompts.shape}")
-    b, width = prompts.shape
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if width + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(f"prompt width {width} + max_new_tokens {max_new_tokens} = "
-                         f"{width + max_new_tokens} exceeds max_seq_len={cfg.max_seq_len}; "
-                         "shorten one of them")
-    ids = _concrete(prompts)
-    if ids is not None and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
-        raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size}); got "
-                         f"min {ids.min()}, max {ids.max()}")
-    if prompt_lengths is None:
-        return jnp.asarray(prompts, jnp.int32), jnp.full((b,), width, jnp.int32)
-    lengths = _concrete(prompt_lengths)
-    if lengths is not None and (lengths.shape != (b,) or lengths.min() < 1 or
-                                lengths.max() > width):
-        raise ValueError(f"prompt_lengths must be {b} values in [1, {width}], got "
-                         f"{lengths.tolist()}")
-    return jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
-
-
-def _prefill(model, params, prompts, lengths, max_len, cache_dtype, windowed):
-    """Fill the cache (windowed: rings for windowed layers) with the prompts (padding
-    marked empty); logits of each row's last real token [B, V]."""
-    b, w = prompts.shape
-    cache = init_cache(model.cfg, b, max_len, cache_dtype, windowed=windowed)
-    positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    real = (positions < lengths[:, None]).astype(jnp.int32)  # segment id 0 = padding
-    logits, cache = model.apply({"params": params}, prompts, positions, real, cache=cache)
-    return logits[jnp.arange(b), lengths - 1], cache
-
-
-def _forward_one(model, params, tokens, positions, cache):
-    """tokens, positions [B] -> logits [B, V], cache."""
-    logits, cache = model.apply({"params": params}, tokens[:, None], positions[:, None],
-                                cache=cache)
-    return logits[:, 0], cache
-
-
-def _looped(cfg: ModelConfig):
-    """The model decoding runs, and a map to its params from the caller's: scanned layers
-    run as a Python loop over unstacked params, since inside the decode loop nn.scan slices
-    every layer's params and cache out of the stacked arrays on every step (4-6x slower)."""
-    if not cfg.scan_layers:
-        return Transformer(cfg), lambda params: params
-    return Transformer(cfg.replace(scan_layers=False)), unstack_layers
-
 
 @functools.lru_cache(maxsize=64)
 def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
                  cache_dtype, windowed_cache=True):
-    model, unstack = _looped(cfg)
+    model, unstack = looped(cfg)
 
     def run(params, prompts, lengths, rng):
         b, w = prompts.shape
         params = unstack(params)
-        last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, cache_dtype,
+        last, cache = prefill(model, params, prompts, lengths, w + max_new_tokens, cache_dtype,
                                windowed_cache)
 
         def emit(logits, rng, done):
@@ -156,7 +58,7 @@ def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eo
 
         def step(carry, key):
             cache, tok, pos, done, count = carry
-            logits, cache = _forward_one(model, params, tok, pos, cache)
+            logits, cache = forward_one(model, params, tok, pos, cache)
             new_tok, new_logp, new_done = emit(logits, key, done)
             count = count + (~done).astype(jnp.int32)
             return (cache, new_tok, pos + 1, new_done, count), (new_tok, new_logp)
@@ -171,10 +73,51 @@ def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eo
     return jax.jit(run)
 
 
+def _windowed(cfg: ModelConfig, windowed_cache: bool) -> bool:
+    """Whether cfg's windowed layers keep rings: never for a contextual scheme (CoPE
+    counts keys in row order, which a ring does not keep)."""
+    return bool(windowed_cache) and POSITION_SCHEMES[cfg.position].logits is None
+
+
+def _checked_sampling(cfg: ModelConfig, temperature, top_k, top_p):
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
+        raise ValueError(f"top_k must be in [1, vocab_size={cfg.vocab_size}], got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return float(temperature), top_k, None if top_p is None else float(top_p)
+
+
+def _checked_draft(cfg: ModelConfig, draft, draft_len: int, hooks):
+    """(the draft's config or None for prompt lookup, its params); errors name the fix."""
+    if draft_len < 1:
+        raise ValueError(f"draft_len must be >= 1, got {draft_len}")
+    if hooks:
+        raise ValueError("generate cannot hook a speculative decode (the model runs on "
+                         "drafts it may refuse); pass draft=None to hook generation")
+    if isinstance(draft, str):
+        if draft != "prompt_lookup":
+            raise ValueError(f"draft must be (model, params) or 'prompt_lookup', got {draft!r}")
+        return None, None
+    if not (isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[0], Transformer)):
+        raise ValueError("draft must be a (jaxformer Transformer, params) pair or "
+                         f"'prompt_lookup', got {type(draft).__name__}")
+    dcfg = draft[0].cfg
+    if dcfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"the draft model's vocab_size {dcfg.vocab_size} differs from the "
+                         f"model's {cfg.vocab_size}; a draft must share the tokenizer")
+    if dcfg.max_seq_len < cfg.max_seq_len:
+        raise ValueError(f"the draft model's max_seq_len {dcfg.max_seq_len} is below the "
+                         f"model's {cfg.max_seq_len}; it reads the same positions")
+    return dcfg, draft[1]
+
+
 def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
              max_new_tokens: int, rng, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos_id: int | None = None, pad_id: int = 0,
-             cache_dtype=None, windowed_cache: bool = True, hooks=None) -> Generated:
+             cache_dtype=None, windowed_cache: bool = True, hooks=None, draft=None,
+             draft_len: int = 4) -> Generated:
     """Continue each row of `prompts` [batch, width] (right-padded; `prompt_lengths` [batch]
     gives the real lengths, None = all full) by `max_new_tokens` tokens.
 
@@ -186,22 +129,31 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     sequence keeps only a window of slots (a ring: jaxformer.kv_cache), e.g. Gemma 3's
     local layers; False keeps every layer at full length (always, for a contextual
     scheme: CoPE counts keys in row order, which a ring does not keep). hooks: {name: fn} as
-    jaxformer.inspect.run_with_hooks takes them, applied through the KV-cached path: to the prompt's values in the prefill, then to each new
-    token's (e.g. a steering vector added to `blocks.1.hook_resid_post` at every step).
-    Attention patterns and scores are not computed there, so they cannot be hooked.
+    jaxformer.inspect.run_with_hooks takes them, applied through the KV-cached path: to the
+    prompt's values in the prefill, then to each new token's (e.g. a steering vector added
+    to `blocks.1.hook_resid_post` at every step). Attention patterns and scores are not
+    computed there, so they cannot be hooked.
+
+    draft: speculative decoding (jaxformer.speculative), the same output distribution
+    (greedy: the same tokens) in fewer forwards of the model: `(draft_model,
+    draft_params)`, a smaller model with the same vocabulary, or "prompt_lookup"; each
+    round it proposes `draft_len` tokens. The result's `drafted` / `accepted` count them
+    (`acceptance_rate`); prompt width + max_new_tokens + draft_len must fit max_seq_len.
     """
     cfg = model.cfg
-    prompts, lengths = _inputs(cfg, prompts, prompt_lengths, max_new_tokens)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
-        raise ValueError(f"top_k must be in [1, vocab_size={cfg.vocab_size}], got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    settings = (cfg, max_new_tokens, float(temperature), top_k,
-                None if top_p is None else float(top_p), eos_id, pad_id,
-                None if cache_dtype is None else jnp.dtype(cache_dtype).name,
-                bool(windowed_cache) and POSITION_SCHEMES[cfg.position].logits is None)
+    sampling = _checked_sampling(cfg, temperature, top_k, top_p)
+    cache = None if cache_dtype is None else jnp.dtype(cache_dtype).name
+    if draft is not None:
+        dcfg, dparams = _checked_draft(cfg, draft, draft_len, hooks)
+        prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens,
+                                          room=draft_len)
+        windowed = (_windowed(cfg, windowed_cache), dcfg and _windowed(dcfg, windowed_cache))
+        fn = speculative_fn(cfg, dcfg, draft_len, max_new_tokens, *sampling, eos_id, pad_id,
+                            cache, windowed)
+        return fn(params, dparams, prompts, lengths, rng)
+    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
+    settings = (cfg, max_new_tokens, *sampling, eos_id, pad_id, cache,
+                _windowed(cfg, windowed_cache))
     if not hooks:
         return _generate_fn(*settings)(params, prompts, lengths, rng)
     patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))
@@ -217,13 +169,13 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
 
 @functools.lru_cache(maxsize=16)
 def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_id, pad_id):
-    model, unstack = _looped(cfg)
+    model, unstack = looped(cfg)
     k = beam_width
 
     def run(params, prompts, lengths):
         b, w = prompts.shape
         params = unstack(params)
-        last, cache = _prefill(model, params, prompts, lengths, w + max_new_tokens, None, True)
+        last, cache = prefill(model, params, prompts, lengths, w + max_new_tokens, None, True)
         v = last.shape[-1]
         # every beam starts as a copy of its row; only beam 0 is live at first
         cache = take_rows(cache, jnp.repeat(jnp.arange(b), k), cfg.n_kv_heads)  # B * k rows
@@ -251,7 +203,7 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
             flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
             cache = take_rows(state["cache"], flat_parent, cfg.n_kv_heads)
             pos = jnp.take(state["pos"], flat_parent)
-            logits, cache = _forward_one(model, params, tok.reshape(-1), pos, cache)
+            logits, cache = forward_one(model, params, tok.reshape(-1), pos, cache)
             return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,
                         length=length, pos=pos + 1), None
 
@@ -271,7 +223,7 @@ def beam_search(model: Transformer, params, prompts, *, beam_width: int, max_new
     """The best of `beam_width` beams per row, by sum of log-probs / length**length_penalty
     (length_penalty 0: the plain sum). Beams that emit `eos_id` stop and keep their score."""
     cfg = model.cfg
-    prompts, lengths = _inputs(cfg, prompts, prompt_lengths, max_new_tokens)
+    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
     if beam_width < 1:
         raise ValueError(f"beam_width must be >= 1, got {beam_width}")
     fn = _beam_fn(cfg, beam_width, max_new_tokens, float(length_penalty), eos_id, pad_id)

@@ -36,13 +36,13 @@ from jaxformer.sharding import constrain
 EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
 
 
-def layer_slots(cfg, max_len: int, windowed: bool = False) -> tuple[int, ...]:
-    """Each layer's slots: max_len, or in a windowed cache its window where that is
-    shorter (a ring)."""
+def layer_slots(cfg, max_len: int, windowed: bool = False, spare: int = 0) -> tuple[int, ...]:
+    """Each layer's slots: max_len, or in a windowed cache its window (+ spare) where that
+    is shorter (a ring)."""
     if not windowed:
         return (max_len,) * cfg.n_layers
     windows = [cfg.kinds[i].window for i in cfg.layer_kind_ids]
-    return tuple(max_len if w is None else min(w, max_len) for w in windows)
+    return tuple(max_len if w is None else min(w + spare, max_len) for w in windows)
 
 
 def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = False) -> int:
@@ -53,9 +53,11 @@ def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = F
     return 2 * cfg.n_kv_heads * cfg.head_dim * slots * itemsize * batch
 
 
-def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False):
+def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False,
+               spare: int = 0):
     """An empty cache for `batch` rows of up to `max_len` tokens. windowed: layers with a
-    window shorter than max_len keep a ring of window slots (unscanned layers only)."""
+    window shorter than max_len keep a ring of window + spare slots (unscanned layers
+    only; spare >= T - 1 lets a chunk of T tokens be written and then taken back)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     rows = batch * cfg.n_kv_heads
     if cfg.scan_layers:
@@ -66,7 +68,7 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
         layers = {"blocks": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}}
     else:
         layers = {}
-        for i, s in enumerate(layer_slots(cfg, max_len, windowed)):
+        for i, s in enumerate(layer_slots(cfg, max_len, windowed, spare)):
             layers[f"block_{i}"] = {"k": jnp.zeros((rows, s, cfg.head_dim), dtype),
                                     "v": jnp.zeros((rows, s, cfg.head_dim), dtype)}
             if s < max_len:  # a ring: its slots' positions
@@ -78,6 +80,18 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
 def has_rings(cache) -> bool:
     """Whether any layer of the cache is a ring (a windowed layer's)."""
     return cache is not None and any("positions" in layer for layer in cache["layers"].values())
+
+
+def rolled_back(cache, end):
+    """The cache as it was after its first `end` positions, for a cache whose slot is its
+    position (each row decoded alone, as speculative decoding does): every slot holding
+    position >= end emptied, in every layer's ring too, and `end` the next slot. What the
+    emptied slots hold is overwritten before it is read again."""
+    empty = lambda p: jnp.where(p >= end, EMPTY_SLOT, p)  # noqa: E731
+    layers = {n: dict(layer, positions=empty(layer["positions"])) if "positions" in layer
+              else layer for n, layer in cache["layers"].items()}
+    return {"layers": layers, "positions": empty(cache["positions"]),
+            "index": jnp.asarray(end, jnp.int32)}
 
 
 def take_rows(cache, rows, n_kv_heads: int):

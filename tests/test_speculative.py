@@ -1,0 +1,140 @@
+"""Speculative decoding against plain decoding: greedy token for token, sampling by a
+chi-square test of the joint distribution of three tokens against the model's own
+conditionals; prompt lookup against a brute-force search. Fresh random weights and
+prompts every run."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.decoding import generate
+from jaxformer.schemes import POSITION_SCHEMES
+from jaxformer.speculative import lookup_drafts
+from tests.test_decoding import np_distribution
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+# a layer pattern per scheme, in turn: plain, sliding window (rings), scanned layers, GQA
+SHAPES = [dict(), dict(sliding_window=5), dict(scan_layers=True), dict(n_kv_heads=1)]
+
+
+def make(**kw):
+    cfg = ModelConfig(**{**dict(vocab_size=37, d_model=32, n_layers=2, n_heads=4,
+                                n_kv_heads=2, max_seq_len=48), **kw})
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(int(rng.integers(1 << 30))),
+                        jnp.zeros((1, 4), jnp.int32))["params"]
+    return model, jax.tree.map(lambda x: x * 3.0, params)  # sharp, varied distributions
+
+
+def ragged(batch, width, vocab):
+    lengths = rng.integers(1, width + 1, batch).astype(np.int32)
+    prompts = rng.integers(1, vocab, (batch, width)).astype(np.int32)
+    for b, n in enumerate(lengths):
+        prompts[b, n:] = 0
+    return prompts, lengths
+
+
+@pytest.mark.parametrize("position", list(POSITION_SCHEMES))
+def test_greedy_with_a_draft_is_greedy(position):
+    """Prompt lookup or (every other scheme) a random draft model, mostly refused so that
+    rows roll back every round, gives the plain greedy tokens, log-probs and lengths,
+    ragged rows with an EOS included."""
+    i = list(POSITION_SCHEMES).index(position)
+    model, params = make(position=position, **SHAPES[i % len(SHAPES)])
+    draft = "prompt_lookup" if i % 2 else make(**{
+        **SHAPES[(i + 1) % len(SHAPES)], "position": position, "d_model": 16, "n_heads": 2,
+        "n_kv_heads": 1, "n_layers": 1})
+    prompts, lengths = ragged(3, 7, 37)
+    kw = dict(prompt_lengths=lengths, max_new_tokens=16, rng=jax.random.key(0),
+              temperature=0.0)
+    free = generate(model, params, prompts, **kw)
+    kw["eos_id"] = int(free.tokens[0, int(rng.integers(2, 12))])  # row 0 stops early
+    plain = generate(model, params, prompts, **kw, pad_id=36)
+    out = generate(model, params, prompts, **kw, pad_id=36, draft=draft, draft_len=3 + i % 2)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.lengths, plain.lengths)
+    np.testing.assert_allclose(out.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+    assert (np.asarray(out.accepted) <= np.asarray(out.drafted)).all()
+
+
+def test_the_model_as_its_own_draft_keeps_every_draft():
+    """A draft equal to the model proposes its greedy tokens: all kept, k + 1 tokens a
+    round (the path where the draft's cache lacks its last draft); one row alone decodes
+    as in the batch."""
+    model, params = make(position="rope", sliding_window=6)
+    prompts, lengths = ragged(2, 6, 37)
+    kw = dict(prompt_lengths=lengths, max_new_tokens=17, rng=jax.random.key(0),
+              temperature=0.0)
+    plain = generate(model, params, prompts, **kw)
+    out = generate(model, params, prompts, **kw, draft=(model, params), draft_len=3)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.drafted, 12)  # 1 + 4 rounds of 4 tokens: 17
+    np.testing.assert_array_equal(out.accepted, 12)
+    one = generate(model, params, prompts[1:], **dict(kw, prompt_lengths=lengths[1:]),
+                   draft=(model, params), draft_len=3)
+    np.testing.assert_array_equal(one.tokens[0], plain.tokens[1])
+
+
+def test_lookup_drafts_follow_the_latest_longest_match():
+    """Against a brute-force search: the longest suffix (<= 3 tokens) seen earlier, its
+    latest occurrence, the tokens after it."""
+    for _ in range(200):
+        c, k = 24, 3
+        context = rng.integers(0, 4, c).astype(np.int32)
+        end = int(rng.integers(1, c + 1))
+        want = None
+        for n in (3, 2, 1):
+            if n > end:
+                continue
+            hits = [j for j in range(n - 1, end - 1)
+                    if (context[j - n + 1:j + 1] == context[end - n:end]).all()]
+            if hits:
+                j = hits[-1]
+                want = context[np.minimum(j + 1 + np.arange(k), c - 1)]
+                break
+        if want is None:
+            want = np.full(k, context[end - 1])
+        got = lookup_drafts(jnp.asarray(context), end, k)
+        np.testing.assert_array_equal(got, want, err_msg=f"{context} {end}")
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, draft", [
+    (1.0, None, None, "model"), (0.8, 3, 0.9, "model"), (1.0, None, 0.9, "prompt_lookup")])
+def test_sampling_with_a_draft_follows_the_models_conditionals(temperature, top_k, top_p,
+                                                                draft):
+    """20,000 rows of one prompt, 3 tokens each, with a draft of 2 tokens a round: the
+    joint frequencies of the 125 continuations match p(x1) p(x2 | x1) p(x3 | x1, x2), each
+    from a full forward of the model and filtered as np_distribution says (chi-square,
+    cells expected below 5 pooled). Keeping drafts by the draft's own odds, or resampling
+    a refused one from p instead of max(0, p - q), fails it."""
+    model, params = make(position="alibi", vocab_size=5)
+    if draft == "model":  # a different distribution from the model's
+        draft = make(position="rope", vocab_size=5, d_model=16, n_heads=2, n_kv_heads=1,
+                     n_layers=1)
+    prompt, n, v = rng.integers(0, 5, (1, 4)).astype(np.int32), 20_000, 5
+    out = generate(model, params, np.repeat(prompt, n, 0), max_new_tokens=3,
+                   rng=jax.random.key(int(rng.integers(1 << 30))), temperature=temperature,
+                   top_k=top_k, top_p=top_p, draft=draft, draft_len=2)
+    assert 0 <= out.acceptance_rate <= 1
+    conts = np.asarray(list(itertools.product(range(v), repeat=3)), np.int32)  # [125, 3]
+    seqs = np.concatenate([np.repeat(prompt, len(conts), 0), conts], axis=1)
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, seqs))  # [125, 7, V]
+    joint = np.ones(len(conts))
+    for t in range(3):
+        for i, c in enumerate(conts):
+            joint[i] *= np_distribution(logits[i, 3 + t], temperature, top_k, top_p)[c[t]]
+    counts = np.bincount(np.asarray(out.tokens) @ [v * v, v, 1], minlength=len(conts))
+    assert counts[joint == 0].sum() == 0  # nothing the filters removed
+    expected = n * joint
+    big, pool = expected >= 5, (joint > 0) & (expected < 5)
+    obs, exp = counts[big], expected[big]
+    if pool.any():  # the rare cells as one
+        obs, exp = np.append(obs, counts[pool].sum()), np.append(exp, expected[pool].sum())
+    if len(obs) > 1:  # (a single possible continuation: the assertion above says it all)
+        pvalue = stats.chisquare(obs, exp).pvalue
+        assert pvalue > 1e-6, (pvalue, counts, expected.round(1))
