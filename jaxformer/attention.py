@@ -25,7 +25,7 @@ from jaxformer.hooks import active, hook_point
 from jaxformer.lora import LoRA
 from jaxformer.masks import (MaskRule, causal_mask, make_attention_mask,  # noqa: F401
                              padding_mask, segment_mask, sliding_window_mask)
-from jaxformer.matmul import flat_dot_general
+from jaxformer.matmul import flat_dot_general, promote_kernel
 from jaxformer.norms import apply_norm, make_norm
 from jaxformer.reference import (and_causal, as_4d, attention_weights,  # noqa: F401
                                  group_heads, grouped_logits, mix, softmax)
@@ -58,7 +58,7 @@ class Attention(nn.Module):
                 feats, axis=axis, use_bias=bias, dtype=c.dtype, param_dtype=c.param_dtype,
                 kernel_init=init_with_names(dense_init(std), *names),
                 bias_init=init_with_names(nn.initializers.zeros, *names[len(axis):]),
-                dot_general=flat_dot_general, name=name)
+                dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
 
         q_names, kv_names = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.query = dense((c.n_heads, c.head_dim), (-1,), "query", q_names, c.qkv_bias)

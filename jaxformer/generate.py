@@ -1,9 +1,13 @@
 """Generate text from a training run:
 
     python -m jaxformer.generate --run runs/tiny --prompt "def " [--max-new-tokens 200
-        --temperature 0.8 --top-k 40 --top-p 0.95 --seed 0 --beam-width 4 --best]
+        --temperature 0.8 --top-k 40 --top-p 0.95 --seed 0 --beam-width 4 --best
+        --weights int8 --draft prompt_lookup --draft-len 4]
 
 Loads the run's config, tokenizer and latest checkpoint (or the best, with --best).
+--weights int8 / bfloat16 reads the weights in that format (jaxformer.quantize); --draft
+decodes speculatively (prompt_lookup, or another run's directory: a draft model with the
+same tokenizer) and prints the acceptance rate to stderr.
 """
 
 from __future__ import annotations
@@ -69,13 +73,23 @@ def main(argv=None) -> int:
     p.add_argument("--beam-width", type=int, default=None, help="beam search instead of sampling")
     p.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
     p.add_argument("--member", type=int, default=None, help="a sweep run's adapter")
+    p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
+    p.add_argument("--draft", default=None,
+                   help="speculative decoding: prompt_lookup, or a draft run's directory")
+    p.add_argument("--draft-len", type=int, default=4)
     a = p.parse_args(argv)
 
     from jaxformer.decoding import beam_search, generate
+    from jaxformer.quantize import quantize
     from jaxformer.training.checkpoint import CheckpointError
     from jaxformer.training.loop import continuation_text
     try:
         model, params, tok = load_run(a.run, best=a.best, member=a.member)
+        params = quantize(params, a.weights)
+        draft = a.draft
+        if draft not in (None, "prompt_lookup"):
+            dmodel, dparams, _ = load_run(draft, best=a.best)
+            draft = (dmodel, quantize(dparams, a.weights))
         prompt = np.asarray(tok.encode(a.prompt), np.int32)[None]
         if prompt.shape[1] == 0:
             raise ValueError("the prompt is empty; give at least one character")
@@ -85,7 +99,10 @@ def main(argv=None) -> int:
         else:
             out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
                            rng=jax.random.key(a.seed), temperature=a.temperature,
-                           top_k=a.top_k, top_p=a.top_p, eos_id=tok.eot_id)
+                           top_k=a.top_k, top_p=a.top_p, eos_id=tok.eot_id, draft=draft,
+                           draft_len=a.draft_len)
+            if draft is not None:
+                print(f"draft acceptance rate: {out.acceptance_rate:.3f}", file=sys.stderr)
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

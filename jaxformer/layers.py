@@ -14,7 +14,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
 from jaxformer.lora import adapted
 from jaxformer.masks import pick_rule
-from jaxformer.matmul import flat_dot_general
+from jaxformer.matmul import flat_dot_general, promote_kernel
 from jaxformer.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.sharding import constrain, init_with_names
 
@@ -41,7 +41,8 @@ class FeedForward(nn.Module):
             y = nn.Dense(feats, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
                          kernel_init=init_with_names(dense_init(std), *names),
                          bias_init=init_with_names(nn.initializers.zeros, names[1]),
-                         dot_general=flat_dot_general, name=name)(x)
+                         dot_general=flat_dot_general, promote_dtype=promote_kernel,
+                         name=name)(x)
             return adapted(self, c.lora, name, y, x, 1, names, c.dtype, c.param_dtype,
                            self.deterministic)
 

@@ -14,8 +14,32 @@ batch split over data/fsdp or heads split over tensor stays one contiguous block
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
+from flax.linen import dtypes
 from jax import lax
+
+
+class Int8Kernel(NamedTuple):
+    """A kernel [in..., out...] held as int8 `values` and a float32 `scale` [1..., out...]
+    (size 1 on the input axes), one per output channel: kernel = values * scale
+    (jaxformer.quantize makes them; scanned layers add a leading layer axis to both). A
+    projection reads it as it is and multiplies its output by the scale."""
+    values: jax.Array
+    scale: jax.Array
+
+    def dequantized(self, dtype=jnp.float32):
+        return self.values.astype(dtype) * self.scale.astype(dtype)
+
+
+def promote_kernel(*args, dtype=None, inexact=True):
+    """flax's promote_dtype for a projection's (inputs, kernel, bias), an Int8Kernel
+    passed through as it is (flat_dot_general reads it)."""
+    plain = [None if isinstance(x, Int8Kernel) else x for x in args]
+    promoted = dtypes.promote_dtype(*plain, dtype=dtype, inexact=inexact)
+    return [x if isinstance(x, Int8Kernel) else p for x, p in zip(args, promoted)]
 
 
 def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -23,6 +47,8 @@ def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
     contracted with the first k of rhs (a kernel [in..., out...]) or its last k (a table
     [out..., in...], e.g. a tied embedding), no batch axes. Anything else goes to
     lax.dot_general as given."""
+    if isinstance(rhs, Int8Kernel):
+        return _int8_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     (l_contract, r_contract), batch = dimension_numbers
     l_contract, r_contract = tuple(l_contract), tuple(r_contract)
     k = len(l_contract)
@@ -39,3 +65,16 @@ def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
                         (((1,), (0 if kernel_first else 1,)), ((), ())),
                         precision=precision, preferred_element_type=preferred_element_type)
     return y.reshape(*rows, *out)  # [B, T, ...out]
+
+
+def _int8_dot(lhs, rhs: Int8Kernel, dimension_numbers, precision, preferred_element_type):
+    """lhs times an Int8Kernel [in..., out...]: int8 values converted to lhs's dtype in the
+    dot, the output scaled per channel after it (exact: a channel's scale is common to
+    its whole column)."""
+    k = len(tuple(dimension_numbers[0][1]))
+    if tuple(dimension_numbers[0][1]) != tuple(range(k)) or rhs.scale.shape[:k] != (1,) * k:
+        return flat_dot_general(lhs, rhs.dequantized(lhs.dtype), dimension_numbers, precision,
+                                preferred_element_type)
+    y = flat_dot_general(lhs, rhs.values.astype(lhs.dtype), dimension_numbers, precision,
+                         preferred_element_type)  # [..., out...]
+    return y * rhs.scale.reshape(rhs.scale.shape[k:]).astype(y.dtype)

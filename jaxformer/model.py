@@ -20,7 +20,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
 from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.masks import MaskRule
-from jaxformer.matmul import flat_dot_general
+from jaxformer.matmul import flat_dot_general, promote_kernel
 from jaxformer.schemes import POSITION_SCHEMES, PositionBias, dense_bias
 from jaxformer.sharding import constrain, init_with_names, sequence_split
 
@@ -187,6 +187,7 @@ class Transformer(nn.Module):
         else:
             logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype,
                               param_dtype=c.param_dtype, dot_general=head_dot,
+                              promote_dtype=promote_kernel,
                               kernel_init=init_with_names(dense_init(), "embed", "vocab"),
                               name="lm_head")(x)
         logits = logits.astype(jnp.float32)

@@ -270,6 +270,10 @@ def test_readers_pass_over_a_damaged_newest_step_and_move_nothing(run9, tmp_path
     assert generate_main(["--run", str(run), "--prompt", "def", "--max-new-tokens", "2"]) == 0
     warned_of_9(capsys.readouterr().err)
     assert len(loaded) == 1 and same_params(loaded[0][1], want) and listing(run) == before
+    # int8 weights and a prompt-lookup draft from the command line
+    assert generate_main(["--run", str(run), "--prompt", "def", "--max-new-tokens", "3",
+                          "--weights", "int8", "--draft", "prompt_lookup", "--draft-len", "2"]) == 0
+    assert "draft acceptance rate: " in capsys.readouterr().err
 
     handed = []  # the converter gets the params to-hf loaded (recorded, not written)
     monkeypatch.setattr(jaxformer.convert, "to_hf", lambda cfg, params, hf_dir, **kw: (

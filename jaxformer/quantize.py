@@ -1,0 +1,77 @@
+"""Weights for inference in fewer bytes: bfloat16, or int8 weight-only with a float32
+scale per output channel (symmetric absmax: kernel ~ round(kernel / s) * s, s = the
+channel's max |w| / 127).
+
+`quantize(params, "int8")` turns every projection kernel (attention q/k/v/out, the
+feed-forward's, an untied lm_head) into a jaxformer.matmul.Int8Kernel, which the same
+model reads as it is: each projection multiplies the int8 values converted to the compute
+dtype and scales its output per channel. Embeddings, norms, biases and adapters keep their
+dtype: an embedding is read one row per token, and the rest is small. "bfloat16" casts the
+kernels and embeddings. The forward, generate, beam_search and `python -m
+jaxformer.generate --weights int8` take either as they take float32 params.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.matmul import Int8Kernel
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+CONTRACTED_AXES = {"out": 2}  # a kernel's input axes: the attention output reads heads x head_dim
+STACKED = "blocks"  # scanned layers: kernels with a leading layer axis
+
+
+def quantize_int8(w, contracted: int = 1, stacked: bool = False) -> Int8Kernel:
+    """w [(layers,) in..., out...] (`contracted` input axes) as int8 values and a float32
+    scale per output channel [(layers,) 1..., out...]."""
+    w = jnp.asarray(w, jnp.float32)
+    axes = tuple(range(int(stacked), int(stacked) + contracted))
+    scale = jnp.max(jnp.abs(w), axis=axes, keepdims=True) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    values = jnp.clip(jnp.round(w / scale), -127, 127)
+    return Int8Kernel(values.astype(jnp.int8), scale)
+
+
+def _kernel_of(path) -> str | None:
+    """The projection a param path's leaf is the kernel of (None: not a kernel, or an
+    adapter's)."""
+    names = [getattr(k, "key", str(k)) for k in path]
+    if names[-1] != "kernel" or any("lora" in str(n) for n in names):
+        return None
+    return str(names[-2])
+
+
+def quantize(params, weights: str = "int8"):
+    """params with their kernels (and, for bfloat16, embeddings) in `weights` format: one
+    of WEIGHT_FORMATS; float32 returns them as they are."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if weights == "float32":
+        return params
+
+    def convert(path, x):
+        kernel = _kernel_of(path)
+        if weights == "bfloat16":
+            names = [getattr(k, "key", str(k)) for k in path]
+            big = kernel is not None or names[-1] == "embedding"
+            return x.astype(jnp.bfloat16) if big and jnp.issubdtype(x.dtype, jnp.floating) else x
+        if kernel is None:
+            return x
+        stacked = any(getattr(k, "key", None) == STACKED for k in path)
+        return quantize_int8(x, CONTRACTED_AXES.get(kernel, 1), stacked)
+
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def dequantize(params, dtype=jnp.float32):
+    """params with every Int8Kernel as a plain array of `dtype` (values * scale)."""
+    return jax.tree.map(lambda x: x.dequantized(dtype) if isinstance(x, Int8Kernel) else x,
+                        params, is_leaf=lambda x: isinstance(x, Int8Kernel))
+
+
+def weight_bytes(params) -> int:
+    """Bytes the params occupy (an Int8Kernel: its values and scales)."""
+    return int(sum(np.dtype(x.dtype).itemsize * x.size for x in jax.tree.leaves(params)))
