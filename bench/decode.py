@@ -1,9 +1,19 @@
-"""Decoding speed: the KV-cached lax.scan decoder, a jitted loop that recomputes the whole
-sequence for every token, and (with torch and transformers installed) HF transformers'
-generate() on a GPT-2 of the same shape in PyTorch; tokens/s and ratios, one run.
+"""Decoding speed.
 
-    python bench/decode.py [--layers 4 --d-model 256 --heads 4 --vocab 256 --prompt 16
-        --new-tokens 256 --batches 1 16 --repeats 3 --torch-threads 1 2]
+    python bench/decode.py [--new-tokens 256 --prompt 256 --draft-len 4 --repeats 3
+        --steps 300 --runs runs/bench_decode --torch-threads 1]
+
+The default: batch-1 generation at the memory limit, float32 / bfloat16 / int8 weights,
+plain, prompt lookup and a draft model, beside HF generate and assisted generation on the
+same trained weights: tokens/s, bytes read per token, % of the weight-read roofline,
+acceptance rate (bench/decode_limit.py says how each is measured).
+
+    python bench/decode.py --shapes [--layers 4 --d-model 256 --heads 4 --vocab 256
+        --prompt 16 --new-tokens 256 --batches 1 16 --repeats 3 --torch-threads 1 2]
+
+--shapes: the KV-cached lax.scan decoder, a jitted loop that recomputes the whole
+sequence for every token, and (with torch and transformers installed) HF transformers'
+generate() on a GPT-2 of the same shape in PyTorch, random weights; tokens/s and ratios.
 
     python bench/decode.py --windowed [--layers 6 --window 64 --new-tokens 1024 ...]
 
@@ -106,7 +116,8 @@ def main():
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=None, help="default 256, or 16 with --shapes"
+                   " / --windowed")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=3)
@@ -115,10 +126,21 @@ def main():
     p.add_argument("--windowed", action="store_true",
                    help="a Gemma 3-shaped model: windowed against full-length KV cache")
     p.add_argument("--window", type=int, default=64)
+    p.add_argument("--shapes", action="store_true",
+                   help="random GPT-2 shapes: cached against recompute and HF generate")
+    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300, help="training steps of target and draft")
+    p.add_argument("--runs", default="runs/bench_decode", help="where they are trained")
     a = p.parse_args()
     a.layers = a.layers or (6 if a.windowed else 4)
+    if a.windowed or a.shapes:
+        a.prompt = a.prompt or 16
     if a.windowed:
         return windowed_table(a)
+    if not a.shapes:
+        from decode_limit import limit_table
+        a.prompt = a.prompt or 256
+        return limit_table(a)
 
     max_len = a.prompt + a.new_tokens
     cfg = ModelConfig.from_dict({**PRESETS["gpt2-small"], "n_layers": a.layers,

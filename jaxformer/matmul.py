@@ -36,10 +36,17 @@ class Int8Kernel(NamedTuple):
 
 def promote_kernel(*args, dtype=None, inexact=True):
     """flax's promote_dtype for a projection's (inputs, kernel, bias), an Int8Kernel
-    passed through as it is (flat_dot_general reads it)."""
-    plain = [None if isinstance(x, Int8Kernel) else x for x in args]
+    passed through as it is (flat_dot_general reads it), and a kernel of another dtype
+    (bfloat16 weights, float32 compute) widened where it is used, not hoisted out of a
+    decode loop."""
+    inputs, kernel, *rest = args
+    if dtype is not None and not isinstance(kernel, Int8Kernel) and \
+            jnp.dtype(kernel.dtype).itemsize < jnp.dtype(dtype).itemsize:  # widened for the dot
+        kernel, inputs = lax.optimization_barrier((kernel, inputs))  # see _int8_dot
+    plain = [None if isinstance(x, Int8Kernel) else x for x in (inputs, kernel, *rest)]
     promoted = dtypes.promote_dtype(*plain, dtype=dtype, inexact=inexact)
-    return [x if isinstance(x, Int8Kernel) else p for x, p in zip(args, promoted)]
+    return [x if isinstance(x, Int8Kernel) else p
+            for x, p in zip((inputs, kernel, *rest), promoted)]
 
 
 def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -75,6 +82,9 @@ def _int8_dot(lhs, rhs: Int8Kernel, dimension_numbers, precision, preferred_elem
     if tuple(dimension_numbers[0][1]) != tuple(range(k)) or rhs.scale.shape[:k] != (1,) * k:
         return flat_dot_general(lhs, rhs.dequantized(lhs.dtype), dimension_numbers, precision,
                                 preferred_element_type)
-    y = flat_dot_general(lhs, rhs.values.astype(lhs.dtype), dimension_numbers, precision,
+    # tied to the input, so that XLA cannot hoist the conversion out of a decode loop (it
+    # did: a float32 copy of every kernel, made once, read at float32 bandwidth)
+    values, lhs = lax.optimization_barrier((rhs.values, lhs))
+    y = flat_dot_general(lhs, values.astype(lhs.dtype), dimension_numbers, precision,
                          preferred_element_type)  # [..., out...]
     return y * rhs.scale.reshape(rhs.scale.shape[k:]).astype(y.dtype)

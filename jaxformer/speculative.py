@@ -31,8 +31,9 @@ LOOKUP_NGRAM = 3  # prompt lookup matches the last 3 tokens, else 2, else 1
 def lookup_drafts(context, end, k: int, ngram: int = LOOKUP_NGRAM):
     """The k tokens after the latest earlier occurrence of the last n tokens of
     context[:end] (context int32 [C]), for the longest n <= ngram that occurs; the last
-    token repeated when none does. Tokens past `end` are proposed as they stand: a draft
-    only has to be a guess."""
+    token repeated when none does. An occurrence p tokens back predicts a text that
+    repeats with period p, so the proposal goes on past `end` by repeating its last p
+    tokens (a run of spaces, a repeated line being written)."""
     c = context.shape[0]
     j = jnp.arange(c)  # the last token of a candidate occurrence
     run = jnp.ones(c, bool)
@@ -44,7 +45,8 @@ def lookup_drafts(context, end, k: int, ngram: int = LOOKUP_NGRAM):
         length = length + run
     length = jnp.where(j <= end - 2, length, 0)  # strictly earlier than the last token
     best = jnp.argmax(length * c + j)  # the longest match, then the latest
-    follow = context[jnp.minimum(best + 1 + jnp.arange(k), c - 1)]
+    period = jnp.maximum(end - 1 - best, 1)
+    follow = context[best + 1 + jnp.arange(k) % period]
     return jnp.where(length[best] > 0, follow, context[end - 1])
 
 

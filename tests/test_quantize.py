@@ -2,6 +2,8 @@
 logits against a float64 forward of the dequantized weights, and against float32 within
 the stated bound; decoding reads them too. Fresh random weights every run."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,3 +99,20 @@ def test_decoding_reads_int8_weights():
 def test_unknown_weight_format_is_an_error():
     with pytest.raises(ValueError, match="weights must be one of"):
         quantize({}, "int4")
+
+
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_the_decode_loop_reads_the_narrow_weights(weights):
+    """In the compiled generate, the kernels enter the decode loop in their own dtype and
+    no widened float32 copy of one is carried: XLA hoisted each conversion out of the loop
+    once, which read float32 weights at every step and held a float32 copy beside them."""
+    from jaxformer.decoding import _generate_fn
+    model, params = make(d_model=96, d_ff=160)
+    q = quantize(params, weights)
+    fn = _generate_fn(model.cfg, 4, 0.0, None, None, None, 0, None, True)
+    hlo = fn.lower(q, jnp.zeros((1, 3), jnp.int32), jnp.array([3]),
+                   jax.random.key(0)).compile().as_text()
+    carried = re.search(r"= \((.*?)\) while\(", hlo).group(1)  # the loop's state
+    narrow = "s8" if weights == "int8" else "bf16"
+    assert f"{narrow}[96,160]" in carried and f"{narrow}[160,96]" in carried, carried
+    assert "f32[96,160]" not in carried and "f32[160,96]" not in carried, carried

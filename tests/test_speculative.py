@@ -18,8 +18,11 @@ from jaxformer.speculative import lookup_drafts
 from tests.test_decoding import np_distribution
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
-# a layer pattern per scheme, in turn: plain, sliding window (rings), scanned layers, GQA
-SHAPES = [dict(), dict(sliding_window=5), dict(scan_layers=True), dict(n_kv_heads=1)]
+# a layer pattern per scheme, in turn: plain, sliding window (rings), scanned layers, and
+# local (window 4) : global layers with one K/V head
+SHAPES = [dict(), dict(sliding_window=5), dict(scan_layers=True),
+          dict(n_kv_heads=1, layer_pattern=("local", "global"),
+               layer_kinds={"local": {"window": 4}, "global": {}})]
 
 
 def make(**kw):
@@ -48,7 +51,7 @@ def test_greedy_with_a_draft_is_greedy(position):
     model, params = make(position=position, **SHAPES[i % len(SHAPES)])
     draft = "prompt_lookup" if i % 2 else make(**{
         **SHAPES[(i + 1) % len(SHAPES)], "position": position, "d_model": 16, "n_heads": 2,
-        "n_kv_heads": 1, "n_layers": 1})
+        "n_kv_heads": 1, "n_layers": 2})
     prompts, lengths = ragged(3, 7, 37)
     kw = dict(prompt_lengths=lengths, max_new_tokens=16, rng=jax.random.key(0),
               temperature=0.0)
@@ -82,7 +85,7 @@ def test_the_model_as_its_own_draft_keeps_every_draft():
 
 def test_lookup_drafts_follow_the_latest_longest_match():
     """Against a brute-force search: the longest suffix (<= 3 tokens) seen earlier, its
-    latest occurrence, the tokens after it."""
+    latest occurrence, the tokens after it, repeating with the period it implies."""
     for _ in range(200):
         c, k = 24, 3
         context = rng.integers(0, 4, c).astype(np.int32)
@@ -95,7 +98,7 @@ def test_lookup_drafts_follow_the_latest_longest_match():
                     if (context[j - n + 1:j + 1] == context[end - n:end]).all()]
             if hits:
                 j = hits[-1]
-                want = context[np.minimum(j + 1 + np.arange(k), c - 1)]
+                want = context[j + 1 + np.arange(k) % (end - 1 - j)]  # the text's period
                 break
         if want is None:
             want = np.full(k, context[end - 1])
