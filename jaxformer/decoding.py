@@ -15,7 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.cached_forward import Generated, checked_inputs, forward_one, looped, prefill
+from jaxformer.cached_forward import (Generated, checked_inputs, decode_jit, forward_one, looped,
+                                      prefill)
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
 from jaxformer.kv_cache import init_cache, kv_cache_bytes, take_rows  # noqa: F401
@@ -70,7 +71,7 @@ def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eo
         logprobs = jnp.concatenate([logp[:, None], logps.T], axis=1)
         return Generated(tokens, logprobs, count)
 
-    return jax.jit(run)
+    return decode_jit(run)
 
 
 def _windowed(cfg: ModelConfig, windowed_cache: bool) -> bool:
@@ -214,7 +215,7 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
                                              axis=1)[:, 0]
         return Beams(pick(state["tokens"]), pick(normed), pick(state["length"]))
 
-    return jax.jit(run)
+    return decode_jit(run)
 
 
 def beam_search(model: Transformer, params, prompts, *, beam_width: int, max_new_tokens: int,

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxformer.cached_forward import Generated, looped, prefill
+from jaxformer.cached_forward import Generated, decode_jit, looped, prefill
 from jaxformer.kv_cache import rolled_back
 from jaxformer.sampling import accept_drafts, sample_logits
 
@@ -166,4 +166,4 @@ def speculative_fn(cfg, draft_cfg, k: int, max_new, temperature, top_k, top_p, e
                                                        lengths[0], keys[0]))
         return jax.vmap(row, (None, None, 0, 0, 0))(params, dparams, prompts, lengths, keys)
 
-    return jax.jit(run)
+    return decode_jit(run)

@@ -289,6 +289,9 @@ def test_jit_and_vmap_over_prompts():
     batched = jax.jit(jax.vmap(fn))(prompts)
     for i in range(3):
         np.testing.assert_array_equal(batched[i], fn(prompts[i]))
+    # inside another jit (the decoder's own compiler options, which
+    # jax takes at the top level only, give way to the outer jit's)
+    np.testing.assert_array_equal(jax.jit(lambda: fn(prompts[0]))(), fn(prompts[0]))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="reads XLA:CPU's compiled loop")
