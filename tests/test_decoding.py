@@ -194,25 +194,20 @@ def test_sampled_frequencies_match_distribution(temperature, top_k, top_p):
         p, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, 3, 0.9)])
-def test_generated_tokens_are_drawn_from_the_models_conditionals(temperature, top_k, top_p):
-    """20,000 rows of one prompt, 3 tokens each: the joint frequencies of the 125 possible
-    continuations match p(x1) p(x2 | x1) p(x3 | x1, x2), each conditional from a full
-    forward and filtered as np_distribution says (chi-square, cells expected below 5
-    pooled). Steps that share a random key draw correlated tokens and fail it."""
-    model, params = make("alibi", 2, vocab_size=5)
-    prompt, n, v = rng.integers(0, 5, (1, 4)).astype(np.int32), 20_000, 5
-    out = generate(model, params, np.repeat(prompt, n, 0), max_new_tokens=3,
-                   rng=jax.random.key(int(rng.integers(1 << 30))), temperature=temperature,
-                   top_k=top_k, top_p=top_p)
-    conts = np.asarray(list(itertools.product(range(v), repeat=3)), np.int32)  # [125, 3]
+def assert_follows_conditionals(model, params, prompt, tokens, temperature, top_k, top_p):
+    """The rows of `tokens` [n, 3], each 3 tokens drawn after `prompt` [1, P] (vocab V):
+    their joint frequencies over the V**3 continuations match p(x1) p(x2 | x1)
+    p(x3 | x1, x2), each conditional from a full forward and filtered as np_distribution
+    says (chi-square, cells expected below 5 pooled)."""
+    n, v, p = tokens.shape[0], model.cfg.vocab_size, prompt.shape[1]
+    conts = np.asarray(list(itertools.product(range(v), repeat=3)), np.int32)  # [V**3, 3]
     seqs = np.concatenate([np.repeat(prompt, len(conts), 0), conts], axis=1)
-    logits = np.asarray(jax.jit(model.apply)({"params": params}, seqs))  # [125, 7, V]
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, seqs))  # [V**3, P + 3, V]
     joint = np.ones(len(conts))
     for t in range(3):
         for i, c in enumerate(conts):
-            joint[i] *= np_distribution(logits[i, 3 + t], temperature, top_k, top_p)[c[t]]
-    counts = np.bincount(np.asarray(out.tokens) @ [v * v, v, 1], minlength=len(conts))
+            joint[i] *= np_distribution(logits[i, p - 1 + t], temperature, top_k, top_p)[c[t]]
+    counts = np.bincount(np.asarray(tokens) @ [v * v, v, 1], minlength=len(conts))
     assert counts[joint == 0].sum() == 0  # nothing the filters removed
     expected = n * joint
     big, pool = expected >= 5, (joint > 0) & (expected < 5)
@@ -222,6 +217,20 @@ def test_generated_tokens_are_drawn_from_the_models_conditionals(temperature, to
     if len(obs) > 1:  # (a single possible continuation: the assertion above says it all)
         pvalue = stats.chisquare(obs, exp).pvalue
         assert pvalue > 1e-6, (pvalue, counts, expected.round(1))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, 3, 0.9)])
+def test_generated_tokens_are_drawn_from_the_models_conditionals(temperature, top_k, top_p):
+    """20,000 rows of one prompt, 3 tokens each: the joint frequencies of the 125 possible
+    continuations match p(x1) p(x2 | x1) p(x3 | x1, x2), each conditional from a full
+    forward and filtered as np_distribution says (chi-square, cells expected below 5
+    pooled). Steps that share a random key draw correlated tokens and fail it."""
+    model, params = make("alibi", 2, vocab_size=5)
+    prompt, n = rng.integers(0, 5, (1, 4)).astype(np.int32), 20_000
+    out = generate(model, params, np.repeat(prompt, n, 0), max_new_tokens=3,
+                   rng=jax.random.key(int(rng.integers(1 << 30))), temperature=temperature,
+                   top_k=top_k, top_p=top_p)
+    assert_follows_conditionals(model, params, prompt, out.tokens, temperature, top_k, top_p)
 
 
 def test_top_p_boundary_is_hfs():

@@ -3,19 +3,16 @@ chi-square test of the joint distribution of three tokens against the model's ow
 conditionals; prompt lookup against a brute-force search. Fresh random weights and
 prompts every run."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from jaxformer import ModelConfig, Transformer
 from jaxformer.decoding import generate
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.speculative import lookup_drafts
-from tests.test_decoding import np_distribution
+from tests.test_decoding import assert_follows_conditionals
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 # a layer pattern per scheme, in turn: plain, sliding window (rings), scanned layers, and
@@ -119,25 +116,9 @@ def test_sampling_with_a_draft_follows_the_models_conditionals(temperature, top_
     if draft == "model":  # a different distribution from the model's
         draft = make(position="rope", vocab_size=5, d_model=16, n_heads=2, n_kv_heads=1,
                      n_layers=1)
-    prompt, n, v = rng.integers(0, 5, (1, 4)).astype(np.int32), 20_000, 5
+    prompt, n = rng.integers(0, 5, (1, 4)).astype(np.int32), 20_000
     out = generate(model, params, np.repeat(prompt, n, 0), max_new_tokens=3,
                    rng=jax.random.key(int(rng.integers(1 << 30))), temperature=temperature,
                    top_k=top_k, top_p=top_p, draft=draft, draft_len=2)
     assert 0 <= out.acceptance_rate <= 1
-    conts = np.asarray(list(itertools.product(range(v), repeat=3)), np.int32)  # [125, 3]
-    seqs = np.concatenate([np.repeat(prompt, len(conts), 0), conts], axis=1)
-    logits = np.asarray(jax.jit(model.apply)({"params": params}, seqs))  # [125, 7, V]
-    joint = np.ones(len(conts))
-    for t in range(3):
-        for i, c in enumerate(conts):
-            joint[i] *= np_distribution(logits[i, 3 + t], temperature, top_k, top_p)[c[t]]
-    counts = np.bincount(np.asarray(out.tokens) @ [v * v, v, 1], minlength=len(conts))
-    assert counts[joint == 0].sum() == 0  # nothing the filters removed
-    expected = n * joint
-    big, pool = expected >= 5, (joint > 0) & (expected < 5)
-    obs, exp = counts[big], expected[big]
-    if pool.any():  # the rare cells as one
-        obs, exp = np.append(obs, counts[pool].sum()), np.append(exp, expected[pool].sum())
-    if len(obs) > 1:  # (a single possible continuation: the assertion above says it all)
-        pvalue = stats.chisquare(obs, exp).pvalue
-        assert pvalue > 1e-6, (pvalue, counts, expected.round(1))
+    assert_follows_conditionals(model, params, prompt, out.tokens, temperature, top_k, top_p)
