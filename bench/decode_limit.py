@@ -57,19 +57,6 @@ def code_prompt(tok, width: int) -> np.ndarray:
     return np.asarray(tok.encode(text)[:width], np.int32)[None]
 
 
-def read_bandwidth(nbytes: int):
-    """A function timing one jitted sum over a float32 array of nbytes (bytes/s)."""
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
-
-    def once():
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        return nbytes / (time.perf_counter() - t0)
-    return once
-
-
 def stream_bytes(cfg, params, tokens: int, prompt: int) -> int:
     """Bytes one plain decode step reads: the weights (less the learned position table)
     and the KV cache at its mean length."""

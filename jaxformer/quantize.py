@@ -35,13 +35,12 @@ def quantize_int8(w, contracted: int = 1, stacked: bool = False) -> Int8Kernel:
     return Int8Kernel(values.astype(jnp.int8), scale)
 
 
-def _kernel_of(path) -> str | None:
+def _kernel_of(names: list[str]) -> str | None:
     """The projection a param path's leaf is the kernel of (None: not a kernel, or an
     adapter's)."""
-    names = [getattr(k, "key", str(k)) for k in path]
-    if names[-1] != "kernel" or any("lora" in str(n) for n in names):
+    if names[-1] != "kernel" or any("lora" in n for n in names):
         return None
-    return str(names[-2])
+    return names[-2]
 
 
 def quantize(params, weights: str = "int8"):
@@ -53,15 +52,14 @@ def quantize(params, weights: str = "int8"):
         return params
 
     def convert(path, x):
-        kernel = _kernel_of(path)
+        names = [str(getattr(k, "key", k)) for k in path]
+        kernel = _kernel_of(names)
         if weights == "bfloat16":
-            names = [getattr(k, "key", str(k)) for k in path]
             big = kernel is not None or names[-1] == "embedding"
             return x.astype(jnp.bfloat16) if big and jnp.issubdtype(x.dtype, jnp.floating) else x
         if kernel is None:
             return x
-        stacked = any(getattr(k, "key", None) == STACKED for k in path)
-        return quantize_int8(x, CONTRACTED_AXES.get(kernel, 1), stacked)
+        return quantize_int8(x, CONTRACTED_AXES.get(kernel, 1), STACKED in names)
 
     return jax.tree_util.tree_map_with_path(convert, params)
 

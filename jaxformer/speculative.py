@@ -77,16 +77,12 @@ def _draft_model_proposer(draft, sample, k):
 def _emitted(s, toks, a, max_new, eos_id):
     """The round's tokens [k + 1] that count: the a kept drafts and the model's own, cut
     after an EOS and at max_new tokens in all; (how many, whether the row is done)."""
-    ks = jnp.arange(toks.shape[0])
-    m = a + 1
+    m, eos = a + 1, False
     if eos_id is not None:
-        hit = (toks == eos_id) & (ks < m)
-        m = jnp.where(hit.any(), jnp.argmax(hit) + 1, m)
-    m = jnp.minimum(m, max_new - s["n"])
-    done = s["n"] + m >= max_new
-    if eos_id is not None:
-        done = done | ((toks == eos_id) & (ks < m)).any()
-    return m, done
+        hit = (toks == eos_id) & (jnp.arange(toks.shape[0]) < m)
+        m, eos = jnp.where(hit.any(), jnp.argmax(hit) + 1, m), hit.any()
+    m = jnp.minimum(m, max_new - s["n"])  # (an EOS cut off here: done by length anyway)
+    return m, eos | (s["n"] + m >= max_new)
 
 
 def _first_state(model, params, draft, dparams, prompt, length, rng, sample, settings):
