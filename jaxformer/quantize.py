@@ -7,7 +7,8 @@ feed-forward's, an untied lm_head) into a jaxformer.matmul.Int8Kernel, which the
 model reads as it is: each projection multiplies the int8 values converted to the compute
 dtype and scales its output per channel. Embeddings, norms, biases and adapters keep their
 dtype: an embedding is read one row per token, and the rest is small. "bfloat16" casts the
-kernels and embeddings. The forward, generate, beam_search and `python -m
+kernels and the token embedding (TOKEN_EMBEDDING); the rest, a learned position table
+among them, keeps its dtype. The forward, generate, beam_search and `python -m
 jaxformer.generate --weights int8` take either as they take float32 params.
 """
 
@@ -22,6 +23,7 @@ from jaxformer.matmul import Int8Kernel
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 CONTRACTED_AXES = {"out": 2}  # a kernel's input axes: the attention output reads heads x head_dim
 STACKED = "blocks"  # scanned layers: kernels with a leading layer axis
+TOKEN_EMBEDDING = ("embed", "embedding")  # the token table's path (not pos_embed's)
 
 
 def quantize_int8(w, contracted: int = 1, stacked: bool = False) -> Int8Kernel:
@@ -44,8 +46,8 @@ def _kernel_of(names: list[str]) -> str | None:
 
 
 def quantize(params, weights: str = "int8"):
-    """params with their kernels (and, for bfloat16, embeddings) in `weights` format: one
-    of WEIGHT_FORMATS; float32 returns them as they are."""
+    """params with their kernels (and, for bfloat16, the token embedding) in `weights`
+    format: one of WEIGHT_FORMATS; float32 returns them as they are."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if weights == "float32":
@@ -55,7 +57,7 @@ def quantize(params, weights: str = "int8"):
         names = [str(getattr(k, "key", k)) for k in path]
         kernel = _kernel_of(names)
         if weights == "bfloat16":
-            big = kernel is not None or names[-1] == "embedding"
+            big = kernel is not None or tuple(names[-2:]) == TOKEN_EMBEDDING
             return x.astype(jnp.bfloat16) if big and jnp.issubdtype(x.dtype, jnp.floating) else x
         if kernel is None:
             return x

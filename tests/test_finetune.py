@@ -3,9 +3,11 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax.traverse_util import flatten_dict
+import yaml
+from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors.numpy import load_file
 
 from jaxformer import lora
@@ -143,3 +145,83 @@ def test_lora_on_prompt_completion_records_end_to_end(hf_llama, tmp_path):
         base = load(hf_llama).eval()(tokens).logits
     assert torch.allclose(adapted, merged, rtol=1e-5, atol=1e-5 * float(merged.abs().max()))
     assert not torch.allclose(base, merged, atol=1e-4)  # three steps moved the adapters
+
+
+def test_a_run_from_a_run_with_adapters_starts_from_its_merged_weights(tmp_path, rng):
+    """A run dir whose checkpoint holds trained adapters (random A and B, scanned layers):
+    a run from it, unscanned and without adapters, starts from W + (alpha / r) A B for each
+    target kernel, written out in float64 NumPy, and from the source's other params as
+    they are."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxformer import Transformer
+    from jaxformer.sharding import make_mesh, resolve_rules
+    from jaxformer.training.checkpoint import Checkpointer
+    from jaxformer.training.initial_weights import load_initial
+    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.step import abstract_state
+
+    model = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+             "model.max_seq_len=32", "model.scan_layers=true", "model.lora.rank=3",
+             "model.lora.alpha=5", "model.lora.targets=query,out,wi,wo"]
+    a = load_config(None, [*model, f"train.run_dir={tmp_path / 'a'}"])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/config.yaml").write_text(yaml.safe_dump(a.to_dict(), sort_keys=False))
+    tx, _ = make_optimizer(a.optim, a.model, a.train.steps)
+    state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                         abstract_state(Transformer(a.model), tx))
+    params = {k: np.full(v.shape, 5 / 3, np.float32) if k[-1] == "lora_scale" else
+              (rng.standard_normal(v.shape) * 0.3).astype(np.float32)
+              for k, v in flatten_dict(state.params).items()}
+    ckpt = Checkpointer(tmp_path / "a", keep=1, async_save=False)
+    ckpt.save(4, state.replace(params=unflatten_dict(params)), a.model)
+    ckpt.close()
+
+    b = load_config(None, [f"train.init_from={tmp_path / 'a'}", "model.scan_layers=false",
+                           f"train.run_dir={tmp_path / 'b'}"])
+    assert not b.model.lora.rank and not b.model.scan_layers
+    mesh, rules = make_mesh(1, 1, 1), resolve_rules(b.mesh.rules)
+    fresh = jax.eval_shape(Transformer(b.model).init, jax.random.key(0),
+                           jnp.zeros((1, 8), jnp.int32))["params"]
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), fresh)  # one device
+    got = flatten_dict(jax.device_get(load_initial(str(tmp_path / "a"), b.model, fresh,
+                                                   shardings, mesh, rules, log=lambda *m: None)))
+    want = {}
+    for k, v in params.items():
+        if k[-2].endswith("_lora"):
+            continue
+        for i in range(2) if k[0] == "blocks" else [None]:
+            key = (f"block_{i}",) + k[1:] if i is not None else k
+            want[key] = np.float64(v if i is None else v[i])
+            if k[-1] == "kernel" and k[-2] in ("query", "out", "wi", "wo"):
+                lora_a = params[k[:-2] + (k[-2] + "_lora", "lora_a")][i]
+                lora_b = params[k[:-2] + (k[-2] + "_lora", "lora_b")][i]
+                delta = lora_a.reshape(-1, 3).astype(np.float64) @ lora_b.reshape(3, -1)
+                want[key] += 5 / 3 * delta.reshape(want[key].shape)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=str(k))
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_init_from_refuses_another_max_seq_len_for_a_learned_table_alone(position, tmp_path):
+    """A learned position table has max_seq_len rows: a run from such weights that sets
+    another max_seq_len (longer or shorter) is refused in one line naming the field, the
+    same one accepted; RoPE has no table, so its max_seq_len may change."""
+    source = load_config(None, ["model.vocab_size=64", "model.d_model=32", "model.n_layers=1",
+                                "model.n_heads=4", "model.max_seq_len=32",
+                                f"model.position={position}", "train.seq_len=16"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(source.to_dict(), sort_keys=False))
+    run = lambda n: load_config(None, [f"train.init_from={tmp_path}",  # noqa: E731
+                                       f"model.max_seq_len={n}", "train.seq_len=16"])
+    assert run(32).model.max_seq_len == 32
+    for n in (64, 16):
+        if position == "rope":
+            cfg = run(n)
+            assert (cfg.model.max_seq_len, cfg.model.position) == (n, "rope")
+            continue
+        with pytest.raises(ConfigError) as e:
+            run(n)
+        msg = str(e.value)
+        assert "\n" not in msg
+        assert msg.startswith(f"model.max_seq_len={n} differs from 32 in train.init_from="), msg
+        assert "model.max_seq_len" not in msg.split("may set only")[1].split("(")[0], msg

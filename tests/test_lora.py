@@ -1,6 +1,7 @@
 """LoRA adapters (jaxformer.lora) against the update written out in float64, and training
 with a frozen base."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,3 +176,81 @@ def test_a_vmapped_sweep_equals_separate_runs_adapter_by_adapter():
     # the padding stayed 0: member 0 (rank 1) holds zeros in A's columns 1, 2
     a = flatten_dict(jax.device_get(params))[("blocks", "attn", "query_lora", "lora_a")]
     assert a.shape[-1] == 3 and not a[0, ..., 1:].any() and a[2, ..., 1:].any()
+
+
+def _dropout_masks():
+    """An interceptor recording each nn.Dropout's keep mask (where its output is not 0; its
+    input is random, so never 0) by the path of the module that called it, and the dict."""
+    masks = {}
+
+    def record(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if isinstance(context.module, nn.Dropout) and context.method_name == "__call__":
+            masks[context.module.path[:-1]] = out != 0
+        return out
+    return record, masks
+
+
+def _np_gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def test_lora_dropout_drops_the_adapters_input_alone():
+    """In training, an adapted projection is x W + b + (alpha / r) (dropout(x) A) B (PEFT's
+    rule: the base path and the adapter's output undropped, kept inputs scaled by
+    1 / (1 - p)), against that written out in float64 with the keep masks the layer drew:
+    the feed-forward's wi and wo, and attention's query and out (two input axes)."""
+    from jaxformer.attention import Attention
+    from jaxformer.layers import FeedForward
+    p = float(rng.uniform(0.2, 0.6))
+    cfg = small(lora={"rank": 3, "alpha": 5.0, "dropout": p, "targets": "query,out,wi,wo"})
+    s, keep = 5.0 / 3, 1 / (1 - p)
+    key = lambda: jax.random.key(int(rng.integers(1 << 30)))  # noqa: E731
+    x = jnp.asarray(rng.standard_normal((2, 7, cfg.d_model)), jnp.float32)
+    z = jnp.asarray(rng.standard_normal((2, 7, cfg.n_heads, cfg.head_dim)), jnp.float32)
+
+    def run(module, *args, method):
+        """module's method on args in training, jitted: its outputs in float64, its params
+        (all random but lora_scale, alpha / r) and the keep masks it drew."""
+        shapes = nn.unbox(jax.eval_shape(lambda: module.init(
+            {"params": key(), "dropout": key()}, *args, method=method))["params"])
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, v: np.float32(s) if path[-1].key == "lora_scale" else
+            (rng.standard_normal(v.shape) * 0.3).astype(np.float32), shapes)
+
+        @jax.jit
+        def forward(params, *args):
+            record, masks = _dropout_masks()
+            with nn.intercept_methods(record):
+                out = module.apply({"params": params}, *args, method=method,
+                                   rngs={"dropout": key()})
+            return out, masks
+
+        out, masks = forward(params, *args)
+        f64 = jax.tree.map(lambda v: np.asarray(v, np.float64), params)
+        return [np.asarray(o, np.float64) for o in out], f64, jax.device_get(masks)
+
+    def adapted(x, w, b, ad, mask, n_in):  # x [B, T, in...] @ w [in..., out...]
+        assert mask.shape == x.shape, f"dropout acts on {mask.shape}, not the input {x.shape}"
+        assert mask.any() and not mask.all()
+        base = np.tensordot(x, w, n_in) + b
+        xa = np.tensordot(np.where(mask, x * keep, 0.0), ad["lora_a"], n_in)  # [B, T, r]
+        return base + s * np.tensordot(xa, ad["lora_b"], 1)
+
+    (y,), f, masks = run(FeedForward(cfg, deterministic=False), x,
+                         method=lambda m, x: (m(x),))
+    x64 = np.asarray(x, np.float64)
+    h = _np_gelu(adapted(x64, f["wi"]["kernel"], f["wi"]["bias"], f["wi_lora"],
+                         masks[("wi_lora",)], 1))
+    want = adapted(h, f["wo"]["kernel"], f["wo"]["bias"], f["wo_lora"], masks[("wo_lora",)], 1)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+    (q, o), f, masks = run(Attention(cfg, deterministic=False), x, z,
+                           method=lambda m, x, z: (m.projection("query", x),
+                                                   m.projection("out", z)))
+    np.testing.assert_allclose(q, adapted(x64, f["query"]["kernel"], f["query"]["bias"],
+                                          f["query_lora"], masks[("query_lora",)], 1),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(o, adapted(np.asarray(z, np.float64), f["out"]["kernel"],
+                                          f["out"]["bias"], f["out_lora"],
+                                          masks[("out_lora",)], 2), rtol=1e-5, atol=1e-5)

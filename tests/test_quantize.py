@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax.traverse_util import flatten_dict
 
 from jaxformer import ModelConfig, Transformer
 from jaxformer.decoding import generate
@@ -116,3 +117,41 @@ def test_the_decode_loop_reads_the_narrow_weights(weights):
     narrow = "s8" if weights == "int8" else "bf16"
     assert f"{narrow}[96,160]" in carried and f"{narrow}[160,96]" in carried, carried
     assert "f32[96,160]" not in carried and "f32[160,96]" not in carried, carried
+
+
+# the bfloat16 rule, by path: projection kernels (not an adapter's) and the token table
+PROJECTIONS = ("query", "key", "value", "out", "wi", "wi_gate", "wi_up", "wo", "lm_head")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(position="learned", ffn="swiglu", scan_layers=True),
+    dict(position="fire"), dict(position="t5", qk_norm="head"), dict(position="kerple"),
+    dict(position="cope", block="sandwich")], ids=lambda kw: kw["position"])
+def test_bfloat16_casts_the_kernels_and_token_table_alone(kw):
+    """Every leaf of a model with biases, norms, position params, an untied head and LoRA
+    adapters, against the rule written out by path: projection kernels and embed/embedding
+    become bfloat16 (rounded: within 2^-8 relative), all else stays float32, bit for bit."""
+    cfg = ModelConfig(**{**dict(vocab_size=41, d_model=16, n_layers=2, n_heads=2,
+                                max_seq_len=16, use_bias=True, tie_embeddings=False,
+                                lora={"rank": 2}), **kw})
+    shapes = jax.eval_shape(Transformer(cfg).init, jax.random.key(0),
+                            jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), shapes)
+    got = flatten_dict(quantize(params, "bfloat16"))
+    seen = set()
+    for path, x in flatten_dict(params).items():
+        y = np.asarray(got[path])
+        narrow = (path[-1] == "kernel" and path[-2] in PROJECTIONS) or \
+            path[-2:] == ("embed", "embedding")
+        kind = ("narrow" if narrow else "adapter" if path[-2].endswith("_lora") else
+                "norm" if path[-2].endswith("norm") else "bias" if path[-1] == "bias" else
+                "position" if path[-2] in ("pos_embed", "position_bias") or
+                path[-1] == "cope_embedding" else path)
+        seen.add(kind)
+        if narrow:
+            assert y.dtype == jnp.bfloat16, path
+            err = np.abs(np.float64(y) - x)
+            assert (err <= 2.0 ** -8 * np.abs(x)).all(), path
+        else:
+            assert y.dtype == np.float32 and np.array_equal(y, x), (path, y.dtype)
+    assert seen == {"narrow", "adapter", "norm", "bias", "position"}

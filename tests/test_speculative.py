@@ -122,3 +122,27 @@ def test_sampling_with_a_draft_follows_the_models_conditionals(temperature, top_
                    top_k=top_k, top_p=top_p, draft=draft, draft_len=2)
     assert 0 <= out.acceptance_rate <= 1
     assert_follows_conditionals(model, params, prompt, out.tokens, temperature, top_k, top_p)
+
+
+def test_width_new_tokens_and_draft_len_must_fit_max_seq_len():
+    """prompt width + max_new_tokens + draft_len == max_seq_len decodes, with a learned
+    position table whose rows end there, to the plain greedy tokens; one more, whichever
+    of the three grows, is refused in one line naming draft_len, for a draft model too."""
+    model = Transformer(ModelConfig(vocab_size=37, d_model=16, n_layers=1, n_heads=2,
+                                    n_kv_heads=1, max_seq_len=16, position="learned"))
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32),
+                          shapes["params"])  # sharp: no near-ties
+    prompts = rng.integers(1, 37, (1, 6)).astype(np.int32)
+    kw = dict(rng=jax.random.key(0), temperature=0.0)
+    w, n, k = 5, 7, 4  # 16: the boundary
+    plain = generate(model, params, prompts[:, :w], max_new_tokens=n, **kw)
+    out = generate(model, params, prompts[:, :w], max_new_tokens=n, draft="prompt_lookup",
+                   draft_len=k, **kw)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    for w, n, k in [(6, 7, 4), (5, 8, 4), (5, 7, 5)]:
+        for d in ("prompt_lookup", (model, params)):
+            with pytest.raises(ValueError, match=rf"^prompt width {w} \+ max_new_tokens {n} "
+                               rf"\+ draft_len {k} = 17 exceeds max_seq_len=16; [^\n]*$"):
+                generate(model, params, prompts[:, :w], max_new_tokens=n, draft=d,
+                         draft_len=k, **kw)

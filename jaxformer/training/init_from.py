@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from jaxformer import lora
 from jaxformer.config import NESTED, ConfigError, ModelConfig
 from jaxformer.convert.hf_config import RUNTIME as HF_RUNTIME
+from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.validation import build_section, merge, read_config_file, type_names
 
 # hf_config.RUNTIME (how a converted model may run), and its adapters and length
@@ -75,15 +76,19 @@ def initial_sections(values: Mapping[str, Any]) -> dict:
     combined = build_section(ModelConfig, merge(theirs, ours), "model", nested=NESTED)
     changed = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME
                and getattr(combined, f.name) != getattr(model, f.name)]
-    if "max_seq_len" in ours and model.position == "learned" and \
-            combined.max_seq_len != model.max_seq_len:
-        changed.append("max_seq_len")
+    allowed = RUNTIME
+    if POSITION_SCHEMES[model.position].max_length is not None:  # a table, a row a position
+        allowed = tuple(f for f in RUNTIME if f != "max_seq_len")
+        if combined.max_seq_len != model.max_seq_len:
+            changed.append("max_seq_len")
     if changed:
+        table = (f" (position={model.position!r}: a table of max_seq_len={model.max_seq_len} "
+                 "rows)" if "max_seq_len" in changed else "")
         raise ConfigError(
             f"model.{changed[0]}={getattr(combined, changed[0])!r} differs from "
             f"{getattr(model, changed[0])!r} in train.init_from={spec} "
             f"({', '.join('model.' + c for c in changed)}); a run started from weights may "
-            f"set only model.{', model.'.join(RUNTIME)}")
+            f"set only model.{', model.'.join(allowed)}{table}")
     out = {**values, "model": merge(theirs, ours)}
     if tok and "tokenizer" not in (values.get("data") or {}):
         out["data"] = {**(values.get("data") or {}), "tokenizer": tok}
