@@ -301,3 +301,121 @@ def test_bad_position_settings_exit_2_naming_them(capsys, args, words):
     assert length_gen.main(["--small", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and all(w in err for w in words), err
+
+
+# ---- evaluation at random positions (Ruoss et al.) --------------------------------------
+
+def test_eval_random_positions_are_sorted_distinct_draws_below_max(rng, monkeypatch):
+    """study.eval_random_positions: the ids the evaluation scores each example at (those
+    accuracy hands to exact_match) are, per example, one id per token, strictly increasing
+    (so distinct), in [0, train.random_positions), and not one draw for all examples;
+    the same ids for every scheme."""
+    task, top = str(rng.choice(tasks.TASKS)), int(rng.integers(24, 48))
+    longest = max(n for n in range(1, top) if tasks.example_tokens(task, n) <= top)
+    lengths = sorted({int(rng.integers(1, longest)), longest})
+    cfg = small_config(task, 0, f"train.random_positions={top}",
+                       "study.eval_random_positions=true", "study.schemes=alibi,rope",
+                       "study.eval_lengths=" + ",".join(map(str, lengths)))
+    seen = []
+
+    def capture(mcfg, params, examples, starts, row_len, batch_tokens, positions=None):
+        seen.append((examples, positions))
+        return np.ones((1, len(examples)), bool)
+
+    monkeypatch.setattr(length_gen, "exact_match", capture)
+    for scheme in ("alibi", "rope"):
+        length_gen.accuracy(cfg, cfg.model_config(scheme), None, task)
+    (examples, ids), (_, other) = seen
+    assert ids is not None and len(ids) == len(examples) == len(lengths) * 16
+    for ex, pos in zip(examples, ids):
+        assert len(pos) == len(ex), (len(pos), len(ex))
+        assert (np.diff(pos) > 0).all() and pos.min() >= 0 and pos.max() < top, (top, pos)
+    assert len({tuple(p) for p in ids[:16]}) > 1  # a fresh draw per example (n < longest)
+    for a, b in zip(ids, other):
+        np.testing.assert_array_equal(a, b)
+
+
+def hand_built_ids(task, example, kind, offset):
+    """An example's coupled or abacus ids read off its tokens, as the papers define them:
+    abacus, each digit's place in its run of digits (1, 2, ...) plus the offset, other
+    tokens 0; coupled, start = 1 + offset for '+' and '=', the i-th digit of a run
+    start + i, except reverse's answer, whose i-th digit copies input digit n + 1 - i;
+    the marker and end 0."""
+    start, ids, place, run = 1 + offset, [], 0, 0
+    after_input = tasks.PLUS if task == "addition" else tasks.EQUALS
+    n = int(np.flatnonzero(example == after_input)[0]) - 1  # the input length
+    for tok in example:
+        if tasks.DIGIT <= tok < tasks.DIGIT + 10:
+            place += 1
+            answer = run == (2 if task == "addition" else 1)  # the third or second run
+            if kind == "abacus":
+                ids.append(offset + place)
+            else:
+                ids.append(start + (n + 1 - place if task == "reverse" and answer else place))
+        else:
+            run, place = run + (place > 0), 0
+            ids.append(start if kind == "coupled" and tok in (tasks.PLUS, tasks.EQUALS) else 0)
+    return np.asarray(ids)
+
+
+def segments(batch):
+    """Each packed example of a batch: (its tokens, its input slots' position ids)."""
+    for r, seg in enumerate(batch["segment_ids"]):
+        for s in np.unique(seg[seg > 0]):
+            where = seg == s
+            example = np.append(batch["inputs"][r, where], batch["targets"][r, where][-1])
+            yield example, batch["positions"][r, where]
+
+
+@pytest.mark.parametrize("kind", ["coupled", "abacus"])
+def test_training_batches_carry_each_examples_drawn_offset(rng, monkeypatch, kind):
+    """study.position_offset=K: every example of the study's training batches has the
+    hand-built ids of its tokens at one offset k in 0..K, drawn per example (every k
+    occurs, and several within one batch); the evaluation's ids have offset 0."""
+    task, most = str(rng.choice(tasks.TASKS)), int(rng.integers(2, 6))
+    cfg = small_config(task, int(rng.integers(1000)), f"study.task_positions={kind}",
+                       f"study.position_offset={most}")
+    captured = {}
+
+    def capture(mcfg, optim, steps, seeds, batch, **kwargs):  # the batches, not the training
+        captured["batch"] = batch
+        return None, [None] * len(seeds)
+
+    monkeypatch.setattr(length_gen, "train_seeds", capture)
+    length_gen.train_task(cfg, cfg.model_config("alibi"), task, [0, 1], log=lambda *a: None)
+    offsets = []
+    for step in rng.integers(0, 1 << 20, 6):
+        drawn = []
+        for ex, ids in segments(captured["batch"](int(rng.integers(1 << 30)), int(step))):
+            fit = [k for k in range(most + 1)
+                   if np.array_equal(ids, hand_built_ids(task, ex, kind, k)[:-1])]
+            assert len(fit) == 1, (ex, ids)
+            drawn += fit
+        assert len(set(drawn)) > 1, drawn  # per example, not per batch
+        offsets += drawn
+    assert set(offsets) == set(range(most + 1)), np.bincount(offsets)
+    n = int(rng.integers(1, 6))
+    ex = tasks.make_examples(task, n, 1, rng)[0]
+    np.testing.assert_array_equal(length_gen.eval_positions(cfg, task, [n])[0],
+                                  hand_built_ids(task, ex, kind, 0))
+
+
+def test_pack_gives_each_input_slot_its_tokens_id(rng):
+    """tasks.pack with explicit coupled or abacus ids: the slot holding token p of an
+    example (as input) holds that token's hand-built id, for examples of mixed lengths
+    and offsets packed several to a row."""
+    task, kind = str(rng.choice(tasks.TASKS)), str(rng.choice(["coupled", "abacus"]))
+    lengths, offsets = rng.integers(1, 6, 12), rng.integers(0, 8, 12)
+    examples = tasks.sample_examples(task, lengths, rng)
+    ids = [tasks.example_positions(task, int(n), kind, int(k)) for n, k in zip(lengths, offsets)]
+    b = tasks.pack(examples, tasks.answer_start(task, lengths), row_len=40, positions=ids)
+    seen = 0
+    for r in range(len(b["inputs"])):
+        for s in np.unique(b["segment_ids"][r][b["segment_ids"][r] > 0]):
+            where = b["segment_ids"][r] == s
+            i = b["example"][r, where][0]
+            np.testing.assert_array_equal(b["inputs"][r, where], examples[i][:-1])
+            want = hand_built_ids(task, examples[i], kind, int(offsets[i]))[:-1]
+            np.testing.assert_array_equal(b["positions"][r, where], want)
+            seen += 1
+    assert seen == len(examples)

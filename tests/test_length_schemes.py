@@ -113,15 +113,30 @@ def np_cope(q, k, emb, mask):
     return out
 
 
+def gate_counts(q, k, mask):
+    """The float64 p_ij before the clamp (sum of the gates of keys j..i) at the allowed
+    pairs: a flat array."""
+    h, g = q.shape[-1], q.shape[2] // k.shape[2]
+    dot = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, g, axis=2))
+    gates = np.where(mask, 1 / (1 + np.exp(-dot / math.sqrt(h))), 0.0)
+    return np.cumsum(gates[..., ::-1], axis=-1)[..., ::-1][np.broadcast_to(mask, gates.shape)]
+
+
 def test_cope_logits_match_float64_one_pair_at_a_time(rng):
-    """Gates over the allowed keys of a packed, padded row, GQA, the clamp at P - 1 reached
-    (P = 4 < the row's gate sums) and missed, against the loop of the definition."""
-    b, t, n, kv, h, npos = 2, 9, 4, 2, 8, int(rng.choice([4, 16]))
+    """Gates over the allowed keys of a packed, padded row, GQA, against the loop of the
+    definition, with P (the table's size) drawn so that the rows use every entry: some
+    p_ij falls in each [e, e + 1) below P - 1 (interpolated) and some above P - 1
+    (clamped to e[P - 1])."""
+    b, t, n, kv, h = 2, 9, 4, 2, 8
     q, k = rng.standard_normal((b, t, n, h)), rng.standard_normal((b, t, kv, h))
-    emb = rng.standard_normal((h, npos))
     seg = np.array([[1] * 5 + [2] * 4, [1] * 7 + [0] * 2])
     mask = (np.tril(np.ones((t, t), bool)) & (seg[:, :, None] == seg[:, None, :])
             & (seg[:, None, :] != 0))[:, None]
+    counts = gate_counts(q, k, mask)
+    reach = next(e for e in range(t + 1) if not (np.floor(counts) == e).any())  # 0..reach-1 seen
+    npos = int(rng.integers(2, reach + 1))  # P - 1 < reach: some count above it
+    assert (counts > npos - 1).any() and (counts < npos - 1).any(), (npos, counts.max())
+    emb = rng.standard_normal((h, npos))
     got = cope_logits(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
                       jnp.asarray(emb, jnp.float32), jnp.asarray(mask))
     got = np.asarray(got).reshape(b, n, t, t)

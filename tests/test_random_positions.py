@@ -57,3 +57,30 @@ def test_bad_maximum_is_refused_naming_the_fix():
                        "the learned position table"):
         RunConfig.from_dict({"model": {"position": "learned", "max_seq_len": 256},
                              "train": {"seq_len": 64, "random_positions": 512}})
+
+
+def test_a_process_share_of_the_loop_batch_draws_what_one_host_draws(rng):
+    """The training loop's batch (_Run.batch_at) for a process holding global rows
+    k..k+m of a packed batch has exactly rows k..k+m of one host's batch at that step:
+    get_batch over all rows, positions drawn by randomize_batch at (seed, step)."""
+    from types import SimpleNamespace
+
+    from jaxformer.data import ByteTokenizer, Dataset
+    from jaxformer.training import loop
+    b, t, top = 8, 24, int(rng.integers(24, 200))
+    tokens = rng.integers(0, 256, 2000).astype(np.uint8)
+    docs = np.concatenate([[0], np.sort(rng.choice(np.arange(1, 2000), 150, replace=False))])
+    data = Dataset(tokens, tokens, docs, docs, ByteTokenizer(), "test")
+    seed, step = int(rng.integers(1 << 20)), int(rng.integers(1 << 20))
+    cfg = RunConfig.from_dict({"data": {"pack": True}, "train": {
+        "batch_size": b, "seq_len": t, "seed": seed, "random_positions": top}})
+    k = int(rng.integers(1, b))  # a share that does not start at row 0
+    rows = slice(k, k + int(rng.integers(1, b - k + 1)))
+    run = SimpleNamespace(cfg=cfg, data=data, rows=rows, place=lambda batch: batch)
+    got = loop._Run.batch_at(run, step)
+    one_host = data.train_batch(seed=seed, step=step, batch_size=b, seq_len=t, pack=True)
+    want = randomize_batch(one_host, top, seed, step)
+    assert set(got) == set(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key][rows], err_msg=key)
+    assert (want["positions"] != one_host["positions"]).any()  # the draw is on
