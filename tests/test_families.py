@@ -6,7 +6,9 @@ missing norm or cap shows), saved with save_pretrained, then
 - read by from_hf: float32 logits within 1e-5 relative, unscanned and scanned;
 - greedy KV-cached generate: each new token is transformers' forward argmax (but at a
   near-tie);
-- written back by to_hf: from_pretrained reads the same logits.
+- written back by to_hf: from_pretrained reads the same logits;
+- exported with a random non-default norm_eps (GPT-2 too): every norm module of
+  transformers' model of the written folder has it, whatever the family's key.
 
 Relative error is max |ours - transformers| / max |transformers|.
 """
@@ -20,7 +22,9 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 import jax  # noqa: E402
 
 from jaxformer import ConfigError, ModelConfig, Transformer, count_params  # noqa: E402
-from jaxformer.convert import config_from_hf, config_to_hf, from_hf, to_hf  # noqa: E402
+from jaxformer import param_shapes  # noqa: E402
+from jaxformer.convert import (config_from_hf, config_to_hf, from_hf,  # noqa: E402
+                               read_hf_config, to_hf)
 from jaxformer.convert.hf_config import differences  # noqa: E402
 from jaxformer.decoding import generate  # noqa: E402
 
@@ -118,6 +122,36 @@ def test_family_matches_transformers(model_type, tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager").eval()
     assert rel_err(hf_logits(back, prompts), want) < 1e-5
+
+
+def norm_epsilons(model) -> dict:
+    """Each norm module of a transformers model -> its epsilon, as the module names it."""
+    out = {}
+    for name, m in model.named_modules():
+        if "Norm" in type(m).__name__:
+            keys = [k for k in ("variance_epsilon", "eps", "epsilon") if hasattr(m, k)]
+            out[name] = getattr(m, keys[0]) if keys else "no epsilon attribute"
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", *FAMILIES])
+def test_export_writes_norm_eps_where_transformers_reads_it(model_type, tmp_path):
+    """to_hf of a model with a random norm_eps (not the family's default): transformers'
+    model of the written config.json has it in every norm, and read_hf_config reads it."""
+    kw = {**COMMON, **FAMILIES.get(model_type, {})}
+    if kw["num_key_value_heads"] is None:
+        kw.pop("num_key_value_heads")
+    eps = float(10 ** rng.uniform(-4, -2))
+    cfg = config_from_hf(transformers.AutoConfig.for_model(model_type, **kw).to_dict())
+    cfg = cfg.replace(norm_eps=eps)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.1, x.shape).astype(x.dtype),
+                          param_shapes(cfg))
+    assert to_hf(cfg, params, tmp_path)["model_type"] == model_type
+    assert read_hf_config(tmp_path).norm_eps == eps
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(tmp_path))
+    found = norm_epsilons(model)
+    assert found and all(v == eps for v in found.values()), (eps, found)
 
 
 @pytest.mark.parametrize("preset", ["gemma3-1b", "qwen3-0.6b", "olmo2-1b", "pythia-160m"])

@@ -107,26 +107,26 @@ def layers_to_hf(cfg: ModelConfig, model_type: str, lineage) -> dict[str, Any]:
 
 def rope_per_type_from_hf(hf, get, max_len: int, defaults: dict, legacy: dict) -> dict:
     """layer type -> (theta, RopeScaling) for families whose rope_parameters are keyed by
-    layer type (Gemma 3, OLMo 3), with their legacy keys: a top-level theta per type, and
+    layer type (Gemma 3, OLMo 3), with their legacy keys: a top-level theta per type (also
+    the theta of a keyed entry that has none, as the family's config class), and
     rope_scaling (or a flat rope_parameters) for full-attention layers only."""
     params = hf.get("rope_parameters")
     keyed = isinstance(params, dict) and params and all(isinstance(v, dict)
                                                         for v in params.values())
+    thetas = dict(defaults)
+    for key, kind_type in legacy.items():
+        if key in hf:
+            thetas[kind_type] = hf[key]
     out = {}
     if keyed:
         bad = sorted(set(params) - set(TYPES))
         if bad:
             raise unsupported("rope_parameters", bad, f"layer types are {', '.join(TYPES)}")
         for kind_type in TYPES:
-            sub = params.get(kind_type) or {"rope_type": "default",
-                                            "rope_theta": defaults[kind_type]}
+            sub = params.get(kind_type) or {"rope_type": "default"}
             out[kind_type] = rope_from_hf({"rope_parameters": sub}, lambda k, t=kind_type:
-                                          defaults[t], max_len)
+                                          thetas[t], max_len)
         return out
-    thetas = dict(defaults)
-    for key, kind_type in legacy.items():
-        if key in hf:
-            thetas[kind_type] = hf[key]
     flat = dict(hf.get("rope_scaling") or params or {})
     full_theta = flat.pop("rope_theta", thetas["full_attention"])
     out["full_attention"] = rope_from_hf({"rope_parameters": dict(flat, rope_theta=full_theta)},

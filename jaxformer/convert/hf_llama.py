@@ -81,6 +81,7 @@ class Lineage:
     extra: Callable[[Callable], dict] = lambda get: {}
     extra_to_hf: Callable[[ModelConfig], dict] = lambda cfg: {}
     refuse: tuple[tuple[str, Any, str], ...] = ()  # (key, the only value read, why)
+    rope_scalings: tuple[str, ...] | None = None  # the RoPE scalings it takes (None: all)
 
 
 def _gemma(get) -> dict:
@@ -140,7 +141,9 @@ LINEAGE: dict[str, Lineage] = {
     "qwen2": Lineage(biases="qkv", layer_type=_qwen_types, layer_types_key=True),
     "qwen3": Lineage(qk_norm="head", biases="attention", layer_type=_qwen_types,
                      layer_types_key=True),
-    "phi3": Lineage(biases="none", layer_type=_all_sliding, partial_rotary=True),
+    # Phi3Config takes only default RoPE or longrope (it reads yarn and su as longrope)
+    "phi3": Lineage(biases="none", layer_type=_all_sliding, partial_rotary=True,
+                    rope_scalings=("none",)),
     "smollm3": Lineage(layer_type=_smollm3_types, layer_types_key=True, rope_of=_smollm3_rope),
     "granite": Lineage(extra=_granite, extra_to_hf=_granite_to_hf),
     "olmo2": Lineage(block="res_post_ln", qk_norm="projection", biases="attention"),
@@ -212,6 +215,10 @@ def lineage_from_hf(hf, get, model_type: str) -> ModelConfig:
     else:
         theta, scaling = rope_from_hf(hf, get, max_len, fraction=fraction)
         ropes = {"full_attention": (theta, scaling), "sliding_attention": (theta, scaling)}
+        if lineage.rope_scalings is not None and scaling.kind not in lineage.rope_scalings:
+            raise unsupported("rope_parameters.rope_type", rope_dict(theta, scaling)["rope_type"],
+                              f"transformers' {model_type} config takes no such RoPE scaling "
+                              "(Phi-3: default, or longrope, which jaxformer lacks)")
     fields = dict(
         vocab_size=get("vocab_size"), d_model=get("hidden_size"),
         n_layers=get("num_hidden_layers"), n_heads=n_heads,

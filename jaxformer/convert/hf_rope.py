@@ -39,7 +39,8 @@ def rope_from_hf(hf, get, max_len: int, theta_key: str = "rope_theta",
     params = dict(hf.get(key) or {})
     if any(isinstance(v, Mapping) for v in params.values()):
         raise unsupported(key, params, "per-layer-type RoPE parameters")
-    theta = params.pop("rope_theta", get(theta_key))
+    # get(theta_key) only when needed: a family without a default for it raises
+    theta = params.pop("rope_theta") if "rope_theta" in params else get(theta_key)
     kind = params.pop("rope_type", params.pop("type", "default"))
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if fraction is None and partial not in (None, 1, 1.0):
