@@ -273,9 +273,46 @@ def context(out):
             grad_scale=max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(ref_grads)),
             permutes=hlo.count("collective-permute-start(") + hlo.count("collective-permute("),
             attention_gathers=len(gathers))
+    res["loss_sums"] = context_loss_sums(rng)
     res["scanned"] = scanned_context_ranks(cfg.replace(scan_layers=True, remat="full"),
                                            mesh, tokens, pos, seg, w, order)
     json.dump(res, open(out, "w"))
+
+
+def context_loss_sums(rng):
+    """train.py's loss (jaxformer.training.step.loss_sums: zigzag order, then the ring) on
+    mesh (data 2, context 4), of a packed, padded batch without positions (zigzag order
+    must carry them), with RoPE and params of std 1 (peaked logits, near one-hot attention:
+    a token, target, mask or position out of place changes the loss by percents); and the
+    float64 loss of the reference backend's logits on one device, in natural order."""
+    from jaxformer.sharding import sharding_context
+    from jaxformer.training.step import loss_sums
+
+    t = 32
+    cfg = CFG.replace(position="rope", max_seq_len=t, attention_impl="ring", scan_layers=False)
+    model = Transformer(cfg)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    params = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype),
+                          shapes["params"])
+    tokens = rng.integers(0, cfg.vocab_size, (2, t + 1)).astype(np.int32)
+    seg = np.where(np.arange(t) < rng.integers(6, 26, (2, 1)), 1, 2).astype(np.int32)
+    seg[:, -int(rng.integers(1, 4)):] = 0
+    batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=seg,
+                 loss_mask=((rng.random((2, t)) < 0.8) & (seg > 0)).astype(np.float32))
+    mesh = make_mesh(2, 1, 1, context=4)
+    sharded = jax.device_put(params, param_shardings(model, mesh, RULES))
+    with sharding_context(mesh, RULES):
+        total, count = jax.jit(lambda p, b: loss_sums(model, p, b))(sharded, batch)
+    reference = Transformer(cfg.replace(attention_impl="reference"))
+    logits = jax.jit(lambda p: reference.apply({"params": p}, batch["inputs"],
+                                               segment_ids=seg))(params)
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    return dict(total=float(total), count=float(count),
+                want=float(np.sum(nll * batch["loss_mask"])),
+                want_count=float(batch["loss_mask"].sum()))
 
 
 def scanned_context_ranks(cfg, mesh, tokens, pos, seg, w, order):

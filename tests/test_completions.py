@@ -10,7 +10,7 @@ import pytest
 from jaxformer import ModelConfig, Transformer
 from jaxformer.config import ConfigError
 from jaxformer.data import DataConfig, DataError, load_dataset
-from jaxformer.data.completions import rows_batch
+from jaxformer.data.completions import pack, rows_batch
 from jaxformer.training.step import loss_sums
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -101,3 +101,105 @@ def test_parquet_records(tmp_path):
     assert set(batch["loss_mask"].sum(1)) == {4.0}  # both rows hold the one packed row
     with pytest.raises(DataError, match="no column 'answer'"):
         load(tmp_path / "d.parquet", tmp_path, completion_field="answer")
+
+
+def _record(slots):
+    """A record of slots + 1 random letters (slots inputs), split at random into a prompt
+    (possibly empty) and a non-empty completion."""
+    text = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), slots + 1))
+    cut = int(rng.integers(0, slots + 1))
+    return {"prompt": text[:cut], "completion": text[cut:]}
+
+
+def _expected_rows(rows, seq_len):
+    """The packed arrays written from the module docstring: per row, its records' bytes
+    (cut to seq_len + 1) one after another; inputs the tokens but the last, targets but
+    the first, loss on completion targets, segments 1, 2, ..., positions from 0; padding 0."""
+    out = {k: np.zeros((len(rows), seq_len), np.int64)
+           for k in ("inputs", "targets", "loss_mask", "segment_ids", "positions")}
+    for r, row in enumerate(rows):
+        at = 0
+        for seg, rec in enumerate(row, 1):
+            ids = list((rec["prompt"] + rec["completion"]).encode())[:seq_len + 1]
+            weight = [0] * len(rec["prompt"]) + [1] * len(rec["completion"])
+            n = len(ids) - 1
+            out["inputs"][r, at:at + n] = ids[:-1]
+            out["targets"][r, at:at + n] = ids[1:]
+            out["loss_mask"][r, at:at + n] = weight[1:n + 1]
+            out["segment_ids"][r, at:at + n] = seg
+            out["positions"][r, at:at + n] = range(n)
+            at += n
+    return out
+
+
+def test_records_that_exactly_fill_a_row_stay_in_it(tmp_path):
+    """Records whose inputs fill a row's last slot exactly (two, three, or one of exactly
+    seq_len + 1 tokens, or one cut to that) share the row; one slot too many opens the
+    next: the bounds and every packed array against the layout written by hand."""
+    seq_len = int(rng.integers(6, 13))
+    a, e = int(rng.integers(1, seq_len)), int(rng.integers(2, seq_len))
+    b = int(rng.integers(1, seq_len - 1))
+    c = int(rng.integers(1, seq_len - b))
+    rows = [[_record(a), _record(seq_len - a)],                       # exactly full
+            [_record(seq_len)],                                       # seq_len + 1 tokens
+            [_record(seq_len + int(rng.integers(1, 4)))],             # cut to seq_len + 1
+            [_record(b), _record(c), _record(seq_len - b - c)],       # exactly full
+            [_record(e)],                                             # the next: 1 too many
+            [_record(seq_len + 1 - e)]]
+    path = write_jsonl(tmp_path / "d.jsonl", [rec for row in rows for rec in row])
+    data = load(path, tmp_path, val_fraction=0.0)
+    bounds, cut = pack(data.train, seq_len)
+    assert bounds.tolist() == [0, 2, 3, 4, 7, 8, 9] and cut == 1
+    got = rows_batch(data.train, bounds, np.arange(len(rows)), seq_len)
+    for k, want in _expected_rows(rows, seq_len).items():
+        np.testing.assert_array_equal(got[k], want, err_msg=k)
+    assert (got["segment_ids"][:4] > 0).all()  # the full rows have no padding
+
+
+def test_the_end_of_text_id_follows_the_completion_and_is_learned(tmp_path):
+    """With a tokenizer.json that has <|endoftext|> (a word-level one, built offline, its
+    ids shuffled): each record is prompt + completion + EOT, the EOT a target in the loss,
+    and no EOT after the prompt: the packed rows against the ids written by hand."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "<|endoftext|>"] + [f"w{i}" for i in range(20)]
+    ids = rng.permutation(len(words))
+    vocab = dict(zip(words, ids.tolist()))
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.add_special_tokens(["<|endoftext|>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    eot = vocab["<|endoftext|>"]
+
+    seq_len, records, rows, at = 16, [], [[]], 0
+    for _ in range(6):
+        prompt = list(rng.choice(words[2:], int(rng.integers(0, 4))))
+        completion = list(rng.choice(words[2:], int(rng.integers(1, 4))))
+        records.append({"prompt": " ".join(prompt), "completion": " ".join(completion)})
+        toks = [vocab[w] for w in prompt + completion] + [eot]
+        weight = [0] * len(prompt) + [1] * (len(completion) + 1)
+        if at + len(toks) - 1 > seq_len:
+            rows.append([])
+            at = 0
+        rows[-1].append((toks, weight))
+        at += len(toks) - 1
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    data = load(path, tmp_path, val_fraction=0.0, tokenizer=str(tmp_path / "tokenizer.json"))
+    assert data.tokenizer.eot_id == eot
+    bounds = data.packed("train", seq_len)
+    assert len(bounds) - 1 == len(rows)
+    got = rows_batch(data.train, bounds, np.arange(len(rows)), seq_len)
+    for r, row in enumerate(rows):
+        inputs, targets, mask = [], [], []
+        for toks, weight in row:
+            inputs += toks[:-1]
+            targets += toks[1:]
+            mask += weight[1:]
+        pad = [0] * (seq_len - len(inputs))
+        assert got["inputs"][r].tolist() == inputs + pad, r
+        assert got["targets"][r].tolist() == targets + pad, r
+        assert got["loss_mask"][r].tolist() == mask + pad, r
+    # every record's last target is the EOT, in the loss
+    last = np.diff(got["segment_ids"], append=0, axis=1) != 0
+    assert last.sum() == len(records)
+    assert (got["targets"][last] == eot).all() and (got["loss_mask"][last] == 1).all()

@@ -117,6 +117,66 @@ def test_zigzag_gives_every_device_equal_causal_work():
         zigzag_order(12, 4)
 
 
+def _np_zigzag(t, n):
+    """The zigzag order by its definition: of 2n chunks, chunk k goes to device
+    min(k, 2n - 1 - k); devices one after another, each its positions in order."""
+    c = t // (2 * n)
+    return np.array(sorted(range(t), key=lambda p: (min(p // c, 2 * n - 1 - p // c), p)))
+
+
+def test_zigzag_batch_permutes_every_array_alike():
+    """zigzag_batch against the NumPy definition of the order, for 1 to 4 devices: every
+    [B, T] array of a batch (tokens, targets, mask, segment ids, positions) reordered by it;
+    without positions, the natural ones (0..T-1) reordered with the tokens; None kept."""
+    from jaxformer.ring import zigzag_batch
+    for n in (1, 2, 3, 4):
+        t = 2 * n * int(rng.integers(1, 4))
+        batch = {k: rng.integers(0, 1000, (2, t)).astype(np.int32)
+                 for k in ("inputs", "targets", "segment_ids", "positions")}
+        batch["loss_mask"] = rng.random((2, t)).astype(np.float32)
+        order = _np_zigzag(t, n)
+        got = zigzag_batch(batch, n)
+        assert set(got) == set(batch)
+        for k, x in batch.items():
+            np.testing.assert_array_equal(got[k], x[:, order], err_msg=f"{n} {k}")
+        got = zigzag_batch(dict(batch, positions=None, segment_ids=None), n)
+        np.testing.assert_array_equal(got["positions"], np.broadcast_to(order, (2, t)))
+        np.testing.assert_array_equal(got["inputs"], batch["inputs"][:, order])
+        assert got["segment_ids"] is None
+
+
+def test_loss_sums_puts_a_split_sequence_in_the_meshs_zigzag_order(monkeypatch):
+    """loss_sums with the sequence split over n devices (a stand-in split of n = 2, 4; a
+    stand-in model recording what it is given) hands the model the batch in the zigzag
+    order of n (the NumPy definition), positions with it; without a split, as given.
+    (Any order gives the same loss: this is what keeps the ring's causal work balanced.)"""
+    import types
+    from jaxformer.training import step
+
+    seen = {}
+
+    class Model:
+        def apply(self, variables, inputs, positions=None, segment_ids=None, **kw):
+            seen.update(inputs=np.asarray(inputs), positions=positions)
+            return jnp.zeros(inputs.shape + (8,))
+
+    t = 16
+    batch = dict(inputs=rng.integers(0, 8, (2, t)).astype(np.int32),
+                 targets=rng.integers(0, 8, (2, t)).astype(np.int32),
+                 loss_mask=np.ones((2, t), np.float32))
+    for n in (2, 4):
+        mesh = types.SimpleNamespace(shape={"data": 3, "context": n})
+        monkeypatch.setattr(step, "sequence_split", lambda: (mesh, "context", ("data",), ()))
+        step.loss_sums(Model(), {}, batch)
+        order = _np_zigzag(t, n)
+        np.testing.assert_array_equal(seen["inputs"], batch["inputs"][:, order], err_msg=n)
+        np.testing.assert_array_equal(seen["positions"], np.broadcast_to(order, (2, t)))
+    monkeypatch.setattr(step, "sequence_split", lambda: None)
+    step.loss_sums(Model(), {}, batch)
+    np.testing.assert_array_equal(seen["inputs"], batch["inputs"])
+    assert seen["positions"] is None
+
+
 def test_context_settings_and_their_errors():
     """mesh.context reads from a config and fills the devices with -1; a train.seq_len the
     zigzag cannot split names both numbers; auto picks the all-gather while one layer's K/V
@@ -181,14 +241,20 @@ def test_runs_on_every_mesh_like_one_device(task, tmp_path):
         assert r["grad_diff"] < 1e-6 * r["grad_scale"], (shape, r)
 
 
-def test_context_parallel_logits_and_gradients_equal_one_devices(tmp_path):
+@pytest.fixture(scope="module")
+def context_run(tmp_path_factory):
+    return run_worker("context", tmp_path_factory.mktemp("context"))
+
+
+def test_context_parallel_logits_and_gradients_equal_one_devices(context_run):
     """A sequence split over the context axis (ring attention, or keys and values gathered;
     zigzag order; tests/mesh_worker.py CONTEXT_CASES: RoPE with a window, ALiBi, T5, FIRE
     on (data 2, context 4), (context 8), (tensor 2, context 4); GQA; a packed and padded
     batch): logits and every param's gradient equal the reference backend's on one device.
     The ring passes K/V with collective-permutes and its attention gathers nothing; the
     all-gather strategy gathers and passes nothing."""
-    res = run_worker("context", tmp_path)
+    res = dict(context_run)
+    res.pop("loss_sums")  # test_context_parallel_loss_is_one_devices_float64_loss
     # scanned and rematted: no per-block logits kept (a rank-8 stack) for the backward
     assert max(res.pop("scanned")) <= 6
     assert len(res) == 14 and {k.split()[0] for k in res} == {"rope", "alibi", "t5", "fire"}
@@ -199,6 +265,18 @@ def test_context_parallel_logits_and_gradients_equal_one_devices(tmp_path):
             assert r["permutes"] > 0 and r["attention_gathers"] == 0, (name, r)
         else:
             assert r["permutes"] == 0 and r["attention_gathers"] > 0, (name, r)
+
+
+def test_context_parallel_loss_is_one_devices_float64_loss(context_run):
+    """train.py's loss (jaxformer.training.step.loss_sums: zigzag order, then the ring) of
+    a packed, padded batch without positions on mesh (data 2, context 4) equals the float64
+    loss of the reference backend's logits on one device in natural order
+    (tests/mesh_worker.py context_loss_sums). RoPE and params of std 1 make the loss depend
+    on order: a token, target, mask, segment id or position out of place moves it by 0.5%
+    to 25%; rounding by < 3e-7."""
+    r = context_run["loss_sums"]
+    assert r["count"] == r["want_count"] > 0
+    assert r["total"] == pytest.approx(r["want"], rel=1e-6)
 
 
 def test_positions_study_evaluates_128L_on_a_context_mesh(tmp_path):
