@@ -1,3 +1,4 @@
+import gc
 import os
 import pathlib
 import secrets
@@ -22,6 +23,49 @@ def rng(request, monkeypatch):
     if isinstance(getattr(request.module, "rng", None), np.random.Generator):
         monkeypatch.setattr(request.module, "rng", gen)
     return gen
+
+
+# The tests compile with the classic fusion emitters (XLA_FLAGS in the Makefile: faster to
+# compile); a test that reads compiled HLO compiles with XLA's defaults, which users run.
+DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
+def memory_maps() -> int:
+    """How many memory mappings this process holds (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def map_limit() -> int:
+    """The kernel's limit on a process's memory mappings (vm.max_map_count)."""
+    try:
+        return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 1 << 62
+
+
+def release_compiled_programs(limit: int) -> bool:
+    """Drops JAX's compiled programs when this process holds more than `limit` memory
+    mappings. Every XLA:CPU executable keeps its code mapped (about 4 mappings each) for as
+    long as JAX caches it, and a test worker compiles thousands: past vm.max_map_count
+    (65,530) LLVM cannot map the next one ("LLVM compilation error: Cannot allocate
+    memory") and the process segfaults in backend_compile_and_load or in the persistent
+    cache's serialize, late in a full run and never in a test alone."""
+    if "jax" not in sys.modules or memory_maps() <= limit:
+        return False
+    import jax
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+    yield
+    release_compiled_programs(map_limit() // 2)
 
 
 def np_log_softmax(logits):
