@@ -20,6 +20,7 @@ from jaxformer.training.checkpoint import Checkpointer, abstract_like  # noqa: E
 from jaxformer.training.config import OptimConfig  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
 from jaxformer.training.step import init_state, make_train_step, state_shardings  # noqa: E402
+from tests.conftest import DEFAULT_EMITTERS  # noqa: E402
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 1, 1, 4)]
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -253,7 +254,7 @@ def context(out):
             with sharding_context(mesh, RULES):
                 return run(cfg, p, order)
         sharded = jax.device_put(params, param_shardings(model, mesh, RULES))
-        step = jax.jit(body).lower(sharded).compile()
+        step = jax.jit(body).lower(sharded).compile(DEFAULT_EMITTERS)
         (_, logits), grads = step(sharded)
         real = (seg > 0)[:, order]
         hlo = step.as_text()
@@ -329,7 +330,7 @@ def scanned_context_ranks(cfg, mesh, tokens, pos, seg, w, order):
             logits = model.apply({"params": p}, tokens[:, order], positions=pos[:, order],
                                  segment_ids=seg[:, order])
         return jnp.sum(w[:, order] * logits)
-    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile(DEFAULT_EMITTERS).as_text()
     return sorted({len(d.split(",")) for d in re.findall(r"= f32\[([\d,]+)\]", hlo)})
 
 

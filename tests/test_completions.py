@@ -59,13 +59,18 @@ def test_the_loss_is_the_float64_nll_of_the_completions_alone(tmp_path):
     params = model.init(jax.random.key(int(rng.integers(1 << 30))), np.zeros((1, 4), np.int32))["params"]
     batch = data.train_batch(seed=int(rng.integers(1 << 30)), step=3, batch_size=4, seq_len=24)
     total, count = (float(x) for x in jax.jit(lambda p, b: loss_sums(model, p, b))(params, batch))
-    # each record of the batch alone: its completion tokens' NLL in float64
+    # each record of the batch alone: its completion tokens' NLL in float64 (each record is
+    # run alone, zero-padded at the end to one width so one program serves them all: a
+    # causal model's logits at a position see nothing after it)
+    alone = jax.jit(lambda p, x: model.apply({"params": p}, x))
     want, n = 0.0, 0
     for r in range(4):
         for seg in range(1, int(batch["segment_ids"][r].max()) + 1):
             at = batch["segment_ids"][r] == seg
             ids = np.concatenate([batch["inputs"][r][at], batch["targets"][r][at][-1:]])
-            logits = np.float64(model.apply({"params": params}, ids[None, :-1])[0])
+            padded = np.zeros((1, 24), ids.dtype)
+            padded[0, :len(ids) - 1] = ids[:-1]
+            logits = np.float64(alone(params, padded)[0, :len(ids) - 1])
             logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
                                    keepdims=True)) - logits.max(-1, keepdims=True)
             prompt_len = bytes(ids.tolist()).decode().index("?") + 1  # prompts end at "?"

@@ -13,6 +13,7 @@ from jaxformer import ModelConfig, Transformer, hooks, stack_layers
 from jaxformer.inspect import (head_ablation_sweep, logit_lens, patching_sweep, run_with_cache,
                                run_with_hooks)
 from tests import test_model as tm
+from tests.conftest import DEFAULT_EMITTERS
 from tests.test_model import VARIANTS, small
 
 
@@ -248,7 +249,7 @@ def test_the_default_forward_pays_nothing(extra):
         prompts = jnp.zeros((2, 3), jnp.int32)
         lengths = jnp.full((2,), 3, jnp.int32)
         params = Transformer(cfg).init(jax.random.key(0), prompts)["params"]
-        return grad + decode.lower(params, prompts, lengths, jax.random.key(1)).compile().as_text()
+        return grad + decode.lower(params, prompts, lengths, jax.random.key(1)).compile(DEFAULT_EMITTERS).as_text()
 
     hlo = compiled()
     plain = {"hook_point": lambda module, name, x: x, "active": lambda module, *names: False}

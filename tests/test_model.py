@@ -13,6 +13,7 @@ from jaxformer.backends import BACKENDS, backends_here
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer import ModelConfig, Transformer, stack_layers, unstack_layers
 from jaxformer.positions import segment_positions
+from tests.conftest import DEFAULT_EMITTERS
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
@@ -373,7 +374,7 @@ def _square_buffers(cfg, t):
     tokens = jnp.zeros((1, t), jnp.int32)
     params = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), tokens))["params"]
     loss = lambda p: jnp.sum(Transformer(cfg).apply({"params": p}, tokens))  # noqa: E731
-    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile(DEFAULT_EMITTERS).as_text()
     shapes = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"\[(\d+(?:,\d+)+)\]", hlo)}
     return sorted(s for s in shapes if sum(d >= t for d in s) >= 2)
 
@@ -579,7 +580,8 @@ def _logits_and_grads(cfg, params, tokens, positions, segment_ids, w):
         logits = Transformer(cfg).apply({"params": p}, tokens, positions=positions,
                                         segment_ids=segment_ids)
         return jnp.sum(w * logits), logits
-    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    # jitted: eagerly, each scan and remat inside re-traces and compiles op by op
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     return logits, grads
 
 
@@ -665,7 +667,7 @@ def grad_hlo(extra, b=2, t=64):
              "loss_mask": np.ones((b, t), np.float32)}
     params = model.init(jax.random.key(0), tokens[:, :8])["params"]
     return cfg, jax.jit(jax.grad(lambda p: loss_sums(model, p, batch)[0])).lower(params) \
-        .compile().as_text()
+        .compile(DEFAULT_EMITTERS).as_text()
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
@@ -714,18 +716,6 @@ def test_layer_patterns_scanned_and_rematted_match_the_reference(impl, block, qk
     rotary, both soft-caps) on a packed and padded batch: scanned with remat under
     chunked or blockwise, its logits and every param's gradient equal the unscanned
     reference backend's (which tests/test_families.py holds to transformers')."""
-    # XLA:CPU segfaulted writing this test's scanned program to the persistent cache
-    # (put_executable_and_time) late in four full runs out of four (never alone): its
-    # programs stay in this process
-    previous = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    try:
-        _check_layer_pattern(impl, block, qk_norm, monkeypatch)
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
-
-
-def _check_layer_pattern(impl, block, qk_norm, monkeypatch):
     from jaxformer import blockwise
     monkeypatch.setattr(blockwise, "BLOCK_Q", int(rng.integers(2, 5)))
     monkeypatch.setattr(blockwise, "BLOCK_K", int(rng.integers(2, 5)))

@@ -14,6 +14,7 @@ from jaxformer import ModelConfig, Transformer
 from jaxformer.decoding import generate
 from jaxformer.matmul import Int8Kernel
 from jaxformer.quantize import dequantize, quantize, quantize_int8, weight_bytes
+from tests.conftest import DEFAULT_EMITTERS
 from tests.test_model import np_forward
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -112,7 +113,7 @@ def test_the_decode_loop_reads_the_narrow_weights(weights):
     q = quantize(params, weights)
     fn = _generate_fn(model.cfg, 4, 0.0, None, None, None, 0, None, True)
     hlo = fn.lower(q, jnp.zeros((1, 3), jnp.int32), jnp.array([3]),
-                   jax.random.key(0)).compile().as_text()
+                   jax.random.key(0)).compile(DEFAULT_EMITTERS).as_text()
     carried = re.search(r"= \((.*?)\) while\(", hlo).group(1)  # the loop's state
     narrow = "s8" if weights == "int8" else "bf16"
     assert f"{narrow}[96,160]" in carried and f"{narrow}[160,96]" in carried, carried
