@@ -69,8 +69,14 @@ def hf_model(model_type):
     kw = {**COMMON, **FAMILIES[model_type]}
     if kw["num_key_value_heads"] is None:
         kw.pop("num_key_value_heads")
-    config = transformers.AutoConfig.for_model(model_type, **kw)
-    torch.manual_seed(int(rng.integers(1 << 31)))
+    return random_hf_model(transformers.AutoConfig.for_model(model_type, **kw),
+                           int(rng.integers(1 << 31)))
+
+
+def random_hf_model(config, seed: int):
+    """transformers' model of `config` with weights of std 0.1 (wider than its init) and
+    norm weights perturbed, drawn from torch's generator at `seed`."""
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager").eval()
     with torch.no_grad():

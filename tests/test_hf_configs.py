@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf, read_hf_config, to_hf  # noqa: E402
 from jaxformer.positions import rope_frequencies, rotary_dims  # noqa: E402
+from tests.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -182,26 +183,10 @@ def hf_model(d, folder):
     """A random transformers model of the hand-written config.json `d` (weights std 0.1,
     norm weights perturbed), saved in `folder` beside `d` itself as its config.json."""
     config = transformers.AutoConfig.from_pretrained(write(folder, d))
-    torch.manual_seed(int(rng.integers(1 << 31)))
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    model.eval().save_pretrained(folder)
+    model = random_hf_model(config, int(rng.integers(1 << 31)))
+    model.save_pretrained(folder)
     write(folder, d)  # the hand-written file, not the one save_pretrained wrote
     return model
-
-
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
-
-
-def rel_err(ours, ref):
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 @pytest.mark.parametrize("name", ["qwen2-max_window_layers", "gemma3-legacy-linear"])

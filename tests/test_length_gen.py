@@ -187,24 +187,31 @@ def task_batches(cfg: length_gen.LengthGenConfig, task: str):
                                                 t.seq_len, length_gen.train_rng(seed, task, step))
 
 
-def test_training_lengths_are_1_to_train_max_len_inclusive(rng, monkeypatch):
-    """The study's training batches hold examples of every input length 1..train_max_len
-    and of no other: each packed segment read back as an example of `task`."""
-    task, max_len = str(rng.choice(tasks.TASKS)), int(rng.integers(2, 7))
-    cfg = small_config(task, int(rng.integers(1000)), f"study.train_max_len={max_len}")
+def training_batches(cfg, task, monkeypatch):
+    """The study's own training-batch function for `task`, (seed, step) -> batch, as
+    train_task hands it to train_seeds (captured there: nothing is trained)."""
     captured = {}
 
-    def capture(mcfg, optim, steps, seeds, batch, **kwargs):  # the batches, not the training
+    def capture(mcfg, optim, steps, seeds, batch, **kwargs):
         captured["batch"] = batch
         return None, [None] * len(seeds)
 
     monkeypatch.setattr(length_gen, "train_seeds", capture)
     length_gen.train_task(cfg, cfg.model_config("alibi"), task, [0, 1], log=lambda *a: None)
+    return captured["batch"]
+
+
+def test_training_lengths_are_1_to_train_max_len_inclusive(rng, monkeypatch):
+    """The study's training batches hold examples of every input length 1..train_max_len
+    and of no other: each packed segment read back as an example of `task`."""
+    task, max_len = str(rng.choice(tasks.TASKS)), int(rng.integers(2, 7))
+    cfg = small_config(task, int(rng.integers(1000)), f"study.train_max_len={max_len}")
+    batches = training_batches(cfg, task, monkeypatch)
     split = tasks.PLUS if task == "addition" else tasks.EQUALS  # after the first operand
     lengths = []
     for seed in rng.integers(0, 1 << 30, 3):
         for step in rng.integers(0, 1 << 20, 10):
-            b = captured["batch"](int(seed), int(step))
+            b = batches(int(seed), int(step))
             for seg, inputs, targets in zip(b["segment_ids"], b["inputs"], b["targets"]):
                 for s in np.unique(seg[seg > 0]):
                     x, y = inputs[seg == s], targets[seg == s]
@@ -375,18 +382,11 @@ def test_training_batches_carry_each_examples_drawn_offset(rng, monkeypatch, kin
     task, most = str(rng.choice(tasks.TASKS)), int(rng.integers(2, 6))
     cfg = small_config(task, int(rng.integers(1000)), f"study.task_positions={kind}",
                        f"study.position_offset={most}")
-    captured = {}
-
-    def capture(mcfg, optim, steps, seeds, batch, **kwargs):  # the batches, not the training
-        captured["batch"] = batch
-        return None, [None] * len(seeds)
-
-    monkeypatch.setattr(length_gen, "train_seeds", capture)
-    length_gen.train_task(cfg, cfg.model_config("alibi"), task, [0, 1], log=lambda *a: None)
+    batches = training_batches(cfg, task, monkeypatch)
     offsets = []
     for step in rng.integers(0, 1 << 20, 6):
         drawn = []
-        for ex, ids in segments(captured["batch"](int(rng.integers(1 << 30)), int(step))):
+        for ex, ids in segments(batches(int(rng.integers(1 << 30)), int(step))):
             fit = [k for k in range(most + 1)
                    if np.array_equal(ids, hand_built_ids(task, ex, kind, k)[:-1])]
             assert len(fit) == 1, (ex, ids)
