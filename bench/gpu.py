@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -168,6 +169,7 @@ def attention_rows(sizes: Sizes, repeats: int) -> list[dict]:
                     continue
                 row.update(status="ok", max_err=err, fwd_ms=fwd_s * 1e3,
                            fwd_bwd_ms=bwd_s * 1e3)
+                print("attention row:", json.dumps(row), flush=True)
             del q, k, v, kw, truth
     return rows
 
@@ -179,7 +181,9 @@ def cudnn_tests() -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "tests/test_attention.py", "-k", "cudnn"]
     try:
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        # this process holds most of the GPU's memory: the tests allocate as they go
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env=env)
     except Exception as e:
         return {"status": first_line(e)}
     lines = (r.stdout + r.stderr).strip().splitlines()
@@ -298,6 +302,7 @@ def train_rows(sizes: Sizes, fixed_batch, peaks) -> list[dict]:
                 rows.append(train_row(name, cfg, seq, remat, sizes, fixed_batch, peaks))
             except Exception as e:
                 rows.append({"model": name, "seq": seq, "remat": remat, "status": first_line(e)})
+            print("train row:", json.dumps(rows[-1]), flush=True)  # kept if a later row times out
     return rows
 
 

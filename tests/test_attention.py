@@ -5,6 +5,7 @@ references written here (masks, softmax, grouped-query attention), on fresh rand
 inputs each run. Layout: q [B, Tq, N, H], k/v [B, Tk, K, H], masks [B, 1, Tq, Tk].
 """
 
+import functools
 import re
 
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxformer import backends, chunked
+from jaxformer import backends, blockwise, chunked
+from tests.conftest import DEFAULT_EMITTERS
 from jaxformer.backends import rule_attention
 from jaxformer.attention import (
     attention_weights,
@@ -26,8 +28,10 @@ from jaxformer.attention import (
     sliding_window_mask,
 )
 
-# every backend that takes arrays and runs here (the table: a new entry is tested)
-BACKENDS = [n for n in backends.backends_here() if backends.BACKENDS[n].arrays is not None]
+# every backend that takes arrays and runs here (the table: a new entry is tested), but
+# cuDNN: it takes 16-bit inputs alone, and these tests are float32 (its bf16 tests below)
+BACKENDS = [n for n in backends.backends_here()
+            if backends.BACKENDS[n].arrays is not None and n != "cudnn"]
 
 
 @pytest.fixture(autouse=True)
@@ -202,6 +206,67 @@ def as_jnp(mask, bias):
             None if bias is None else jnp.asarray(bias))
 
 
+# ---- compiled calls -----------------------------------------------------------------
+# The blockwise backend runs compiled, as a model runs it: called eagerly, each of its loops
+# and conds is traced and compiled anew at every call. The others run eagerly unless asked
+# (jit=True), their ops' programs cached per shape, which many cases share; a case of its
+# own shapes compiles faster as one program. The inputs are arguments (a case's arrays are
+# not baked into its program), so that cases of the same shapes share one program.
+
+
+def _traced_settings(impl):
+    """The module settings a backend reads when traced (blocks: the fixtures draw them per
+    test), as a static argument: a cached program never serves another test's blocks."""
+    return {"blockwise": (blockwise.BLOCK_Q, blockwise.BLOCK_K),
+            "chunked": chunked.CHUNK}.get(impl)
+
+
+def _compiled(fn, impl, jit):
+    return fn if jit or (jit is None and impl == "blockwise") else fn.__wrapped__
+
+
+_STATIC = ("impl", "is_causal", "scale", "softcap", "settings")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _attend(q, k, v, mask, bias, *, impl, is_causal, scale, softcap, settings):
+    del settings  # read by the backend from its module; here only to key the cache
+    return dot_product_attention(q, k, v, mask=mask, bias=bias, impl=impl,
+                                 is_causal=is_causal, scale=scale, softcap=softcap)
+
+
+def attend(q, k, v, *, impl, mask=None, bias=None, is_causal=False, scale=None,
+           softcap=None, jit=None):
+    """dot_product_attention; jitted for blockwise or if jit."""
+    return _compiled(_attend, impl, jit)(q, k, v, mask, bias, impl=impl, is_causal=is_causal,
+                                         scale=scale, softcap=softcap,
+                                         settings=_traced_settings(impl))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("argnums",))
+def _attend_grads(q, k, v, mask, bias, d_out, *, argnums, impl, is_causal, scale, softcap,
+                  settings):
+    del settings
+
+    def loss(q, k, v, bias):
+        out = dot_product_attention(q, k, v, mask=mask, bias=bias, impl=impl,
+                                    is_causal=is_causal, scale=scale, softcap=softcap)
+        return jnp.sum(out * d_out), out
+
+    return jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
+
+
+def attend_grads(q, k, v, d_out, *, impl, mask=None, bias=None, bias_grad=False,
+                 is_causal=False, scale=None, softcap=None, jit=None):
+    """The gradients of sum(dot_product_attention(...) * d_out) for q, k, v (and the bias
+    if bias_grad), and the output: (grads, out); jitted for blockwise or if jit."""
+    argnums = (0, 1, 2, 3) if bias_grad else (0, 1, 2)
+    return _compiled(_attend_grads, impl, jit)(q, k, v, mask, bias, d_out, argnums=argnums,
+                                               impl=impl, is_causal=is_causal, scale=scale,
+                                               softcap=softcap,
+                                               settings=_traced_settings(impl))
+
+
 # ---- 1. textbook worked examples ------------------------------------------------------
 
 
@@ -255,7 +320,7 @@ def test_dot_product_attention_matches_reference(rng, kind, n, kv, tq, tk, impl)
     q, k, v = random_qkv(rng, B, tq, tk, n, kv)
     mask, bias = build_case(rng, kind, B, tq, tk, n)
     jmask, jbias = as_jnp(mask, bias)
-    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl)
+    out = attend(q, k, v, mask=jmask, bias=jbias, impl=impl)
     assert out.dtype == jnp.float32 and out.shape == (B, tq, n, H)
     _, expected = np_attention(q, k, v, mask=mask, bias=bias)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
@@ -277,7 +342,7 @@ def test_is_causal_matches_reference(rng, kind, n, kv, impl):
     q, k, v = random_qkv(rng, B, t, t, n, kv)
     mask, bias = build_case(rng, kind, B, t, t, n)
     jmask, jbias = as_jnp(mask, bias)
-    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl, is_causal=True)
+    out = attend(q, k, v, mask=jmask, bias=jbias, impl=impl, is_causal=True)
     _, expected = np_attention(q, k, v, mask=np_index_causal(mask, t), bias=bias)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
 
@@ -294,17 +359,14 @@ def test_is_causal_with_broadcast_masks_and_gradients(rng, impl, mask_shape, bia
     mask = rng.random(size=[sizes[c] for c in mask_shape]) < 0.7
     bias = rng.normal(size=[sizes[c] for c in bias_shape]).astype(np.float32)
     jmask, jbias = as_jnp(mask, bias)
-    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl, is_causal=True)
+    out = attend(q, k, v, mask=jmask, bias=jbias, impl=impl, is_causal=True)
     _, expected = np_attention(q, k, v, mask=np_index_causal(mask, t), bias=bias)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
 
     cot = jnp.asarray(rng.normal(size=(B, t, n, H)), jnp.float32)
     def grads(impl):
-        def loss(q, k, v):
-            out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl,
-                                        is_causal=True)
-            return jnp.sum(out * cot)
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return attend_grads(q, k, v, cot, mask=jmask, bias=jbias, impl=impl,
+                            is_causal=True)[0]
     for got, want in zip(grads(impl), grads("reference")):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
@@ -364,10 +426,11 @@ def test_splash_in_interpret_mode_matches_float64(rng, t, n, kv, window, packed)
     jseg = None if seg is None else jnp.asarray(seg)
     rule = MaskRule(jnp.asarray(pos), jnp.asarray(pos), jseg, jseg, window=window,
                     is_causal=True)
-    loss = lambda q, k, v: jnp.sum(splash_attention(q, k, v, rule) * d_out)  # noqa: E731
-    out = jax.jit(lambda q, k, v: splash_attention(q, k, v, rule))(q, k, v)
+    loss = lambda q, k, v, rule, d_out: jnp.sum(  # noqa: E731
+        splash_attention(q, k, v, rule) * d_out)
+    out = jax.jit(splash_attention)(q, k, v, rule)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=2e-5)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, rule, d_out)
     for got, ref in zip(grads, np_attention_grads(q, k, v, d_out, mask, np.zeros((1,) * 4))[:3]):
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4)
 
@@ -390,7 +453,7 @@ def test_blockwise_skips_pass_only_block_sized_values_through_cond():
                                            block_q=16, block_k=16))
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4))).lower(
-        q, q, q, rule, jnp.asarray(alibi_slopes(n))).compile().as_text()
+        q, q, q, rule, jnp.asarray(alibi_slopes(n))).compile(DEFAULT_EMITTERS).as_text()
     conds = [line.split(" conditional(")[0] for line in hlo.splitlines()
              if " conditional(" in line]
     assert len(conds) >= 2  # the forward's skip and the backward's
@@ -417,17 +480,18 @@ def test_structured_backends_in_bfloat16_output_and_gradients(rng, impl):
     mask = np_causal(pos, pos) & np_window(pos, pos, window) & np_segment(seg, seg)
     rule = MaskRule(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg),
                     window=window, is_causal=True)
-    attend = (lambda q, k, v: blockwise_attention(q, k, v, rule, block_q=8, block_k=8)) \
-        if impl == "blockwise" else (lambda q, k, v: splash_attention(q, k, v, rule))
+    attend = (lambda q, k, v, rule: blockwise_attention(q, k, v, rule, block_q=8, block_k=8)) \
+        if impl == "blockwise" else splash_attention
     qf, kf, vf = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
     d_out = rng.normal(size=q.shape)
-    out = jax.jit(attend)(q, k, v)
+    out = jax.jit(attend)(q, k, v, rule)
     assert out.dtype == jnp.bfloat16
     real = (seg > 0)[..., None, None]
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)) * real,
                                np_attention(qf, kf, vf, mask=mask)[1] * real, atol=3e-2)
-    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out)  # noqa: E731
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    loss = lambda q, k, v, rule, d_out: jnp.sum(  # noqa: E731
+        attend(q, k, v, rule).astype(jnp.float32) * d_out)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, rule, d_out)
     want = np_attention_grads(qf, kf, vf, d_out * real, mask, np.zeros((1,) * 4))[:3]
     for got, ref in zip(grads, want):
         assert got.dtype == jnp.bfloat16
@@ -469,12 +533,16 @@ def test_blockwise_rule_matches_float64(rng, window, packed):
     jseg = None if seg is None else jnp.asarray(seg)
     rule = MaskRule(jnp.asarray(pos), jnp.asarray(pos), jseg, jseg, window=window,
                     is_causal=True)
-    for bq, bk in [(3, 2), (2, 5), (4, 4), (t, 7)]:
+    @functools.partial(jax.jit, static_argnames=("bq", "bk"))
+    def grads_and_out(q, k, v, slopes, rule, d_out, *, bq, bk):
         def loss(q, k, v, slopes):
             out = blockwise_attention(q, k, v, rule, bias_fn=alibi_bias, bias_params=slopes,
                                       block_q=bq, block_k=bk)
             return jnp.sum(out * d_out), out
-        grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, slopes)
+        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, slopes)
+
+    for bq, bk in [(3, 2), (2, 5), (4, 4), (t, 7)]:
+        grads, out = grads_and_out(q, k, v, slopes, rule, d_out, bq=bq, bk=bk)
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5, err_msg=(bq, bk))
         for got, ref in zip(grads, (dq, dk, dv, d_slopes)):
             np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4,
@@ -495,12 +563,8 @@ def test_gradients_of_q_k_v_and_bias_match_float64(rng, impl, is_causal, bias_sh
     mask[0, 0, 2] = False  # a query with no key at all: zero output and zero gradient
     d_out = rng.normal(size=(B, t, n, H)).astype(np.float32)
 
-    def loss(q, k, v, bias):
-        out = dot_product_attention(q, k, v, mask=jnp.asarray(mask), bias=bias, impl=impl,
-                                    is_causal=is_causal)
-        return jnp.sum(out * d_out)
-
-    got = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, jnp.asarray(bias))
+    got, _ = attend_grads(q, k, v, d_out, mask=jnp.asarray(mask), bias=jnp.asarray(bias),
+                          bias_grad=True, impl=impl, is_causal=is_causal)
     full_mask = np_index_causal(mask, t) if is_causal else mask
     want = np_attention_grads(q, k, v, d_out, full_mask, bias)
     for name, g, w in zip(["q", "k", "v", "bias"], got, want):
@@ -522,7 +586,7 @@ def test_chunked_gradient_reduces_over_the_keys_only_in_the_forward(rng, kv):
     def loss(q, k, v):
         return jnp.sum(dot_product_attention(q, k, v, impl="chunked", is_causal=True) ** 2)
 
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile(DEFAULT_EMITTERS).as_text()
     per_row = re.compile(r"= f32\[%d,%d,%d,(3|2)\]\S* reduce\(.*dimensions=\{4\}"
                          % (b, kv, n // kv))  # [B, K, G, rows] from [B, K, G, rows, keys]
     found = [line.strip()[:100] for line in hlo.splitlines() if per_row.search(line)]
@@ -545,8 +609,7 @@ def test_broadcast_bias_and_per_head_mask(rng, impl, bias_shape):
     bias = rng.normal(size=(1 if bias_shape[0] == "1" else B,
                             1 if bias_shape[1] == "1" else n, t, t)).astype(np.float32)
     mask = rng.random(size=(B, n, t, t)) < 0.6
-    out = dot_product_attention(q, k, v, mask=jnp.asarray(mask), bias=jnp.asarray(bias),
-                                impl=impl)
+    out = attend(q, k, v, mask=jnp.asarray(mask), bias=jnp.asarray(bias), impl=impl)
     w_expected, expected = np_attention(q, k, v, mask=mask, bias=bias)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
     w = attention_weights(q, k, mask=jnp.asarray(mask), bias=jnp.asarray(bias))
@@ -558,7 +621,7 @@ def test_explicit_scale(rng, impl):
     q, k, v = random_qkv(rng, B, 8, 8, 4, 2)
     pos = random_positions(rng, B, 8)
     mask = np_causal(pos, pos)
-    out = dot_product_attention(q, k, v, mask=jnp.asarray(mask), impl=impl, scale=0.7)
+    out = attend(q, k, v, mask=jnp.asarray(mask), impl=impl, scale=0.7)
     _, expected = np_attention(q, k, v, mask=mask, scale=0.7)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=2e-6)
 
@@ -592,7 +655,7 @@ def test_bfloat16_inputs_keep_float32_statistics(rng, impl):
     qf, kf, vf = (np.asarray(x.astype(jnp.float32)) for x in (q, k, v))
     w_expected, expected = np_attention(qf, kf, vf, mask=mask, bias=bias)
 
-    out = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl)
+    out = attend(q, k, v, mask=jmask, bias=jbias, impl=impl)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected,
                                rtol=1e-2, atol=1e-2)
@@ -642,12 +705,9 @@ def test_gradient_finite_and_correct_with_fully_masked_rows(rng, impl):
     mask, bias = fully_masked_case(rng, t, n)
     cot = rng.normal(size=(2, t, n, h))  # a random weighting of the outputs
 
-    def loss(q, k, v):
-        out = dot_product_attention(q, k, v, mask=jnp.asarray(mask), bias=jnp.asarray(bias),
-                                    impl=impl)
-        return jnp.sum(out * cot)
-
-    grads = [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v)]
+    grads = [np.asarray(g) for g in attend_grads(q, k, v, cot, mask=jnp.asarray(mask),
+                                                 bias=jnp.asarray(bias), impl=impl,
+                                                 jit=True)[0]]  # shapes of its own
     for g in grads:
         assert np.isfinite(g).all()
 
@@ -684,8 +744,8 @@ def test_gqa_equals_mha_with_repeated_kv(rng, impl, n, kv):
     jmask, jbias = as_jnp(mask, bias)
     # Query head i reads kv head i // (N/K): repeat (not tile) along the head axis.
     k_rep, v_rep = (jnp.repeat(x, n // kv, axis=2) for x in (k, v))
-    gqa = dot_product_attention(q, k, v, mask=jmask, bias=jbias, impl=impl)
-    mha = dot_product_attention(q, k_rep, v_rep, mask=jmask, bias=jbias, impl=impl)
+    gqa = attend(q, k, v, mask=jmask, bias=jbias, impl=impl)
+    mha = attend(q, k_rep, v_rep, mask=jmask, bias=jbias, impl=impl)
     np.testing.assert_allclose(np.asarray(gqa), np.asarray(mha), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(attention_weights(q, k, mask=jmask, bias=jbias)),
                                np.asarray(attention_weights(q, k_rep, mask=jmask, bias=jbias)),
@@ -699,7 +759,7 @@ def test_gqa_head_grouping_literal():
     v = jnp.asarray([[[1.0, 1.0], [100.0, 100.0]],
                      [[3.0, 3.0], [300.0, 300.0]]]).reshape(1, 2, 2, 2)  # [B, Tk, K, H]
     for impl in BACKENDS:
-        out = np.asarray(dot_product_attention(q, k, v, impl=impl))[0, 0, :, 0]
+        out = np.asarray(attend(q, k, v, impl=impl))[0, 0, :, 0]
         np.testing.assert_allclose(out, [2.0, 2.0, 200.0, 200.0], rtol=1e-6)
 
 
@@ -886,12 +946,8 @@ def test_softcap_output_and_gradients_match_float64(rng, impl, is_causal):
     w_want, want = np_attention(q, k, v, mask=full_mask, bias=bias, softcap=SOFTCAP)
     assert_cap_binds(q, k, v, full_mask, bias, want)
 
-    def loss(q, k, v, bias):
-        out = dot_product_attention(q, k, v, mask=jmask, bias=bias, impl=impl,
-                                    is_causal=is_causal, softcap=SOFTCAP)
-        return jnp.sum(out * d_out), out
-
-    got, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, jbias)
+    got, out = attend_grads(q, k, v, d_out, mask=jmask, bias=jbias, bias_grad=True, impl=impl,
+                            is_causal=is_causal, softcap=SOFTCAP)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     w = attention_weights(q, k, mask=jnp.asarray(full_mask), bias=jbias, softcap=SOFTCAP)
     np.testing.assert_allclose(np.asarray(w), w_want, rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """The KV-cached decoder against full forwards, samplers against their distributions,
 beam search against exhaustive search. Fresh random weights and prompts every run."""
 
+import functools
 import itertools
 import math
 import re
@@ -15,9 +16,10 @@ import jaxformer
 from jaxformer.backends import backends_here
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer import ModelConfig, Transformer
+from jaxformer.model import stack_layers
 from jaxformer.decoding import (beam_search, filter_logits, generate, init_cache, kv_cache_bytes,
                                 sample_logits)
-from tests.conftest import np_log_softmax
+from tests.conftest import DEFAULT_EMITTERS, np_log_softmax
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 SCHEMES = list(POSITION_SCHEMES)  # the table: a new scheme is tested by being added
@@ -31,8 +33,14 @@ def make(position="rope", n_kv_heads=4, scan=False, block="pre_ln", **kw):
                                 n_kv_heads=n_kv_heads, max_seq_len=48, position=position,
                                 scan_layers=scan, block=block), **kw})
     model = Transformer(cfg)
-    params = model.init(jax.random.key(int(rng.integers(1 << 30))),
-                        jnp.zeros((1, 4), jnp.int32))["params"]
+    # initialised as the unscanned model with the reference backend (the same params;
+    # stacked for scanned layers): its eager init runs op by op on programs compiled once
+    # per process, where nn.scan and a scanning backend's loops compile afresh every call
+    init = Transformer(cfg.replace(scan_layers=False, attention_impl="reference"))
+    params = init.init(jax.random.key(int(rng.integers(1 << 30))),
+                       jnp.zeros((1, 4), jnp.int32))["params"]
+    if scan:
+        params = stack_layers(params, cfg.n_layers)
     # sharper, varied distributions than init's near-uniform ones
     params = jax.tree.map(lambda x: x * 3.0, params)
     return model, params
@@ -53,24 +61,32 @@ def test_cached_logits_equal_full_forward(position, kv, scan, block):
     model, params = make(position, kv, scan, block, sliding_window=5 if kv == 2 else None)
     cfg = model.cfg
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 20)), jnp.int32)
-    full = model.apply({"params": params}, tokens)  # [B, 20, V]
     split = int(rng.integers(1, 12))
-    cache = init_cache(cfg, 2, 24)
     pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
-    apply = jax.jit(lambda x, p, c: model.apply({"params": params}, x, p, cache=c))
-    logits, cache = apply(tokens[:, :split], pos[:, :split], cache)
-    got = [logits]
-    for t in range(split, 20):
-        step, cache = apply(tokens[:, t:t + 1], pos[:, t:t + 1], cache)
-        got.append(step)
-    got = jnp.concatenate(got, axis=1)
-    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))
-    # without positions, a cached call continues after the tokens already in the cache
-    implicit, _ = model.apply({"params": params}, tokens[:, split:split + 1],
-                              cache=apply(tokens[:, :split], pos[:, :split],
-                                          init_cache(cfg, 2, 24))[1])
+
+    # one program for the case: each forward jitted, or run eagerly, on its own compiled on
+    # its own, and those compiles were most of the case's time
+    @jax.jit
+    def run(params, tokens, pos):
+        apply = functools.partial(model.apply, {"params": params})
+        full = apply(tokens)  # [B, 20, V]
+        logits, cache = apply(tokens[:, :split], pos[:, :split], cache=init_cache(cfg, 2, 24))
+
+        def step(cache, xs):  # single-token steps through the cache
+            tok, p = xs
+            out, cache = apply(tok[:, None], p[:, None], cache=cache)
+            return cache, out[:, 0]
+
+        _, steps = jax.lax.scan(step, cache, (tokens[:, split:].T, pos[:, split:].T))
+        got = jnp.concatenate([logits, steps.transpose(1, 0, 2)], axis=1)
+        # without positions, a cached call continues after the tokens already in the cache
+        implicit, _ = apply(tokens[:, split:split + 1], cache=cache)
+        return full, got, implicit
+
+    full, got, implicit = (np.asarray(x) for x in run(params, tokens, pos))
+    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(np.abs(full).max()))
     np.testing.assert_allclose(implicit[:, 0], full[:, split], rtol=1e-5,
-                               atol=1e-5 * float(jnp.abs(full).max()))
+                               atol=1e-5 * float(np.abs(full).max()))
 
 
 def greedy_by_recompute(model, params, prompts, lengths, n):
@@ -312,7 +328,7 @@ def test_decode_loop_updates_cache_in_place(scan):
     model, params = make(n_kv_heads=2, scan=scan)
     run = jax.jit(lambda params, prompts: generate(model, params, prompts, max_new_tokens=8,
                                                    rng=jax.random.key(0), temperature=0.0))
-    hlo = run.lower(params, jnp.zeros((1, 4), jnp.int32)).compile().as_text()
+    hlo = run.lower(params, jnp.zeros((1, 4), jnp.int32)).compile(DEFAULT_EMITTERS).as_text()
     name = re.search(r"while\(.*body=(%[\w.\-]+)", hlo).group(1)
     start = hlo.index(f"\n{name} ")
     body = hlo[start:hlo.index("\n}\n", start)]
@@ -400,17 +416,18 @@ def _exhaustive_beam_and_greedy(model, params, b, n):
                            temperature=0.0)
 
 
-def beam_by_recompute(forward, prompt, *, v, k, n, length_penalty, eos_id, pad_id):
+def beam_by_recompute(forward, prompt, *, v, k, n, length_penalty, eos_id, pad_id, width=0):
     """Beam search by its definition, with float64 scores and a full forward over every
     beam's whole sequence at each step (no cache): at each step the k best of all
     (beam, next token) extensions survive; a finished beam extends only by pad_id, at no
     cost. forward: tokens [k, W] -> logits [k, W, v]. Returns the best beam's (tokens,
-    normalised score, length)."""
+    normalised score, length). width: the forward's sequences are at least width + n long
+    (one shape for prompts of several lengths: one compiled forward)."""
     w = len(prompt)
     beams = [(0.0, [], False)]  # (sum of log-probs, tokens, finished)
     for t in range(n):
-        seqs = np.zeros((k, w + n), np.int32)  # one shape for all steps: causal, so the
-        for i, (_, toks, _) in enumerate(beams):  # zeros after a beam change nothing
+        seqs = np.zeros((k, max(w, width) + n), np.int32)  # one shape for all steps: causal,
+        for i, (_, toks, _) in enumerate(beams):  # so the zeros after a beam change nothing
             seqs[i, :w + t] = list(prompt) + toks
         logp = np_log_softmax(np.asarray(forward(seqs))[:, w + t - 1])
         cands = []
@@ -446,7 +463,7 @@ def test_beam_search_equals_a_recomputed_beam_search(length_penalty):
     for r in range(len(prompts)):
         toks, score, length = beam_by_recompute(
             forward, prompts[r, :lengths[r]], v=model.cfg.vocab_size, k=4, n=n,
-            length_penalty=length_penalty, eos_id=eos, pad_id=pad)
+            length_penalty=length_penalty, eos_id=eos, pad_id=pad, width=prompts.shape[1])
         assert beams.tokens[r].tolist() == toks, r
         assert int(beams.lengths[r]) == length
         assert float(beams.scores[r]) == pytest.approx(score, rel=1e-5, abs=1e-5)
@@ -457,7 +474,7 @@ def test_beam_search_equals_a_recomputed_beam_search(length_penalty):
 
 def _buffers_of(fn, *args, t):
     """Shapes in fn's compiled HLO with two dims >= t."""
-    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    hlo = jax.jit(fn).lower(*args).compile(DEFAULT_EMITTERS).as_text()
     shapes = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"\[(\d+(?:,\d+)+)\]", hlo)}
     return sorted(s for s in shapes if sum(d >= t for d in s) >= 2)
 
@@ -476,16 +493,24 @@ def test_blockwise_prefill_over_the_cache(position, kv, window, monkeypatch):
     model, params = make(position, kv, sliding_window=window, attention_impl="blockwise")
     ref = Transformer(model.cfg.replace(attention_impl="reference"))
     tokens = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (2, 20)), jnp.int32)
-    full = ref.apply({"params": params}, tokens)
     split, more = int(rng.integers(2, 9)), int(rng.integers(2, 6))
-    apply = jax.jit(lambda x, c: model.apply({"params": params}, x, cache=c))
-    logits, cache = apply(tokens[:, :split], init_cache(model.cfg, 2, 24))
-    got = [logits]
-    for a, b in [(split, split + more)] + [(i, i + 1) for i in range(split + more, 20)]:
-        step, cache = apply(tokens[:, a:b], cache)
-        got.append(step)
-    np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, rtol=1e-5,
-                               atol=1e-5 * float(jnp.abs(full).max()))
+
+    @jax.jit  # one program for the case (as in test_cached_logits_equal_full_forward)
+    def run(params, tokens):
+        full = ref.apply({"params": params}, tokens)
+        apply = functools.partial(model.apply, {"params": params})
+        logits, cache = apply(tokens[:, :split], cache=init_cache(model.cfg, 2, 24))
+        chunk, cache = apply(tokens[:, split:split + more], cache=cache)
+
+        def step(cache, tok):  # then single steps
+            out, cache = apply(tok[:, None], cache=cache)
+            return cache, out[:, 0]
+
+        _, steps = jax.lax.scan(step, cache, tokens[:, split + more:].T)
+        return full, jnp.concatenate([logits, chunk, steps.transpose(1, 0, 2)], axis=1)
+
+    full, got = (np.asarray(x) for x in run(params, tokens))
+    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(np.abs(full).max()))
     prompts, lengths = ragged_prompts(3, 7, model.cfg.vocab_size)
     outs = [generate(m, params, prompts, prompt_lengths=lengths, max_new_tokens=5,
                      rng=jax.random.key(0), temperature=0.0) for m in (model, ref)]
@@ -527,20 +552,31 @@ def test_windowed_cache_equals_full_forward(position, impl):
                          layer_kinds=kinds, attention_impl=impl)
     cfg = model.cfg
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 20)), jnp.int32)
-    full = model.apply({"params": params}, tokens)
     pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
-    apply = jax.jit(lambda x, p, c: model.apply({"params": params}, x, p, cache=c))
     cache = init_cache(cfg, 2, 24, windowed=True)
     assert [layer["k"].shape[1] for layer in cache["layers"].values()] == [w, 24, w]
     assert sum(x.nbytes for x in jax.tree.leaves(cache["layers"]) if x.ndim == 3) == \
         kv_cache_bytes(cfg, 2, 24, windowed=True) == 2 * 2 * 8 * (24 + 2 * w) * 4 * 2
-    cuts = [0, w + 2, w + 3, 2 * w + 6] + list(range(2 * w + 7, 21))  # chunks > w, then steps
-    got = []
-    for a, b in zip(cuts, cuts[1:]):
-        step, cache = apply(tokens[:, a:b], pos[:, a:b], cache)
-        got.append(step)
-    np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, rtol=1e-5,
-                               atol=1e-5 * float(jnp.abs(full).max()))
+    cuts = [0, w + 2, w + 3, 2 * w + 6]  # chunks > w (and one step), then single steps
+
+    @jax.jit  # one program for the case (as in test_cached_logits_equal_full_forward)
+    def run(params, tokens, pos, cache):
+        apply = functools.partial(model.apply, {"params": params})
+        got = []
+        for a, b in zip(cuts, cuts[1:]):
+            chunk, cache = apply(tokens[:, a:b], pos[:, a:b], cache=cache)
+            got.append(chunk)
+
+        def step(cache, xs):
+            tok, p = xs
+            out, cache = apply(tok[:, None], p[:, None], cache=cache)
+            return cache, out[:, 0]
+
+        _, steps = jax.lax.scan(step, cache, (tokens[:, cuts[-1]:].T, pos[:, cuts[-1]:].T))
+        return apply(tokens), jnp.concatenate([*got, steps.transpose(1, 0, 2)], axis=1)
+
+    full, got = (np.asarray(x) for x in run(params, tokens, pos, cache))
+    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(np.abs(full).max()))
 
     prompts, lengths = ragged_prompts(3, 7, cfg.vocab_size)
     out = generate(model, params, prompts, prompt_lengths=lengths, max_new_tokens=6,
