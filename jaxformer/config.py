@@ -21,6 +21,9 @@ QK_NORMS = ("none", "head", "projection")
 FFNS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu")
 REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
+# the fields that change how a model runs, not what it computes: a converted or
+# initialised-from model may set them freely
+RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,7 +216,6 @@ def _neox_rotary_fraction(hf, get) -> float:
 # ---- ModelConfig -> config.json ---------------------------------------------------
 
 
-RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout")
 _PER_LAYER = ("layer_pattern", "layer_kinds", "sliding_window", "rope_theta", "rope_scaling")
 
 

@@ -15,13 +15,12 @@ import pathlib
 from typing import Any, Mapping
 
 from jaxformer import lora
-from jaxformer.config import NESTED, ConfigError, ModelConfig
-from jaxformer.convert.hf_config import RUNTIME as HF_RUNTIME
+from jaxformer.config import NESTED, RUNTIME as MODEL_RUNTIME, ConfigError, ModelConfig
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.validation import build_section, merge, read_config_file, type_names
 
 # hf_config.RUNTIME (how a converted model may run), and its adapters and length
-RUNTIME = HF_RUNTIME + ("lora", "max_seq_len")
+RUNTIME = MODEL_RUNTIME + ("lora", "max_seq_len")
 
 
 @dataclasses.dataclass(frozen=True)
