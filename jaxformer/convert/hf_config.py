@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from jaxformer.config import ConfigError, ModelConfig
+from jaxformer.config import RUNTIME, ConfigError, ModelConfig
 from jaxformer.convert.hf_llama import LINEAGE, lineage_from_hf, lineage_to_hf
 from jaxformer.convert.hf_rope import cannot, rope_from_hf, rope_to_hf, unsupported
 
