@@ -22,6 +22,7 @@ from jaxformer.backends import (dot_product_attention, prefill_impl, resolve_imp
                                 rule_attention, takes_structure)
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import active, hook_point
+from jaxformer.kinds import QK_NORMS
 from jaxformer.lora import LoRA
 from jaxformer.masks import (MaskRule, causal_mask, make_attention_mask,  # noqa: F401
                              padding_mask, segment_mask, sliding_window_mask)
@@ -79,11 +80,10 @@ class Attention(nn.Module):
         scheme = POSITION_SCHEMES[c.position]
         if scheme.logits is not None:  # a contextual scheme: this layer's own logits (CoPE)
             self.context_logits = scheme.logits(self, c)
-        if c.qk_norm != "none":  # over head_dim per head, or over the whole projection
-            heads = c.qk_norm == "projection"
-            self.q_norm = make_norm(c, "q_norm", ("heads", "head_dim") if heads else ("head_dim",))
-            self.k_norm = make_norm(c, "k_norm", ("kv_heads", "head_dim") if heads
-                                    else ("head_dim",))
+        qk_norm = QK_NORMS[c.qk_norm]  # over head_dim per head, or the whole projection
+        if qk_norm.query_axes is not None:
+            self.q_norm = make_norm(c, "q_norm", qk_norm.query_axes)
+            self.k_norm = make_norm(c, "k_norm", qk_norm.key_axes)
 
     @property
     def backend(self) -> str:
@@ -100,7 +100,7 @@ class Attention(nn.Module):
         c = self.cfg
         q, k, v = (hook_point(self, f"hook_{n}", self.projection(name, x))
                    for n, name in (("q", "query"), ("k", "key"), ("v", "value")))
-        if c.qk_norm != "none":
+        if QK_NORMS[c.qk_norm].query_axes is not None:
             q, k = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
         rotate = POSITION_SCHEMES[c.position].rotate
         if rotate is not None:

@@ -7,19 +7,15 @@ import math
 from typing import Any, Mapping
 
 from jaxformer.backends import AUTO, BACKENDS, contextual_refusal
+from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
 from jaxformer.lora import LoRAConfig
-from jaxformer.positions import ROPE_SCALINGS, RopeScaling  # noqa: F401
+from jaxformer.rope_scaling import RopeScaling
 from jaxformer.presets import PRESETS
 from jaxformer.schemes import POSITION_SCHEMES, schemes_of
 from jaxformer.validation import (ConfigError, Section, check_choice, check_number,  # noqa: F401
                                   coerce, type_names)
 
 SINUSOIDAL_SCALES = ("table", "tokens", "unit")
-NORMS = ("layernorm", "rmsnorm", "rmsnorm_offset")
-BLOCKS = ("pre_ln", "post_ln", "sandwich", "res_post_ln", "parallel", "parallel_shared_ln")
-QK_NORMS = ("none", "head", "projection")
-FFNS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu")
-REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 # the fields that change how a model runs, not what it computes: a converted or
 # initialised-from model may set them freely
@@ -82,7 +78,7 @@ class ModelConfig(Section):
     dimensions. cope_positions: CoPE's number of position embeddings (npos_max).
 
     norm: layernorm, rmsnorm, or rmsnorm_offset (x / rms(x) * (1 + scale), the scale
-    initialised at 0: Gemma). block (jaxformer.layers.BLOCK_FLOWS): pre_ln, post_ln,
+    initialised at 0: Gemma). block (jaxformer.kinds.BLOCKS): pre_ln, post_ln,
     sandwich (a norm before and after each sublayer, inside the residual: Gemma 2/3),
     res_post_ln (a norm after each sublayer only, inside the residual: OLMo 2), parallel
     (x + attn(norm1 x) + ffn(norm2 x): GPT-NeoX), parallel_shared_ln (one norm for both:
@@ -242,8 +238,8 @@ class ModelConfig(Section):
                                   f"model.n_heads={self.n_heads}; change one, or set model.head_dim")
             set_("head_dim", self.d_model // self.n_heads)
         if self.d_ff is None:
-            gated = self.ffn in ("swiglu", "geglu")
-            set_("d_ff", 64 * math.ceil(8 * self.d_model / 3 / 64) if gated else 4 * self.d_model)
+            set_("d_ff", 64 * math.ceil(8 * self.d_model / 3 / 64) if self.gated_ffn
+                 else 4 * self.d_model)
 
     def _check_together(self, set_):
         """Fields that must agree: the scheme's own checks, a bias scheme's backend, the
@@ -275,12 +271,9 @@ class ModelConfig(Section):
                               f"half of model.t5_num_buckets={self.t5_num_buckets}: the first "
                               "half of the buckets are exact distances, the rest log-spaced up "
                               "to t5_max_distance")
-        if self.rope_scaling.kind in ("yarn", "llama3") and \
-                self.rope_scaling.original_max_seq_len is None:
-            set_("rope_scaling", dataclasses.replace(self.rope_scaling,
-                                                     original_max_seq_len=self.max_seq_len))
+        set_("rope_scaling", self._with_original(self.rope_scaling))
         self._check_pattern(scheme)
-        if self.rope_scaling.kind != "none" and scheme.kind != "rotary":
+        if self.rope_scaling.row.scales and scheme.kind != "rotary":
             rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
             raise ConfigError(f"model.rope_scaling.kind={self.rope_scaling.kind!r} needs "
                               f"{rotary} (got {self.position!r})")
@@ -322,15 +315,16 @@ class ModelConfig(Section):
         if not self.layer_pattern:
             return (LayerKind(window=self.sliding_window, rope_theta=self.rope_theta,
                               rope_scaling=self.rope_scaling),)
-        def scaling(s):
-            if s is None:
-                return self.rope_scaling
-            if s.kind in ("yarn", "llama3") and s.original_max_seq_len is None:
-                return dataclasses.replace(s, original_max_seq_len=self.max_seq_len)
-            return s
         return tuple(dataclasses.replace(
             k, rope_theta=self.rope_theta if k.rope_theta is None else k.rope_theta,
-            rope_scaling=scaling(k.rope_scaling)) for _, k in self.layer_kinds)
+            rope_scaling=self.rope_scaling if k.rope_scaling is None
+            else self._with_original(k.rope_scaling)) for _, k in self.layer_kinds)
+
+    def _with_original(self, s: RopeScaling) -> RopeScaling:
+        """s with original_max_seq_len filled from max_seq_len where its kind reads it."""
+        if s.row.needs_original and s.original_max_seq_len is None:
+            return dataclasses.replace(s, original_max_seq_len=self.max_seq_len)
+        return s
 
     @property
     def layer_kind_ids(self) -> tuple[int, ...]:
@@ -363,7 +357,7 @@ class ModelConfig(Section):
 
     @property
     def gated_ffn(self) -> bool:
-        return self.ffn in ("swiglu", "geglu")
+        return FFNS[self.ffn].gated
 
 
 # the model's fields that are sections of their own (model.rope_scaling.kind=yarn)

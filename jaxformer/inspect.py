@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.hooks import session
+from jaxformer.kinds import BLOCKS
 from jaxformer.norms import normalize, scale_and_shift
 from jaxformer.model import Transformer, unstack_layers
 
@@ -81,7 +82,7 @@ def logit_lens(model: Transformer, params, cache):
         raise ValueError(f"logit_lens needs {', '.join(missing)} in the cache; run "
                          "run_with_cache with those names (or all)")
     x = jnp.stack([cache[f"blocks.{i}.hook_resid_post"] for i in range(cfg.n_layers)])
-    if cfg.block != "post_ln":  # post-LN blocks already end in a norm (Transformer.logits)
+    if not BLOCKS[cfg.block].ends_in_norm:  # post-LN blocks end in a norm (Transformer.logits)
         x = scale_and_shift(cfg, params["final_norm"], normalize(cfg, x)).astype(cfg.dtype)
     head = (params["embed"]["embedding"].T if cfg.tie_embeddings
             else params["lm_head"]["kernel"]).astype(cfg.dtype)  # [D, V]

@@ -1,31 +1,22 @@
 """Feed-forward networks and the transformer Block: how attention and the feed-forward
-network meet the residual (BLOCK_FLOWS, one entry per model.block)."""
+network meet the residual (the flows: jaxformer.kinds.BLOCKS)."""
 
 from __future__ import annotations
 
 import math
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
+from jaxformer.kinds import BLOCKS, FFNS
 from jaxformer.lora import adapted
 from jaxformer.masks import pick_rule
 from jaxformer.matmul import flat_dot_general, promote_kernel
 from jaxformer.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.sharding import constrain, init_with_names
-
-
-ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's tanh form
-    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),  # the erf form (GPT-NeoX)
-    "relu": jax.nn.relu,
-    "swiglu": jax.nn.silu,
-    "geglu": lambda x: jax.nn.gelu(x, approximate=True),
-}
 
 
 class FeedForward(nn.Module):
@@ -46,7 +37,7 @@ class FeedForward(nn.Module):
             return adapted(self, c.lora, name, y, x, 1, names, c.dtype, c.param_dtype,
                            self.deterministic)
 
-        act, up = ACTIVATIONS[c.ffn], ("embed", "mlp")
+        act, up = FFNS[c.ffn].activation, ("embed", "mlp")
         pre = hook_point(self, "hook_pre", dense(x, c.d_ff, "wi_gate" if c.gated_ffn else "wi", up))
         h = act(pre)  # [B, T, F]
         if c.gated_ffn:
@@ -56,52 +47,9 @@ class FeedForward(nn.Module):
         return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)
 
 
-# ---- blocks: how the sublayers meet the residual, one entry per model.block -------------
-# Each flow takes the Block's `b` (b.norm(name, x): that norm, created on first use;
-# b.attention(h), b.ffn(h): the sublayers; b.out(hook, y): y times residual_multiplier, hooked
-# as the sublayer's output; b.hook(name, x)) and the residual x, and returns the new x.
-
-def _pre_ln(b, x):
-    x = x + b.out("hook_attn_out", b.attention(b.norm("attn_norm", x)))
-    x = b.hook("hook_resid_mid", x)
-    return x + b.out("hook_mlp_out", b.ffn(b.norm("ffn_norm", x)))
-
-
-def _post_ln(b, x):
-    x = b.hook("hook_resid_mid", b.norm("attn_norm", x + b.out("hook_attn_out", b.attention(x))))
-    return b.norm("ffn_norm", x + b.out("hook_mlp_out", b.ffn(x)))
-
-
-def _sandwich(b, x):
-    x = x + b.out("hook_attn_out", b.norm("attn_post_norm", b.attention(b.norm("attn_norm", x))))
-    x = b.hook("hook_resid_mid", x)
-    return x + b.out("hook_mlp_out", b.norm("ffn_post_norm", b.ffn(b.norm("ffn_norm", x))))
-
-
-def _res_post_ln(b, x):
-    x = x + b.out("hook_attn_out", b.norm("attn_post_norm", b.attention(x)))
-    x = b.hook("hook_resid_mid", x)
-    return x + b.out("hook_mlp_out", b.norm("ffn_post_norm", b.ffn(x)))
-
-
-def _parallel(b, x):
-    attn = b.out("hook_attn_out", b.attention(b.norm("attn_norm", x)))
-    return x + attn + b.out("hook_mlp_out", b.ffn(b.norm("ffn_norm", x)))
-
-
-def _parallel_shared_ln(b, x):
-    h = b.norm("attn_norm", x)
-    return x + b.out("hook_attn_out", b.attention(h)) + b.out("hook_mlp_out", b.ffn(h))
-
-
-BLOCK_FLOWS = {"pre_ln": _pre_ln, "post_ln": _post_ln, "sandwich": _sandwich,
-               "res_post_ln": _res_post_ln, "parallel": _parallel,
-               "parallel_shared_ln": _parallel_shared_ln}
-
-
 class Block(nn.Module):
     """One layer: attention and the feed-forward network joined to the residual as
-    cfg.block says (BLOCK_FLOWS), e.g. pre_ln: x + attn(norm(x)), then x + ffn(norm(x)).
+    cfg.block says (jaxformer.kinds.BLOCKS), e.g. pre_ln: x + attn(norm(x)), then x + ffn(norm(x)).
 
     kind: the layer's kind (an index into cfg.kinds: its window and RoPE); a scanned
     Block gets it per layer as `kind_id` instead. With ``scanned`` it returns (x, None),
@@ -124,7 +72,7 @@ class Block(nn.Module):
         ffn = FeedForward(c, self.deterministic, name="ffn")
         block = self
 
-        class Parts:  # what a flow reads (see BLOCK_FLOWS)
+        class Parts:  # what a flow reads (see jaxformer.kinds.BLOCKS)
             def norm(self, name, h):  # each flow uses a norm once
                 return apply_norm(c, make_norm(c, name), h)
 
@@ -148,6 +96,6 @@ class Block(nn.Module):
                 return hook_point(block, name, h)
 
         x = hook_point(self, "hook_resid_pre", x)
-        x = BLOCK_FLOWS[c.block](Parts(), x)
+        x = BLOCKS[c.block].flow(Parts(), x)
         x = hook_point(self, "hook_resid_post", constrain(x, "act_batch", "act_seq", "act_embed"))
         return (x, cache) if self.scanned or cache is not None else x

@@ -18,6 +18,7 @@ from jaxformer.attention import dense_init
 from jaxformer.backends import dense_logits_bytes, resolve_impl, takes_structure
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
+from jaxformer.kinds import BLOCKS, REMATS
 from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.masks import MaskRule
 from jaxformer.matmul import flat_dot_general, promote_kernel
@@ -26,18 +27,14 @@ from jaxformer.sharding import constrain, init_with_names, sequence_split
 
 head_dot = functools.partial(flat_dot_general, preferred_element_type=jnp.float32)  # f32 logits
 
-REMAT_POLICIES = {
-    "full": None,  # save nothing inside a block: recompute it all in the backward pass
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
-}
-
 
 def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
     """The Block class as the config wants it run (rematerialised and/or scanned), with
     the attention backend `impl` chosen for this forward."""
     block = Block
-    if cfg.remat != "none":
-        block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    remat = REMATS[cfg.remat]
+    if remat.on:
+        block = nn.remat(block, policy=remat.policy, prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
         return [block(cfg, deterministic, impl=impl, kind=kind, name=f"block_{i}")
                 for i, kind in enumerate(cfg.layer_kind_ids)]
@@ -179,7 +176,7 @@ class Transformer(nn.Module):
         """The final norm (all but post-LN blocks), the LM head (tied to `embed` or not), its
         multiplier and soft-cap: float32 logits."""
         c = self.cfg
-        if c.block != "post_ln":  # post-LN blocks already end in a norm
+        if not BLOCKS[c.block].ends_in_norm:  # post-LN blocks already end in a norm
             x = apply_norm(c, make_norm(c, "final_norm"), x)
         if c.tie_embeddings:
             logits = head_dot(x, embed.embedding.astype(c.dtype),

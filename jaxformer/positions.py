@@ -5,7 +5,8 @@ packed, padded and cached sequences all get the right ones:
 
 - sinusoidal, learned: absolute, added to the token embeddings (``sinusoidal`` here; the
   learned table is an ``nn.Embed`` in the model);
-- rope: rotates queries and keys inside attention (``apply_rope``);
+- rope: rotates queries and keys inside attention (``apply_rope``; its scalings:
+  jaxformer.rope_scaling);
 - alibi: a per-head linear distance bias on the attention logits (``alibi_bias``);
 - t5: a learned bias per head and bucket of relative position (``relative_position_bucket``,
   ``t5_bias``);
@@ -16,16 +17,13 @@ packed, padded and cached sequences all get the right ones:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.validation import ConfigError, Section, check_choice, check_number
-
-ROPE_SCALINGS = ("none", "linear", "ntk", "yarn", "llama3")
+from jaxformer.rope_scaling import RopeScaling, rope_frequencies
 
 
 def sinusoidal(positions, d_model: int, *, base: float = 10000.0, dtype=jnp.float32):
@@ -55,99 +53,6 @@ def segment_positions(segment_ids):
 
 
 # ---- RoPE -------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling(Section):
-    """How RoPE frequencies are stretched to reach past the training length.
-
-    kind: none | linear (positions / factor) | ntk (theta * factor^(d/(d-2))) |
-      yarn (Peng et al. 2023, per-frequency ramp + attention temperature) |
-      llama3 (Meta's Llama 3.1 wavelength-band rule).
-    original_max_seq_len: the length the model was trained at (yarn, llama3);
-      None means ModelConfig.max_seq_len.
-    """
-
-    kind: str = "none"
-    factor: float = 1.0
-    original_max_seq_len: int | None = None
-    low_freq_factor: float = 1.0      # llama3
-    high_freq_factor: float = 4.0     # llama3
-    beta_fast: float = 32.0           # yarn
-    beta_slow: float = 1.0            # yarn
-    attention_factor: float | None = None  # yarn; None = 0.1 * ln(factor) + 1
-
-    def __post_init__(self):
-        o = "rope_scaling"
-        check_choice(o, "kind", self.kind, ROPE_SCALINGS)
-        check_number(o, "factor", self.factor, float, low=0, low_open=True)
-        if self.kind in ("ntk", "yarn", "llama3") and self.factor < 1:
-            raise ConfigError(f"rope_scaling.factor={self.factor} must be >= 1 for kind={self.kind}")
-        check_number(o, "original_max_seq_len", self.original_max_seq_len, int, low=1, optional=True)
-        check_number(o, "low_freq_factor", self.low_freq_factor, float, low=0, low_open=True)
-        check_number(o, "high_freq_factor", self.high_freq_factor, float, low=0, low_open=True)
-        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ConfigError("rope_scaling.high_freq_factor must be > low_freq_factor "
-                              f"(got {self.high_freq_factor} <= {self.low_freq_factor})")
-        check_number(o, "beta_fast", self.beta_fast, float, low=0, low_open=True)
-        check_number(o, "beta_slow", self.beta_slow, float, low=0, low_open=True)
-        check_number(o, "attention_factor", self.attention_factor, float, low=0, low_open=True,
-                      optional=True)
-
-    SECTION = "rope_scaling"
-
-
-
-def rope_frequencies(head_dim: int, theta: float = 10000.0,
-                     scaling: RopeScaling | None = None) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [head_dim // 2] (float64) and the attention factor for RoPE.
-
-    The attention factor multiplies cos and sin (so q.k scales by its square); it is 1
-    except for YaRN. Formulas follow the reference implementations of each method
-    (Hugging Face transformers' ``modeling_rope_utils``).
-    """
-    scaling = scaling or RopeScaling()
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim  # [H/2]
-    kind, factor = scaling.kind, scaling.factor
-    if kind == "ntk":  # NTK-aware: stretch the base so the lowest frequency interpolates
-        if head_dim < 4:
-            raise ValueError(f"NTK RoPE scaling needs head_dim >= 4, got {head_dim}")
-        theta = theta * factor ** (head_dim / (head_dim - 2))
-    inv_freq = 1.0 / theta ** exponents
-    if kind in ("none", "ntk"):
-        return inv_freq, 1.0
-    if kind == "linear":  # position interpolation: pos / factor
-        return inv_freq / factor, 1.0
-    original = scaling.original_max_seq_len
-    if original is None:
-        raise ValueError(f"rope scaling {kind!r} needs original_max_seq_len (the training length)")
-    if kind == "llama3":
-        low_wavelen = original / scaling.low_freq_factor
-        high_wavelen = original / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (original / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled), 1.0
-    # yarn
-    def correction_dim(rotations):
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    extrapolate = 1 - ramp  # 1 for fast-rotating dims (kept), 0 for slow ones (interpolated)
-    inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
-    attention_factor = scaling.attention_factor
-    if attention_factor is None:
-        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    return inv_freq, attention_factor
-
 
 def rotary_dims(head_dim: int, fraction: float = 1.0) -> int:
     """How many of a head's dimensions RoPE rotates: int(head_dim * fraction), as

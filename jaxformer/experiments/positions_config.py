@@ -13,7 +13,7 @@ import sys
 from typing import Any, Mapping
 
 from jaxformer.config import ConfigError, ModelConfig
-from jaxformer.positions import ROPE_SCALINGS, RopeScaling
+from jaxformer.rope_scaling import ROPE_SCALINGS, RopeScaling
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.validation import check_choice, check_keys, check_number
 from jaxformer.training.config import RunConfig
@@ -57,7 +57,8 @@ class StudySettings:
     progress: bool = True
 
     def __post_init__(self):
-        check_settings(self, choices={"schemes": tuple(POSITION_SCHEMES), "rope_scaling": ROPE_SCALINGS[1:]},
+        scalings = tuple(n for n, r in ROPE_SCALINGS.items() if r.scales)
+        check_settings(self, choices={"schemes": tuple(POSITION_SCHEMES), "rope_scaling": scalings},
                        increasing=("eval_multiples",),
                        positive=("eval_tokens", "eval_batch_tokens", "seeds"))
         if not self.schemes:

@@ -1,0 +1,124 @@
+"""The layer kinds as tables, one row per value of model.norm, model.ffn, model.block,
+model.qk_norm and model.remat: what each variant is, read by config validation (its
+choices) and by the layers (its math). Nothing else names a variant: a new norm, FFN or
+block flow is one row here. Pure math and plain functions: no Flax module, no config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """rms: the statistics are x / rms(x) (else (x - mean) / std, and a bias if the model
+    has biases). scale_offset: the scale multiplies as offset + w, w initialised at
+    1 - offset (Gemma's RMSNorm: 1 + w, w from 0)."""
+
+    rms: bool
+    scale_offset: float = 0.0
+
+
+NORMS = {"layernorm": Norm(rms=False), "rmsnorm": Norm(rms=True),
+         "rmsnorm_offset": Norm(rms=True, scale_offset=1.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FFN:
+    """activation: act in wo(act(wi x)), or wo(act(wi_gate x) * wi_up x) when gated."""
+
+    activation: Callable
+    gated: bool = False
+
+
+def _gelu_tanh(x):  # GPT-2's tanh form
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_erf(x):  # the erf form (GPT-NeoX)
+    return jax.nn.gelu(x, approximate=False)
+
+
+FFNS = {"gelu": FFN(_gelu_tanh), "gelu_exact": FFN(_gelu_erf), "relu": FFN(jax.nn.relu),
+        "swiglu": FFN(jax.nn.silu, gated=True), "geglu": FFN(_gelu_tanh, gated=True)}
+
+
+# ---- blocks: how the sublayers meet the residual -----------------------------------------
+# Each flow takes the Block's `b` (b.norm(name, x): that norm, created on first use;
+# b.attention(h), b.ffn(h): the sublayers; b.out(hook, y): y times residual_multiplier, hooked
+# as the sublayer's output; b.hook(name, x)) and the residual x, and returns the new x.
+
+def _pre_ln(b, x):
+    x = x + b.out("hook_attn_out", b.attention(b.norm("attn_norm", x)))
+    x = b.hook("hook_resid_mid", x)
+    return x + b.out("hook_mlp_out", b.ffn(b.norm("ffn_norm", x)))
+
+
+def _post_ln(b, x):
+    x = b.hook("hook_resid_mid", b.norm("attn_norm", x + b.out("hook_attn_out", b.attention(x))))
+    return b.norm("ffn_norm", x + b.out("hook_mlp_out", b.ffn(x)))
+
+
+def _sandwich(b, x):
+    x = x + b.out("hook_attn_out", b.norm("attn_post_norm", b.attention(b.norm("attn_norm", x))))
+    x = b.hook("hook_resid_mid", x)
+    return x + b.out("hook_mlp_out", b.norm("ffn_post_norm", b.ffn(b.norm("ffn_norm", x))))
+
+
+def _res_post_ln(b, x):
+    x = x + b.out("hook_attn_out", b.norm("attn_post_norm", b.attention(x)))
+    x = b.hook("hook_resid_mid", x)
+    return x + b.out("hook_mlp_out", b.norm("ffn_post_norm", b.ffn(x)))
+
+
+def _parallel(b, x):
+    attn = b.out("hook_attn_out", b.attention(b.norm("attn_norm", x)))
+    return x + attn + b.out("hook_mlp_out", b.ffn(b.norm("ffn_norm", x)))
+
+
+def _parallel_shared_ln(b, x):
+    h = b.norm("attn_norm", x)
+    return x + b.out("hook_attn_out", b.attention(h)) + b.out("hook_mlp_out", b.ffn(h))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFlow:
+    """flow(b, x) -> x (above). ends_in_norm: the block's last step is a norm (post-LN),
+    so the model adds no final norm before the head."""
+
+    flow: Callable
+    ends_in_norm: bool = False
+
+
+BLOCKS = {"pre_ln": BlockFlow(_pre_ln), "post_ln": BlockFlow(_post_ln, ends_in_norm=True),
+          "sandwich": BlockFlow(_sandwich), "res_post_ln": BlockFlow(_res_post_ln),
+          "parallel": BlockFlow(_parallel), "parallel_shared_ln": BlockFlow(_parallel_shared_ln)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QKNorm:
+    """The logical axes of the query and key norms' scales (None: no QK-norm): per head
+    over head_dim (Qwen3, Gemma 3), or over the whole projection (OLMo 2)."""
+
+    query_axes: tuple[str, ...] | None = None
+    key_axes: tuple[str, ...] | None = None
+
+
+QK_NORMS = {"none": QKNorm(), "head": QKNorm(("head_dim",), ("head_dim",)),
+            "projection": QKNorm(("heads", "head_dim"), ("kv_heads", "head_dim"))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """Whether a block is rematerialised, and what its backward may keep (policy None:
+    nothing, recompute it all)."""
+
+    on: bool
+    policy: Any = None
+
+
+REMATS = {"none": Remat(on=False), "full": Remat(on=True),
+          "dots": Remat(on=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)}
