@@ -1,5 +1,6 @@
-"""Hugging Face interop: load and save GPT-2, GPT-NeoX (sequential residual, full rotary)
-and Llama-family (Llama 2/3, Mistral, Qwen2) checkpoints.
+"""Hugging Face interop: load and save checkpoints of every model type in
+jaxformer.convert.families (GPT-2, GPT-NeoX, and the Llama layout's lineage: Llama 2/3,
+Mistral, Qwen2/3, Gemma 1/2/3, OLMo 2/3, ...).
 
     from jaxformer.convert import from_hf, to_hf
     cfg, params = from_hf("path/to/hf_model")          # config.json + safetensors
@@ -13,12 +14,15 @@ Only local folders and safetensors files are read (no download, no pickle). A co
 option or tensor that jaxformer cannot express exactly is an error that names it.
 """
 
-from jaxformer.convert.hf import SafetensorsReader, from_hf, read_hf_config, read_hf_json, to_hf
-from jaxformer.convert.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
+from jaxformer.convert.config_json import config_from_hf
+from jaxformer.convert.families import MODEL_TYPES
+from jaxformer.convert.folder import SafetensorsReader, from_hf, read_hf_config, read_hf_json
+from jaxformer.convert.hf import to_hf
+from jaxformer.convert.hf_config import config_to_hf
 from jaxformer.convert.tensors import permute_half_to_interleaved, permute_interleaved_to_half
 
 __all__ = [
-    "ARCHITECTURES",
+    "MODEL_TYPES",
     "SafetensorsReader",
     "config_from_hf",
     "config_to_hf",

@@ -4,7 +4,9 @@
 A layer of type full_attention or sliding_attention, rotated or not (NoPE), is a kind
 named after it ("full", "sliding", "full_nope", ...); the pattern is the shortest period
 of the layers' kinds. A model whose layers are all alike gets no pattern: a window for
-every layer is model.sliding_window, and NoPE everywhere is position "none".
+every layer is model.sliding_window, and NoPE everywhere is position "none". What differs
+between model types (how they choose the types, gate the window, skip RoPE) is read from
+their row (jaxformer.convert.families).
 """
 
 from __future__ import annotations
@@ -12,32 +14,32 @@ from __future__ import annotations
 from typing import Any
 
 from jaxformer.config import ModelConfig, RopeScaling
-from jaxformer.convert.hf_rope import cannot, rope_dict, rope_from_hf, unsupported
+from jaxformer.convert.hf_rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
 
 TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
-def _types(hf, get, model_type: str, lineage) -> list[str]:
+def _types(hf, get, row) -> list[str]:
     n = get("num_hidden_layers")
-    if lineage.layer_type is None:
+    if row.layer_type is None:
         return ["full_attention"] * n
-    types = hf.get("layer_types") if lineage.layer_types_key else None
+    types = hf.get("layer_types") if row.layer_types_key else None
     if types is None:
-        return [lineage.layer_type(get, i) for i in range(n)]
+        return [row.layer_type(get, i) for i in range(n)]
     if not isinstance(types, list) or len(types) != n:
         raise unsupported("layer_types", types, f"it must list one type per layer ({n})")
     bad = sorted(set(types) - set(TYPES))
     if bad:
-        raise unsupported("layer_types", bad, f"{model_type} layers in jaxformer are "
+        raise unsupported("layer_types", bad, f"{row.name} layers in jaxformer are "
                           f"{' or '.join(TYPES)}")
     return types
 
 
-def _window(get, model_type: str, types: list[str]) -> int | None:
+def _window(get, row, types: list[str]) -> int | None:
     if "sliding_attention" not in types:
         return None
     window = get("sliding_window")
-    if model_type in ("qwen2", "qwen3", "smollm3") and not get("use_sliding_window"):
+    if row.use_sliding_window and not get("use_sliding_window"):
         window = None  # as the family's config class: no window unless use_sliding_window
     if window is None:
         raise unsupported("layer_types", types, "it lists sliding_attention layers, but "
@@ -53,16 +55,15 @@ def _period(names: list[str]) -> list[str]:
     return names
 
 
-def layer_fields(hf, get, model_type: str, lineage, ropes) -> dict[str, Any]:
+def layer_fields(hf, get, row, ropes) -> dict[str, Any]:
     """ModelConfig fields for the layers' attention: layer_pattern and layer_kinds, or
-    sliding_window (and rope_theta, rope_scaling, position). ropes: layer type ->
-    (theta, RopeScaling)."""
-    types = _types(hf, get, model_type, lineage)
-    window = _window(get, model_type, types)
+    sliding_window (and rope_theta, rope_scaling, position). row: the model type's
+    (jaxformer.convert.families); ropes: layer type -> (theta, RopeScaling)."""
+    types = _types(hf, get, row)
+    window = _window(get, row, types)
     kinds, names = {}, []
     for i, kind_type in enumerate(types):
-        rotated = (lineage.rope_of(get, i) if lineage.rope_of is not None
-                   else kind_type == "sliding_attention" if model_type == "cohere2" else True)
+        rotated = row.rope_of is None or row.rope_of(get, i, kind_type)
         name = TYPES[kind_type] + ("" if rotated else "_nope")
         theta, scaling = ropes[kind_type]
         kinds[name] = dict(window=window if kind_type == "sliding_attention" else None,
@@ -82,9 +83,8 @@ def layer_fields(hf, get, model_type: str, lineage, ropes) -> dict[str, Any]:
     return dict(base, layer_pattern=tuple(_period(names)), layer_kinds=kinds)
 
 
-def layers_to_hf(cfg: ModelConfig, model_type: str, lineage) -> dict[str, Any]:
-    """layer_types, sliding_window (and use_sliding_window, no_rope_layers) as the family
-    writes them."""
+def layers_to_hf(cfg: ModelConfig, row) -> dict[str, Any]:
+    """layer_types, sliding_window (and use_sliding_window) as the model type writes them."""
     layers = [cfg.kinds[i] for i in cfg.layer_kind_ids]
     windows = {k.window for k in layers if k.window is not None}
     if len(windows) > 1:
@@ -93,15 +93,12 @@ def layers_to_hf(cfg: ModelConfig, model_type: str, lineage) -> dict[str, Any]:
     window = windows.pop() if windows else None
     types = ["full_attention" if k.window is None else "sliding_attention" for k in layers]
     out: dict[str, Any] = {}
-    if lineage.layer_type is not None:
+    if row.layer_type is not None:
         out["sliding_window"] = window
-    if lineage.layer_types_key:
+    if row.layer_types_key:
         out["layer_types"] = types
-    if model_type in ("qwen2", "qwen3", "smollm3"):
-        out["use_sliding_window"] = window is not None
-        out["max_window_layers"] = 0
-    if model_type == "smollm3":
-        out["no_rope_layers"] = [int(k.rope and cfg.position == "rope") for k in layers]
+    if row.use_sliding_window:
+        out.update(use_sliding_window=window is not None, max_window_layers=0)
     return out
 
 
@@ -124,6 +121,10 @@ def rope_per_type_from_hf(hf, get, max_len: int, defaults: dict, legacy: dict) -
             raise unsupported("rope_parameters", bad, f"layer types are {', '.join(TYPES)}")
         for kind_type in TYPES:
             sub = params.get(kind_type) or {"rope_type": "default"}
+            if rotary_fraction({"rope_parameters": sub}, lambda k, d: d) != 1:
+                raise unsupported(f"rope_parameters.{kind_type}.partial_rotary_factor",
+                                  sub["partial_rotary_factor"], "RoPE per layer type rotates "
+                                  "every dimension of a head")
             out[kind_type] = rope_from_hf({"rope_parameters": sub}, lambda k, t=kind_type:
                                           thetas[t], max_len)
         return out

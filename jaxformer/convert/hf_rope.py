@@ -1,6 +1,7 @@
 """RoPE in config.json (transformers 5's rope_parameters, 4.x's rope_theta and rope_scaling)
-<-> jaxformer's rope_theta and RopeScaling, shared by every RoPE family; and the errors that
-name a config.json key jaxformer cannot read or a model field HF cannot express."""
+<-> jaxformer's rope_theta and RopeScaling, and the share of a head it rotates, shared by
+every RoPE family; and the errors that name a config.json key jaxformer cannot read or a
+model field HF cannot express."""
 
 from __future__ import annotations
 
@@ -28,11 +29,28 @@ def cannot(field: str, value: Any, why: str) -> ConfigError:
                        f"checkpoint: {why}")
 
 
-def rope_from_hf(hf, get, max_len: int, theta_key: str = "rope_theta",
-                 fraction=None) -> tuple[float, RopeScaling]:
+def rotary_fraction(hf, get, key: str = "partial_rotary_factor") -> float:
+    """The share of each head a config.json rotates, read as transformers 5 reads it:
+    rope_parameters' (or 4.x's rope_scaling's) partial_rotary_factor, else the top-level
+    `key` (GPT-NeoX: rotary_pct; its top-level partial_rotary_factor is not read), else
+    get's default for it, else 1. A null is no value, as in transformers."""
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(where) or {}
+    name, value = f"{where}.partial_rotary_factor", params.get("partial_rotary_factor")
+    if value is None:
+        name, value = key, get(key, None)
+    if value is None:
+        return 1.0
+    if not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise unsupported(name, value, "the rotary fraction must be in (0, 1]")
+    return float(value)
+
+
+def rope_from_hf(hf, get, max_len: int, theta_key: str = "rope_theta"
+                 ) -> tuple[float, RopeScaling]:
     """(rope_theta, RopeScaling) of a config.json; theta_key: the top-level key holding
-    theta when rope_parameters does not (GPT-NeoX 4.x: rotary_emb_base). fraction: the
-    model's partial rotary factor as the caller read it (None: only 1 is accepted)."""
+    theta when rope_parameters does not (GPT-NeoX 4.x: rotary_emb_base). A
+    partial_rotary_factor among the parameters is rotary_fraction's to read."""
     # transformers 5 writes rope_parameters (rope_theta inside); 4.x wrote rope_theta and
     # rope_scaling (null for plain RoPE). Like transformers, rope_scaling wins when both exist.
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
@@ -42,10 +60,7 @@ def rope_from_hf(hf, get, max_len: int, theta_key: str = "rope_theta",
     # get(theta_key) only when needed: a family without a default for it raises
     theta = params.pop("rope_theta") if "rope_theta" in params else get(theta_key)
     kind = params.pop("rope_type", params.pop("type", "default"))
-    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if fraction is None and partial not in (None, 1, 1.0):
-        raise unsupported("partial_rotary_factor", partial, f"{hf.get('model_type')} rotates "
-                          "every dimension of a head")
+    params.pop("partial_rotary_factor", None)
     if kind not in ROPE_KEYS:
         raise unsupported(f"{key}.rope_type", kind, f"supported: {', '.join(ROPE_KEYS)} "
                           "('dynamic' NTK changes with the input length; jaxformer's ntk is "

@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 from jaxformer import lora
 from jaxformer.config import ModelConfig
 from jaxformer.convert.hf import adapter_update, param_getter
-from jaxformer.convert.hf_config import config_to_hf, model_family
-from jaxformer.convert.tensors import rules_for
+from jaxformer.convert.hf_config import config_to_hf
+from jaxformer.convert.families import MODEL_TYPES
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -36,9 +36,8 @@ def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
         raise ValueError("the model has no LoRA adapters (model.lora.rank is 0): export it "
                          "whole with to-hf")
     plain = cfg.replace(lora=lora.LoRAConfig(), scan_layers=False)
-    model_type = config_to_hf(plain)["model_type"]
-    family = model_family(model_type)
-    rules = rules_for(family, plain, rope_layout, model_type)
+    row = MODEL_TYPES[config_to_hf(plain)["model_type"]]
+    rules = row.tensor_rules(plain, row, rope_layout)
     raw, r = param_getter(cfg, params), cfg.lora.rank
     tensors, ranks, alphas = {}, {}, {}
     for rule in rules:
@@ -52,7 +51,7 @@ def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
                             for p in adapted])  # [k r, in]
         for name, w in zip(rule.hf, rule.to_hf(*updates)):
             module = name.removesuffix(".weight")
-            w = w.T if family == "gpt2" else w  # Conv1D weights are [in, out]
+            w = w.T if row.fan_in_fan_out else w  # Conv1D weights are [in, out]
             b = w @ np.linalg.pinv(a)  # [out, k r]
             if np.max(np.abs(b @ a - w)) > 1e-9 * max(np.max(np.abs(w)), 1e-30):
                 raise ValueError(f"{name}: its update is not (B A) over the adapters' A")
@@ -65,7 +64,7 @@ def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r,
               "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
-              "target_modules": sorted(ranks), "fan_in_fan_out": family == "gpt2",
+              "target_modules": sorted(ranks), "fan_in_fan_out": row.fan_in_fan_out,
               "bias": "none", "base_model_name_or_path": base_model, "inference_mode": True,
               "rank_pattern": {m: k for m, k in ranks.items() if k != r},
               "alpha_pattern": {m: a for m, a in alphas.items()

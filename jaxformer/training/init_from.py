@@ -53,7 +53,7 @@ def source_config(src: Source) -> tuple[ModelConfig, str | None]:
     tok = src.path / "tokenizer.json"
     tok = str(tok) if tok.is_file() else None
     if src.kind == "hf":
-        from jaxformer.convert.hf import read_hf_config
+        from jaxformer.convert.folder import read_hf_config
         return read_hf_config(src.path), tok
     model = read_config_file(str(src.path / "config.yaml")).get("model") or {}
     return build_section(ModelConfig, model, "model", nested=NESTED), tok

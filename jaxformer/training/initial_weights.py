@@ -24,7 +24,7 @@ def load_initial(spec: str, cfg: ModelConfig, params, param_shardings, mesh, rul
     adapters, scales, _ = lora.partition(params, scales=True)
     base_shardings = lora.partition(param_shardings, scales=True)[2]
     if src.kind == "hf":
-        from jaxformer.convert.hf import from_hf
+        from jaxformer.convert.folder import from_hf
         _, base = from_hf(src.path, dtype=cfg.param_dtype, shardings=base_shardings,
                           scan_layers=cfg.scan_layers)
     else:

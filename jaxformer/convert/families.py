@@ -1,0 +1,331 @@
+"""One row per Hugging Face model_type: everything jaxformer knows of it, and the only place
+a model type is named (tests/test_layout.py); the rest of jaxformer asks its row.
+
+A row gives the architectures read, the defaults of config.json keys, where it comes in
+the order to_hf tries model types, and its format: a config.json reader and writer and
+tensor rules, the Llama layout's (jaxformer.convert.llama_layout) unless the layout is its own
+(GPT-2, GPT-NeoX), with the Llama lineage's twists as fields. Adding a Llama-layout family
+is adding a row.
+
+The defaults are those of transformers 5's config classes (save_pretrained writes them all,
+so they matter only for hand-written files), except for the sizes (vocab, width, depth,
+heads, MLP, GPT-2's position table): a config.json without one of them is an error rather
+than a 7B-sized guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+from jaxformer.convert import gpt2, gpt_neox, llama_layout
+from jaxformer.convert.llama_layout import head_dim
+from jaxformer.convert.hf_rope import cannot
+from jaxformer.convert.tensors import Rule
+
+@dataclasses.dataclass(frozen=True)
+class HFModelType:
+    """One Hugging Face model_type.
+
+    name, architectures: config.json's model_type and the architectures read (an LM head or
+      the bare model; the first is written). export_rank: to_hf writes a model as the
+      first model type, by rank, whose config.json reads back as the same model.
+    defaults: transformers' values of the keys a config.json may lack.
+
+    The format. read_config(hf, get, row) -> ModelConfig (get: a key or its default);
+      write_config(cfg, row) -> config.json keys; tensor_rules(cfg, row, rope_layout) ->
+      [Rule]. tensor_prefix: what a bare-model checkpoint's names lack; head_tensor: the
+      untied LM head's name; ignored_tensors: buffers that are not params (regexes);
+      fan_in_fan_out: weights stored [in, out] (GPT-2's Conv1D), as PEFT records it.
+
+    The Llama lineage's twists (read by llama_layout and jaxformer.convert.hf_layers). norm, block,
+      qk_norm: ModelConfig's. biases: "attention_and_mlp" (attention_bias on q, k, v, o and
+      mlp_bias, equal), "attention" (attention_bias on q, k, v, o; no MLP key), "qkv" (q,
+      k, v always, as Qwen2), "none". act_key, eps_key: the activation's and the norm
+      epsilon's keys; act_aliases: activation names the config class rewrites.
+      fused_projections: q|k|v in one qkv_proj, gate|up in one gate_up_proj.
+      rope_layout: the checkpoint's own q/k layout ("interleaved": adjacent pairs (2i, 2i+1),
+      permuted to jaxformer's half layout and back). rotary_fraction_key: the top-level key
+      of the rotated share of a head (None: every dimension is rotated). rope_scalings: the
+      RoPE scalings the config class takes (None: all). rope_per_type: rope_parameters keyed
+      by layer type, with theta defaults per type and legacy keys (key -> type).
+    Layers. layer_type(get, i): layer i's type when config.json lists no layer_types (None:
+      every layer full attention); layer_types_key: config.json may list layer_types;
+      use_sliding_window: a window only where use_sliding_window is true (written with
+      max_window_layers 0); rope_of(get, i, type): whether layer i is rotated (None: all).
+    extra(get) -> more ModelConfig fields (multipliers, soft-caps, Gemma's scale);
+      extra_to_hf(cfg) -> their keys. refuse: (key, the values read, why) for the rest.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    export_rank: int
+    defaults: Mapping[str, Any]
+    read_config: Callable = llama_layout.read_config
+    write_config: Callable = llama_layout.write_config
+    tensor_rules: Callable[..., list[Rule]] = llama_layout.tensor_rules
+    tensor_prefix: str = "model."
+    head_tensor: str = "lm_head.weight"
+    ignored_tensors: tuple[str, ...] = llama_layout.BUFFERS
+    fan_in_fan_out: bool = False
+    norm: str = "rmsnorm"
+    block: str = "pre_ln"
+    qk_norm: str = "none"
+    biases: str = "attention_and_mlp"
+    act_key: str = "hidden_act"
+    act_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    eps_key: str = "rms_norm_eps"
+    fused_projections: bool = False
+    rope_layout: str = "half"
+    rotary_fraction_key: str | None = None
+    rope_scalings: tuple[str, ...] | None = None
+    rope_per_type: Mapping[str, dict] | None = None
+    layer_type: Callable | None = None
+    layer_types_key: bool = False
+    use_sliding_window: bool = False
+    rope_of: Callable | None = None
+    extra: Callable[[Callable], dict] = lambda get: {}
+    extra_to_hf: Callable[[Any], dict] = lambda cfg: {}
+    refuse: tuple[tuple[str, Any, str], ...] = ()
+
+
+# ---- layer types, when config.json lists none -----------------------------------------
+
+
+def _all_sliding(get, i):  # Mistral, Phi-3: one window for every layer, when set
+    return "full_attention" if get("sliding_window") is None else "sliding_attention"
+
+
+def _qwen_types(get, i):  # transformers' rule: layers from max_window_layers on slide
+    slide = get("use_sliding_window") and get("sliding_window") is not None
+    return "sliding_attention" if slide and i >= get("max_window_layers") else "full_attention"
+
+
+def _global_every(n: int, key: str | None = None):
+    """Sliding layers, but every n-th (i + 1 divisible by n; n read from `key` where the
+    model type has one) global."""
+    return lambda get, i: ("full_attention" if (i + 1) % ((get(key) if key else None) or n) == 0
+                           else "sliding_attention")
+
+
+def _smollm3_rope(get, i, layer_type=None) -> bool:  # no_rope_layers: 1 where rotated
+    layers = get("no_rope_layers")
+    if layers is None:
+        return bool((i + 1) % get("no_rope_layer_interval"))
+    return bool(layers[i])
+
+
+def _smollm3_types(get, i):  # sliding only where use_sliding_window, and a NoPE layer
+    slide = get("use_sliding_window") and get("sliding_window") is not None
+    return "sliding_attention" if slide and not _smollm3_rope(get, i) else "full_attention"
+
+
+def _smollm3_to_hf(cfg) -> dict:
+    return dict(no_rope_layers=[int(cfg.kinds[i].rope and cfg.position == "rope")
+                                for i in cfg.layer_kind_ids])
+
+
+def _sliding_rotated(get, i, layer_type) -> bool:  # the global layers are NoPE
+    return layer_type == "sliding_attention"
+
+
+# ---- more fields: Gemma's scales and caps, Granite's multipliers ------------------------
+
+
+def _gemma(get) -> dict:
+    d = get("hidden_size")
+    scalar = get("query_pre_attn_scalar")
+    return dict(embed_multiplier=math.sqrt(d),
+                attn_scale=None if scalar is None or scalar == head_dim(get) else scalar ** -0.5)
+
+
+def _gemma_to_hf(cfg) -> dict:  # embeddings times sqrt(d_model): checked by the round trip
+    scalar = cfg.head_dim if cfg.attn_scale is None else cfg.attn_scale ** -2
+    if not math.isclose(scalar, round(scalar), rel_tol=1e-9):
+        raise cannot("attn_scale", cfg.attn_scale, "Gemma's query_pre_attn_scalar (the scale "
+                     "is its -1/2 power) is an integer")
+    return dict(query_pre_attn_scalar=round(scalar))
+
+
+def _gemma2(get) -> dict:
+    return dict(_gemma(get), attn_softcap=get("attn_logit_softcapping"),
+                final_softcap=get("final_logit_softcapping"))
+
+
+def _gemma2_to_hf(cfg) -> dict:
+    return dict(_gemma_to_hf(cfg), attn_logit_softcapping=cfg.attn_softcap,
+                final_logit_softcapping=cfg.final_softcap)
+
+
+def _gemma3(get) -> dict:
+    # Gemma3's attention never applies attn_logit_softcapping (the key is read and unused)
+    return dict(_gemma(get), final_softcap=get("final_logit_softcapping"))
+
+
+def _gemma3_to_hf(cfg) -> dict:
+    return dict(_gemma_to_hf(cfg), final_logit_softcapping=cfg.final_softcap,
+                attn_logit_softcapping=None)
+
+
+def _granite(get) -> dict:
+    return dict(embed_multiplier=float(get("embedding_multiplier")),
+                residual_multiplier=float(get("residual_multiplier")),
+                attn_scale=float(get("attention_multiplier")),
+                logits_multiplier=1.0 / float(get("logits_scaling")))
+
+
+def _granite_to_hf(cfg) -> dict:
+    return dict(embedding_multiplier=cfg.embed_multiplier,
+                residual_multiplier=cfg.residual_multiplier,
+                attention_multiplier=cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim),
+                logits_scaling=1.0 / cfg.logits_multiplier)
+
+
+_NO_BIDIRECTIONAL = (("use_bidirectional_attention", (None, False), "jaxformer's attention "
+                      "is causal"),)
+_GEMMA = dict(norm="rmsnorm_offset", biases="attention", refuse=_NO_BIDIRECTIONAL)
+
+# ---- the rows ----------------------------------------------------------------------------
+
+MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
+    HFModelType(
+        "gpt2", ("GPT2LMHeadModel", "GPT2Model"), export_rank=0,
+        defaults=dict(n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                      scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                      reorder_and_upcast_attn=False, add_cross_attention=False,
+                      tie_word_embeddings=True),
+        read_config=gpt2.read_config, write_config=gpt2.write_config,
+        tensor_rules=gpt2.tensor_rules, tensor_prefix="transformer.", fan_in_fan_out=True,
+        ignored_tensors=gpt2.BUFFERS),
+    HFModelType(
+        "llama", ("LlamaForCausalLM", "LlamaModel"), export_rank=2,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                      mlp_bias=False, head_dim=None, rope_theta=10000.0)),
+    HFModelType(
+        "mistral", ("MistralForCausalLM", "MistralModel"), export_rank=3,
+        defaults=dict(num_key_value_heads=8, hidden_act="silu", max_position_embeddings=131072,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=None,
+                      sliding_window=4096, rope_theta=10000.0),
+        biases="none", layer_type=_all_sliding),
+    HFModelType(
+        "qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), export_rank=4,
+        defaults=dict(num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=None,
+                      use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                      layer_types=None, rope_theta=10000.0),
+        biases="qkv", layer_type=_qwen_types, layer_types_key=True, use_sliding_window=True),
+    HFModelType(
+        # rotary_pct / rotary_emb_base: transformers 4.x's keys, still read by 5 when
+        # rope_parameters lacks partial_rotary_factor / rope_theta
+        "gpt_neox", ("GPTNeoXForCausalLM", "GPTNeoXModel"), export_rank=1,
+        defaults=dict(hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5,
+                      tie_word_embeddings=False, use_parallel_residual=True,
+                      attention_bias=True, rotary_pct=0.25, rotary_emb_base=10000.0),
+        read_config=gpt_neox.read_config, write_config=gpt_neox.write_config,
+        tensor_rules=gpt_neox.tensor_rules, tensor_prefix="gpt_neox.",
+        head_tensor="embed_out.weight", rotary_fraction_key="rotary_pct",
+        ignored_tensors=gpt_neox.BUFFERS),
+    HFModelType(
+        "qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), export_rank=5,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                      head_dim=128, use_sliding_window=False, sliding_window=4096,
+                      max_window_layers=28, rope_theta=10000.0),
+        qk_norm="head", biases="attention", layer_type=_qwen_types, layer_types_key=True,
+        use_sliding_window=True),
+    HFModelType(
+        # Phi3Config takes only default RoPE or longrope (it reads yarn and su as longrope)
+        "phi3", ("Phi3ForCausalLM", "Phi3Model"), export_rank=6,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+                      head_dim=None, rope_theta=10000.0),
+        biases="none", fused_projections=True, layer_type=_all_sliding,
+        rotary_fraction_key="partial_rotary_factor", rope_scalings=("none",)),
+    HFModelType(
+        "smollm3", ("SmolLM3ForCausalLM", "SmolLM3Model"), export_rank=7,
+        defaults=dict(num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+                      mlp_bias=False, head_dim=None, use_sliding_window=False,
+                      sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4,
+                      rope_theta=2000000.0),
+        layer_type=_smollm3_types, layer_types_key=True, use_sliding_window=True,
+        rope_of=_smollm3_rope, extra_to_hf=_smollm3_to_hf),
+    HFModelType(
+        "granite", ("GraniteForCausalLM", "GraniteModel"), export_rank=8,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                      mlp_bias=False, head_dim=None, embedding_multiplier=1.0,
+                      residual_multiplier=1.0, attention_multiplier=1.0, logits_scaling=1.0,
+                      rope_theta=10000.0),
+        extra=_granite, extra_to_hf=_granite_to_hf),
+    HFModelType(
+        "olmo2", ("Olmo2ForCausalLM", "Olmo2Model"), export_rank=9,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+                      head_dim=None, rope_theta=10000.0),
+        block="res_post_ln", qk_norm="projection", biases="attention"),
+    HFModelType(
+        "olmo3", ("Olmo3ForCausalLM", "Olmo3Model"), export_rank=10,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+                      head_dim=None, sliding_window=4096),
+        block="res_post_ln", qk_norm="projection", biases="attention",
+        layer_type=_global_every(4), layer_types_key=True,
+        rope_per_type=dict(defaults={"full_attention": 5e5, "sliding_attention": 5e5},
+                           legacy={"rope_theta": "full_attention"})),
+    HFModelType(
+        "gemma", ("GemmaForCausalLM", "GemmaModel"), export_rank=11,
+        defaults=dict(num_key_value_heads=16, hidden_act="gelu_pytorch_tanh", head_dim=256,
+                      max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      attention_bias=False, use_bidirectional_attention=None, rope_theta=10000.0,
+                      query_pre_attn_scalar=None),
+        **_GEMMA, act_aliases={"gelu": "gelu_pytorch_tanh"},  # as GemmaConfig rewrites it
+        extra=_gemma, extra_to_hf=_gemma_to_hf),
+    HFModelType(
+        "gemma2", ("Gemma2ForCausalLM", "Gemma2Model"), export_rank=12,
+        defaults=dict(num_key_value_heads=4, hidden_activation="gelu_pytorch_tanh", head_dim=256,
+                      max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                      final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                      use_bidirectional_attention=None, rope_theta=10000.0),
+        **_GEMMA, block="sandwich", act_key="hidden_activation", layer_type=_global_every(2),
+        layer_types_key=True, extra=_gemma2, extra_to_hf=_gemma2_to_hf),
+    HFModelType(
+        "gemma3_text", ("Gemma3ForCausalLM", "Gemma3TextModel"), export_rank=13,
+        defaults=dict(num_key_value_heads=4, hidden_activation="gelu_pytorch_tanh",
+                      head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, attention_bias=False, query_pre_attn_scalar=256,
+                      sliding_window=4096, sliding_window_pattern=6, final_logit_softcapping=None,
+                      use_bidirectional_attention=False),
+        **_GEMMA, block="sandwich", qk_norm="head", act_key="hidden_activation",
+        layer_type=_global_every(6, "sliding_window_pattern"), layer_types_key=True,
+        extra=_gemma3, extra_to_hf=_gemma3_to_hf,
+        rope_per_type=dict(defaults={"full_attention": 1e6, "sliding_attention": 1e4},
+                           legacy={"rope_theta": "full_attention",
+                                   "rope_local_base_freq": "sliding_attention"})),
+    HFModelType(
+        # rotates its sliding layers alone (the full-attention layers are NoPE), in adjacent
+        # pairs (2i, 2i+1)
+        "cohere2", ("Cohere2ForCausalLM", "Cohere2Model"), export_rank=14,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=8192,
+                      layer_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False,
+                      head_dim=None, sliding_window=4096, sliding_window_pattern=4,
+                      logit_scale=0.0625, rope_theta=10000.0),
+        norm="layernorm", block="parallel_shared_ln", biases="attention",
+        eps_key="layer_norm_eps", rope_layout="interleaved",
+        layer_type=_global_every(4, "sliding_window_pattern"), layer_types_key=True,
+        rope_of=_sliding_rotated,
+        extra=lambda get: dict(logits_multiplier=float(get("logit_scale"))),
+        extra_to_hf=lambda cfg: dict(logit_scale=cfg.logits_multiplier)),
+]}
+
+# Model types that are another model (MoE, multimodal, a different block): named when refused.
+OTHER_MODEL_TYPES = {
+    "qwen3_moe": "Qwen3's mixture of experts", "qwen2_moe": "a mixture of experts",
+    "gemma3": "Gemma 3 with vision (a Gemma3ForConditionalGeneration; its text model alone is "
+    "model_type gemma3_text)", "gemma3n": "Gemma 3n", "olmoe": "a mixture of experts",
+    "olmo": "OLMo 1 (non-parametric LayerNorm)", "cohere": "Cohere 1 (Command-R)",
+    "phimoe": "a mixture of experts", "granitemoe": "a mixture of experts",
+    "mixtral": "a mixture of experts"}

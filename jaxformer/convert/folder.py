@@ -1,0 +1,243 @@
+"""from_hf: a local Hugging Face model folder -> (ModelConfig, params).
+
+Weights are read with safetensors only (never pickle), one tensor at a time, and each param
+is placed as soon as it is built: with ``shardings`` every device receives only its own
+slice (``jax.make_array_from_callback``), so no device ever holds a full copy. Writing a
+folder (to_hf) is jaxformer.convert.hf's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (lets NumPy, hence safetensors, read bfloat16)
+import numpy as np
+from safetensors import safe_open
+
+from jaxformer.config import ModelConfig
+from jaxformer.convert.config_json import config_from_hf, model_type_row
+from jaxformer.model import param_shapes
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+Path = tuple[str, ...]
+
+
+# ---- reading ----------------------------------------------------------------------
+
+
+def _folder(path) -> pathlib.Path:
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder; expected a local Hugging Face model "
+                                f"folder with config.json and {WEIGHTS} (or {INDEX} and its "
+                                "shards)")
+    return folder
+
+
+def read_hf_json(path) -> dict[str, Any]:
+    """The parsed config.json of a Hugging Face model folder."""
+    file = _folder(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist; a Hugging Face model folder holds "
+                                "config.json beside its weights")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return hf
+
+
+def read_hf_config(path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face model folder, without reading any weights (e.g. to
+    build shardings for from_hf)."""
+    return config_from_hf(read_hf_json(path))
+
+
+class SafetensorsReader:
+    """The tensors of a model folder (model.safetensors, or an index and its shards), read
+    lazily one at a time."""
+
+    def __init__(self, folder: pathlib.Path):
+        index, single = folder / INDEX, folder / WEIGHTS
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[pathlib.Path, Any] = {}
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map object")
+            self.files = {name: folder / file for name, file in weight_map.items()}
+            missing = sorted({str(p) for p in self.files.values() if not p.is_file()})
+            if missing:
+                raise FileNotFoundError(f"{index} lists shard(s) that do not exist: "
+                                        f"{', '.join(missing)}")
+        elif single.is_file():
+            self.files = {name: single for name in self._open(single).keys()}
+        else:
+            found = sorted(p.name for p in folder.iterdir() if p.suffix in
+                           (".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".h5", ".msgpack"))
+            hint = (f" (found {', '.join(found)}; only safetensors are read, never pickle: "
+                    "re-save with save_pretrained(..., safe_serialization=True))" if found else "")
+            raise FileNotFoundError(f"no {WEIGHTS} or {INDEX} in {folder}{hint}")
+
+    def _open(self, file: pathlib.Path):
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(str(file), "numpy"))
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.files[name]).get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        return self._open(self.files[name]).get_tensor(name)
+
+    def close(self):
+        self._stack.close()
+
+
+def _resolve(reader: SafetensorsReader, rules, row, folder) -> dict[str, str]:
+    """Our table's HF names -> names in the files (with or without the model prefix), after
+    checking that every tensor is there with the shape the config implies, and no other."""
+    prefix, present = row.tensor_prefix, set(reader.files)
+    names, missing = {}, []
+    for rule in rules:
+        for name, shape in zip(rule.hf, rule.hf_shapes):
+            bare = name[len(prefix):] if name.startswith(prefix) else None
+            actual = name if name in present else bare if bare in present else None
+            if actual is None:
+                missing.append(name)
+                continue
+            got = reader.shape(actual)
+            if got != shape:
+                raise ValueError(f"tensor {actual} in {folder} has shape {list(got)}, but "
+                                 f"config.json implies {list(shape)}")
+            names[name] = actual
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"{len(missing)} tensor(s) that config.json implies are missing from "
+                         f"{folder}: {', '.join(missing[:8])}{more}")
+    extra = sorted(n for n in present - set(names.values())
+                   if not any(re.fullmatch(p, n) for p in row.ignored_tensors))
+    tied_head = row.head_tensor
+    if tied_head in extra and "lm_head" not in {p[0] for r in rules for p in r.ours}:
+        embed = names[rules[0].hf[0]]  # a tied head must equal the embedding
+        if not np.array_equal(reader.read(tied_head), reader.read(embed)):
+            raise ValueError(f"config.json ties the embeddings (tie_word_embeddings), but "
+                             f"{tied_head} in {folder} differs from {embed}")
+        extra.remove(tied_head)
+    if extra:
+        more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
+        raise ValueError(f"unexpected tensor(s) in {folder} that config.json does not account "
+                         f"for: {', '.join(extra[:8])}{more}")
+    return names
+
+
+def by_path(tree) -> dict[Path, Any]:
+    """The leaves of a pytree (or of a tree of Shardings) by their key paths."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
+    return {tuple(getattr(k, "key", k) for k in path): leaf for path, leaf in leaves}
+
+
+def _unflatten(flat: dict[Path, Any]) -> dict:
+    tree: dict = {}
+    for path, leaf in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return tree
+
+
+def _shardings_for(shardings, expected: dict[Path, Any]) -> dict[Path, Any]:
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        return {path: shardings for path in expected}
+    flat = by_path(shardings)
+    missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
+    if missing or extra:
+        show = lambda ps: ", ".join("/".join(p) for p in ps[:6]) or "none"  # noqa: E731
+        raise ValueError(f"shardings must match the param tree: missing {show(missing)}; "
+                         f"unexpected {show(extra)}")
+    return flat
+
+
+def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
+            rope_layout: str = "half") -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) of a local Hugging Face model folder of any model type in
+    jaxformer.convert.families.
+
+    dtype: the params' dtype (and the config's param_dtype); default float32.
+    shardings: None (the default device), one jax.sharding.Sharding for every param, a
+      pytree of Shardings matching the params, or a function of the ModelConfig returning
+      one of those. Each param is built on the host and sent to each device as its slice.
+    scan_layers: return the blocks stacked under "blocks" (and scan_layers=True).
+    rope_layout: "interleaved" if the checkpoint's q/k weights rotate interleaved pairs
+      (Meta's original format); they are permuted to the half-rotation layout.
+    """
+    folder = _folder(path)
+    hf = read_hf_json(folder)
+    cfg = config_from_hf(hf).replace(param_dtype=jnp.dtype(dtype or "float32").name,
+                                     scan_layers=scan_layers)
+    row = model_type_row(hf)
+    rules = row.tensor_rules(cfg, row, rope_layout)
+    reader = SafetensorsReader(folder)
+    try:
+        names = _resolve(reader, rules, row, folder)
+        loaders = _leaf_loaders(rules, reader, names)
+        if scan_layers:
+            loaders = _stacked(loaders, cfg.n_layers)
+        expected = by_path(param_shapes(cfg))
+        assert set(loaders) == set(expected), (sorted(loaders), sorted(expected))
+        if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
+            shardings = shardings(cfg)
+        placement = _shardings_for(shardings, expected)
+        params = {}
+        for p, load in loaders.items():
+            host = np.asarray(load()).astype(jnp.dtype(cfg.param_dtype), copy=False)
+            assert host.shape == expected[p].shape, (p, host.shape, expected[p].shape)
+            params[p] = _place(host, placement[p])
+    finally:
+        reader.close()
+    return cfg, _unflatten(params)
+
+
+def _leaf_loaders(rules, reader: SafetensorsReader, names) -> dict[Path, Callable]:
+    """param path -> a function reading its group's HF tensors (the last group is kept, so
+    GPT-2's fused q|k|v is read once for query, key and value)."""
+    last: dict[int, tuple] = {}
+
+    def group(i):
+        if i not in last:
+            last.clear()
+            last[i] = rules[i].to_ours(*[reader.read(names[n]) for n in rules[i].hf])
+        return last[i]
+
+    return {path: (lambda i=i, j=j: group(i)[j])
+            for i, rule in enumerate(rules) for j, path in enumerate(rule.ours)}
+
+
+def _stacked(loaders: dict[Path, Callable], n_layers: int) -> dict[Path, Callable]:
+    """block_i/... loaders -> blocks/... loaders stacking the layers (host memory: one
+    stacked param at a time)."""
+    out = {}
+    for path, load in loaders.items():
+        if path[0] == "block_0":
+            out[("blocks",) + path[1:]] = lambda rest=path[1:]: np.stack(
+                [loaders[(f"block_{i}",) + rest]() for i in range(n_layers)])
+        elif not path[0].startswith("block_"):
+            out[path] = load
+    return out
+
+
+def _place(host: np.ndarray, sharding):
+    if sharding is None:
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
