@@ -59,6 +59,7 @@ FAMILIES = {  # model_type: its config.json keys beyond COMMON
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                     attention_multiplier=0.1, logits_scaling=2.0),
     "cohere2": dict(sliding_window=W, sliding_window_pattern=2, logit_scale=0.5),
+    "exaone4": dict(sliding_window=W, sliding_window_pattern=2),
     "gpt_neox": dict(num_key_value_heads=None, use_parallel_residual=True,
                      rope_parameters=dict(rope_type="default", rope_theta=1e4,
                                           partial_rotary_factor=0.25)),

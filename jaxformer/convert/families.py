@@ -319,6 +319,17 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         rope_of=_sliding_rotated,
         extra=lambda get: dict(logits_multiplier=float(get("logit_scale"))),
         extra_to_hf=lambda cfg: dict(logit_scale=cfg.logits_multiplier)),
+    HFModelType(
+        # EXAONE 4.0: norms after each sublayer and QK-norm per head; 3 sliding : 1 global
+        # layers, the global ones NoPE (every layer rotated when there is no window)
+        "exaone4", ("Exaone4ForCausalLM", "Exaone4Model"), export_rank=15,
+        defaults=dict(num_key_value_heads=32, hidden_act="silu", max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, head_dim=None,
+                      sliding_window=4096, sliding_window_pattern=4, rope_theta=10000.0),
+        block="res_post_ln", qk_norm="head", biases="none",
+        layer_type=_global_every(4, "sliding_window_pattern"), layer_types_key=True,
+        rope_of=lambda get, i, layer_type: (layer_type == "sliding_attention"
+                                            or get("sliding_window") is None)),
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.
