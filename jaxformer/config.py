@@ -11,11 +11,10 @@ from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
 from jaxformer.lora import LoRAConfig
 from jaxformer.rope_scaling import RopeScaling
 from jaxformer.presets import PRESETS
-from jaxformer.schemes import POSITION_SCHEMES, schemes_of
+from jaxformer.schemes import POSITION_SCHEMES, SINUSOIDAL_SCALES, schemes_of
 from jaxformer.validation import (ConfigError, Section, check_choice, check_number,  # noqa: F401
                                   coerce, type_names)
 
-SINUSOIDAL_SCALES = ("table", "tokens", "unit")
 DTYPES = ("float32", "bfloat16", "float16")
 # the fields that change how a model runs, not what it computes: a converted or
 # initialised-from model may set them freely

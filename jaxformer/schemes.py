@@ -90,14 +90,19 @@ class PositionScheme:
 
 # ---- absolute ------------------------------------------------------------------------
 
+# model.sinusoidal_scale: (the table / sqrt(d_model), the tokens * sqrt(d_model))
+SINUSOIDAL_SCALES = {"table": (True, False), "tokens": (False, True), "unit": (False, False)}
+
+
 def sinusoidal_terms(cfg, x, positions):
     """Token embeddings x [B, T, D] and the sinusoidal table, scaled as
     cfg.sinusoidal_scale says; the input is their sum."""
     table = sinusoidal(positions, cfg.d_model, dtype=jnp.float32)
     root = jnp.float32(np.sqrt(cfg.d_model))
-    if cfg.sinusoidal_scale == "table":
+    shrink_table, grow_tokens = SINUSOIDAL_SCALES[cfg.sinusoidal_scale]
+    if shrink_table:
         table = table / root
-    elif cfg.sinusoidal_scale == "tokens":
+    if grow_tokens:
         x = x * root.astype(x.dtype)
     return x, table.astype(x.dtype)
 
