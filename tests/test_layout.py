@@ -33,28 +33,88 @@ def imports(name: str, path: pathlib.Path) -> set[str]:
     return {m for m in found if m in MODULES and m != name}
 
 
-def test_no_import_circle():
-    """A lower layer never imports a higher one: the import graph of jaxformer's modules,
-    function-level imports included, has no cycle (the package __init__s, which only
-    gather names for users, are left out)."""
+def module_graph() -> dict[str, set[str]]:
+    """module -> the modules it imports, function-level imports included (the package
+    __init__s, which only gather names for users, are left out)."""
     graph = {m: imports(m, p) - {"jaxformer"} for m, p in MODULES.items()}
-    graph = {m: {d for d in deps if not MODULES[d].name == "__init__.py"}
-             for m, deps in graph.items() if MODULES[m].name != "__init__.py"}
+    return {m: {d for d in deps if not MODULES[d].name == "__init__.py"}
+            for m, deps in graph.items() if MODULES[m].name != "__init__.py"}
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the graph (its nodes in order, the first again at the end), or None."""
     state = {}
 
     def visit(m, path):
         state[m] = "open"
         for d in sorted(graph.get(m, ())):
             if state.get(d) == "open":
-                cycle = path[path.index(d):] + [d]
-                pytest.fail("import circle: " + " -> ".join(cycle))
-            if d not in state:
-                visit(d, path + [d])
+                return path[path.index(d):] + [d]
+            if d not in state and (found := visit(d, path + [d])):
+                return found
         state[m] = "done"
 
     for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
+        if m not in state and (found := visit(m, [m])):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    """A lower layer never imports a higher one: the import graph of jaxformer's modules
+    has no cycle."""
+    found = circle(module_graph())
+    assert found is None, "import circle: " + " -> ".join(found)
+
+
+def package_of(module: str) -> str:
+    """jaxformer.training.loop -> training; a top module (jaxformer.model) is its own."""
+    return (module.split(".") + [""])[1]
+
+
+def test_no_package_circle():
+    """Nor do the packages: with each subpackage of jaxformer/ one node (its modules
+    together) and each top module one, the imports between them have no cycle."""
+    graph = {}
+    for m, deps in module_graph().items():
+        graph.setdefault(package_of(m), set()).update(
+            package_of(d) for d in deps if package_of(d) != package_of(m))
+    found = circle(graph)
+    assert found is None, "package circle: " + " -> ".join(found)
+
+
+def test_training_reads_hf_folders_without_the_converter():
+    """training/ starts runs from Hugging Face folders through jaxformer.hf and never
+    imports jaxformer.convert, which sits above it (its CLI makes and reads training runs)."""
+    arrows = [f"{m} -> {d}" for m, p in MODULES.items() if package_of(m) == "training"
+              for d in sorted(imports(m, p)) if d.split(".")[:2] == ["jaxformer", "convert"]]
+    assert not arrows, arrows
+
+
+ROWS = PACKAGE / "hf" / "families.py"  # one row per Hugging Face model_type
+
+
+def test_model_types_are_named_in_their_rows_alone():
+    """A Hugging Face model_type (a row of jaxformer.hf.families, or a model type it
+    refuses by name) is a string literal in the rows' module alone, and nothing in
+    jaxformer/ compares a value with one (==, !=, in, not in): the code asks the row."""
+    from jaxformer.hf.families import MODEL_TYPES, OTHER_MODEL_TYPES
+    names = set(MODEL_TYPES) | set(OTHER_MODEL_TYPES)
+    found = []
+    for path in MODULES.values():
+        where = path.relative_to(PACKAGE)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = [c.value for side in sides for c in [side, *getattr(side, "elts", [])]
+                         if isinstance(c, ast.Constant) and c.value in names]
+                if named and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                 for op in node.ops):
+                    found.append(f"{where}:{node.lineno}: compares with {named}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    node.value in names and path != ROWS:
+                found.append(f"{where}:{node.lineno}: {node.value!r}")
+    assert not found, found
 
 
 def test_files_and_functions_hold_one_idea():
@@ -73,13 +133,13 @@ def test_files_and_functions_hold_one_idea():
 
 
 def literal_lines(name: str) -> list[str]:
-    """The lines of jaxformer/ that hold `name` as a string literal; not convert/,
+    """The lines of jaxformer/ that hold `name` as a string literal; not hf/, convert/,
     experiments/ or presets.py, which name schemes as data (HF families, the studies'
     choices, released configurations)."""
     pattern = re.compile(r"""(?<![\w.])(["'])%s\1""" % re.escape(name))
     return [f"{p.relative_to(PACKAGE)}:{i}: {line.strip()}"
             for p in MODULES.values() if p.relative_to(PACKAGE).parts[0] not in
-            ("convert", "experiments", "presets.py")
+            ("hf", "convert", "experiments", "presets.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
 
 
@@ -89,10 +149,10 @@ def test_each_variant_is_named_in_its_table_alone(name):
     """A positional scheme or attention backend is named as a string on at most two lines
     of the library (its table entry and at most one default): the rest of the code asks
     the table what the variant does. "sandwich" is also a block flow (Gemma's sandwich
-    norm), named in that table and its list of choices."""
-    from jaxformer.layers import BLOCK_FLOWS
-    lines = [line for line in literal_lines(name) if name not in BLOCK_FLOWS or
-             not line.startswith(("layers.py", "config.py"))]
+    norm), named in that table (jaxformer/kinds.py)."""
+    from jaxformer.kinds import BLOCKS
+    lines = [line for line in literal_lines(name) if name not in BLOCKS or
+             not line.startswith("kinds.py")]
     assert 1 <= len(lines) <= 2, lines
 
 

@@ -55,7 +55,7 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
 
     from jaxformer.config import ConfigError
     from jaxformer.data import ByteTokenizer
-    from jaxformer.convert import from_hf, read_hf_json
+    from jaxformer.hf import from_hf, read_hf_json
     from jaxformer.model import count_params, stack_layers, unstack_layers
     from jaxformer.training.checkpoint import Checkpointer
     from jaxformer.training.optim import make_optimizer
@@ -172,7 +172,7 @@ def to_peft_run(path: str, peft_dir: str, *, best=False, base_model=None, rope_l
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxformer.convert",
                                 description="Convert Hugging Face checkpoints to jaxformer runs "
-                                "and back (every model type of jaxformer.convert.families; "
+                                "and back (every model type of jaxformer.hf.families; "
                                 "safetensors only).")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from-hf", help="HF model folder -> jaxformer run dir")

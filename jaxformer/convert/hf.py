@@ -18,8 +18,8 @@ from safetensors.numpy import save_file
 from jaxformer import lora
 from jaxformer.config import ModelConfig
 from jaxformer.convert.hf_config import config_to_hf
-from jaxformer.convert.families import MODEL_TYPES
-from jaxformer.convert.folder import INDEX, WEIGHTS, Path, by_path
+from jaxformer.hf.families import MODEL_TYPES
+from jaxformer.hf.folder import INDEX, WEIGHTS, Path, by_path
 from jaxformer.lora import LoRAConfig
 from jaxformer.model import param_shapes
 

@@ -1,5 +1,5 @@
 """ModelConfig -> a Hugging Face config.json: the model type that writes a model is the first
-row (jaxformer.convert.families, by export rank) whose config.json, read back, is the same model.
+row (jaxformer.hf.families, by export rank) whose config.json, read back, is the same model.
 Its writer writes what it can; the round trip finds what the type cannot say, and a model
 that no type writes is a ConfigError naming the fields of the nearest.
 """
@@ -11,8 +11,8 @@ import math
 from typing import Any
 
 from jaxformer.config import RUNTIME, ConfigError, ModelConfig
-from jaxformer.convert.config_json import config_from_hf
-from jaxformer.convert.families import MODEL_TYPES, HFModelType
+from jaxformer.hf.config_json import config_from_hf
+from jaxformer.hf.families import MODEL_TYPES, HFModelType
 
 _PER_LAYER = ("layer_pattern", "layer_kinds", "sliding_window", "rope_theta", "rope_scaling")
 

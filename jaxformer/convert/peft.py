@@ -24,7 +24,7 @@ from jaxformer import lora
 from jaxformer.config import ModelConfig
 from jaxformer.convert.hf import adapter_update, param_getter
 from jaxformer.convert.hf_config import config_to_hf
-from jaxformer.convert.families import MODEL_TYPES
+from jaxformer.hf.families import MODEL_TYPES
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

@@ -1,5 +1,5 @@
 """train.init_from: a new run that starts from another model's weights, a Hugging Face
-folder (any family jaxformer.convert reads) or a jaxformer run (RUN, or RUN@STEP).
+folder (any model type jaxformer.hf reads) or a jaxformer run (RUN, or RUN@STEP).
 
 This module settles the config: the model section comes from the source; the run's own
 model keys may change only how the model runs (RUNTIME: dtypes, scan_layers, remat,
@@ -16,10 +16,11 @@ from typing import Any, Mapping
 
 from jaxformer import lora
 from jaxformer.config import NESTED, RUNTIME as MODEL_RUNTIME, ConfigError, ModelConfig
+from jaxformer.hf import read_hf_config
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.validation import build_section, merge, read_config_file, type_names
 
-# hf_config.RUNTIME (how a converted model may run), and its adapters and length
+# config.RUNTIME (how a model taken from weights may run), and its adapters and length
 RUNTIME = MODEL_RUNTIME + ("lora", "max_seq_len")
 
 
@@ -53,7 +54,6 @@ def source_config(src: Source) -> tuple[ModelConfig, str | None]:
     tok = src.path / "tokenizer.json"
     tok = str(tok) if tok.is_file() else None
     if src.kind == "hf":
-        from jaxformer.convert.folder import read_hf_config
         return read_hf_config(src.path), tok
     model = read_config_file(str(src.path / "config.yaml")).get("model") or {}
     return build_section(ModelConfig, model, "model", nested=NESTED), tok

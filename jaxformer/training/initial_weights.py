@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxformer import lora
 from jaxformer.config import ModelConfig
+from jaxformer.hf import from_hf
 from jaxformer.model import Transformer, stack_layers, unstack_layers
 from jaxformer.training.checkpoint import Checkpointer
 from jaxformer.training.config import load_config
@@ -24,7 +25,6 @@ def load_initial(spec: str, cfg: ModelConfig, params, param_shardings, mesh, rul
     adapters, scales, _ = lora.partition(params, scales=True)
     base_shardings = lora.partition(param_shardings, scales=True)[2]
     if src.kind == "hf":
-        from jaxformer.convert.folder import from_hf
         _, base = from_hf(src.path, dtype=cfg.param_dtype, shardings=base_shardings,
                           scan_layers=cfg.scan_layers)
     else:

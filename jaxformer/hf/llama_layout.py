@@ -1,9 +1,9 @@
 """The Llama layout (model.layers.N.self_attn.q_proj, mlp.gate_proj, ...): the config.json
 reader and writer and the tensor rules of every model type whose checkpoint has it, each
-with its own twists, which its row in jaxformer.convert.families states and this module follows.
+with its own twists, which its row in jaxformer.hf.families states and this module follows.
 
 Layer types (HF's layer_types: full_attention / sliding_attention per layer, and NoPE
-layers) become a model.layer_pattern of kinds named after them (jaxformer.convert.hf_layers).
+layers) become a model.layer_pattern of kinds named after them (jaxformer.hf.layers).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from jaxformer.config import ConfigError, ModelConfig
-from jaxformer.convert.hf_layers import (layer_fields, layers_to_hf, rope_per_type_from_hf,
+from jaxformer.hf.layers import (layer_fields, layers_to_hf, rope_per_type_from_hf,
                                  rope_per_type_to_hf)
-from jaxformer.convert.hf_rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
-from jaxformer.convert.tensors import (Path, Rule, copied, linear, reshaped, rope_permutation,
+from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
+from jaxformer.hf.tensors import (Path, Rule, copied, linear, reshaped, rope_permutation,
                                        split_rows)
 
 ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
@@ -93,7 +93,7 @@ def read_config(hf, get, row) -> ModelConfig:
 
 def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
     """config.json keys of a Llama-layout model type; what the type cannot say is caught
-    by the round trip in jaxformer.convert.hf_config."""
+    by the round trip of jaxformer.convert.hf_config."""
     acts = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}  # others show in the round trip
     out = dict(hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
                num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,

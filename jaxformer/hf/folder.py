@@ -3,7 +3,7 @@
 Weights are read with safetensors only (never pickle), one tensor at a time, and each param
 is placed as soon as it is built: with ``shardings`` every device receives only its own
 slice (``jax.make_array_from_callback``), so no device ever holds a full copy. Writing a
-folder (to_hf) is jaxformer.convert.hf's.
+folder (to_hf) is jaxformer.convert's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxformer.config import ModelConfig
-from jaxformer.convert.config_json import config_from_hf, model_type_row
+from jaxformer.hf.config_json import config_from_hf, model_type_row
 from jaxformer.model import param_shapes
 
 WEIGHTS = "model.safetensors"
@@ -172,7 +172,7 @@ def _shardings_for(shardings, expected: dict[Path, Any]) -> dict[Path, Any]:
 def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
             rope_layout: str = "half") -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) of a local Hugging Face model folder of any model type in
-    jaxformer.convert.families.
+    jaxformer.hf.families.
 
     dtype: the params' dtype (and the config's param_dtype); default float32.
     shardings: None (the default device), one jax.sharding.Sharding for every param, a

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from jaxformer.config import ModelConfig
-from jaxformer.convert.hf_rope import rope_from_hf, rope_to_hf, rotary_fraction, unsupported
-from jaxformer.convert.tensors import Rule, copied, linear, rope_permutation
+from jaxformer.hf.rope import rope_from_hf, rope_to_hf, rotary_fraction, unsupported
+from jaxformer.hf.tensors import Rule, copied, linear, rope_permutation
 
 # transformers' "gelu" is the exact (erf) GELU; gelu_new and gelu_pytorch_tanh are the tanh
 # approximation, jaxformer's gelu

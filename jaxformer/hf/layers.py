@@ -6,7 +6,7 @@ named after it ("full", "sliding", "full_nope", ...); the pattern is the shortes
 of the layers' kinds. A model whose layers are all alike gets no pattern: a window for
 every layer is model.sliding_window, and NoPE everywhere is position "none". What differs
 between model types (how they choose the types, gate the window, skip RoPE) is read from
-their row (jaxformer.convert.families).
+their row (jaxformer.hf.families).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxformer.config import ModelConfig, RopeScaling
-from jaxformer.convert.hf_rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
+from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
 
 TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
@@ -58,7 +58,7 @@ def _period(names: list[str]) -> list[str]:
 def layer_fields(hf, get, row, ropes) -> dict[str, Any]:
     """ModelConfig fields for the layers' attention: layer_pattern and layer_kinds, or
     sliding_window (and rope_theta, rope_scaling, position). row: the model type's
-    (jaxformer.convert.families); ropes: layer type -> (theta, RopeScaling)."""
+    (jaxformer.hf.families); ropes: layer type -> (theta, RopeScaling)."""
     types = _types(hf, get, row)
     window = _window(get, row, types)
     kinds, names = {}, []

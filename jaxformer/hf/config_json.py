@@ -1,4 +1,4 @@
-"""Hugging Face config.json -> ModelConfig: the model type's row (jaxformer.convert.families)
+"""Hugging Face config.json -> ModelConfig: the model type's row (jaxformer.hf.families)
 reads it, a key absent from the file taking the row's default.
 
 Every field that changes what the model computes is read explicitly; a value jaxformer
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from jaxformer.config import ConfigError, ModelConfig
-from jaxformer.convert.families import MODEL_TYPES, OTHER_MODEL_TYPES, HFModelType
+from jaxformer.hf.families import MODEL_TYPES, OTHER_MODEL_TYPES, HFModelType
 
 _REQUIRED = object()  # a key without a default
 

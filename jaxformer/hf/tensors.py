@@ -3,7 +3,7 @@
 A ``Rule`` ties a group of HF tensors to a group of our params with a function each way, so
 loading and saving are one table read in two directions (and a round trip is exact: only
 transposes, reshapes, splits and concatenations). Each tensor layout's rules are its
-module's ``tensor_rules`` (jaxformer.convert.gpt2, gpt_neox, llama_layout), named as the
+module's ``tensor_rules`` (jaxformer.hf.gpt2, gpt_neox, llama_layout), named as the
 ``*ForCausalLM`` / ``GPT2LMHeadModel`` checkpoints name them; a bare-model checkpoint lacks
 the prefix (its row's tensor_prefix), which the reader allows. Here are the pieces they share.
 

@@ -3,7 +3,7 @@ a model type is named (tests/test_layout.py); the rest of jaxformer asks its row
 
 A row gives the architectures read, the defaults of config.json keys, where it comes in
 the order to_hf tries model types, and its format: a config.json reader and writer and
-tensor rules, the Llama layout's (jaxformer.convert.llama_layout) unless the layout is its own
+tensor rules, the Llama layout's (jaxformer.hf.llama_layout) unless the layout is its own
 (GPT-2, GPT-NeoX), with the Llama lineage's twists as fields. Adding a Llama-layout family
 is adding a row.
 
@@ -19,10 +19,10 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
-from jaxformer.convert import gpt2, gpt_neox, llama_layout
-from jaxformer.convert.llama_layout import head_dim
-from jaxformer.convert.hf_rope import cannot
-from jaxformer.convert.tensors import Rule
+from jaxformer.hf import gpt2, gpt_neox, llama_layout
+from jaxformer.hf.llama_layout import head_dim
+from jaxformer.hf.rope import cannot
+from jaxformer.hf.tensors import Rule
 
 @dataclasses.dataclass(frozen=True)
 class HFModelType:
@@ -39,7 +39,7 @@ class HFModelType:
       untied LM head's name; ignored_tensors: buffers that are not params (regexes);
       fan_in_fan_out: weights stored [in, out] (GPT-2's Conv1D), as PEFT records it.
 
-    The Llama lineage's twists (read by llama_layout and jaxformer.convert.hf_layers). norm, block,
+    The Llama lineage's twists (read by llama_layout and jaxformer.hf.layers). norm, block,
       qk_norm: ModelConfig's. biases: "attention_and_mlp" (attention_bias on q, k, v, o and
       mlp_bias, equal), "attention" (attention_bias on q, k, v, o; no MLP key), "qkv" (q,
       k, v always, as Qwen2), "none". act_key, eps_key: the activation's and the norm
