@@ -54,8 +54,8 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     import jax.numpy as jnp
 
     from jaxformer.config import ConfigError
+    from jaxformer.convert import from_hf, read_hf_json
     from jaxformer.data import ByteTokenizer
-    from jaxformer.hf import from_hf, read_hf_json
     from jaxformer.model import count_params, stack_layers, unstack_layers
     from jaxformer.training.checkpoint import Checkpointer
     from jaxformer.training.optim import make_optimizer
@@ -131,7 +131,7 @@ def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layou
               max_shard_bytes=None, member=None, log=print) -> dict:
     import json
 
-    from jaxformer.convert.hf import to_hf
+    from jaxformer.convert import to_hf
     from jaxformer.data import HFTokenizer, load_tokenizer
 
     cfg, params, run = load_run_params(path, best=best)
