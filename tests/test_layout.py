@@ -2,6 +2,7 @@
 functions of one idea each, and every axis of variation named in its table alone."""
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -16,11 +17,17 @@ MODULES = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removes
            for p in PACKAGE.rglob("*.py")}
 
 
+@functools.cache
+def syntax(path: pathlib.Path) -> ast.Module:
+    """A module's syntax tree, parsed once for every test here."""
+    return ast.parse(path.read_text())
+
+
 def imports(name: str, path: pathlib.Path) -> set[str]:
     """The jaxformer modules a module imports, at its top or inside a function."""
     found = set()
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(syntax(path)):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -103,7 +110,7 @@ def test_model_types_are_named_in_their_rows_alone():
     found = []
     for path in MODULES.values():
         where = path.relative_to(PACKAGE)
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(syntax(path)):
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
                 named = [c.value for side in sides for c in [side, *getattr(side, "elts", [])]
@@ -124,7 +131,7 @@ def test_files_and_functions_hold_one_idea():
                   if (n := len(p.read_text().splitlines())) > 400}
     long_functions = {}
     for p in MODULES.values():
-        for node in ast.walk(ast.parse(p.read_text())):
+        for node in ast.walk(syntax(p)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                     node.end_lineno - node.lineno + 1 > 60:
                 long_functions[f"{p.relative_to(PACKAGE)}:{node.name}"] = \
