@@ -24,6 +24,7 @@ from jaxformer.hf.llama_layout import head_dim
 from jaxformer.hf.rope import cannot
 from jaxformer.hf.tensors import Rule
 
+
 @dataclasses.dataclass(frozen=True)
 class HFModelType:
     """One Hugging Face model_type.

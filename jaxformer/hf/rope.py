@@ -5,7 +5,6 @@ model field HF cannot express."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 from jaxformer.config import ConfigError, ModelConfig
