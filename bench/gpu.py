@@ -6,7 +6,7 @@
 1. attention: cuDNN vs XLA vs the reference in bf16 on every mask kind (causal, padding,
    packed, window, alibi, gqa): max error against the float32 reference, forward and
    forward+backward ms at T = 2,048 and 8,192, as the model calls it (is_causal + mask).
-2. tests: tests/test_attention.py's cuDNN tests.
+2. tests: tests/attention/'s cuDNN tests.
 3. train: the jitted train step of gpt2-small (T 1,024) and configs/gpu_1b.yaml (T 2,048),
    bf16 compute, float32 params, scanned layers, remat none / dots / full, at the largest
    power-of-two batch the compiler says fits in 90% of device memory (or --batch):
@@ -175,11 +175,11 @@ def attention_rows(sizes: Sizes, repeats: int) -> list[dict]:
 
 
 def cudnn_tests() -> dict:
-    """tests/test_attention.py's cuDNN tests, run by pytest in a subprocess."""
+    """tests/attention/'s cuDNN tests, run by pytest in a subprocess."""
     if not on_gpu():
         return {"status": NO_GPU}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/test_attention.py", "-k", "cudnn"]
+           "tests/attention", "-k", "cudnn"]
     try:
         # this process holds most of the GPU's memory: the tests allocate as they go
         env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}

@@ -1,0 +1,1 @@
+"""Tests of jaxformer.data, one file per module, against plain-Python/NumPy references."""

@@ -1,0 +1,71 @@
+"""python -m jaxformer.data.prepare's folder against load_dataset on the same corpus."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxformer.data import ByteTokenizer, DataConfig, DataError, load_dataset, load_tokenizer
+from tests.data.helpers import killed_writer, random_text, utf8
+
+
+def test_prepare_writes_a_folder_that_trains_anywhere(rng, tmp_path, capsys):
+    """python -m jaxformer.data.prepare: tokens and tokenizer in one folder; data.path=DIR
+    maps its files in place (every host the same ones) with its own tokenizer."""
+    from jaxformer.data.prepare import main
+    records = [random_text(rng, int(rng.integers(50, 300))) for _ in range(40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in records))
+    out, cache = tmp_path / "prepared", str(tmp_path / "c")
+    args = [f"data.path={tmp_path / 'd.jsonl'}", "data.text_field=body", "data.tokenizer=bpe",
+            "data.bpe_vocab_size=300", "data.val_fraction=0.25", f"data.cache_dir={cache}"]
+    assert main(args + [f"out={out}"]) == 0
+    assert f"train with data.path={out}" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "train.bin",
+                                       "train_docs.npy", "val.bin", "val_docs.npy"]
+    tok = load_tokenizer(out)
+    direct = load_dataset(DataConfig(path=str(tmp_path / "d.jsonl"), text_field="body",
+                                     val_fraction=0.25, tokenizer=str(out / "tokenizer.json"),
+                                     cache_dir=cache))
+    for _ in range(2):  # e.g. two hosts
+        ds = load_dataset(DataConfig(path=str(out)), run_dir=str(tmp_path / "run"))
+        assert ds.tokenizer.fingerprint == tok.fingerprint and ds.source.startswith("prepared")
+        assert ds.train.filename == str(out / "train.bin")
+        for split in ("train", "val", "train_docs", "val_docs"):
+            np.testing.assert_array_equal(getattr(ds, split), getattr(direct, split))
+    assert tok.decode(ds.val[ds.val_docs[0]:ds.val_docs[1] - 1]) in records
+
+    assert main(args + [f"out={out}"]) == 2
+    assert "already exists; choose a new folder" in capsys.readouterr().err
+    assert main(args) == 2 and "out=DIR is missing" in capsys.readouterr().err
+    assert main(args + ["train.steps=3", "out=x"]) == 2
+    assert "unexpected argument(s) train.steps=3" in capsys.readouterr().err
+    ByteTokenizer().save(tmp_path / "other")
+    with pytest.raises(DataError, match="was prepared with HFTokenizer.*not with data.tokenizer"):
+        load_dataset(DataConfig(path=str(out), tokenizer=str(tmp_path / "other")))
+
+
+def test_prepare_removes_a_killed_prepares_folder_beside_out(rng, tmp_path, capsys):
+    """A prepare killed with SIGKILL leaves its temporary folder beside out; the next
+    prepare removes it (as load_dataset does in the cache), keeps a live process's folder
+    and another host's, and writes out."""
+    import socket
+    from jaxformer.data.prepare import main
+    out = str(tmp_path / "data" / "tokens")
+    dead, pid = killed_writer(out)
+    assert os.path.isdir(dead) and os.path.dirname(dead) == os.path.dirname(out)
+    host = socket.gethostname()
+    live = f"{out}.tmp-{host}-{os.getpid()}-{rng.bytes(4).hex()}"
+    other = f"{out}.tmp-not-{host}-{pid}-{rng.bytes(4).hex()}"
+    for folder in (live, other):
+        os.makedirs(folder)
+    text = random_text(rng, int(rng.integers(100, 500)))
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    assert main([f"data.path={tmp_path / 't.txt'}", f"data.cache_dir={tmp_path / 'c'}",
+                 f"out={out}"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert not os.path.exists(dead) and os.path.isdir(live) and os.path.isdir(other)
+    assert sorted(os.listdir(tmp_path / "data")) == sorted(
+        os.path.basename(p) for p in (out, live, other))
+    ds = load_dataset(DataConfig(path=out, cache_dir=str(tmp_path / "c")))
+    assert ds.train.tolist() + ds.val.tolist() == utf8(text)
