@@ -172,3 +172,46 @@ def test_the_tables_list_what_the_tests_parametrise_over():
         if backend.takes_bias:
             assert ModelConfig(attention_impl=name, position="alibi").attention_impl == name
     assert set(SOURCES) >= {"files", "jsonl", "parquet", "bin", "bin_pair", "prepared"}
+
+
+def variant_tables() -> dict[str, dict]:
+    """Every table of variants in the library, by the config field it answers."""
+    from jaxformer import kinds
+    from jaxformer.rope_scaling import ROPE_SCALINGS
+    from jaxformer.schemes import SINUSOIDAL_SCALES
+    return {"position": POSITION_SCHEMES, "attention_impl": BACKENDS,
+            "rope_scaling.kind": ROPE_SCALINGS, "norm": kinds.NORMS, "ffn": kinds.FFNS,
+            "block": kinds.BLOCKS, "qk_norm": kinds.QK_NORMS, "remat": kinds.REMATS,
+            "sinusoidal_scale": SINUSOIDAL_SCALES, "data source": SOURCES}
+
+
+def compared_literals(node: ast.Compare) -> list[str]:
+    """The string literals an ==, !=, in or not in compares with (alone or in a tuple)."""
+    if not all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+        return []
+    found = []
+    for side in (node.left, *node.comparators):
+        items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+        found += [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+    return found
+
+
+def test_no_variant_is_compared_by_name():
+    """No `==`/`in` compares a value with a variant's name (a positional scheme, backend,
+    RoPE scaling, norm, FFN, block flow, QK-norm, remat policy, sinusoidal scale or data
+    source) anywhere in jaxformer/ but the studies (experiments/, whose choices are data):
+    the code asks the variant's table row what it does. "none" is also the word for no
+    value in parsed text, so it is left to the tables' own tests."""
+    names = {n: field for field, table in variant_tables().items() for n in table}
+    names.pop("none", None)
+    found = []
+    for p in MODULES.values():
+        if p.relative_to(PACKAGE).parts[0] == "experiments":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            hits = sorted({names[s] for s in compared_literals(node) if s in names}) \
+                if isinstance(node, ast.Compare) else []
+            if hits:
+                found.append(f"{p.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)} "
+                             f"({', '.join(hits)})")
+    assert not found, "\n".join(found)

@@ -13,6 +13,7 @@ from typing import Any
 from jaxformer.config import RUNTIME, ConfigError, ModelConfig
 from jaxformer.hf.config_json import config_from_hf
 from jaxformer.hf.families import MODEL_TYPES, HFModelType
+from jaxformer.schemes import POSITION_SCHEMES
 
 _PER_LAYER = ("layer_pattern", "layer_kinds", "sliding_window", "rope_theta", "rope_scaling")
 
@@ -22,7 +23,8 @@ def _layers(cfg: ModelConfig) -> list:
     out = []
     for i in cfg.layer_kind_ids:
         k = cfg.kinds[i]
-        rope = (k.rope_theta, k.rope_scaling) if cfg.position == "rope" and k.rope else None
+        rotary = POSITION_SCHEMES[cfg.position].kind == "rotary"
+        rope = (k.rope_theta, k.rope_scaling) if rotary and k.rope else None
         out.append((k.window, rope))
     return out
 

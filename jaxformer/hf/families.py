@@ -23,6 +23,7 @@ from jaxformer.hf import gpt2, gpt_neox, llama_layout
 from jaxformer.hf.llama_layout import head_dim
 from jaxformer.hf.rope import cannot
 from jaxformer.hf.tensors import Rule
+from jaxformer.schemes import POSITION_SCHEMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +124,8 @@ def _smollm3_types(get, i):  # sliding only where use_sliding_window, and a NoPE
 
 
 def _smollm3_to_hf(cfg) -> dict:
-    return dict(no_rope_layers=[int(cfg.kinds[i].rope and cfg.position == "rope")
-                                for i in cfg.layer_kind_ids])
+    rotary = POSITION_SCHEMES[cfg.position].kind == "rotary"
+    return dict(no_rope_layers=[int(cfg.kinds[i].rope and rotary) for i in cfg.layer_kind_ids])
 
 
 def _sliding_rotated(get, i, layer_type) -> bool:  # the global layers are NoPE

@@ -13,6 +13,9 @@ from jaxformer.config import ModelConfig
 from jaxformer.hf.rope import rope_from_hf, rope_to_hf, rotary_fraction, unsupported
 from jaxformer.hf.tensors import Rule, copied, linear, rope_permutation
 
+# model.block -> use_parallel_residual (GPT-NeoX runs one of the two flows)
+PARALLEL_RESIDUAL = {"parallel": True, "pre_ln": False}
+
 # transformers' "gelu" is the exact (erf) GELU; gelu_new and gelu_pytorch_tanh are the tanh
 # approximation, jaxformer's gelu
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
@@ -50,7 +53,7 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
     return dict(hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
                 num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                 hidden_act=acts.get(cfg.ffn, "gelu"), max_position_embeddings=cfg.max_seq_len,
-                layer_norm_eps=cfg.norm_eps, use_parallel_residual=cfg.block == "parallel",
+                layer_norm_eps=cfg.norm_eps, use_parallel_residual=PARALLEL_RESIDUAL.get(cfg.block, False),
                 attention_bias=True, rope_parameters=rope, attention_dropout=0.0,
                 hidden_dropout=cfg.dropout, initializer_range=0.02,
                 # transformers 4.x reads these instead of rope_parameters

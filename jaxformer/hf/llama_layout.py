@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxformer.config import ConfigError, ModelConfig
+from jaxformer.kinds import NORMS, QK_NORMS
 from jaxformer.hf.layers import (layer_fields, layers_to_hf, rope_per_type_from_hf,
                                  rope_per_type_to_hf)
 from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
@@ -161,7 +162,7 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
                             (d, n * h), (n, h, d)))
         for ours, hf in NORM_TENSORS[cfg.block].items():
             rules.append(copied((b, ours, "scale"), f"{p}{hf}.weight", (d,)))
-            if cfg.norm == "layernorm" and cfg.use_bias:
+            if not NORMS[cfg.norm].rms and cfg.use_bias:  # LayerNorm's bias
                 rules.append(copied((b, ours, "bias"), f"{p}{hf}.bias", (d,)))
         rules += _mlp(cfg, (b, "ffn"), f"{p}mlp.", row.fused_projections)
         if cfg.use_bias:
@@ -169,7 +170,7 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
             rules += [copied((b, "ffn", ours, "bias"), f"{p}mlp.{hf}.bias", shape[:1])
                       for ours, hf, shape in _mlp_shapes(cfg)]
     rules.append(copied(("final_norm", "scale"), f"{t}norm.weight", (d,)))
-    if cfg.norm == "layernorm" and cfg.use_bias:
+    if not NORMS[cfg.norm].rms and cfg.use_bias:
         rules.append(copied(("final_norm", "bias"), f"{t}norm.bias", (d,)))
     if not cfg.tie_embeddings:
         rules.append(linear(("lm_head", "kernel"), row.head_tensor, (v, d), (d, v)))
@@ -208,10 +209,11 @@ def _attention(cfg: ModelConfig, a: Path, p: str, rope, fused: bool) -> list[Rul
     if cfg.qkv_bias:
         rules += [reshaped(a + (ours, "bias"), f"{p}{hf}.bias", (m * h,), (m, h), post)
                   for ours, hf, m, post in heads]
-    if cfg.qk_norm == "head":
+    qk_axes = QK_NORMS[cfg.qk_norm].query_axes
+    if qk_axes is not None and len(qk_axes) == 1:  # per head, over head_dim
         rules += [reshaped(a + (x, "scale"), f"{p}{x}.weight", (h,), (h,), rope)
                   for x in ("q_norm", "k_norm")]
-    elif cfg.qk_norm == "projection":
+    elif qk_axes is not None:  # over the whole projection
         rules += [reshaped(a + (x, "scale"), f"{p}{x}.weight", (m * h,), (m, h), rope)
                   for x, m in (("q_norm", n), ("k_norm", k))]
     return rules
