@@ -715,7 +715,7 @@ def test_layer_patterns_scanned_and_rematted_match_the_reference(impl, block, qk
     """A Gemma 3-like model (a local/global pattern with two RoPE bases, QK-norm, partial
     rotary, both soft-caps) on a packed and padded batch: scanned with remat under
     chunked or blockwise, its logits and every param's gradient equal the unscanned
-    reference backend's (which tests/test_families.py holds to transformers')."""
+    reference backend's (which tests/hf/test_families.py holds to transformers')."""
     from jaxformer import blockwise
     monkeypatch.setattr(blockwise, "BLOCK_Q", int(rng.integers(2, 5)))
     monkeypatch.setattr(blockwise, "BLOCK_K", int(rng.integers(2, 5)))

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from jaxformer import lora
 from jaxformer.config import ConfigError
 from jaxformer.training import load_config, train
-from tests.test_training import corpus, restored_state  # noqa: F401 (a fixture)
+from tests.training.test_loop import corpus, restored_state  # noqa: F401 (a fixture)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxformer import lora
-from tests.test_convert import init_params, our_logits
+from tests.convert.test_convert import init_params, our_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

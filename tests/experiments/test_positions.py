@@ -16,7 +16,7 @@ from jaxformer.data import get_batch, load_dataset
 from jaxformer.experiments import positions as study
 from jaxformer.experiments.report import markdown_table, row_title, summarize
 from tests.conftest import REPO
-from tests.test_length_gen import assert_each_seed_trained_alone, separate_runs
+from tests.experiments.test_length_gen import assert_each_seed_trained_alone, separate_runs
 
 ROWS = ["rope", "rope+yarn", "learned", "alibi"]  # notebook 2 runs all five schemes
 

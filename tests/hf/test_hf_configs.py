@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf, read_hf_config, to_hf  # noqa: E402
 from jaxformer.positions import rope_frequencies, rotary_dims  # noqa: E402
-from tests.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
+from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture

@@ -29,7 +29,7 @@ from jaxformer.training.checkpoint import (MANIFEST, Checkpointer, CheckpointErr
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import read_metrics
 from tests.conftest import REPO
-from tests.test_training import TINY, config, corpus, restored_state  # noqa: F401 (fixture)
+from tests.training.test_loop import TINY, config, corpus, restored_state  # noqa: F401 (fixture)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 

@@ -1,0 +1,1 @@
+"""Tests of jaxformer.experiments: the positional-encoding studies."""

@@ -1,0 +1,1 @@
+"""Tests of jaxformer.training: run config, loop, checkpoints, init_from."""
