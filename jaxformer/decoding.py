@@ -1,6 +1,10 @@
 """KV-cached decoding: one prefill forward over the prompt batch, then a fixed-length
-jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p and beam search;
-with a draft, speculative decoding (jaxformer.speculative).
+jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p, min-p and beam
+search; with a draft, speculative decoding (jaxformer.speculative).
+
+The sampling settings are values (jaxformer.sampling.Sampling, traced): one compiled
+decoder serves every temperature and filter, per row if need be. What changes shapes
+(max_new_tokens, the cache's length and dtype) and eos_id / pad_id compile their own.
 
 The cache (its layout, writes and reads: jaxformer.kv_cache) is an explicit pytree
 updated in place; every row writes its next token into the same slot, so rows with
@@ -21,9 +25,10 @@ from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
 from jaxformer.kv_cache import init_cache, kv_cache_bytes, take_rows  # noqa: F401
 from jaxformer.model import Transformer
-from jaxformer.sampling import filter_logits, sample_logits  # noqa: F401
+from jaxformer.sampling import (Sampling, checked_sampling, filter_logits,  # noqa: F401
+                                sample_logits)
 from jaxformer.schemes import POSITION_SCHEMES
-from jaxformer.speculative import speculative_fn
+from jaxformer.speculative import checked_draft, speculative_fn
 
 
 class Beams(NamedTuple):
@@ -34,19 +39,19 @@ class Beams(NamedTuple):
 
 # ---- generate -----------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=64)
-def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
-                 cache_dtype, windowed_cache=True):
+def _decode_run(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache):
+    """run(params, prompts, lengths, rng, sampling) -> Generated, to be jitted; sampling: a
+    Sampling of [batch] arrays."""
     model, unstack = looped(cfg)
 
-    def run(params, prompts, lengths, rng):
+    def run(params, prompts, lengths, rng, sampling):
         b, w = prompts.shape
         params = unstack(params)
         last, cache = prefill(model, params, prompts, lengths, w + max_new_tokens, cache_dtype,
                                windowed_cache)
 
         def emit(logits, rng, done):
-            tok = sample_logits(rng, logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            tok = sample_logits(rng, logits, sampling)
             logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], -1)[:, 0]
             tok = jnp.where(done, pad_id, tok)
             logp = jnp.where(done, 0.0, logp)
@@ -71,7 +76,27 @@ def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eo
         logprobs = jnp.concatenate([logp[:, None], logps.T], axis=1)
         return Generated(tokens, logprobs, count)
 
-    return decode_jit(run)
+    return run
+
+
+@functools.lru_cache(maxsize=64)
+def _decoder(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache):
+    """The jitted decoder of these static settings: run(params, prompts, lengths, rng,
+    sampling), compiled once per shape."""
+    return decode_jit(_decode_run(cfg, max_new_tokens, eos_id, pad_id, cache_dtype,
+                                  windowed_cache))
+
+
+@functools.lru_cache(maxsize=8)
+def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
+                 cache_dtype, windowed_cache=True):
+    """A decoder with its sampling settings compiled in as constants: fn(params, prompts,
+    lengths, rng) (the form tests that read one setting's compiled HLO lower)."""
+    run = _decode_run(cfg, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache)
+    sampling = Sampling(temperature, top_k, top_p)
+    return decode_jit(lambda params, prompts, lengths, rng: run(
+        params, prompts, lengths, rng, checked_sampling(sampling, prompts.shape[0],
+                                                        cfg.vocab_size)))
 
 
 def _windowed(cfg: ModelConfig, windowed_cache: bool) -> bool:
@@ -80,90 +105,75 @@ def _windowed(cfg: ModelConfig, windowed_cache: bool) -> bool:
     return bool(windowed_cache) and POSITION_SCHEMES[cfg.position].logits is None
 
 
-def _checked_sampling(cfg: ModelConfig, temperature, top_k, top_p):
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
-        raise ValueError(f"top_k must be in [1, vocab_size={cfg.vocab_size}], got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    return float(temperature), top_k, None if top_p is None else float(top_p)
-
-
-def _checked_draft(cfg: ModelConfig, draft, draft_len: int, hooks):
-    """(the draft's config or None for prompt lookup, its params); errors name the fix."""
-    if draft_len < 1:
-        raise ValueError(f"draft_len must be >= 1, got {draft_len}")
-    if hooks:
-        raise ValueError("generate cannot hook a speculative decode (the model runs on "
-                         "drafts it may refuse); pass draft=None to hook generation")
-    if isinstance(draft, str):
-        if draft != "prompt_lookup":
-            raise ValueError(f"draft must be (model, params) or 'prompt_lookup', got {draft!r}")
-        return None, None
-    if not (isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[0], Transformer)):
-        raise ValueError("draft must be a (jaxformer Transformer, params) pair or "
-                         f"'prompt_lookup', got {type(draft).__name__}")
-    dcfg = draft[0].cfg
-    if dcfg.vocab_size != cfg.vocab_size:
-        raise ValueError(f"the draft model's vocab_size {dcfg.vocab_size} differs from the "
-                         f"model's {cfg.vocab_size}; a draft must share the tokenizer")
-    if dcfg.max_seq_len < cfg.max_seq_len:
-        raise ValueError(f"the draft model's max_seq_len {dcfg.max_seq_len} is below the "
-                         f"model's {cfg.max_seq_len}; it reads the same positions")
-    return dcfg, draft[1]
+def _sampling_of(sampling: Sampling | None, keywords: dict, batch: int, vocab_size: int):
+    """generate's Sampling, [batch] arrays: `sampling`, or one of the keywords."""
+    if sampling is None:
+        return checked_sampling(Sampling(**keywords), batch, vocab_size)
+    if keywords != {"temperature": 1.0, **{n: None for n in keywords if n != "temperature"}}:
+        raise ValueError("pass sampling=Sampling(...) or temperature / top_k / top_p / "
+                         f"min_p, not both (got {keywords})")
+    return checked_sampling(sampling, batch, vocab_size)
 
 
 def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
              max_new_tokens: int, rng, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, eos_id: int | None = None, pad_id: int = 0,
+             top_p: float | None = None, min_p: float | None = None,
+             sampling: Sampling | None = None, eos_id: int | None = None, pad_id: int = 0,
              cache_dtype=None, windowed_cache: bool = True, hooks=None, draft=None,
              draft_len: int = 4) -> Generated:
     """Continue each row of `prompts` [batch, width] (right-padded; `prompt_lengths` [batch]
     gives the real lengths, None = all full) by `max_new_tokens` tokens.
 
-    temperature=0 is greedy; top_k / top_p / temperature combine. After `eos_id` a row
-    emits `pad_id` and its length stops growing. `logprobs` are log p(token) under the
-    model's unmodified distribution. Compiles once per (config, shapes, settings); jittable
-    and vmappable. cache_dtype: the KV cache's dtype (default the compute dtype; bf16 halves
-    its memory). windowed_cache: a layer whose sliding window is shorter than the
-    sequence keeps only a window of slots (a ring: jaxformer.kv_cache), e.g. Gemma 3's
-    local layers; False keeps every layer at full length (always, for a contextual
-    scheme: CoPE counts keys in row order, which a ring does not keep). hooks: {name: fn} as
-    jaxformer.inspect.run_with_hooks takes them, applied through the KV-cached path: to the
-    prompt's values in the prefill, then to each new token's (e.g. a steering vector added
-    to `blocks.1.hook_resid_post` at every step). Attention patterns and scores are not
-    computed there, so they cannot be hooked.
+    temperature=0 is greedy; top_k / top_p / min_p / temperature combine (None: off), each
+    one value or one per row [batch]; or pass them together as `sampling=Sampling(...)`
+    (jaxformer.sampling). They are values: a new setting runs the same compiled decoder.
+    After `eos_id` a row emits `pad_id` and its length stops growing. `logprobs` are log
+    p(token) under the model's unmodified distribution. Compiles once per (config, shapes,
+    eos_id, pad_id); jittable and vmappable. cache_dtype: the KV cache's dtype (default the
+    compute dtype; bf16 halves its memory). windowed_cache: a layer whose sliding window is
+    shorter than the sequence keeps only a window of slots (a ring: jaxformer.kv_cache),
+    e.g. Gemma 3's local layers; False keeps every layer at full length (always, for a
+    contextual scheme: CoPE counts keys in row order, which a ring does not keep). hooks:
+    {name: fn} as jaxformer.inspect.run_with_hooks takes them, applied through the
+    KV-cached path: to the prompt's values in the prefill, then to each new token's (e.g.
+    a steering vector added to `blocks.1.hook_resid_post` at every step). Attention
+    patterns and scores are not computed there, so they cannot be hooked.
 
     draft: speculative decoding (jaxformer.speculative), the same output distribution
     (greedy: the same tokens) in fewer forwards of the model: `(draft_model,
-    draft_params)`, a smaller model with the same vocabulary, or "prompt_lookup"; each
-    round it proposes `draft_len` tokens. The result's `drafted` / `accepted` count them
-    (`acceptance_rate`); prompt width + max_new_tokens + draft_len must fit max_seq_len.
+    draft_params)`, a smaller model with the same vocabulary, or a proposer's name
+    (jaxformer.speculative.PROPOSERS: prompt_lookup); each round it proposes `draft_len`
+    tokens. The result's `drafted` / `accepted` count them (`acceptance_rate`); prompt
+    width + max_new_tokens + draft_len must fit max_seq_len.
     """
     cfg = model.cfg
-    sampling = _checked_sampling(cfg, temperature, top_k, top_p)
+    keywords = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     cache = None if cache_dtype is None else jnp.dtype(cache_dtype).name
     if draft is not None:
-        dcfg, dparams = _checked_draft(cfg, draft, draft_len, hooks)
+        if hooks:
+            raise ValueError("generate cannot hook a speculative decode (the model runs on "
+                             "drafts it may refuse); pass draft=None to hook generation")
+        proposer, dcfg, dparams = checked_draft(cfg, draft, draft_len)
         prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens,
                                           room=draft_len)
         windowed = (_windowed(cfg, windowed_cache), dcfg and _windowed(dcfg, windowed_cache))
-        fn = speculative_fn(cfg, dcfg, draft_len, max_new_tokens, *sampling, eos_id, pad_id,
+        fn = speculative_fn(cfg, proposer, dcfg, draft_len, max_new_tokens, eos_id, pad_id,
                             cache, windowed)
-        return fn(params, dparams, prompts, lengths, rng)
+        return fn(params, dparams, prompts, lengths, rng,
+                  _sampling_of(sampling, keywords, prompts.shape[0], cfg.vocab_size))
     prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
-    settings = (cfg, max_new_tokens, *sampling, eos_id, pad_id, cache,
-                _windowed(cfg, windowed_cache))
+    args = (params, prompts, lengths, rng,
+            _sampling_of(sampling, keywords, prompts.shape[0], cfg.vocab_size))
+    settings = (cfg, max_new_tokens, eos_id, pad_id, cache, _windowed(cfg, windowed_cache))
     if not hooks:
-        return _generate_fn(*settings)(params, prompts, lengths, rng)
+        return _decoder(*settings)(*args)
     patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))
     if patterns:
         raise ValueError(f"generate cannot hook {', '.join(patterns)}: the KV-cached path "
                          "computes no attention pattern; hook attn.hook_z or the residual "
                          "stream, or use jaxformer.inspect.run_with_hooks on the full sequence")
     with session(hooks, lambda _: False):  # traced (and checked) inside, compiled afresh
-        return _generate_fn.__wrapped__(*settings)(params, prompts, lengths, rng)
+        return decode_jit(_decode_run(*settings))(*args)
 
 
 # ---- beam search --------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """Generate text from a training run:
 
     python -m jaxformer.generate --run runs/tiny --prompt "def " [--max-new-tokens 200
-        --temperature 0.8 --top-k 40 --top-p 0.95 --seed 0 --beam-width 4 --best
-        --weights int8 --draft prompt_lookup --draft-len 4]
+        --temperature 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 --seed 0 --beam-width 4
+        --best --weights int8 --draft prompt_lookup --draft-len 4]
 
 Loads the run's config, tokenizer and latest checkpoint (or the best, with --best).
 --weights int8 / bfloat16 reads the weights in that format (jaxformer.quantize); --draft
-decodes speculatively (prompt_lookup, or another run's directory: a draft model with the
-same tokenizer) and prints the acceptance rate to stderr.
+decodes speculatively (a proposer's name, prompt_lookup, or another run's directory: a
+draft model with the same tokenizer) and prints the acceptance rate to stderr.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--beam-width", type=int, default=None, help="beam search instead of sampling")
     p.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
@@ -81,13 +82,14 @@ def main(argv=None) -> int:
 
     from jaxformer.decoding import beam_search, generate
     from jaxformer.quantize import quantize
+    from jaxformer.speculative import PROPOSERS
     from jaxformer.training.checkpoint import CheckpointError
     from jaxformer.training.loop import continuation_text
     try:
         model, params, tok = load_run(a.run, best=a.best, member=a.member)
         params = quantize(params, a.weights)
         draft = a.draft
-        if draft not in (None, "prompt_lookup"):
+        if draft is not None and draft not in PROPOSERS:  # a draft run's directory
             dmodel, dparams, _ = load_run(draft, best=a.best)
             draft = (dmodel, quantize(dparams, a.weights))
         prompt = np.asarray(tok.encode(a.prompt), np.int32)[None]
@@ -99,8 +101,8 @@ def main(argv=None) -> int:
         else:
             out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
                            rng=jax.random.key(a.seed), temperature=a.temperature,
-                           top_k=a.top_k, top_p=a.top_p, eos_id=tok.eot_id, draft=draft,
-                           draft_len=a.draft_len)
+                           top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, eos_id=tok.eot_id,
+                           draft=draft, draft_len=a.draft_len)
             if draft is not None:
                 print(f"draft acceptance rate: {out.acceptance_rate:.3f}", file=sys.stderr)
     except (FileNotFoundError, ValueError, CheckpointError) as e:

@@ -1,8 +1,10 @@
 """The KV-cached decoder against full forwards, samplers against their distributions,
 beam search against exhaustive search. Fresh random weights and prompts every run."""
 
+import contextlib
 import functools
 import itertools
+import logging
 import math
 import re
 
@@ -19,6 +21,7 @@ from jaxformer import ModelConfig, Transformer
 from jaxformer.model import stack_layers
 from jaxformer.decoding import (beam_search, filter_logits, generate, init_cache, kv_cache_bytes,
                                 sample_logits)
+from jaxformer.sampling import Sampling
 from tests.conftest import DEFAULT_EMITTERS, np_log_softmax
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -165,7 +168,69 @@ def test_top_k_1_is_greedy_and_rng_reproducible():
     assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
 
 
-def np_distribution(logits, temperature, top_k, top_p):
+@contextlib.contextmanager
+def compiled_programs():
+    """The programs jax lowers for compilation inside the block (jax.log_compiles' names;
+    a hit in the persistent compilation cache is lowered, and listed, all the same)."""
+    names = []
+
+    class Listed(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Compiling "):
+                names.append(record.getMessage().split()[1])
+
+    handler, logger = Listed(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            yield names
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_new_sampling_settings_run_the_same_compiled_decoder():
+    """generate with temperature 0.7, then 0.9, then top_p 0.5, then min-p, top-k and
+    settings per row (same shapes) compiles once: the settings are values. A new
+    max_new_tokens (a new shape) compiles a new decoder. (A config no other test decodes,
+    so the first call's compile is this test's own.)"""
+    model, params = make("rope", 2, vocab_size=29)
+    prompts, lengths = ragged_prompts(3, 5, 29)
+    kw = dict(prompt_lengths=lengths, rng=jax.random.key(0))
+    with compiled_programs() as first:
+        generate(model, params, prompts, max_new_tokens=4, temperature=0.7, **kw)
+    with compiled_programs() as again:
+        for settings in (dict(temperature=0.9), dict(top_p=0.5), dict(top_k=3, min_p=0.1),
+                         dict(temperature=0.0), dict(sampling=Sampling(
+                             temperature=np.array([0.0, 0.5, 1.2]), top_k=np.array([0, 2, 5]),
+                             top_p=0.9))):
+            generate(model, params, prompts, max_new_tokens=4, **settings, **kw)
+    with compiled_programs() as longer:
+        generate(model, params, prompts, max_new_tokens=5, temperature=0.7, **kw)
+    assert len(first) >= 1 and again == [] and len(longer) >= 1, (first, again, longer)
+
+
+def test_each_row_samples_with_its_own_settings():
+    """Rows with their own temperature (0: greedy), top-k, top-p and min-p: row r's tokens
+    and log-probs are those of the same batch, key and shapes with every row set as row r
+    (the same random draws), and the greedy row's are plain greedy decoding's."""
+    model, params = make("rope", 2)
+    prompts, lengths = ragged_prompts(4, 6, model.cfg.vocab_size)
+    rows = Sampling(temperature=np.array([0.0, 0.7, 1.5, 1.0], np.float32),
+                    top_k=np.array([0, 4, 0, 9]), top_p=np.array([1.0, 1.0, 0.8, 0.9]),
+                    min_p=np.array([0.0, 0.0, 0.05, 0.1], np.float32))
+    kw = dict(prompt_lengths=lengths, max_new_tokens=8,
+              rng=jax.random.key(int(rng.integers(1 << 30))))
+    out = generate(model, params, prompts, sampling=rows, **kw)
+    for r in range(4):
+        alone = generate(model, params, prompts, sampling=Sampling(*(x[r] for x in rows)), **kw)
+        np.testing.assert_array_equal(out.tokens[r], alone.tokens[r], err_msg=str(r))
+        np.testing.assert_array_equal(out.logprobs[r], alone.logprobs[r])
+    greedy = generate(model, params, prompts, temperature=0.0, **kw)
+    np.testing.assert_array_equal(out.tokens[0], greedy.tokens[0])
+    assert (np.asarray(out.tokens[1:]) != np.asarray(greedy.tokens[1:])).any()  # (sampled)
+
+
+def np_distribution(logits, temperature, top_k, top_p, min_p=None):
     """float64 reference of what sampling should draw from."""
     z = logits.astype(np.float64) / temperature
     if top_k is not None:
@@ -183,34 +248,37 @@ def np_distribution(logits, temperature, top_k, top_p):
                 break
         p = np.where(keep, p, 0.0)
         p /= p.sum()
+    if min_p is not None:  # at least min_p times the likeliest token's probability
+        p = np.where(p >= min_p * p.max(), p, 0.0)
+        p /= p.sum()
     return p
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, None, None), (0.5, None, None), (2.0, None, None), (1.0, 4, None),
-    (1.0, None, 0.7), (0.7, 5, 0.8)])
-def test_sampled_frequencies_match_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, None, None, None), (0.5, None, None, None), (2.0, None, None, None),
+    (1.0, 4, None, None), (1.0, None, 0.7, None), (0.7, 5, 0.8, None),
+    (1.0, None, None, 0.1), (1.6, None, None, 0.3), (0.8, 6, 0.9, 0.15)])
+def test_sampled_frequencies_match_distribution(temperature, top_k, top_p, min_p):
     logits = rng.normal(size=8).astype(np.float32) * 1.5
     n = 40_000
+    sampling = Sampling(temperature, top_k, top_p, min_p)
     draws = sample_logits(jax.random.key(int(rng.integers(1 << 30))),
-                          jnp.broadcast_to(jnp.asarray(logits), (n, 8)),
-                          temperature=temperature, top_k=top_k, top_p=top_p)
+                          jnp.broadcast_to(jnp.asarray(logits), (n, 8)), sampling)
     counts = np.bincount(np.asarray(draws), minlength=8)
-    p = np_distribution(logits, temperature, top_k, top_p)
+    p = np_distribution(logits, temperature, top_k, top_p, min_p)
     assert counts[p == 0].sum() == 0  # nothing outside the kept set
     kept = p > 0
     if kept.sum() > 1:  # (one kept token: the assertion above already says it all)
         chi2, pvalue = stats.chisquare(counts[kept], n * p[kept])
         assert pvalue > 1e-6, (counts, n * p)
     np.testing.assert_allclose(
-        np.exp(np.asarray(filter_logits(jnp.asarray(logits), temperature=temperature,
-                                        top_k=top_k, top_p=top_p), np.float64))
-        / np.exp(np.asarray(filter_logits(jnp.asarray(logits), temperature=temperature,
-                                          top_k=top_k, top_p=top_p), np.float64)).sum(),
+        np.exp(np.asarray(filter_logits(jnp.asarray(logits), sampling), np.float64))
+        / np.exp(np.asarray(filter_logits(jnp.asarray(logits), sampling), np.float64)).sum(),
         p, rtol=1e-5, atol=1e-7)
 
 
-def assert_follows_conditionals(model, params, prompt, tokens, temperature, top_k, top_p):
+def assert_follows_conditionals(model, params, prompt, tokens, temperature, top_k, top_p,
+                                min_p=None):
     """The rows of `tokens` [n, 3], each 3 tokens drawn after `prompt` [1, P] (vocab V):
     their joint frequencies over the V**3 continuations match p(x1) p(x2 | x1)
     p(x3 | x1, x2), each conditional from a full forward and filtered as np_distribution
@@ -222,7 +290,8 @@ def assert_follows_conditionals(model, params, prompt, tokens, temperature, top_
     joint = np.ones(len(conts))
     for t in range(3):
         for i, c in enumerate(conts):
-            joint[i] *= np_distribution(logits[i, p - 1 + t], temperature, top_k, top_p)[c[t]]
+            joint[i] *= np_distribution(logits[i, p - 1 + t], temperature, top_k, top_p,
+                                        min_p)[c[t]]
     counts = np.bincount(np.asarray(tokens) @ [v * v, v, 1], minlength=len(conts))
     assert counts[joint == 0].sum() == 0  # nothing the filters removed
     expected = n * joint
@@ -235,8 +304,10 @@ def assert_follows_conditionals(model, params, prompt, tokens, temperature, top_
         assert pvalue > 1e-6, (pvalue, counts, expected.round(1))
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, 3, 0.9)])
-def test_generated_tokens_are_drawn_from_the_models_conditionals(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, None, None, None), (0.8, 3, 0.9, None), (1.3, None, None, 0.2)])
+def test_generated_tokens_are_drawn_from_the_models_conditionals(temperature, top_k, top_p,
+                                                                  min_p):
     """20,000 rows of one prompt, 3 tokens each: the joint frequencies of the 125 possible
     continuations match p(x1) p(x2 | x1) p(x3 | x1, x2), each conditional from a full
     forward and filtered as np_distribution says (chi-square, cells expected below 5
@@ -245,8 +316,9 @@ def test_generated_tokens_are_drawn_from_the_models_conditionals(temperature, to
     prompt, n = rng.integers(0, 5, (1, 4)).astype(np.int32), 20_000
     out = generate(model, params, np.repeat(prompt, n, 0), max_new_tokens=3,
                    rng=jax.random.key(int(rng.integers(1 << 30))), temperature=temperature,
-                   top_k=top_k, top_p=top_p)
-    assert_follows_conditionals(model, params, prompt, out.tokens, temperature, top_k, top_p)
+                   top_k=top_k, top_p=top_p, min_p=min_p)
+    assert_follows_conditionals(model, params, prompt, out.tokens, temperature, top_k, top_p,
+                                min_p)
 
 
 def test_top_p_boundary_is_hfs():
@@ -262,7 +334,7 @@ def test_top_p_boundary_is_hfs():
     up = lambda x: float(np.nextafter(np.float32(x), np.float32(1)))  # noqa: E731
     cases = [(0.5, 1), (up(0.5), 2), (0.75, 2), (up(0.75), 4), (1.0, 4)]  # (top_p, kept)
     for top_p, kept in cases:
-        ours = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), top_p=top_p)))
+        ours = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), Sampling(top_p=top_p))))
         assert (ours == (probs[order] >= probs[kept - 1])).all(), (top_p, ours)
         hf = np.isfinite(TopPLogitsWarper(top_p)(None, torch.tensor(logits)[None]).numpy()[0])
         if kept < 4:  # (both 1/8 tokens tie: we keep a tie whole, HF only one of them)

@@ -11,8 +11,10 @@ import pytest
 from jaxformer import ModelConfig, Transformer
 from jaxformer.decoding import generate
 from jaxformer.schemes import POSITION_SCHEMES
-from jaxformer.speculative import lookup_drafts
+from jaxformer.sampling import Sampling
+from jaxformer.speculative import PROPOSERS, lookup_drafts
 from tests.test_decoding import assert_follows_conditionals
+from tests.test_layout import literal_lines
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 # a layer pattern per scheme, in turn: plain, sliding window (rings), scanned layers, and
@@ -103,10 +105,11 @@ def test_lookup_drafts_follow_the_latest_longest_match():
         np.testing.assert_array_equal(got, want, err_msg=f"{context} {end}")
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, draft", [
-    (1.0, None, None, "model"), (0.8, 3, 0.9, "model"), (1.0, None, 0.9, "prompt_lookup")])
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p, draft", [
+    (1.0, None, None, None, "model"), (0.8, 3, 0.9, None, "model"),
+    (1.0, None, 0.9, None, "prompt_lookup"), (1.2, None, None, 0.2, "model")])
 def test_sampling_with_a_draft_follows_the_models_conditionals(temperature, top_k, top_p,
-                                                                draft):
+                                                                min_p, draft):
     """20,000 rows of one prompt, 3 tokens each, with a draft of 2 tokens a round: the
     joint frequencies of the 125 continuations match p(x1) p(x2 | x1) p(x3 | x1, x2), each
     from a full forward of the model and filtered as np_distribution says (chi-square,
@@ -118,10 +121,11 @@ def test_sampling_with_a_draft_follows_the_models_conditionals(temperature, top_
                      n_layers=1)
     prompt, n = rng.integers(0, 5, (1, 4)).astype(np.int32), 20_000
     out = generate(model, params, np.repeat(prompt, n, 0), max_new_tokens=3,
-                   rng=jax.random.key(int(rng.integers(1 << 30))), temperature=temperature,
-                   top_k=top_k, top_p=top_p, draft=draft, draft_len=2)
+                   rng=jax.random.key(int(rng.integers(1 << 30))),
+                   sampling=Sampling(temperature, top_k, top_p, min_p), draft=draft, draft_len=2)
     assert 0 <= out.acceptance_rate <= 1
-    assert_follows_conditionals(model, params, prompt, out.tokens, temperature, top_k, top_p)
+    assert_follows_conditionals(model, params, prompt, out.tokens, temperature, top_k, top_p,
+                                min_p)
 
 
 def test_width_new_tokens_and_draft_len_must_fit_max_seq_len():
@@ -146,3 +150,35 @@ def test_width_new_tokens_and_draft_len_must_fit_max_seq_len():
                                rf"\+ draft_len {k} = 17 exceeds max_seq_len=16; [^\n]*$"):
                 generate(model, params, prompts[:, :w], max_new_tokens=n, draft=d,
                          draft_len=k, **kw)
+
+
+@pytest.mark.parametrize("draft", ["model", "prompt_lookup"])
+def test_each_row_drafts_and_samples_with_its_own_settings(draft):
+    """Speculative decoding with settings per row (a greedy row among sampled ones): row r's
+    tokens and counts are those of the same batch and key with every row set as row r, and
+    the greedy row's are plain greedy decoding's."""
+    model, params = make(position="rope")
+    if draft == "model":
+        draft = make(position="rope", d_model=16, n_heads=2, n_kv_heads=1, n_layers=1)
+    prompts, lengths = ragged(3, 6, 37)
+    rows = Sampling(temperature=np.array([1.5, 0.0, 0.8], np.float32),
+                    top_k=np.array([0, 0, 6]), top_p=np.array([1.0, 1.0, 0.9], np.float32),
+                    min_p=np.array([0.05, 0.0, 0.0], np.float32))
+    kw = dict(prompt_lengths=lengths, max_new_tokens=10, draft=draft, draft_len=3,
+              rng=jax.random.key(int(rng.integers(1 << 30))))
+    out = generate(model, params, prompts, sampling=rows, **kw)
+    for r in range(3):
+        alone = generate(model, params, prompts, sampling=Sampling(*(x[r] for x in rows)), **kw)
+        for field in ("tokens", "logprobs", "lengths", "drafted", "accepted"):
+            np.testing.assert_array_equal(getattr(out, field)[r], getattr(alone, field)[r],
+                                          err_msg=f"{field} {r}")
+    greedy = generate(model, params, prompts, prompt_lengths=lengths, max_new_tokens=10,
+                      rng=jax.random.key(0), temperature=0.0)
+    np.testing.assert_array_equal(out.tokens[1], greedy.tokens[1])
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_each_proposer_is_named_in_its_table_alone(name):
+    """A proposer's name is a string on one line of the library, its table's: the rest of
+    the code asks the table (generate's check, the CLI's --draft)."""
+    assert len(literal_lines(name)) == 1, literal_lines(name)
