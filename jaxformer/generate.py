@@ -6,8 +6,8 @@
 
 Loads the run's config, tokenizer and latest checkpoint (or the best, with --best).
 --weights int8 / bfloat16 reads the weights in that format (jaxformer.quantize); --draft
-decodes speculatively (a proposer's name, prompt_lookup, or another run's directory: a
-draft model with the same tokenizer) and prints the acceptance rate to stderr.
+decodes speculatively (a proposer's name, such as prompt_lookup, or another run's
+directory: a draft model with the same tokenizer) and prints the acceptance rate to stderr.
 """
 
 from __future__ import annotations

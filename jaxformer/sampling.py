@@ -51,6 +51,7 @@ def min_p_floor(desc, min_p):
 
 
 class Filter(NamedTuple):
+    """A filter of the logits, as the lowest logit it keeps (everything below it goes)."""
     floor: Callable    # (logits [..., V] sorted descending, value [..., 1]) -> lowest kept [..., 1]
     off: int | float   # the value that keeps every token (its type: the field's dtype)
     allowed: str       # the values it takes, in words (vocab: the vocabulary's size)
@@ -105,6 +106,7 @@ class Branches(NamedTuple):
 
 
 def branches_of(sampling: Sampling) -> Branches:
+    """The Branches of these settings (all of a batch's, for its rows to share)."""
     on = [jnp.any(jnp.asarray(v) != FILTERS[n].off) for n, v in filter_values(sampling).items()]
     return Branches(jnp.any(jnp.asarray(sampling.temperature) != 0), jnp.any(jnp.stack(on)))
 

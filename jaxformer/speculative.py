@@ -32,7 +32,7 @@ from jaxformer.sampling import (Branches, Sampling, accept_drafts, branches_of,
 LOOKUP_NGRAM = 3  # prompt lookup matches the last 3 tokens, else 2, else 1
 
 
-class Row(NamedTuple):
+class RowState(NamedTuple):
     """One row's decoding state between rounds (the while_loop's carry)."""
     cache: dict           # the model's KV cache (slot = position), up to before `cur`
     draft_state: Any      # the proposer's: a draft model's KV cache; () for prompt lookup
@@ -51,9 +51,9 @@ class Row(NamedTuple):
 class Proposer(NamedTuple):
     """How a row's k drafts are made, each round.
     start(dparams, prompt [W], length [], max_len, cache_dtype, windowed) -> its state;
-    propose(dparams, state, row: Row, pos, rng, sampling, branches) -> (drafts int32 [k],
-    draft_probs [k, V]: the distribution each was drawn from, state); pos: cur's position;
-    sampling: the row's; branches: the batch's (jaxformer.sampling.Branches)."""
+    propose(dparams, state, row: RowState, pos, rng, sampling, branches) -> (drafts int32
+    [k], draft_probs [k, V]: the distribution each was drawn from, state); pos: cur's
+    position; sampling: the row's; branches: the batch's (jaxformer.sampling.Branches)."""
     start: Callable
     propose: Callable
 
@@ -143,7 +143,7 @@ def checked_draft(cfg, draft, k: int):
     return DRAFT_MODEL, dcfg, draft[1]
 
 
-def _emitted(row: Row, toks, a, max_new, eos_id):
+def _emitted(row: RowState, toks, a, max_new, eos_id):
     """The round's tokens [k + 1] that count: the a kept drafts and the model's own, cut
     after an EOS and at max_new tokens in all; (how many, whether the row is done)."""
     m, eos = a + 1, False
@@ -165,7 +165,7 @@ def _first_row(model, params, proposer, dparams, prompt, length, rng, sampling: 
                           windowed[0], k)
     rng, key = jax.random.split(rng)
     first = sample_logits(key, last[0], sampling, branches)
-    return Row(
+    return RowState(
         cache=rolled_back(cache, length),
         draft_state=proposer.start(dparams, prompt, length, max_len, cache_dtype, windowed[1]),
         context=jnp.zeros(max_len + 1, jnp.int32).at[:w].set(prompt).at[length].set(first),
@@ -188,7 +188,7 @@ def speculative_fn(cfg, proposer: str, draft_cfg, k: int, max_new, eos_id, pad_i
     drafting = PROPOSERS[proposer](draft, k, cfg.vocab_size)
 
     def row(params, dparams, prompt, length, rng, sampling: Sampling, branches: Branches):
-        def one_round(r: Row) -> Row:
+        def one_round(r: RowState) -> RowState:
             rng, kd, ka = jax.random.split(r.rng, 3)
             pos = length + r.n - 1  # the position of cur, the last token emitted
             drafts, q, draft_state = drafting.propose(dparams, r.draft_state, r, pos, kd,
