@@ -87,18 +87,6 @@ def _decoder(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, wind
                                   windowed_cache))
 
 
-@functools.lru_cache(maxsize=8)
-def _generate_fn(cfg: ModelConfig, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id,
-                 cache_dtype, windowed_cache=True):
-    """A decoder with its sampling settings compiled in as constants: fn(params, prompts,
-    lengths, rng) (the form tests that read one setting's compiled HLO lower)."""
-    run = _decode_run(cfg, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache)
-    sampling = Sampling(temperature, top_k, top_p)
-    return decode_jit(lambda params, prompts, lengths, rng: run(
-        params, prompts, lengths, rng, checked_sampling(sampling, prompts.shape[0],
-                                                        cfg.vocab_size)))
-
-
 def _windowed(cfg: ModelConfig, windowed_cache: bool) -> bool:
     """Whether cfg's windowed layers keep rings: never for a contextual scheme (CoPE
     counts keys in row order, which a ring does not keep)."""

@@ -244,12 +244,15 @@ def test_the_default_forward_pays_nothing(extra):
     by plain identities."""
     def compiled():  # the train gradient's and generate's optimized HLO
         cfg, grad = tm.grad_hlo(extra)
-        from jaxformer.decoding import _generate_fn
-        decode = _generate_fn.__wrapped__(cfg, 4, 1.0, None, None, None, 0, None)
+        from jaxformer.decoding import _decoder
+        from jaxformer.sampling import Sampling, checked_sampling
+        decode = _decoder.__wrapped__(cfg, 4, None, 0, None, True)
         prompts = jnp.zeros((2, 3), jnp.int32)
         lengths = jnp.full((2,), 3, jnp.int32)
         params = Transformer(cfg).init(jax.random.key(0), prompts)["params"]
-        return grad + decode.lower(params, prompts, lengths, jax.random.key(1)).compile(DEFAULT_EMITTERS).as_text()
+        sampling = checked_sampling(Sampling(), 2, cfg.vocab_size)
+        return grad + decode.lower(params, prompts, lengths, jax.random.key(1),
+                                   sampling).compile(DEFAULT_EMITTERS).as_text()
 
     hlo = compiled()
     plain = {"hook_point": lambda module, name, x: x, "active": lambda module, *names: False}

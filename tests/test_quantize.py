@@ -108,16 +108,22 @@ def test_the_decode_loop_reads_the_narrow_weights(weights):
     """In the compiled generate, the kernels enter the decode loop in their own dtype and
     no widened float32 copy of one is carried: XLA hoisted each conversion out of the loop
     once, which read float32 weights at every step and held a float32 copy beside them."""
-    from jaxformer.decoding import _generate_fn
+    from jaxformer.decoding import _decoder
+    from jaxformer.sampling import Sampling, checked_sampling
     model, params = make(d_model=96, d_ff=160)
     q = quantize(params, weights)
-    fn = _generate_fn(model.cfg, 4, 0.0, None, None, None, 0, None, True)
-    hlo = fn.lower(q, jnp.zeros((1, 3), jnp.int32), jnp.array([3]),
-                   jax.random.key(0)).compile(DEFAULT_EMITTERS).as_text()
-    carried = re.search(r"= \((.*?)\) while\(", hlo).group(1)  # the loop's state
+    fn = _decoder(model.cfg, 4, None, 0, None, True)
+    greedy = checked_sampling(Sampling(temperature=0.0), 1, model.cfg.vocab_size)
+    hlo = fn.lower(q, jnp.zeros((1, 3), jnp.int32), jnp.array([3]), jax.random.key(0),
+                   greedy).compile(DEFAULT_EMITTERS).as_text()
+    # the states of the loops that carry a kernel (the decode loop; the sampler's own
+    # loops, e.g. the random draw's, carry none)
+    states = [s for s in re.findall(r"= \((.*?)\) while\(", hlo) if "[96,160]" in s]
+    assert states, hlo
     narrow = "s8" if weights == "int8" else "bf16"
-    assert f"{narrow}[96,160]" in carried and f"{narrow}[160,96]" in carried, carried
-    assert "f32[96,160]" not in carried and "f32[160,96]" not in carried, carried
+    for carried in states:
+        assert f"{narrow}[96,160]" in carried and f"{narrow}[160,96]" in carried, carried
+        assert "f32[96,160]" not in carried and "f32[160,96]" not in carried, carried
 
 
 # the bfloat16 rule, by path: projection kernels (not an adapter's) and the token table
