@@ -111,11 +111,23 @@ def branches_of(sampling: Sampling) -> Branches:
     return Branches(jnp.any(jnp.asarray(sampling.temperature) != 0), jnp.any(jnp.stack(on)))
 
 
-def filter_logits(logits, sampling: Sampling, branches: Branches | None = None):
+def given(sampling: Sampling | None, settings: dict) -> Sampling:
+    """`sampling`, or a Sampling of the keywords (temperature=, top_k=, ...) given instead."""
+    if sampling is None:
+        return Sampling(**settings)
+    if settings:
+        raise TypeError(f"pass a Sampling or the keywords {', '.join(Sampling._fields)}, not "
+                        f"both (got {', '.join(settings)})")
+    return sampling
+
+
+def filter_logits(logits, sampling: Sampling | None = None, branches: Branches | None = None,
+                  **settings):
     """The logits sampling draws from, float32 [..., V]: divided by the temperature, then
     each filter in turn (each on what the ones before kept), removed entries -inf. The
     fields broadcast against logits' leading axes (one per row, or one). One sort of the
     logits serves every filter; with every filter off there is none."""
+    sampling = given(sampling, settings)  # (or the keywords: filter_logits(z, top_p=0.9))
     expand = lambda x: jnp.asarray(x)[..., None]  # noqa: E731
     t = expand(sampling.temperature)
     z = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)  # (0: greedy, no division)
@@ -133,10 +145,12 @@ def filter_logits(logits, sampling: Sampling, branches: Branches | None = None):
     return jax.lax.cond(branches.filters, filtered, lambda z: z, z)
 
 
-def sample_logits(rng, logits, sampling: Sampling, branches: Branches | None = None):
+def sample_logits(rng, logits, sampling: Sampling | None = None,
+                  branches: Branches | None = None, **settings):
     """One token per row of logits [..., V]: drawn from filter_logits', or, where the
-    temperature is 0, the argmax (greedy: no draw is made when every row is greedy)."""
-    return sample_and_filter(rng, logits, sampling, branches)[0]
+    temperature is 0, the argmax (greedy: no draw is made when every row is greedy).
+    The settings as a Sampling, or as its keywords."""
+    return sample_and_filter(rng, logits, given(sampling, settings), branches)[0]
 
 
 def sample_and_filter(rng, logits, sampling: Sampling, branches: Branches | None = None):

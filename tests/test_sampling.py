@@ -63,3 +63,17 @@ def test_min_p_is_hfs_min_p_warper(top_k, top_p):
         kept = np.isfinite(hf)
         np.testing.assert_allclose(ours[r][kept], hf[kept], rtol=1e-6)
     assert (~np.isfinite(ours)).any()  # (min-p removed something)
+
+
+def test_the_settings_may_be_keywords_as_before():
+    """filter_logits(logits, temperature=, top_k=, top_p=, min_p=) (the form before Sampling)
+    keeps what transformers' warpers keep; a Sampling and keywords together are refused."""
+    logits = (rng.normal(size=(4, 30)) * 3).astype(np.float32)
+    t, top_k, top_p, min_p = float(rng.uniform(0.5, 1.5)), 12, 0.9, 0.05
+    ours = np.asarray(filter_logits(jnp.asarray(logits), temperature=t, top_k=top_k,
+                                    top_p=top_p, min_p=min_p))
+    for r in range(len(logits)):
+        hf = hf_filtered(logits[r], t, top_k, top_p, min_p)
+        np.testing.assert_array_equal(np.isfinite(ours[r]), np.isfinite(hf), err_msg=str(r))
+    with pytest.raises(TypeError, match="not both"):
+        filter_logits(jnp.asarray(logits), Sampling(), top_p=0.5)
