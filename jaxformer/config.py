@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from jaxformer.backends import AUTO, BACKENDS, contextual_refusal
 from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
 from jaxformer.lora import LoRAConfig
+from jaxformer.moe import MoEConfig
 from jaxformer.rope_scaling import RopeScaling
 from jaxformer.presets import PRESETS
 from jaxformer.schemes import POSITION_SCHEMES, SINUSOIDAL_SCALES, schemes_of
@@ -92,6 +93,7 @@ class ModelConfig(Section):
     Granite's 1 / logits_scaling).
 
     lora (jaxformer.lora.LoRAConfig): low-rank adapters on the projections; rank 0: none.
+    moe (jaxformer.moe.MoEConfig): mixture-of-experts feed-forward layers; experts 0: none.
 
     layer_pattern, layer_kinds: a list of kind names repeated over the layers (layer i is
     layer_pattern[i % len]), each a LayerKind in layer_kinds (its window, its RoPE or
@@ -140,11 +142,14 @@ class ModelConfig(Section):
     layer_pattern: tuple[str, ...] = ()
     layer_kinds: Mapping[str, LayerKind] = dataclasses.field(default_factory=dict)
     lora: LoRAConfig = LoRAConfig()
+    moe: MoEConfig = MoEConfig()
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         if isinstance(self.lora, Mapping):
             set_("lora", LoRAConfig.from_dict(self.lora))
+        if isinstance(self.moe, Mapping):
+            set_("moe", MoEConfig.from_dict(self.moe))
         if isinstance(self.rope_scaling, Mapping):
             set_("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         elif isinstance(self.rope_scaling, str):
@@ -272,6 +277,11 @@ class ModelConfig(Section):
                               "to t5_max_distance")
         set_("rope_scaling", self._with_original(self.rope_scaling))
         self._check_pattern(scheme)
+        sparse = self.moe.sparse(self.n_layers)
+        if self.scan_layers and len(set(sparse)) > 1:
+            raise ConfigError(f"model.scan_layers scans layers of one structure, but model.moe."
+                              f"layers={list(self.moe.layers)} makes some sparse and some dense; "
+                              "set model.scan_layers=false (or every layer sparse)")
         if self.rope_scaling.row.scales and scheme.kind != "rotary":
             rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
             raise ConfigError(f"model.rope_scaling.kind={self.rope_scaling.kind!r} needs "
@@ -339,6 +349,7 @@ class ModelConfig(Section):
         out["layer_pattern"] = list(self.layer_pattern)
         out["layer_kinds"] = {n: dataclasses.asdict(k) for n, k in self.layer_kinds}
         out["lora"] = self.lora.to_dict()
+        out["moe"] = self.moe.to_dict()
         return out
 
     SECTION = "model"  # from_dict, to_dict, replace: jaxformer.validation.Section
@@ -358,6 +369,21 @@ class ModelConfig(Section):
     def gated_ffn(self) -> bool:
         return FFNS[self.ffn].gated
 
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's feed-forward network is the mixture of experts (model.moe)."""
+        return self.moe.sparse(self.n_layers)
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Each routed expert's width (model.moe.d_ff, else d_ff)."""
+        return self.moe.d_ff or self.d_ff
+
+    @property
+    def shared_d_ff(self) -> int:
+        """The shared experts' width together (0: none)."""
+        return self.moe.shared_d_ff or self.moe.shared_experts * self.expert_d_ff
+
 
 # the model's fields that are sections of their own (model.rope_scaling.kind=yarn)
-NESTED = {"rope_scaling": RopeScaling, "lora": LoRAConfig}
+NESTED = {"rope_scaling": RopeScaling, "lora": LoRAConfig, "moe": MoEConfig}

@@ -1,11 +1,13 @@
-"""Feed-forward networks and the transformer Block: how attention and the feed-forward
-network meet the residual (the flows: jaxformer.kinds.BLOCKS)."""
+"""Feed-forward networks (dense, and the mixture of experts: jaxformer.moe) and the
+transformer Block: how attention and the feed-forward network meet the residual (the
+flows: jaxformer.kinds.BLOCKS)."""
 
 from __future__ import annotations
 
 import math
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxformer.attention import Attention, dense_init
@@ -15,6 +17,7 @@ from jaxformer.kinds import BLOCKS, FFNS
 from jaxformer.lora import adapted
 from jaxformer.masks import pick_rule
 from jaxformer.matmul import flat_dot_general, promote_kernel
+from jaxformer.moe import DISPATCHES, balance_losses, dispatch_of, expert_load, route
 from jaxformer.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.sharding import constrain, init_with_names
 
@@ -47,12 +50,80 @@ class FeedForward(nn.Module):
         return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)
 
 
+class MoEFeedForward(nn.Module):
+    """The mixture of experts of cfg.moe (jaxformer.moe): a router [D, E] (float32 logits),
+    routed experts' kernels [E, D, F] / [E, F, D] run by the config's dispatch, and the
+    shared experts (a FeedForward of width shared_d_ff, sigmoid-gated where shared_gate).
+
+    With the "moe" collection mutable it sows each forward's statistics there: load
+    (assignments per expert [E]), aux and z (the balancing losses), dropped (the share of
+    assignments over capacity). Hooks: hook_router_logits [B, T, E], hook_expert_indices
+    and hook_expert_weights [B, T, k] (the chosen experts and their weights)."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, D]
+        c, m = self.cfg, self.cfg.moe
+        b, t, d = x.shape
+        h = x.reshape(b * t, d)  # [N, D]
+        router = nn.Dense(m.experts, use_bias=m.bias, dtype=jnp.float32,
+                          param_dtype=c.param_dtype, name="router",
+                          kernel_init=init_with_names(dense_init(), "embed", "experts"),
+                          bias_init=init_with_names(nn.initializers.zeros, "experts"))
+        logits = hook_point(self, "hook_router_logits",
+                            router(h.astype(jnp.float32)).reshape(b, t, -1)).reshape(b * t, -1)
+        score_bias = None
+        if m.has_score_bias:  # moved by balancing outside the gradient, never by it
+            score_bias = jax.lax.stop_gradient(self.param(
+                "score_bias", init_with_names(nn.initializers.zeros, "experts"),
+                (m.experts,), jnp.float32))
+        weights, experts, scores = route(logits, m, score_bias)
+        experts = hook_point(self, "hook_expert_indices", experts.reshape(b, t, -1))
+        weights = hook_point(self, "hook_expert_weights", weights.reshape(b, t, -1))
+        experts, weights = experts.reshape(b * t, -1), weights.reshape(b * t, -1)
+
+        f = c.expert_d_ff
+        names = (("wi_gate", "wi_up") if c.gated_ffn else ("wi",)) + ("wo",)
+        w = {}
+        for name in names:
+            out = name == "wo"
+            shape, axes = ((m.experts, f, d), ("experts", "expert_mlp", "embed")) if out else \
+                ((m.experts, d, f), ("experts", "embed", "expert_mlp"))
+            std = 0.02 / math.sqrt(2 * c.n_layers) if out else 0.02
+            w[name] = self.param(name, init_with_names(dense_init(std), *axes), shape,
+                                 c.param_dtype)
+            if m.bias:
+                w[name + "_bias"] = self.param(name + "_bias", init_with_names(
+                    nn.initializers.zeros, "experts", axes[2]), (m.experts, shape[2]),
+                    c.param_dtype)
+        y, dropped = DISPATCHES[dispatch_of(m)](h.astype(c.dtype), weights, experts, w,
+                                                FFNS[c.ffn], capacity_factor=m.capacity_factor)
+        y = y.reshape(b, t, d)
+
+        load = expert_load(experts, m.experts)
+        aux, z = balance_losses(logits, scores, load)
+        self.sow("moe", "stats", {"load": load, "aux": aux, "z": z, "dropped": dropped})
+        if c.shared_d_ff:
+            shared = FeedForward(c.replace(d_ff=c.shared_d_ff, dropout=0.0), self.deterministic,
+                                 name="shared")(x)
+            if m.shared_gate:
+                gate = nn.Dense(1, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
+                                kernel_init=init_with_names(dense_init(), "embed", "norm"),
+                                name="shared_gate")(x)
+                shared = jax.nn.sigmoid(gate) * shared
+            y = y + shared
+        return nn.Dropout(c.dropout)(y, deterministic=self.deterministic)
+
+
 class Block(nn.Module):
     """One layer: attention and the feed-forward network joined to the residual as
     cfg.block says (jaxformer.kinds.BLOCKS), e.g. pre_ln: x + attn(norm(x)), then x + ffn(norm(x)).
 
     kind: the layer's kind (an index into cfg.kinds: its window and RoPE); a scanned
-    Block gets it per layer as `kind_id` instead. With ``scanned`` it returns (x, None),
+    Block gets it per layer as `kind_id` instead. sparse: its feed-forward network is
+    MoEFeedForward. With ``scanned`` it returns (x, None),
     the carry/output pair nn.scan expects.
     """
 
@@ -61,6 +132,7 @@ class Block(nn.Module):
     scanned: bool = False
     impl: str | None = None  # the attention backend the model chose for this forward
     kind: int = 0
+    sparse: bool = False  # its feed-forward network is the mixture of experts (cfg.moe)
 
     @nn.compact
     def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind_id=None):
@@ -69,7 +141,7 @@ class Block(nn.Module):
         c = self.cfg
         kind = self.kind if kind_id is None else kind_id
         attn = Attention(c, self.deterministic, self.impl, name="attn")
-        ffn = FeedForward(c, self.deterministic, name="ffn")
+        ffn = (MoEFeedForward if self.sparse else FeedForward)(c, self.deterministic, name="ffn")
         block = self
 
         class Parts:  # what a flow reads (see jaxformer.kinds.BLOCKS)

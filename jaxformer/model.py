@@ -36,13 +36,14 @@ def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
     if remat.on:
         block = nn.remat(block, policy=remat.policy, prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
-        return [block(cfg, deterministic, impl=impl, kind=kind, name=f"block_{i}")
-                for i, kind in enumerate(cfg.layer_kind_ids)]
-    scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True,
+        return [block(cfg, deterministic, impl=impl, kind=kind, sparse=sparse, name=f"block_{i}")
+                for i, (kind, sparse) in enumerate(zip(cfg.layer_kind_ids, cfg.sparse_layers))]
+    scanned = nn.scan(block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True,
                       "dropout": True}, metadata_params={nn.PARTITION_NAME: "layers"},
                       in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
                       length=cfg.n_layers)  # positions, masks, bias, cache, index, kind id
-    return scanned(cfg, deterministic, scanned=True, impl=impl, name="blocks")
+    return scanned(cfg, deterministic, scanned=True, impl=impl, sparse=cfg.sparse_layers[0],
+                   name="blocks")
 
 
 class Transformer(nn.Module):
@@ -215,7 +216,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     6 * N_matmul + 6 * n_layers * n_heads * head_dim * context, where
 
-    - N_matmul counts the weights multiplied per token: every block kernel plus the LM head
+    - N_matmul counts the weights multiplied per token: every block kernel (of a mixture of
+      experts the router, the top_k experts a token reaches and the shared ones) plus the LM head
       (vocab x d_model, tied or not). The embedding lookup is a gather (no FLOPs); norms and
       biases are negligible and not counted. Each weight costs 2 FLOPs forward, 4 backward.
     - attention scores (q.k) and the weighted sum (a.v) cost 2 * 2 * n_heads * head_dim per
@@ -225,8 +227,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     c = cfg
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
-    ffn = (3 if c.gated_ffn else 2) * c.d_model * c.d_ff
-    n_matmul = c.n_layers * (attn + ffn) + c.d_model * c.vocab_size
+    mult = 3 if c.gated_ffn else 2
+    dense_ffn = mult * c.d_model * c.d_ff
+    sparse_ffn = (c.d_model * c.moe.experts  # the router, then the active experts
+                  + mult * c.d_model * (c.moe.top_k * c.expert_d_ff + c.shared_d_ff)
+                  + c.d_model * c.moe.shared_gate)
+    ffn = sum(sparse_ffn if s else dense_ffn for s in c.sparse_layers)
+    n_matmul = c.n_layers * attn + ffn + c.d_model * c.vocab_size
 
     def context(w):
         return seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)

@@ -49,6 +49,8 @@ DEFAULT_RULES: dict[str, Any] = {
     "table": None,         # learned position table rows, T5 buckets
     "pos_mlp": None,       # FIRE's hidden layer
     "lora_rank": None,     # an adapter's rank
+    "experts": None,       # a mixture's experts (their kernels' leading axis, the router's)
+    "expert_mlp": "tensor",  # an expert's hidden axis
     "act_batch": ("data", "fsdp"),
     "act_seq": "context",
     "act_embed": None,
