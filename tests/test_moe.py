@@ -1,0 +1,317 @@
+"""The mixture of experts' math (jaxformer.moe) against float64 NumPy definitions: each
+router, each dispatch (ragged and capacity against the dense reference and a loop), the
+balancing losses; and a model with sparse layers: gradients, scanning, its config."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import ModelConfig, Transformer, stack_layers
+from jaxformer.kinds import FFNS
+from jaxformer.model import flops_per_token, param_shapes
+from jaxformer.moe import (DISPATCHES, ROUTERS, MoEConfig, balance_losses, balanced_bias,
+                           capacity_dispatch, expert_load, route)
+from jaxformer.validation import ConfigError
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+
+
+# ---- routing: the definitions in float64 -------------------------------------------------
+
+
+def np_route(logits, m: MoEConfig, bias=None):
+    """weights [N, k] and experts [N, k] (as chosen, best first) by the definitions."""
+    logits = logits.astype(np.float64)
+    if m.router == "sigmoid":
+        scores = 1 / (1 + np.exp(-logits))
+    else:
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = e / e.sum(-1, keepdims=True)
+    choice = scores + (0 if bias is None else bias)
+    n, n_exp = scores.shape
+    weights, experts = np.zeros((n, m.top_k)), np.zeros((n, m.top_k), int)
+    for i in range(n):
+        allowed = np.ones(n_exp, bool)
+        if m.groups > 1:
+            g = choice[i].reshape(m.groups, -1)
+            score = (np.sort(g, -1)[:, -2:].sum(-1) if m.router == "sigmoid" else g.max(-1))
+            keep = np.argsort(-score)[:m.topk_groups]
+            allowed = np.isin(np.arange(n_exp) // (n_exp // m.groups), keep)
+        order = [j for j in np.argsort(-choice[i]) if allowed[j]][:m.top_k]
+        experts[i], weights[i] = order, scores[i, order]
+    if m.norm_topk or m.router == "topk_softmax":
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights * m.routed_scale, experts
+
+
+ROUTES = {
+    "softmax_topk": dict(router="softmax_topk"),
+    "softmax_topk-norm-scaled": dict(router="softmax_topk", norm_topk=True, routed_scale=2.5),
+    "topk_softmax": dict(router="topk_softmax", top_k=3),
+    "softmax-groups": dict(router="softmax_topk", groups=4, topk_groups=2, top_k=3),
+    "sigmoid-deepseek-v3": dict(router="sigmoid", groups=4, topk_groups=2, top_k=4,
+                                norm_topk=True, routed_scale=2.5),
+}
+
+
+@pytest.mark.parametrize("name", ROUTES)
+def test_route_matches_the_definition(name):
+    m = MoEConfig(**{"experts": 16, "top_k": 2, **ROUTES[name]})
+    logits = rng.normal(0, 2, (40, 16)).astype(np.float32)
+    bias = rng.normal(0, 0.3, 16).astype(np.float32) if m.has_score_bias else None
+    weights, experts, _ = route(jnp.asarray(logits), m, None if bias is None else jnp.asarray(bias))
+    want_w, want_e = np_route(logits, m, bias)
+    np.testing.assert_array_equal(np.asarray(experts), want_e)
+    np.testing.assert_allclose(np.asarray(weights), want_w, rtol=2e-6, atol=1e-7)
+
+
+def test_the_score_bias_moves_the_choice_not_the_weights():
+    m = MoEConfig(experts=8, top_k=2, router="sigmoid")
+    logits = jnp.asarray(rng.normal(0, 1, (16, 8)).astype(np.float32))
+    bias = jnp.zeros(8).at[5].set(10.0)  # expert 5 chosen by every token
+    weights, experts, scores = route(logits, m, bias)
+    assert bool(jnp.all(jnp.any(experts == 5, axis=1)))
+    np.testing.assert_array_equal(np.asarray(weights),
+                                  np.take_along_axis(np.asarray(scores), np.asarray(experts), 1))
+
+
+# ---- dispatch: ragged and capacity against the reference ------------------------------
+
+
+def expert_weights(n_experts, d, f, gated, bias):
+    names = (("wi_gate", "wi_up") if gated else ("wi",)) + ("wo",)
+    w = {}
+    for name in names:
+        shape = (n_experts, f, d) if name == "wo" else (n_experts, d, f)
+        w[name] = rng.normal(0, 0.3, shape).astype(np.float32)
+        if bias:
+            w[name + "_bias"] = rng.normal(0, 0.3, (n_experts, shape[2])).astype(np.float32)
+    return w
+
+
+def np_expert(x, w, e, ffn):
+    """One expert's FFN on x [M, D], float64."""
+    def project(h, name):
+        bias = w[name + "_bias"][e] if name + "_bias" in w else 0.0
+        return h @ w[name][e].astype(np.float64) + bias
+
+    act = lambda h: np.asarray(FFNS[ffn].activation(jnp.asarray(h)), np.float64)  # noqa: E731
+    h = act(project(x, "wi_gate")) * project(x, "wi_up") if FFNS[ffn].gated else \
+        act(project(x, "wi"))
+    return project(h, "wo")
+
+
+def np_moe(x, weights, experts, w, ffn, kept=None):
+    """sum_j weights_j expert_j(x) per token, assignments with kept False left out."""
+    y = np.zeros(x.shape, np.float64)
+    for i in range(x.shape[0]):
+        for j, e in enumerate(experts[i]):
+            if kept is None or kept[i, j]:
+                y[i] += weights[i, j] * np_expert(x[i:i + 1].astype(np.float64), w, e, ffn)[0]
+    return y
+
+
+def routing(n, n_experts, k, idle=()):
+    """Random distinct choices per token avoiding the `idle` experts, and weights."""
+    pool = [e for e in range(n_experts) if e not in idle]
+    experts = np.stack([rng.choice(pool, k, replace=False) for _ in range(n)])
+    return rng.uniform(0.1, 1, (n, k)).astype(np.float32), experts.astype(np.int32)
+
+
+@pytest.mark.parametrize("ffn,bias", [("swiglu", False), ("gelu", True)])
+@pytest.mark.parametrize("dispatch", ["ragged", "dense"])
+def test_dispatch_equals_the_definition_with_idle_experts(dispatch, ffn, bias):
+    n, d, f, n_experts, k = 24, 16, 8, 6, 2
+    x = rng.normal(0, 1, (n, d)).astype(np.float32)
+    weights, experts = routing(n, n_experts, k, idle=(0, 4))  # experts 0 and 4 get no token
+    w = expert_weights(n_experts, d, f, FFNS[ffn].gated, bias)
+    y, dropped = DISPATCHES[dispatch](jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
+                                      jax.tree.map(jnp.asarray, w), FFNS[ffn])
+    np.testing.assert_allclose(np.asarray(y), np_moe(x, weights, experts, w, ffn),
+                               rtol=1e-5, atol=1e-5)
+    assert float(dropped) == 0
+
+
+def test_ragged_gradients_equal_the_dense_reference():
+    n, d, f, n_experts, k = 20, 16, 8, 6, 3
+    x = jnp.asarray(rng.normal(0, 1, (n, d)).astype(np.float32))
+    weights, experts = routing(n, n_experts, k, idle=(2,))
+    w = jax.tree.map(jnp.asarray, expert_weights(n_experts, d, f, True, True))
+    probe = jnp.asarray(rng.normal(0, 1, (n, d)).astype(np.float32))
+
+    def loss(dispatch):
+        return lambda x, weights, w: jnp.sum(probe * DISPATCHES[dispatch](
+            x, weights, jnp.asarray(experts), w, FFNS["swiglu"])[0])
+
+    got = jax.grad(loss("ragged"), argnums=(0, 1, 2))(x, jnp.asarray(weights), w)
+    want = jax.grad(loss("dense"), argnums=(0, 1, 2))(x, jnp.asarray(weights), w)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(got[2]["wi_gate"][2]).max()) == 0  # the idle expert learns nothing
+
+
+def np_kept(experts, n_experts, capacity):
+    """The capacity rule by its words: first choices before second ones, in token order
+    within a choice; an expert takes assignments until it has `capacity`."""
+    n, k = experts.shape
+    taken, kept = np.zeros(n_experts, int), np.zeros((n, k), bool)
+    for j in range(k):
+        for i in range(n):
+            e = experts[i, j]
+            kept[i, j] = taken[e] < capacity
+            taken[e] += kept[i, j]
+    return kept
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_capacity_drops_exactly_the_overflow(factor):
+    n, d, f, n_experts, k = 32, 8, 8, 4, 2
+    x = rng.normal(0, 1, (n, d)).astype(np.float32)
+    weights, experts = routing(n, n_experts, k)
+    experts[: n // 2, 0] = 1  # a popular expert, so its first choices overflow too
+    experts[: n // 2, 1] = np.where(experts[: n // 2, 1] == 1, 2, experts[: n // 2, 1])
+    w = expert_weights(n_experts, d, f, True, False)
+    y, dropped = capacity_dispatch(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
+                                   jax.tree.map(jnp.asarray, w), FFNS["swiglu"],
+                                   capacity_factor=factor)
+    kept = np_kept(experts, n_experts, math.ceil(factor * n * k / n_experts))
+    assert not kept.all()
+    np.testing.assert_allclose(np.asarray(y), np_moe(x, weights, experts, w, "swiglu", kept),
+                               rtol=1e-5, atol=1e-5)
+    assert float(dropped) == pytest.approx(1 - kept.mean())
+
+
+# ---- balancing ----------------------------------------------------------------------------
+
+
+def test_balance_losses_match_their_formulas():
+    n, n_experts, k = 50, 8, 2
+    logits = rng.normal(0, 1.5, (n, n_experts)).astype(np.float32)
+    m = MoEConfig(experts=n_experts, top_k=k)
+    _, experts, scores = route(jnp.asarray(logits), m)
+    load = expert_load(experts, n_experts)
+    aux, z = balance_losses(jnp.asarray(logits), scores, load)
+    p = np.exp(logits.astype(np.float64))
+    p /= p.sum(-1, keepdims=True)
+    counts = np.bincount(np.asarray(experts).ravel(), minlength=n_experts)
+    np.testing.assert_array_equal(np.asarray(load), counts)
+    assert float(aux) == pytest.approx(n_experts * np.sum(counts / (n * k) * p.mean(0)), rel=1e-5)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    assert float(z) == pytest.approx(np.mean(lse ** 2), rel=1e-5)
+    uniform = balance_losses(jnp.zeros((n_experts, n_experts)),
+                             jnp.full((n_experts, n_experts), 1 / n_experts),
+                             jnp.full(n_experts, 2.0))[0]
+    assert float(uniform) == pytest.approx(1.0)  # 1 at perfect balance
+
+
+def test_balanced_bias_moves_toward_the_mean_load():
+    load = jnp.asarray([10.0, 2.0, 6.0, 6.0])
+    np.testing.assert_allclose(np.asarray(balanced_bias(jnp.zeros(4), load, 0.01)),
+                               [-0.01, 0.01, 0, 0])
+
+
+# ---- a model with sparse layers ---------------------------------------------------------
+
+
+def moe_cfg(**kw):
+    moe = dict(experts=4, top_k=2, d_ff=16, shared_experts=1, shared_gate=True)
+    moe.update(kw.pop("moe", {}))
+    return ModelConfig(**{**dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4,
+                                 norm="rmsnorm", ffn="swiglu", use_bias=False, max_seq_len=64),
+                          **kw, "moe": moe})
+
+
+def wide_params(cfg, tokens):
+    params = Transformer(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    return jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32), params)
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid"])
+def test_model_gradients_ragged_equal_dense(router):
+    cfg = moe_cfg(moe=dict(router=router, norm_topk=True))
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 24)))
+    params = wide_params(cfg, tokens)
+
+    def loss(cfg):
+        def f(params):
+            logits = Transformer(cfg).apply({"params": params}, tokens)
+            return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+        return jax.value_and_grad(f)
+
+    (got, g_got), (want, g_want) = loss(cfg)(params), loss(
+        cfg.replace(moe=cfg.moe.replace(dispatch="dense")))(params)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    for path, g in jax.tree_util.tree_leaves_with_path(g_got):
+        r = g_want
+        for key in path:
+            r = r[key.key]
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+    assert float(jnp.abs(g_got["block_0"]["ffn"]["router"]["kernel"]).max()) > 0
+
+
+def test_scanned_moe_model_equals_the_loop_and_stacks_its_stats():
+    cfg = moe_cfg(moe=dict(aux_loss=0.01))
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 16)))
+    params = wide_params(cfg, tokens)
+    looped, stats = Transformer(cfg).apply({"params": params}, tokens, mutable=["moe"])
+    scanned, stacked = Transformer(cfg.replace(scan_layers=True)).apply(
+        {"params": stack_layers(params, 2)}, tokens, mutable=["moe"])
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), rtol=1e-5, atol=1e-5)
+    per_layer = [stats["moe"][f"block_{i}"]["ffn"]["stats"][0]["load"] for i in range(2)]
+    np.testing.assert_array_equal(np.asarray(stacked["moe"]["blocks"]["ffn"]["stats"][0]["load"]),
+                                  np.stack(per_layer))
+    assert float(per_layer[0].sum()) == 2 * 16 * 2  # every token's top_k assignments
+
+
+def test_dense_and_sparse_layers_mix():
+    cfg = moe_cfg(n_layers=3, moe=dict(layers="1"))
+    shapes = param_shapes(cfg)
+    assert "router" in shapes["block_1"]["ffn"]
+    assert "router" not in shapes["block_0"]["ffn"] and "router" not in shapes["block_2"]["ffn"]
+
+
+def test_flops_count_the_active_experts():
+    """6 x (the weights a token multiplies) + attention: a sparse layer's router, top_k of
+    its experts and the shared ones, counted here from the param shapes."""
+    cfg = moe_cfg(moe=dict(experts=8, top_k=3))
+    shapes = param_shapes(cfg)
+    ffn = shapes["block_0"]["ffn"]
+    experts = sum(np.prod(ffn[n].shape) for n in ("wi_gate", "wi_up", "wo"))
+    others = sum(np.prod(x.shape) for x in jax.tree.leaves(
+        {k: v for k, v in shapes["block_0"].items() if k != "ffn"}) if x.ndim > 1)
+    shared = sum(np.prod(x.shape) for x in jax.tree.leaves(
+        {k: v for k, v in ffn.items() if k in ("shared", "shared_gate", "router")}))
+    per_layer = others + shared + experts * 3 / 8
+    n_matmul = 2 * per_layer + cfg.vocab_size * cfg.d_model
+    attention = 12 * cfg.n_heads * cfg.head_dim * 2 * (32 / 2)
+    assert flops_per_token(cfg, 32) == pytest.approx(6 * n_matmul + attention)
+
+
+@pytest.mark.parametrize("moe,words", [
+    (dict(experts=4, top_k=5), "top_k=5 exceeds model.moe.experts=4"),
+    (dict(experts=6, groups=4), "experts=6 is not divisible by model.moe.groups=4"),
+    (dict(experts=8, groups=2, topk_groups=3), "topk_groups=3 exceeds"),
+    (dict(experts=8, layers=[0, 5]), "outside 0..1"),
+    (dict(experts=8, router="switch"), "router='switch' is not one of"),
+    (dict(experts=8, dispatch="capacity"), "capacity needs a capacity_factor"),
+    (dict(experts=8, shared_gate=True), "shared_gate needs shared experts"),
+])
+def test_bad_moe_configs_are_one_line(moe, words):
+    with pytest.raises(ConfigError, match=None) as err:
+        moe_cfg(moe={"shared_experts": 0, "shared_gate": False, **moe})
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_scan_refuses_a_mix_of_dense_and_sparse_layers():
+    with pytest.raises(ConfigError, match="scan_layers"):
+        moe_cfg(scan_layers=True, moe=dict(layers=[1]))
+
+
+def test_routers_table_is_what_the_config_offers():
+    with pytest.raises(ConfigError) as err:
+        MoEConfig(experts=4, router="nope")
+    assert all(name in str(err.value) for name in ROUTERS)
