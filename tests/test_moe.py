@@ -2,6 +2,7 @@
 router, each dispatch (ragged and capacity against the dense reference and a loop), the
 balancing losses; and a model with sparse layers: gradients, scanning, its config."""
 
+import functools
 import math
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxformer import ModelConfig, Transformer, stack_layers
+from jaxformer.grouped_matmul import GROUPED_MATMULS
 from jaxformer.kinds import FFNS
 from jaxformer.model import flops_per_token, param_shapes
 from jaxformer.moe import (DISPATCHES, ROUTERS, MoEConfig, balance_losses, balanced_bias,
@@ -315,3 +317,29 @@ def test_routers_table_is_what_the_config_offers():
     with pytest.raises(ConfigError) as err:
         MoEConfig(experts=4, router="nope")
     assert all(name in str(err.value) for name in ROUTERS)
+
+
+@pytest.mark.parametrize("impl", list(GROUPED_MATMULS))
+@pytest.mark.parametrize("m,groups", [(3, 8), (90, 4), (200, 6)])
+def test_grouped_matmuls_equal_the_definition(impl, m, groups):
+    """Rows sorted by group times their group's kernel, with empty groups (one in the
+    middle, one last) and fewer rows than groups (decoding); gradients by the same loop."""
+    sizes = rng.multinomial(m, np.full(groups - 2, 1 / (groups - 2)))
+    sizes = np.insert(sizes, [1, groups - 2], 0)  # groups 1 and the last get no row
+    x = rng.normal(0, 1, (m, 12)).astype(np.float32)
+    kernel = rng.normal(0, 1, (groups, 12, 5)).astype(np.float32)
+    starts = np.cumsum(sizes) - sizes
+    want = np.concatenate([x[s:s + n].astype(np.float64) @ kernel[g]
+                           for g, (s, n) in enumerate(zip(starts, sizes))])
+    fn = functools.partial(GROUPED_MATMULS[impl], sizes=jnp.asarray(sizes, jnp.int32))
+    np.testing.assert_allclose(np.asarray(fn(jnp.asarray(x), jnp.asarray(kernel))), want,
+                               rtol=1e-5, atol=1e-5)
+    probe = rng.normal(0, 1, want.shape).astype(np.float32)
+    gx, gk = jax.grad(lambda x, k: jnp.sum(fn(x, k) * probe), argnums=(0, 1))(
+        jnp.asarray(x), jnp.asarray(kernel))
+    want_gk = np.stack([x[s:s + n].T.astype(np.float64) @ probe[s:s + n]
+                        for s, n in zip(starts, sizes)])
+    want_gx = np.concatenate([probe[s:s + n] @ kernel[g].T.astype(np.float64)
+                              for g, (s, n) in enumerate(zip(starts, sizes))])
+    np.testing.assert_allclose(np.asarray(gk), want_gk, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(gx), want_gx, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,196 @@
+"""Mixture-of-experts training and decoding: the jitted train step with dropless (sort +
+ragged_dot) dispatch, against the dense reference dispatch (every expert on every token)
+and Hugging Face's eager PyTorch model of the same shape, in the same run.
+
+    python bench/moe.py [--shapes mixtral,qwen3_moe --layers 4 --d-model 512 --heads 8
+        --kv-heads 2 --seq 256 --batch 8 --vocab 256 --steps 5 --no-torch --no-decode]
+        [model.key=value ...]
+
+Shapes: mixtral (8 experts, top-2, softmax over the chosen, expert width 1408) against
+MixtralForCausalLM, and qwen3_moe (32 experts, top-4 renormalised, width 352, QK-norm)
+against Qwen3MoeForCausalLM: the same total expert parameters per layer. MFU counts the
+active parameters (jaxformer.model.flops_per_token: the router, top_k experts) against the
+matmul peak measured in the same run; "temp MiB" is the compiled step's temporary buffers
+(XLA's memory analysis). The implementations take turns step by step (bench/
+train_throughput.py's interleaving). Then greedy KV-cached decoding at batch 1 and 8.
+Prints tables; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_throughput import bench_jax, interleaved, print_table, timed  # noqa: E402
+
+from jaxformer import Transformer, count_params, flops_per_token  # noqa: E402
+from jaxformer.decoding import generate  # noqa: E402
+from jaxformer.training.config import RunConfig, parse_overrides  # noqa: E402
+from jaxformer.training.metrics import measured_matmul_flops  # noqa: E402
+from jaxformer.training.optim import make_optimizer  # noqa: E402
+from jaxformer.training.config import OptimConfig  # noqa: E402
+from jaxformer.training.step import abstract_state, make_train_step  # noqa: E402
+
+LLAMA_LIKE = dict(position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
+                  tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6)
+SHAPES = {  # model fields beyond the command line's sizes, and the HF class
+    "mixtral": (dict(LLAMA_LIKE, moe=dict(experts=8, top_k=2, d_ff=1408,
+                                          router="topk_softmax")), "Mixtral"),
+    "qwen3_moe": (dict(LLAMA_LIKE, qk_norm="head", moe=dict(
+        experts=32, top_k=4, d_ff=352, router="softmax_topk", norm_topk=True)), "Qwen3Moe"),
+}
+
+
+def model_config(shape: str, a, overrides, dispatch=None):
+    model = dict(SHAPES[shape][0], n_layers=a.layers, d_model=a.d_model, n_heads=a.heads,
+                 n_kv_heads=a.kv_heads, max_seq_len=a.seq + 64, vocab_size=a.vocab)
+    model["moe"] = dict(model["moe"], dispatch=dispatch)
+    extra = overrides.get("model", {})
+    model.update({k: v for k, v in extra.items() if k != "moe"})
+    model["moe"].update(extra.get("moe", {}))
+    return RunConfig.from_dict({"model": model,
+                                "train": {"seq_len": a.seq, "batch_size": a.batch}}).model
+
+
+def hf_model(shape: str, cfg):
+    import transformers as T
+    m = cfg.moe
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                  num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                  max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                  tie_word_embeddings=False, num_experts_per_tok=m.top_k,
+                  router_aux_loss_coef=0.0, bos_token_id=0, eos_token_id=0)
+    if shape == "mixtral":
+        config = T.MixtralConfig(**common, num_local_experts=m.experts,
+                                 intermediate_size=m.d_ff)
+    else:
+        config = T.Qwen3MoeConfig(**common, num_experts=m.experts, moe_intermediate_size=m.d_ff,
+                                  intermediate_size=m.d_ff, norm_topk_prob=True,
+                                  decoder_sparse_step=1)
+    return getattr(T, f"{SHAPES[shape][1]}ForCausalLM")(config)
+
+
+def bench_torch(shape: str, cfg, batch: int, seq: int):
+    """(first step s, one(), threads) for HF's eager model, or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    hf = hf_model(shape, cfg).train()
+    opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq))
+
+    def one():
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = hf(input_ids=x, labels=x).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+        t3 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3, (t3 - t0) * 1e3
+
+    t0 = time.perf_counter()
+    one()
+    return time.perf_counter() - t0, one, torch.get_num_threads()
+
+
+def temp_mib(cfg, batch: int, seq: int) -> float:
+    """The compiled train step's temporary buffers, MiB."""
+    model = Transformer(cfg)
+    tx, schedule = make_optimizer(OptimConfig(), cfg, 1000)
+    state = abstract_state(model, tx)
+    data = {"inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+            "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+            "loss_mask": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
+    compiled = make_train_step(model, tx, schedule).lower(state, data).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
+
+
+def decode_rates(cfg, batches, prompt: int, new: int, repeats: int):
+    """{batch: tokens/s} of greedy KV-cached generate (median of `repeats`)."""
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    out = {}
+    for b in batches:
+        prompts = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, prompt)))
+        run = lambda: jax.block_until_ready(generate(  # noqa: E731
+            model, params, prompts, max_new_tokens=new, rng=jax.random.key(1),
+            temperature=0.0).tokens)
+        run()
+        out[b] = b * new / (statistics.median(timed(run) for _ in range(repeats)) / 1e3)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="mixtral,qwen3_moe")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense reference")
+    p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("overrides", nargs="*", help="model.key=value")
+    a = p.parse_args()
+    overrides = parse_overrides(a.overrides)
+    shapes = [s.strip() for s in a.shapes.split(",")]
+    if set(shapes) - set(SHAPES):
+        p.error(f"unknown shape(s) {', '.join(set(shapes) - set(SHAPES))}; "
+                f"shapes are: {', '.join(SHAPES)}")
+    peak = measured_matmul_flops(1024, np.dtype("float32"), repeats=20)
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  measured matmul "
+          f"peak: {peak / 1e9:,.1f} GFLOP/s (float32); batch {a.batch} x seq {a.seq}\n")
+    for shape in shapes:
+        cfg = model_config(shape, a, overrides)
+        m, flops_tok = cfg.moe, flops_per_token(cfg, a.seq)
+        print(f"[{shape}] {cfg.n_layers} layers, d_model {cfg.d_model}, {m.experts} experts "
+              f"top-{m.top_k} of width {cfg.expert_d_ff}; {count_params(cfg):,} params; "
+              f"{flops_tok / 6e6:.1f} M active matmul params/token (x6 = FLOPs)")
+        runs = [("jaxformer, ragged dispatch", cfg)]
+        if not a.no_dense:
+            runs.append(("jaxformer, dense reference", model_config(shape, a, overrides,
+                                                                    "dense")))
+        rows, runners = [], []
+        for name, c in runs:
+            first, one = bench_jax(c, a.batch, a.seq)
+            rows.append([name, first])
+            runners.append(one)
+        torch_res = None if a.no_torch else bench_torch(shape, cfg, a.batch, a.seq)
+        if torch_res is not None:
+            rows.append([f"HF {SHAPES[shape][1]}, PyTorch ({torch_res[2]} thr)", torch_res[0]])
+            runners.append(torch_res[1])
+        for row, med in zip(rows, interleaved(runners, a.steps)):
+            row.extend(med)
+        print_table([tuple(r) for r in rows], a.batch * a.seq, flops_tok, peak)
+        for name, c in runs:
+            print(f"{name}: compiled step temp {temp_mib(c, a.batch, a.seq):,.1f} MiB")
+        if torch_res is not None:
+            print(f"jaxformer ragged / PyTorch tokens/s: {rows[-1][4] / rows[0][4]:.2f}x")
+        if not a.no_decode:
+            rates = decode_rates(cfg, (1, 8), 16, a.new_tokens, 3)
+            print("greedy decode (prompt 16, +%d): " % a.new_tokens +
+                  ", ".join(f"batch {b} {r:,.0f} tokens/s" for b, r in rates.items()))
+        print()
+
+
+if __name__ == "__main__":
+    main()
