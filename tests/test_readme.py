@@ -28,6 +28,6 @@ def test_readme_examples_run_and_print_what_they_claim():
     printed = out.getvalue().splitlines()
     claimed = [line.split("#", 1)[1].strip() for line in code.splitlines()
                if line.startswith("print(")]
-    assert len(printed) == len(claimed) == 6
+    assert len(printed) == len(claimed) == 7
     for got, comment in zip(printed, claimed):
         assert got and comment.startswith(got), (got, comment)  # the comment opens with it
