@@ -108,10 +108,26 @@ def decode_jit(fn):
     return call
 
 
+def decoding_config(cfg: ModelConfig) -> ModelConfig:
+    """The config the decoders run: layers unscanned, and a mixture of experts dropless.
+
+    A capacity buffer (model.moe.capacity_factor) is a training option: its C slots per
+    expert are a share of the tokens in one forward, so what a token gets would hang on how
+    many tokens run beside it (a prompt of 100, one decode step, the other rows and their
+    padding), and a cached decode could not equal the full forward. Decoding runs those
+    experts dropless: every token reaches its top_k experts, the model the capacity
+    approximates when nothing overflows (jaxformer.moe)."""
+    if cfg.scan_layers:
+        cfg = cfg.replace(scan_layers=False)
+    if cfg.moe.capacity_factor is not None:
+        cfg = cfg.replace(moe=cfg.moe.replace(capacity_factor=None, dispatch=None))
+    return cfg
+
+
 def looped(cfg: ModelConfig):
-    """The model decoding runs, and a map to its params from the caller's: scanned layers
-    run as a Python loop over unstacked params, since inside the decode loop nn.scan slices
-    every layer's params and cache out of the stacked arrays on every step (4-6x slower)."""
-    if not cfg.scan_layers:
-        return Transformer(cfg), lambda params: params
-    return Transformer(cfg.replace(scan_layers=False)), unstack_layers
+    """The model decoding runs (decoding_config), and a map to its params from the
+    caller's: scanned layers run as a Python loop over unstacked params, since inside the
+    decode loop nn.scan slices every layer's params and cache out of the stacked arrays on
+    every step (4-6x slower)."""
+    model = Transformer(decoding_config(cfg))
+    return model, (unstack_layers if cfg.scan_layers else lambda params: params)

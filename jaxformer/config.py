@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from jaxformer.backends import AUTO, BACKENDS, contextual_refusal
 from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
-from jaxformer.lora import LoRAConfig
+from jaxformer.lora import LoRAConfig, check_expert_targets
 from jaxformer.moe import MoEConfig
 from jaxformer.rope_scaling import RopeScaling
 from jaxformer.presets import PRESETS
@@ -168,6 +168,7 @@ class ModelConfig(Section):
             raise ConfigError(f"model.lora.targets names {', '.join(absent)}, which a model with "
                               f"ffn={self.ffn} does not have; its MLP projections are "
                               f"{'wi_gate, wi_up, wo' if self.gated_ffn else 'wi, wo'} (or: mlp)")
+        check_expert_targets(self)
 
     def _check_fields(self):
         """Each field alone: its type, range, or one of its choices (a table's names)."""

@@ -57,8 +57,10 @@ class MoEFeedForward(nn.Module):
 
     With the "moe" collection mutable it sows each forward's statistics there: load
     (assignments per expert [E]), aux and z (the balancing losses), dropped (the share of
-    assignments over capacity). Hooks: hook_router_logits [B, T, E], hook_expert_indices
-    and hook_expert_weights [B, T, k] (the chosen experts and their weights)."""
+    assignments over capacity). Hooks, named as TransformerLens 4 names a sparse block's:
+    gate.hook_out (the router's logits [B, T, E]; TransformerLens calls the router gate),
+    hook_expert_indices and hook_expert_weights [B, T, k] (the chosen experts and their
+    weights)."""
 
     cfg: ModelConfig
     deterministic: bool = True
@@ -72,7 +74,7 @@ class MoEFeedForward(nn.Module):
                           param_dtype=c.param_dtype, name="router",
                           kernel_init=init_with_names(dense_init(), "embed", "experts"),
                           bias_init=init_with_names(nn.initializers.zeros, "experts"))
-        logits = hook_point(self, "hook_router_logits",
+        logits = hook_point(self, "gate.hook_out",
                             router(h.astype(jnp.float32)).reshape(b, t, -1)).reshape(b * t, -1)
         score_bias = None
         if m.has_score_bias:  # moved by balancing outside the gradient, never by it

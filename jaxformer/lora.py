@@ -112,6 +112,20 @@ class LoRAConfig(Section):
                 "sweep_rank": list(self.sweep_rank)}
 
 
+def check_expert_targets(cfg) -> None:
+    """Refuse adapters named for MLP projections that a model does not have: a mixture of
+    experts' routed kernels take none (only its shared experts, a plain feed-forward, do),
+    so on a model whose every layer is sparse without shared experts `mlp` would adapt
+    nothing. cfg: the ModelConfig; "all" adapts what there is and is never refused."""
+    named = [t for t in cfg.lora.targets if t == "mlp" or t in MLP]
+    if not cfg.lora.rank or not named or not all(cfg.sparse_layers) or cfg.shared_d_ff:
+        return
+    raise ConfigError(f"model.lora.targets names {', '.join(named)}, but every layer's "
+                      "feed-forward is a mixture of experts without shared experts, whose "
+                      "routed experts take no adapters; target attention (or all), or add "
+                      "model.moe.shared_experts")
+
+
 def _uniform_columns(bound: float, seed: int):
     """U(-bound, bound) drawn column by column (the last axis: the rank), so the first r
     columns of a rank-R adapter are those of a rank-r one with the same seed."""

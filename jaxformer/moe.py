@@ -21,6 +21,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxformer.grouped_matmul import grouped_matmul
+from jaxformer.grouped_vmap import over_rows
+from jaxformer.matmul import Int8Kernel
 from jaxformer.validation import ConfigError, Section, check_choice, check_number
 
 
@@ -221,17 +224,36 @@ def dense_weights(weights, experts, n_experts: int):
 def expert_mlp(x, w, ffn, matmul, rows=None):
     """The experts' FFN on rows x [M, D]: matmul(x, kernel [E, in, out]) multiplies each row
     by its own expert's kernel; rows [M] (each row's expert) picks the biases ({name}_bias
-    [E, out]) where the experts have them. w: wi_gate, wi_up, wo (gated) or wi, wo."""
+    [E, out]) where the experts have them. w: wi_gate, wi_up, wo (gated) or wi, wo.
+
+    A kernel may be a jaxformer.matmul.Int8Kernel (int8 values [E, in, out], a scale per
+    expert and output channel [E, 1, out]: jaxformer.quantize): matmul reads the values,
+    converted to the compute dtype in the product, and each row's output is times its
+    expert's scale."""
+    def per_expert(t):  # t [E, out] as each row's (rows None: broadcast over the rows)
+        return t if rows is None else t[rows]
+
     def project(h, name):
-        y = matmul(h, w[name])
+        kernel, scale = w[name], None
+        if isinstance(kernel, Int8Kernel):
+            kernel, scale = kernel.values, kernel.scale[:, 0]  # [E, in, out], [E, out]
+        if kernel.dtype.itemsize < h.dtype.itemsize:  # widened in the product: tied to the
+            # input, so that XLA cannot hoist it out of a decode loop (matmul._int8_dot)
+            kernel, h = jax.lax.optimization_barrier((kernel, h))
+        y = matmul(h, kernel)
+        if scale is not None:
+            y = y * per_expert(scale).astype(y.dtype)
         bias = w.get(name + "_bias")
-        return y if bias is None else y + (bias[rows] if rows is not None else bias)
+        return y if bias is None else y + per_expert(bias)
 
     if ffn.gated:
         h = ffn.activation(project(x, "wi_gate")) * project(x, "wi_up")
     else:
         h = ffn.activation(project(x, "wi"))
     return project(h.astype(x.dtype), "wo")
+
+
+GROUPED = over_rows(grouped_matmul)  # the dropless dispatch's grouped matmul
 
 
 def ragged_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None):
@@ -245,8 +267,8 @@ def ragged_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None):
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     xs = x[order // k]  # [N k, D]: each assignment's token, grouped by expert
 
-    def matmul(h, kernel):
-        return jax.lax.ragged_dot(h, kernel.astype(h.dtype), sizes)
+    def matmul(h, kernel):  # vmap batches it over the rows alone (jaxformer.grouped_vmap)
+        return GROUPED(h, kernel.astype(h.dtype), sizes)
 
     ys = expert_mlp(xs, w, ffn, matmul, flat[order])  # [N k, D]
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # token order again

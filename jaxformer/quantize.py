@@ -5,11 +5,15 @@ channel's max |w| / 127).
 `quantize(params, "int8")` turns every projection kernel (attention q/k/v/out, the
 feed-forward's, an untied lm_head) into a jaxformer.matmul.Int8Kernel, which the same
 model reads as it is: each projection multiplies the int8 values converted to the compute
-dtype and scales its output per channel. Embeddings, norms, biases and adapters keep their
-dtype: an embedding is read one row per token, and the rest is small. "bfloat16" casts the
-kernels and the token embedding (TOKEN_EMBEDDING); the rest, a learned position table
-among them, keeps its dtype. The forward, generate, beam_search and `python -m
-jaxformer.generate --weights int8` take either as they take float32 params.
+dtype and scales its output per channel. A mixture of experts' stacked kernels (EXPERTS:
+wi_gate, wi_up, wo [E, in, out]) get a scale per expert and output channel [E, 1, out]
+(jaxformer.moe.expert_mlp reads them); its shared experts are a plain feed-forward's.
+Embeddings, norms, biases, adapters and the routers' kernels (ROUTING: the router and
+the shared experts' gate, whose rounding would move tokens between experts) keep their
+dtype: an embedding is read one row per token, and the rest is small. "bfloat16" casts
+the kernels and the token embedding (TOKEN_EMBEDDING); the rest, a learned position table
+and the routers among them, keeps its dtype. The forward, generate, beam_search and
+`python -m jaxformer.generate --weights int8` take either as they take float32 params.
 """
 
 from __future__ import annotations
@@ -23,14 +27,19 @@ from jaxformer.matmul import Int8Kernel
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 CONTRACTED_AXES = {"out": 2}  # a kernel's input axes: the attention output reads heads x head_dim
 STACKED = "blocks"  # scanned layers: kernels with a leading layer axis
+EXPERTS = ("wi", "wi_gate", "wi_up", "wo")  # a mixture of experts' kernels: leaves, [E, in, out]
+ROUTING = ("router", "shared_gate")  # kernels that choose experts: kept as they are
 TOKEN_EMBEDDING = ("embed", "embedding")  # the token table's path (not pos_embed's)
 
 
-def quantize_int8(w, contracted: int = 1, stacked: bool = False) -> Int8Kernel:
-    """w [(layers,) in..., out...] (`contracted` input axes) as int8 values and a float32
-    scale per output channel [(layers,) 1..., out...]."""
+def quantize_int8(w, contracted: int = 1, stacked: bool = False,
+                  experts: bool = False) -> Int8Kernel:
+    """w [(layers,) (experts,) in..., out...] (`contracted` input axes) as int8 values and
+    a float32 scale per output channel [(layers,) (experts,) 1..., out...]: per layer and
+    per expert too."""
     w = jnp.asarray(w, jnp.float32)
-    axes = tuple(range(int(stacked), int(stacked) + contracted))
+    lead = int(stacked) + int(experts)
+    axes = tuple(range(lead, lead + contracted))
     scale = jnp.max(jnp.abs(w), axis=axes, keepdims=True) / 127.0
     scale = jnp.where(scale > 0, scale, 1.0)
     values = jnp.clip(jnp.round(w / scale), -127, 127)
@@ -39,10 +48,12 @@ def quantize_int8(w, contracted: int = 1, stacked: bool = False) -> Int8Kernel:
 
 def _kernel_of(names: list[str]) -> str | None:
     """The projection a param path's leaf is the kernel of (None: not a kernel, or an
-    adapter's)."""
-    if names[-1] != "kernel" or any("lora" in n for n in names):
+    adapter's or a router's); an expert stack's leaf is its own name (EXPERTS)."""
+    if any("lora" in n for n in names) or (len(names) > 1 and names[-2] in ROUTING):
         return None
-    return names[-2]
+    if names[-1] in EXPERTS:
+        return names[-1]
+    return names[-2] if names[-1] == "kernel" else None
 
 
 def quantize(params, weights: str = "int8"):
@@ -61,7 +72,8 @@ def quantize(params, weights: str = "int8"):
             return x.astype(jnp.bfloat16) if big and jnp.issubdtype(x.dtype, jnp.floating) else x
         if kernel is None:
             return x
-        return quantize_int8(x, CONTRACTED_AXES.get(kernel, 1), STACKED in names)
+        return quantize_int8(x, CONTRACTED_AXES.get(kernel, 1), STACKED in names,
+                             experts=names[-1] in EXPERTS)
 
     return jax.tree_util.tree_map_with_path(convert, params)
 
