@@ -156,6 +156,8 @@ def test_loss_sums_puts_a_split_sequence_in_the_meshs_zigzag_order(monkeypatch):
     seen = {}
 
     class Model:
+        cfg = ModelConfig()  # dense: loss_sums reads no MoE statistics
+
         def apply(self, variables, inputs, positions=None, segment_ids=None, **kw):
             seen.update(inputs=np.asarray(inputs), positions=positions)
             return jnp.zeros(inputs.shape + (8,))

@@ -20,15 +20,16 @@ from jaxformer.data import DataError, eval_batches, load_dataset
 from jaxformer.data.random_positions import randomize_batch
 from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
+from jaxformer.training.balancing import layer_records, sparse_ids
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
 from jaxformer.training.initial_weights import load_initial
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
-from jaxformer.sharding import (batch_sharding, check_context_split, initialize_distributed,
-                                make_mesh, per_device_bytes, place_batch, process_rows,
-                                resolve_rules)
+from jaxformer.sharding import (batch_devices, batch_sharding, check_context_split,
+                                check_expert_split, initialize_distributed, make_mesh,
+                                per_device_bytes, place_batch, process_rows, resolve_rules)
 from jaxformer.training.step import (init_state, make_eval_step, make_train_step,
                                      state_shardings, trained_part)
 
@@ -126,13 +127,16 @@ class _Run:
             log(f"no evaluation: {e}")
         self.model = model = Transformer(mcfg)
         tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
-        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, context=cfg.mesh.context)
+        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, context=cfg.mesh.context,
+                         expert=cfg.mesh.expert)
         rules = resolve_rules(cfg.mesh.rules)
-        split = mesh.shape["data"] * mesh.shape["fsdp"] * cfg.optim.grad_accum
+        split = batch_devices(mesh, rules) * cfg.optim.grad_accum
         if t.batch_size % split:
-            raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of mesh.data "
-                              f"x mesh.fsdp x optim.grad_accum = {split} (mesh {dict(mesh.shape)})")
+            raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of the devices "
+                              f"the batch is split over (mesh.data x mesh.fsdp x mesh.expert) x "
+                              f"optim.grad_accum = {split} (mesh {dict(mesh.shape)})")
         check_context_split(t.seq_len, mesh.shape["context"])
+        check_expert_split(mcfg.moe.experts, mesh.shape["expert"])
         shardings = state_shardings(model, tx, mesh, rules)
         batch_sh = batch_sharding(mesh, rules)
         self.rows = process_rows(batch_sh, t.batch_size)
@@ -154,6 +158,7 @@ class _Run:
                                           mesh=mesh, rules=rules, shardings=shardings)
         self.eval_step = make_eval_step(model, mesh=mesh, rules=rules,
                                         param_shardings=shardings.params)
+        self.moe_layers = sparse_ids(mcfg)  # the layers logged as moe_load/i, moe_dropped/i
         self.metrics = MetricsLog(run_dir, enabled=lead)
         cleanup.callback(self.metrics.close)
         self.bar = _progress(t.steps, self.start, t.progress and lead)
@@ -254,6 +259,7 @@ class _Run:
                    "mfu": self.flops_per_step * n / elapsed / self.peak}
             if losses.ndim:
                 rec["losses"] = [float(x) for x in losses]
+            rec.update(layer_records(self.moe_layers, m))  # this step's, as grad_norm is
             self.metrics.write(rec)
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}")

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxformer import lora
 from jaxformer.model import Transformer
 from jaxformer.ring import zigzag_batch
+from jaxformer.training import balancing
 from jaxformer.training.sweep import member_losses, members, sweep_params, sweep_specs
 from jaxformer.sharding import (batch_sharding, constrain, logical_axes, sequence_split,
                                 shardings_for, traced_under)
@@ -85,8 +86,9 @@ def init_state(model: Transformer, tx: optax.GradientTransformation, seed: int, 
     return jax.jit(traced_under(mesh, rules, init), out_shardings=shardings)(key)
 
 
-def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
-    """Summed next-token cross entropy over unmasked targets, and their count.
+def loss_terms(model: Transformer, params, batch, *, dropout_rng=None):
+    """(summed next-token cross entropy over unmasked targets, their count, the sparse
+    layers' statistics (training/balancing.py; {} for a dense model)).
 
     batch: inputs/targets int32 [B, T], loss_mask float32 [B, T], optional positions and
     segment_ids [B, T]. Logits and the loss are float32. With the sequence split over a
@@ -97,32 +99,49 @@ def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
     split = sequence_split()
     if split is not None:  # context parallelism: every device gets equal causal work
         batch = zigzag_batch(batch, split[0].shape[split[1]])
-    logits = model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
-                         segment_ids=batch.get("segment_ids"), deterministic=deterministic,
-                         rngs=None if deterministic else {"dropout": dropout_rng})  # [B, T, V]
+    sparse = any(model.cfg.sparse_layers)  # the MoE layers sow their statistics
+    out = model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
+                      segment_ids=batch.get("segment_ids"), deterministic=deterministic,
+                      rngs=None if deterministic else {"dropout": dropout_rng},
+                      mutable=["moe"] if sparse else False)
+    logits, sown = out if sparse else (out, None)  # [B, T, V]
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
     mask = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum(nll * mask), jnp.sum(mask)
+    stats = balancing.layer_stats(model.cfg, sown["moe"]) if sparse else {}
+    return jnp.sum(nll * mask), jnp.sum(mask), stats
+
+
+def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
+    """The summed train loss and the token count: the summed cross entropy (loss_terms)
+    plus count x the MoE balancing penalty (model.moe.aux_loss x the mean over sparse layers
+    of aux + z_loss x the mean of z), so that the loss per token is the mean cross entropy
+    plus the penalty. A dense model's is the cross entropy alone."""
+    total, count, stats = loss_terms(model, params, batch, dropout_rng=dropout_rng)
+    return total + count * balancing.penalty(model.cfg.moe, stats), count
 
 
 def gradient_sums(model: Transformer, trained, frozen, batch, rng):
-    """(summed loss, token count, gradient of the summed loss) with respect to the trained
-    part alone (a frozen base gets none); a sweep's losses are [S], each member's
-    gradient its own loss's (the members share no trained param)."""
-    def loss(params):
-        return loss_sums(model, params, batch,
-                         dropout_rng=rng if model.cfg.dropout > 0 else None)
+    """(summed cross entropy, token count, gradient of the summed train loss, MoE sums
+    (balancing.step_sums; {} for a dense model)) with respect to the trained part alone (a
+    frozen base gets none); a sweep's losses are [S], each member's gradient its own
+    loss's (the members share no trained param; sweeps refuse MoE models)."""
+    dropout_rng = rng if model.cfg.dropout > 0 else None
 
     if members(model) == 1:
-        (total, count), grads = jax.value_and_grad(
-            lambda t: loss(joined(t, frozen)), has_aux=True)(trained)
-        return total, count, grads
+        def loss(t):
+            total, count, stats = loss_terms(model, joined(t, frozen), batch,
+                                             dropout_rng=dropout_rng)
+            train_total = total + count * balancing.penalty(model.cfg.moe, stats)
+            return train_total, (total, count, balancing.step_sums(stats, count))
+        (_, (total, count, sums)), grads = jax.value_and_grad(loss, has_aux=True)(trained)
+        return total, count, grads, sums
 
     def summed(t):
-        totals, count = member_losses(loss, t, frozen)  # [S]
+        totals, count = member_losses(
+            lambda p: loss_sums(model, p, batch, dropout_rng=dropout_rng), t, frozen)  # [S]
         return jnp.sum(totals), (totals, count)
     (_, (total, count)), grads = jax.value_and_grad(summed, has_aux=True)(trained)
-    return total, count, grads
+    return total, count, grads, {}
 
 
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedule, *,
@@ -134,14 +153,20 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
     Micro-batch i takes rows i, i + grad_accum, ...: each device keeps its own rows.
     With a mesh, the step is traced under its rules; `shardings` (state_shardings) pins the
     state's layout in and out, and batches are split over data x fsdp.
+
+    With MoE layers the gradient is the train loss's (loss_sums: the cross entropy plus the
+    balancing penalties); metrics' loss stays the cross entropy, and moe_aux, moe_z,
+    moe_load and moe_dropped join it (balancing.step_metrics). With model.moe.
+    bias_update_rate > 0, every sparse layer's score_bias then becomes balanced_bias(its
+    value before the step, the load summed over the step's micro-batches, the rate).
     """
-    sweep = members(model) > 1
+    sweep, cfg = members(model) > 1, model.cfg
 
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
         trained, frozen = trained_part(state.params)
         if grad_accum == 1:
-            total, count, grads = gradient_sums(model, trained, frozen, batch, rng)
+            total, count, grads, sums = gradient_sums(model, trained, frozen, batch, rng)
         else:
             micro = jax.tree.map(lambda x: jnp.swapaxes(
                 x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)  # [A, B / A, T]
@@ -149,24 +174,30 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
             def body(carry, xs):
                 i, mb = xs
                 mb = jax.tree.map(lambda x: constrain(x, "act_batch", "act_seq"), mb)
-                t, c, g = gradient_sums(model, trained, frozen, mb, jax.random.fold_in(rng, i))
-                return jax.tree.map(jnp.add, carry, (t, c, g)), None
+                out = gradient_sums(model, trained, frozen, mb, jax.random.fold_in(rng, i))
+                return jax.tree.map(jnp.add, carry, out), None
 
-            zeros = (jnp.zeros([members(model)] if sweep else []), jnp.zeros([]),
-                     jax.tree.map(jnp.zeros_like, trained))
-            (total, count, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
+            shapes = jax.eval_shape(lambda mb: gradient_sums(model, trained, frozen, mb, rng),
+                                    jax.tree.map(lambda x: x[0], micro))
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            (total, count, grads, sums), _ = jax.lax.scan(body, zeros,
+                                                          (jnp.arange(grad_accum), micro))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         update, norm = (jax.vmap(tx.update), jax.vmap(optax.tree.norm)) if sweep else \
             (tx.update, optax.tree.norm)  # a sweep: each member's own update
         updates, opt_state = update(grads, state.opt_state, trained)
         params = joined(optax.apply_updates(trained, updates), frozen)
+        if sums and cfg.moe.bias_update_rate > 0:  # DeepSeek-V3's balancing, outside the gradient
+            params = balancing.rebalanced(cfg, params, state.params, sums["load"],
+                                          opt_state.last_finite)
         metrics = {  # each [S] for a sweep
-            "loss": total / count,
+            "loss": total / count,  # the cross entropy alone: the MoE penalties apart
             "grad_norm": norm(grads),
             "lr": schedule(state.step - opt_state.total_notfinite),
             "skipped": jnp.logical_not(opt_state.last_finite).astype(jnp.int32),
             "consecutive_skips": opt_state.notfinite_count,
+            **balancing.step_metrics(sums, count, grad_accum),
         }
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new, metrics
@@ -179,11 +210,12 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
 
 
 def make_eval_step(model: Transformer, *, mesh=None, rules=None, param_shardings=None):
-    """A jitted eval(params, batch) -> (summed loss ([S] for a sweep), token count)."""
+    """A jitted eval(params, batch) -> (summed cross entropy ([S] for a sweep), token count):
+    the language-model loss alone, without MoE balancing penalties."""
     def evaluate(params, batch):
         if members(model) > 1:
             return member_losses(lambda p: loss_sums(model, p, batch), *trained_part(params))
-        return loss_sums(model, params, batch)
+        return loss_terms(model, params, batch)[:2]
 
     if mesh is None:
         return jax.jit(evaluate)

@@ -20,11 +20,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxformer import lora
+from jaxformer.validation import ConfigError
 
 
 def members(model) -> int:
-    """How many adapters the model's config trains at once (1: no sweep)."""
-    return len(model.cfg.lora.members())
+    """How many adapters the model's config trains at once (1: no sweep). A sweep of a
+    mixture-of-experts model is refused: its members would share one score_bias."""
+    n = len(model.cfg.lora.members())
+    if n > 1 and any(model.cfg.sparse_layers):
+        raise ConfigError("a LoRA sweep (model.lora.sweep_rank / sweep_seeds) of a mixture-of-"
+                          "experts model (model.moe.experts > 0) is not supported: train its "
+                          "adapters one run at a time")
+    return n
 
 
 def sweep_params(model, key, tokens):
