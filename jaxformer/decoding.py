@@ -126,8 +126,7 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     KV-cached path: to the prompt's values in the prefill, then to each new token's (e.g.
     a steering vector added to `blocks.1.hook_resid_post` at every step). Attention
     patterns and scores are not computed there, so they cannot be hooked. A mixture of
-    experts decodes dropless, a capacity_factor notwithstanding (a training option:
-    jaxformer.cached_forward.decoding_config).
+    experts decodes dropless (capacity_factor trains: cached_forward.decoding_config).
 
     draft: speculative decoding (jaxformer.speculative), the same output distribution
     (greedy: the same tokens) in fewer forwards of the model: `(draft_model,
