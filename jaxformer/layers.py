@@ -12,12 +12,13 @@ import jax.numpy as jnp
 
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
+from jaxformer.expert_parallel import dispatch_for
 from jaxformer.hooks import hook_point
 from jaxformer.kinds import BLOCKS, FFNS
 from jaxformer.lora import adapted
 from jaxformer.masks import pick_rule
 from jaxformer.matmul import flat_dot_general, promote_kernel
-from jaxformer.moe import DISPATCHES, balance_losses, dispatch_of, expert_load, route
+from jaxformer.moe import balance_losses, dispatch_of, expert_load, route
 from jaxformer.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.sharding import constrain, init_with_names
 
@@ -100,8 +101,8 @@ class MoEFeedForward(nn.Module):
                 w[name + "_bias"] = self.param(name + "_bias", init_with_names(
                     nn.initializers.zeros, "experts", axes[2]), (m.experts, shape[2]),
                     c.param_dtype)
-        y, dropped = DISPATCHES[dispatch_of(m)](h.astype(c.dtype), weights, experts, w,
-                                                FFNS[c.ffn], capacity_factor=m.capacity_factor)
+        y, dropped = dispatch_for(dispatch_of(m))(h.astype(c.dtype), weights, experts, w,
+                                                  FFNS[c.ffn], capacity_factor=m.capacity_factor)
         y = y.reshape(b, t, d)
 
         load = expert_load(experts, m.experts)

@@ -2,7 +2,7 @@
 
 Every param carries logical axis names (``nn.with_logical_partitioning``) and key
 activations carry logical constraints (``constrain``); a rule table maps each logical
-name to mesh axes of the ``('data', 'fsdp', 'tensor', 'context')`` mesh:
+name to mesh axes of the ``('data', 'fsdp', 'tensor', 'context', 'expert')`` mesh:
 
     data    replicas: the batch is split over it, params are copied on it
     fsdp    the batch is split over it too, and params and optimizer state are sharded
@@ -11,9 +11,12 @@ name to mesh axes of the ``('data', 'fsdp', 'tensor', 'context')`` mesh:
             one all-reduce after the attention output and one after the FFN
     context context parallelism: the sequence of every activation is split (params are
             not); attention runs as ring attention or over gathered keys (jaxformer.ring)
+    expert  expert parallelism: a mixture's experts split (each device holds E / expert of
+            them, whole but for fsdp / tensor), tokens sent to their experts' devices and
+            back by all-to-all (jaxformer.expert_parallel); the batch is split over it too
 
 A mesh of (n, 1, 1) is data parallel, (1, n, 1) FSDP, (1, 1, n) tensor parallel, and any
-product of them combines them. The same jitted code runs on all of them, and on one CPU.
+product of them combines them (with context and expert as keywords). The same jitted code runs on all of them, and on one CPU.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxformer.validation import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor", "context")
+MESH_AXES = ("data", "fsdp", "tensor", "context", "expert")
 
 # logical name -> mesh axes (None = replicated). Params use the plain names; activations
 # the act_ ones, so that an activation's embed axis stays whole while FSDP shards the
@@ -49,9 +52,9 @@ DEFAULT_RULES: dict[str, Any] = {
     "table": None,         # learned position table rows, T5 buckets
     "pos_mlp": None,       # FIRE's hidden layer
     "lora_rank": None,     # an adapter's rank
-    "experts": None,       # a mixture's experts (their kernels' leading axis, the router's)
+    "experts": "expert",   # a mixture's experts (their kernels' leading axis, the router's)
     "expert_mlp": "tensor",  # an expert's hidden axis
-    "act_batch": ("data", "fsdp"),
+    "act_batch": ("data", "fsdp", "expert"),  # expert devices share the batch outside MoE
     "act_seq": "context",
     "act_embed": None,
     "act_heads": "tensor",
@@ -115,12 +118,14 @@ def _as_axes(name: str, axes: Any):
     return None if not listed else listed[0] if len(listed) == 1 else tuple(listed)
 
 
-def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int, context: int = 1
-               ) -> tuple[int, ...]:
-    """The (data, fsdp, tensor, context) sizes, one -1 standing for the remaining devices."""
-    sizes = [data, fsdp, tensor, context]
+def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int, context: int = 1,
+               expert: int = 1) -> tuple[int, ...]:
+    """The (data, fsdp, tensor, context, expert) sizes, one -1 standing for the remaining
+    devices."""
+    sizes = [data, fsdp, tensor, context, expert]
     if sizes.count(-1) > 1:
-        raise ConfigError(f"mesh.data/fsdp/tensor/context = {sizes}: at most one may be -1")
+        raise ConfigError(f"mesh.data/fsdp/tensor/context/expert = {sizes}: at most one may "
+                          "be -1")
     if -1 in sizes:
         rest = int(np.prod([s for s in sizes if s != -1]))
         if n_devices % rest:
@@ -129,19 +134,20 @@ def mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int, context: int =
         sizes[sizes.index(-1)] = n_devices // rest
     if int(np.prod(sizes)) != n_devices:
         raise ConfigError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} x "
-                          f"context={sizes[3]} = {int(np.prod(sizes))} devices, but there are "
-                          f"{n_devices}; make the product equal the device count, or set one "
-                          "axis to -1")
+                          f"context={sizes[3]} x expert={sizes[4]} = {int(np.prod(sizes))} "
+                          f"devices, but there are {n_devices}; make the product equal the "
+                          "device count, or set one axis to -1")
     return tuple(sizes)
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 1, devices=None
-              ) -> jax.sharding.Mesh:
-    """A ('data', 'fsdp', 'tensor', 'context') mesh over `devices` (default: all, on every
-    process)."""
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 1, devices=None,
+              expert: int = 1) -> jax.sharding.Mesh:
+    """A ('data', 'fsdp', 'tensor', 'context', 'expert') mesh over `devices` (default: all,
+    on every process)."""
     devices = jax.devices() if devices is None else list(devices)
-    shape = mesh_shape(data, fsdp, tensor, len(devices), context)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4,
+    shape = mesh_shape(data, fsdp, tensor, len(devices), context, expert)
+    return jax.make_mesh(shape, MESH_AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
                          devices=devices)
 
 
@@ -151,6 +157,31 @@ def check_context_split(seq_len: int, context: int) -> None:
         raise ConfigError(f"train.seq_len={seq_len} must be a multiple of 2 x mesh.context = "
                           f"{2 * context} (mesh.context={context}: each device holds two "
                           "chunks of the zigzag order)")
+
+
+def check_expert_split(experts: int, expert: int) -> None:
+    """Each of the `expert` devices holds experts / expert whole experts."""
+    if experts and expert > 1 and experts % expert:
+        raise ConfigError(f"model.moe.experts={experts} is not divisible by mesh.expert="
+                          f"{expert}; each expert-parallel device holds the same number of "
+                          "experts: make mesh.expert a divisor of the experts")
+
+
+def expert_mesh():
+    """The mesh under sharding_context when it has an expert axis > 1 (the mixtures of
+    experts then run expert parallel: jaxformer.expert_parallel); else None."""
+    mesh = _MESH.get()
+    if mesh is None or mesh.shape.get("expert", 1) == 1 or not nn.get_logical_axis_rules():
+        return None
+    return mesh
+
+
+def batch_devices(mesh, rules) -> int:
+    """How many ways a batch's rows are split: the product of the mesh axes act_batch maps
+    to (data x fsdp x expert by default)."""
+    axes = dict(rules).get("act_batch")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def sequence_split():
@@ -239,7 +270,8 @@ def per_device_bytes(tree) -> int:
 
 
 def batch_sharding(mesh, rules) -> NamedSharding:
-    """Rows of a [B, T] batch split over the axes act_batch maps to (data x fsdp)."""
+    """Rows of a [B, T] batch split over the axes act_batch maps to (data x fsdp x expert),
+    its sequence over those act_seq maps to (context)."""
     return NamedSharding(mesh, nn.logical_to_mesh_axes(("act_batch", "act_seq"), rules))
 
 

@@ -40,9 +40,9 @@ def run_worker(task, tmp_path):
 # ---- in process ----------------------------------------------------------------------
 
 def test_mesh_shape_fills_one_axis_and_rejects_wrong_products():
-    assert mesh_shape(-1, 2, 2, 8) == (2, 2, 2, 1)
-    assert mesh_shape(1, -1, 1, 8) == (1, 8, 1, 1)
-    assert mesh_shape(2, 1, 1, 8, context=-1) == (2, 1, 1, 4)
+    assert mesh_shape(-1, 2, 2, 8) == (2, 2, 2, 1, 1)
+    assert mesh_shape(1, -1, 1, 8) == (1, 8, 1, 1, 1)
+    assert mesh_shape(2, 1, 1, 8, context=-1) == (2, 1, 1, 4, 1)
     with pytest.raises(ConfigError, match="4 devices, but there are 8"):
         mesh_shape(2, 2, 1, 8)
     with pytest.raises(ConfigError, match="not divisible by 3"):

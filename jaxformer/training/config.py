@@ -18,7 +18,7 @@ from jaxformer import validation
 from jaxformer.config import NESTED, PRESETS, ModelConfig
 from jaxformer.data import DataConfig
 from jaxformer.schemes import POSITION_SCHEMES
-from jaxformer.sharding import resolve_rules
+from jaxformer.sharding import check_expert_split, resolve_rules
 from jaxformer.training.init_from import initial_sections
 from jaxformer.validation import (ConfigError, build_section, check_choice, check_number, merge,
                                   read_config_file)
@@ -117,30 +117,35 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The ('data', 'fsdp', 'tensor', 'context') device mesh; one axis may be -1: the rest
-    of the devices. data=None (the default) is the rest, or 1 when another axis is -1; so
-    mesh.fsdp=-1 alone is FSDP over every device. context: the devices one sequence is
-    split over (context parallelism: jaxformer.ring). rules: logical axis -> mesh axes
-    overrides of jaxformer.sharding.DEFAULT_RULES (e.g. {embed: null})."""
+    """The ('data', 'fsdp', 'tensor', 'context', 'expert') device mesh; one axis may be -1:
+    the rest of the devices. data=None (the default) is the rest, or 1 when another axis is
+    -1; so mesh.fsdp=-1 alone is FSDP over every device. context: the devices one sequence
+    is split over (context parallelism: jaxformer.ring). expert: the devices a mixture's
+    experts are split over (expert parallelism: jaxformer.expert_parallel; the batch is
+    split over them too; model.moe.experts must be a multiple). rules: logical axis -> mesh
+    axes overrides of jaxformer.sharding.DEFAULT_RULES (e.g. {embed: null})."""
 
     data: int | None = None
     fsdp: int = 1
     tensor: int = 1
     context: int = 1
+    expert: int = 1
     rules: dict | None = None
 
+    AXES = ("data", "fsdp", "tensor", "context", "expert")
+
     def __post_init__(self):
+        others = [getattr(self, name) for name in self.AXES[1:]]
         if self.data is None:
-            object.__setattr__(self, "data", 1 if -1 in (self.fsdp, self.tensor, self.context)
-                               else -1)
-        for name in ("data", "fsdp", "tensor", "context"):
+            object.__setattr__(self, "data", 1 if -1 in others else -1)
+        for name in self.AXES:
             value = getattr(self, name)
             check_number("mesh", name, value, int, low=-1)
             if value == 0:
                 raise ConfigError(f"mesh.{name}=0 must be >= 1, or -1 for the remaining devices")
-        if [self.data, self.fsdp, self.tensor, self.context].count(-1) > 1:
+        if [getattr(self, name) for name in self.AXES].count(-1) > 1:
             raise ConfigError("at most one of mesh.data / mesh.fsdp / mesh.tensor / "
-                              "mesh.context may be -1")
+                              "mesh.context / mesh.expert may be -1")
         if self.rules is not None and not isinstance(self.rules, Mapping):
             raise ConfigError(f"mesh.rules={self.rules!r} must be a mapping of logical axis "
                               "names to mesh axes")
@@ -191,6 +196,7 @@ class RunConfig:
         if self.train.batch_size % self.optim.grad_accum:
             raise ConfigError(f"train.batch_size={self.train.batch_size} must be a multiple of "
                               f"optim.grad_accum={self.optim.grad_accum}")
+        check_expert_split(self.model.moe.experts, self.mesh.expert)  # -1: at the mesh
         longest = POSITION_SCHEMES[self.model.position].max_length
         if longest is not None and self.train.seq_len > longest(self.model):
             raise ConfigError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
