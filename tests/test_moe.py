@@ -343,3 +343,31 @@ def test_grouped_matmuls_equal_the_definition(impl, m, groups):
                               for g, (s, n) in enumerate(zip(starts, sizes))])
     np.testing.assert_allclose(np.asarray(gk), want_gk, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(gx), want_gx, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_and_scan_keep_the_gradients_and_stats(remat):
+    """Rematerialised and scanned sparse layers: the gradients of the loop without remat,
+    and the stats still sown (the train loss reads them)."""
+    cfg = moe_cfg(moe=dict(router="sigmoid", aux_loss=0.1))
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 12)))
+    params = wide_params(cfg, tokens)
+
+    def grads(cfg, params):
+        def loss(p):
+            logits, stats = Transformer(cfg).apply({"params": p}, tokens, mutable=["moe"])
+            aux = sum(jnp.sum(s[0]["aux"]) for s in jax.tree.leaves(
+                stats, is_leaf=lambda x: isinstance(x, tuple)))
+            return jnp.mean(logits ** 2) + aux
+        return jax.grad(loss)(params)
+
+    want = grads(cfg, params)
+    got = grads(cfg.replace(remat=remat, scan_layers=True), stack_layers(params, 2))
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        keys = [k.key for k in path]
+        for i in range(2) if keys[0] == "blocks" else [None]:
+            r, rest = (want, keys) if i is None else (want[f"block_{i}"], keys[1:])
+            for key in rest:
+                r = r[key]
+            np.testing.assert_allclose(np.asarray(g if i is None else g[i]), np.asarray(r),
+                                       rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
