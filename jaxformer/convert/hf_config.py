@@ -13,6 +13,7 @@ from typing import Any
 from jaxformer.config import RUNTIME, ConfigError, ModelConfig
 from jaxformer.hf.config_json import config_from_hf
 from jaxformer.hf.families import MODEL_TYPES, HFModelType
+from jaxformer.moe import ROUTERS
 from jaxformer.schemes import POSITION_SCHEMES
 
 _PER_LAYER = ("layer_pattern", "layer_kinds", "sliding_window", "rope_theta", "rope_scaling")
@@ -29,15 +30,43 @@ def _layers(cfg: ModelConfig) -> list:
     return out
 
 
+def _moe(cfg: ModelConfig) -> dict | None:
+    """model.moe as it computes: widths as the layers use them, routers that choose and
+    weigh alike as one, and the training-time settings transformers has no key for aside
+    (z_loss; dispatch and capacity_factor: the written model is the dropless one)."""
+    m = cfg.moe
+    if not m.experts:
+        return None
+    row = ROUTERS[m.router]
+    return dict(
+        experts=m.experts, top_k=m.top_k, d_ff=cfg.expert_d_ff, layers=cfg.sparse_layers,
+        shared_d_ff=cfg.shared_d_ff if m.shared_experts else 0, shared_gate=m.shared_gate,
+        scores=row.scores, normalise=m.norm_topk if row.normalise is None else row.normalise,
+        score_bias=m.has_score_bias, bias=m.bias, routed_scale=float(f"{m.routed_scale:.9g}"),
+        groups=(m.groups, m.topk_groups, row.group_score) if m.groups > 1 else None,
+        aux_loss=float(f"{m.aux_loss:.9g}"))
+
+
+def _computed(cfg: ModelConfig, name: str):
+    """A field as the model computes with it: model.moe by _moe, and d_ff, which no layer
+    reads when every layer is sparse, as None then."""
+    if name == "moe":
+        return _moe(cfg)
+    if name == "d_ff" and all(cfg.sparse_layers):
+        return None
+    return getattr(cfg, name)
+
+
 def differences(cfg: ModelConfig, other: ModelConfig) -> list[str]:
     """The fields in which `other` computes differently from cfg (the runtime fields and
-    the spelling of a layer pattern aside; numbers equal to 1e-9 relative)."""
+    the spelling of a layer pattern or of model.moe aside; numbers equal to 1e-9
+    relative)."""
     def same(a, b):
         if isinstance(a, float) and isinstance(b, float):
             return math.isclose(a, b, rel_tol=1e-9)
         return a == b
     diffs = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME +
-             _PER_LAYER and not same(getattr(cfg, f.name), getattr(other, f.name))]
+             _PER_LAYER and not same(_computed(cfg, f.name), _computed(other, f.name))]
     if _layers(cfg) != _layers(other):
         diffs.append("layer_kinds" if cfg.layer_pattern else "sliding_window"
                      if {w for w, _ in _layers(cfg)} != {w for w, _ in _layers(other)}

@@ -4,24 +4,23 @@ a model type is named (tests/test_layout.py); the rest of jaxformer asks its row
 A row gives the architectures read, the defaults of config.json keys, where it comes in
 the order to_hf tries model types, and its format: a config.json reader and writer and
 tensor rules, the Llama layout's (jaxformer.hf.llama_layout) unless the layout is its own
-(GPT-2, GPT-NeoX), with the Llama lineage's twists as fields. Adding a Llama-layout family
-is adding a row.
+(GPT-2, GPT-NeoX), with the Llama lineage's twists as fields, and a mixture of experts'
+keys and tensors as its `moe` (jaxformer.hf.moe_layout). Adding a Llama-layout family is
+adding a row.
 
 The defaults are those of transformers 5's config classes (save_pretrained writes them all,
 so they matter only for hand-written files), except for the sizes (vocab, width, depth,
-heads, MLP, GPT-2's position table): a config.json without one of them is an error rather
+heads, MLP, experts, GPT-2's position table): a config.json without one of them is an error rather
 than a 7B-sized guess.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Mapping
 
-from jaxformer.hf import gpt2, gpt_neox, llama_layout
-from jaxformer.hf.llama_layout import head_dim
-from jaxformer.hf.rope import cannot
+from jaxformer.hf import gpt2, gpt_neox, llama_layout, scales
+from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.tensors import Rule
 from jaxformer.schemes import POSITION_SCHEMES
 
@@ -44,7 +43,7 @@ class HFModelType:
     The Llama lineage's twists (read by llama_layout and jaxformer.hf.layers). norm, block,
       qk_norm: ModelConfig's. biases: "attention_and_mlp" (attention_bias on q, k, v, o and
       mlp_bias, equal), "attention" (attention_bias on q, k, v, o; no MLP key), "qkv" (q,
-      k, v always, as Qwen2), "none". act_key, eps_key: the activation's and the norm
+      k, v always, as Qwen2), "qkv_bias" (q, k, v as its qkv_bias key says), "none". act_key, eps_key: the activation's and the norm
       epsilon's keys; act_aliases: activation names the config class rewrites.
       fused_projections: q|k|v in one qkv_proj, gate|up in one gate_up_proj.
       rope_layout: the checkpoint's own q/k layout ("interleaved": adjacent pairs (2i, 2i+1),
@@ -53,11 +52,12 @@ class HFModelType:
       RoPE scalings the config class takes (None: all). rope_per_type: rope_parameters keyed
       by layer type, with theta defaults per type and legacy keys (key -> type).
     Layers. layer_type(get, i): layer i's type when config.json lists no layer_types (None:
-      every layer full attention); layer_types_key: config.json may list layer_types;
+      every layer full attention; called with get and the layer's index); layer_types_key: config.json may list layer_types;
       use_sliding_window: a window only where use_sliding_window is true (written with
       max_window_layers 0); rope_of(get, i, type): whether layer i is rotated (None: all).
     extra(get) -> more ModelConfig fields (multipliers, soft-caps, Gemma's scale);
       extra_to_hf(cfg) -> their keys. refuse: (key, the values read, why) for the rest.
+    moe: the mixture of experts (jaxformer.hf.moe_layout.MoEFormat); None: dense.
     """
 
     name: str
@@ -90,6 +90,7 @@ class HFModelType:
     extra: Callable[[Callable], dict] = lambda get: {}
     extra_to_hf: Callable[[Any], dict] = lambda cfg: {}
     refuse: tuple[tuple[str, Any, str], ...] = ()
+    moe: MoEFormat | None = None
 
 
 # ---- layer types, when config.json lists none -----------------------------------------
@@ -109,6 +110,16 @@ def _global_every(n: int, key: str | None = None):
     model type has one) global."""
     return lambda get, i: ("full_attention" if (i + 1) % ((get(key) if key else None) or n) == 0
                            else "sliding_attention")
+
+
+def _sliding_if_used(get, i):  # Qwen3-MoE: every layer slides under use_sliding_window
+    slide = get("use_sliding_window") and get("sliding_window") is not None
+    return "sliding_attention" if slide else "full_attention"
+
+
+def _qwen2_moe_types(get, i):  # transformers 5: layers i + 1 odd below max_window_layers
+    slide = get("use_sliding_window") and i < get("max_window_layers") and (i + 1) % 2
+    return "sliding_attention" if slide else "full_attention"
 
 
 def _smollm3_rope(get, i, layer_type=None) -> bool:  # no_rope_layers: 1 where rotated
@@ -132,61 +143,10 @@ def _sliding_rotated(get, i, layer_type) -> bool:  # the global layers are NoPE
     return layer_type == "sliding_attention"
 
 
-# ---- more fields: Gemma's scales and caps, Granite's multipliers ------------------------
-
-
-def _gemma(get) -> dict:
-    d = get("hidden_size")
-    scalar = get("query_pre_attn_scalar")
-    return dict(embed_multiplier=math.sqrt(d),
-                attn_scale=None if scalar is None or scalar == head_dim(get) else scalar ** -0.5)
-
-
-def _gemma_to_hf(cfg) -> dict:  # embeddings times sqrt(d_model): checked by the round trip
-    scalar = cfg.head_dim if cfg.attn_scale is None else cfg.attn_scale ** -2
-    if not math.isclose(scalar, round(scalar), rel_tol=1e-9):
-        raise cannot("attn_scale", cfg.attn_scale, "Gemma's query_pre_attn_scalar (the scale "
-                     "is its -1/2 power) is an integer")
-    return dict(query_pre_attn_scalar=round(scalar))
-
-
-def _gemma2(get) -> dict:
-    return dict(_gemma(get), attn_softcap=get("attn_logit_softcapping"),
-                final_softcap=get("final_logit_softcapping"))
-
-
-def _gemma2_to_hf(cfg) -> dict:
-    return dict(_gemma_to_hf(cfg), attn_logit_softcapping=cfg.attn_softcap,
-                final_logit_softcapping=cfg.final_softcap)
-
-
-def _gemma3(get) -> dict:
-    # Gemma3's attention never applies attn_logit_softcapping (the key is read and unused)
-    return dict(_gemma(get), final_softcap=get("final_logit_softcapping"))
-
-
-def _gemma3_to_hf(cfg) -> dict:
-    return dict(_gemma_to_hf(cfg), final_logit_softcapping=cfg.final_softcap,
-                attn_logit_softcapping=None)
-
-
-def _granite(get) -> dict:
-    return dict(embed_multiplier=float(get("embedding_multiplier")),
-                residual_multiplier=float(get("residual_multiplier")),
-                attn_scale=float(get("attention_multiplier")),
-                logits_multiplier=1.0 / float(get("logits_scaling")))
-
-
-def _granite_to_hf(cfg) -> dict:
-    return dict(embedding_multiplier=cfg.embed_multiplier,
-                residual_multiplier=cfg.residual_multiplier,
-                attention_multiplier=cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim),
-                logits_scaling=1.0 / cfg.logits_multiplier)
-
-
 _NO_BIDIRECTIONAL = (("use_bidirectional_attention", (None, False), "jaxformer's attention "
                       "is causal"),)
 _GEMMA = dict(norm="rmsnorm_offset", biases="attention", refuse=_NO_BIDIRECTIONAL)
+_ROUTER_LOSS = dict(output_router_logits=False, router_aux_loss_coef=0.001)
 
 # ---- the rows ----------------------------------------------------------------------------
 
@@ -261,7 +221,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       mlp_bias=False, head_dim=None, embedding_multiplier=1.0,
                       residual_multiplier=1.0, attention_multiplier=1.0, logits_scaling=1.0,
                       rope_theta=10000.0),
-        extra=_granite, extra_to_hf=_granite_to_hf),
+        extra=scales.granite, extra_to_hf=scales.granite_to_hf),
     HFModelType(
         "olmo2", ("Olmo2ForCausalLM", "Olmo2Model"), export_rank=9,
         defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
@@ -284,7 +244,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       attention_bias=False, use_bidirectional_attention=None, rope_theta=10000.0,
                       query_pre_attn_scalar=None),
         **_GEMMA, act_aliases={"gelu": "gelu_pytorch_tanh"},  # as GemmaConfig rewrites it
-        extra=_gemma, extra_to_hf=_gemma_to_hf),
+        extra=scales.gemma, extra_to_hf=scales.gemma_to_hf),
     HFModelType(
         "gemma2", ("Gemma2ForCausalLM", "Gemma2Model"), export_rank=12,
         defaults=dict(num_key_value_heads=4, hidden_activation="gelu_pytorch_tanh", head_dim=256,
@@ -293,7 +253,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
                       use_bidirectional_attention=None, rope_theta=10000.0),
         **_GEMMA, block="sandwich", act_key="hidden_activation", layer_type=_global_every(2),
-        layer_types_key=True, extra=_gemma2, extra_to_hf=_gemma2_to_hf),
+        layer_types_key=True, extra=scales.gemma2, extra_to_hf=scales.gemma2_to_hf),
     HFModelType(
         "gemma3_text", ("Gemma3ForCausalLM", "Gemma3TextModel"), export_rank=13,
         defaults=dict(num_key_value_heads=4, hidden_activation="gelu_pytorch_tanh",
@@ -303,7 +263,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       use_bidirectional_attention=False),
         **_GEMMA, block="sandwich", qk_norm="head", act_key="hidden_activation",
         layer_type=_global_every(6, "sliding_window_pattern"), layer_types_key=True,
-        extra=_gemma3, extra_to_hf=_gemma3_to_hf,
+        extra=scales.gemma3, extra_to_hf=scales.gemma3_to_hf,
         rope_per_type=dict(defaults={"full_attention": 1e6, "sliding_attention": 1e4},
                            legacy={"rope_theta": "full_attention",
                                    "rope_local_base_freq": "sliding_attention"})),
@@ -332,13 +292,67 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         layer_type=_global_every(4, "sliding_window_pattern"), layer_types_key=True,
         rope_of=lambda get, i, layer_type: (layer_type == "sliding_attention"
                                             or get("sliding_window") is None)),
+    HFModelType(
+        # the mixtures of experts: jaxformer.hf.moe_layout reads the experts' keys and tensors
+        "mixtral", ("MixtralForCausalLM", "MixtralModel"), export_rank=16,
+        defaults=dict(num_key_value_heads=8, hidden_act="silu", max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, head_dim=None,
+                      sliding_window=None, rope_theta=1e6, num_experts_per_tok=2,
+                      router_jitter_noise=0.0, **_ROUTER_LOSS),
+        biases="none", layer_type=_all_sliding,
+        moe=MoEFormat("block_sparse_moe", "gate", ("num_local_experts", "num_experts"),
+                      "topk_softmax", expert_tensors=("w1", "w3", "w2")),
+        refuse=(("router_jitter_noise", (0,), "jaxformer's router has no jitter noise"),)),
+    HFModelType(
+        "qwen3_moe", ("Qwen3MoeForCausalLM", "Qwen3MoeModel"), export_rank=17,
+        defaults=dict(num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                      head_dim=None, use_sliding_window=False, sliding_window=4096,
+                      rope_theta=10000.0, num_experts_per_tok=8, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=None, **_ROUTER_LOSS),
+        qk_norm="head", biases="attention", layer_type=_sliding_if_used, use_sliding_window=True,
+        moe=MoEFormat("mlp", "gate", ("num_experts", "num_local_experts"), "softmax_topk",
+                      "norm_topk_prob", "moe_intermediate_size", sparse_layers=True)),
+    HFModelType(
+        "olmoe", ("OlmoeForCausalLM", "OlmoeModel"), export_rank=18,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+                      head_dim=None, rope_theta=10000.0, clip_qkv=None, num_experts_per_tok=8,
+                      norm_topk_prob=False, **dict(_ROUTER_LOSS, router_aux_loss_coef=0.01)),
+        qk_norm="projection", biases="attention",
+        moe=MoEFormat("mlp", "gate", ("num_experts", "num_local_experts"), "softmax_topk",
+                      "norm_topk_prob"),
+        refuse=(("clip_qkv", (None,), "jaxformer does not clip q, k and v"),)),
+    HFModelType(
+        "qwen2_moe", ("Qwen2MoeForCausalLM", "Qwen2MoeModel"), export_rank=19,
+        defaults=dict(num_key_value_heads=16, hidden_act="silu", max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=None, qkv_bias=True,
+                      use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                      layer_types=None, rope_theta=10000.0, num_experts_per_tok=4,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=None,
+                      **_ROUTER_LOSS),
+        biases="qkv_bias", layer_type=_qwen2_moe_types, layer_types_key=True,
+        use_sliding_window=True,
+        moe=MoEFormat("mlp", "gate", ("num_experts",), "softmax_topk", "norm_topk_prob",
+                      "moe_intermediate_size", sparse_layers=True, shared_expert=True)),
+    HFModelType(
+        # Granite's multipliers; its router's softmax over the top-k logits is topk_softmax
+        "granitemoe", ("GraniteMoeForCausalLM", "GraniteMoeModel"), export_rank=20,
+        defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                      head_dim=None, embedding_multiplier=1.0, residual_multiplier=1.0,
+                      attention_multiplier=1.0, logits_scaling=1.0, rope_theta=10000.0,
+                      num_experts_per_tok=2, **_ROUTER_LOSS),
+        biases="attention", extra=scales.granite, extra_to_hf=scales.granite_to_hf,
+        moe=MoEFormat("block_sparse_moe", "router.layer", ("num_local_experts",),
+                      "topk_softmax", stacked=("input_linear", "output_linear"))),
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.
 OTHER_MODEL_TYPES = {
-    "qwen3_moe": "Qwen3's mixture of experts", "qwen2_moe": "a mixture of experts",
     "gemma3": "Gemma 3 with vision (a Gemma3ForConditionalGeneration; its text model alone is "
-    "model_type gemma3_text)", "gemma3n": "Gemma 3n", "olmoe": "a mixture of experts",
+    "model_type gemma3_text)", "gemma3n": "Gemma 3n",
     "olmo": "OLMo 1 (non-parametric LayerNorm)", "cohere": "Cohere 1 (Command-R)",
-    "phimoe": "a mixture of experts", "granitemoe": "a mixture of experts",
-    "mixtral": "a mixture of experts"}
+    "phimoe": "a mixture of experts",
+    "gpt_oss": "GPT-OSS, whose attention sinks (self_attn.sinks) and clamped SwiGLU experts "
+    "(swiglu_limit) jaxformer lacks"}

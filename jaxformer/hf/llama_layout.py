@@ -14,6 +14,7 @@ from jaxformer.config import ConfigError, ModelConfig
 from jaxformer.kinds import NORMS, QK_NORMS
 from jaxformer.hf.layers import (layer_fields, layers_to_hf, rope_per_type_from_hf,
                                  rope_per_type_to_hf)
+from jaxformer.hf.moe_layout import moe_rules, read_moe, write_moe
 from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
 from jaxformer.hf.tensors import (Path, Rule, copied, linear, reshaped, rope_permutation,
                                        split_rows)
@@ -32,6 +33,8 @@ def _biases(get, row) -> tuple[bool, bool]:
     """(use_bias, qkv_bias) from the model type's bias keys (row.biases)."""
     if row.biases == "qkv":
         return False, True
+    if row.biases == "qkv_bias":
+        return False, bool(get("qkv_bias"))
     if row.biases == "none":
         return False, False
     attention = bool(get("attention_bias"))
@@ -88,6 +91,8 @@ def read_config(hf, get, row) -> ModelConfig:
         block=row.block, qk_norm=row.qk_norm, ffn=ACTIVATIONS[act], use_bias=use_bias,
         qkv_bias=qkv_bias, tie_embeddings=bool(get("tie_word_embeddings")))
     fields.update(layer_fields(hf, get, row, ropes))
+    if row.moe is not None:
+        fields["moe"] = read_moe(hf, get, row)
     fields.update(row.extra(get))
     return ModelConfig(**fields)
 
@@ -106,7 +111,11 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
         out.update(attention_bias=cfg.use_bias, mlp_bias=cfg.use_bias)
     elif row.biases == "attention":
         out.update(attention_bias=cfg.use_bias)
+    elif row.biases == "qkv_bias":
+        out.update(qkv_bias=cfg.qkv_bias)
     out.update(layers_to_hf(cfg, row))
+    if row.moe is not None:
+        out.update(write_moe(cfg, row))
     if not row.rope_per_type:
         rope = _one_rope(cfg)
         if row.rotary_fraction_key is not None:
@@ -164,11 +173,13 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
             rules.append(copied((b, ours, "scale"), f"{p}{hf}.weight", (d,)))
             if not NORMS[cfg.norm].rms and cfg.use_bias:  # LayerNorm's bias
                 rules.append(copied((b, ours, "bias"), f"{p}{hf}.bias", (d,)))
-        rules += _mlp(cfg, (b, "ffn"), f"{p}mlp.", row.fused_projections)
+        sparse = cfg.sparse_layers[i]
+        rules += moe_rules(cfg, row, b, p) if sparse else \
+            _mlp(cfg, (b, "ffn"), f"{p}mlp.", row.fused_projections)
         if cfg.use_bias:
             rules.append(copied((b, "attn", "out", "bias"), f"{p}self_attn.o_proj.bias", (d,)))
             rules += [copied((b, "ffn", ours, "bias"), f"{p}mlp.{hf}.bias", shape[:1])
-                      for ours, hf, shape in _mlp_shapes(cfg)]
+                      for ours, hf, shape in _mlp_shapes(cfg) if not sparse]
     rules.append(copied(("final_norm", "scale"), f"{t}norm.weight", (d,)))
     if not NORMS[cfg.norm].rms and cfg.use_bias:
         rules.append(copied(("final_norm", "bias"), f"{t}norm.bias", (d,)))

@@ -176,8 +176,8 @@ def test_presets_count_what_transformers_counts(preset):
 @pytest.mark.parametrize("config, words", [
     (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
      ["'gemma3'", "vision", "gemma3_text"]),
-    (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]),
-     ["'qwen3_moe'", "mixture of experts"]),
+    (dict(model_type="phimoe", architectures=["PhimoeForCausalLM"]),
+     ["'phimoe'", "mixture of experts"]),
     (dict(COMMON, model_type="gemma3_text", use_bidirectional_attention=True),
      ["use_bidirectional_attention=True", "gemma3_text", "causal"]),
     (dict(COMMON, model_type="phi3", rope_parameters=dict(rope_type="longrope", rope_theta=1e4,

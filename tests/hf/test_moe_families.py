@@ -1,0 +1,196 @@
+"""The Hugging Face mixture-of-experts families (jaxformer.hf.moe_layout, one row each in
+jaxformer.hf.families) against transformers itself: a random tiny model (2 layers, 4-8
+experts, top-2, weights at std 0.1 so that the routing is far from uniform, windows
+shorter than the input where the family has them), saved with save_pretrained, then
+
+- read by from_hf: the float32 logits are within 1e-5 relative of transformers', unscanned
+  and scanned, with every expert of every layer chosen by the batch (transformers' router)
+  and the windows binding (transformers' model without them answers otherwise);
+- greedy KV-cached generate: each new token is transformers' forward argmax (but at a
+  near-tie);
+- written back by to_hf: from_pretrained reads the same logits.
+
+Relative error is max |ours - transformers| / max |transformers|.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
+transformers = pytest.importorskip("transformers", reason="the interop extra")
+
+import jax  # noqa: E402
+
+from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noqa: E402
+from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
+from jaxformer.decoding import generate  # noqa: E402
+from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
+
+torch.set_num_threads(2)
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+V, T, W = 96, 70, 16  # vocab, prompt length, every window (shorter than the prompt)
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              num_experts_per_tok=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+FAMILIES = {  # model_type: its config.json keys beyond COMMON
+    "mixtral": dict(num_local_experts=4, sliding_window=W),
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, head_dim=32, norm_topk_prob=True,
+                      use_sliding_window=True, sliding_window=W),
+    "olmoe": dict(num_experts=6),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40,
+                      use_sliding_window=True, sliding_window=W, max_window_layers=2),
+    "granitemoe": dict(num_local_experts=4, embedding_multiplier=3.0, residual_multiplier=0.5,
+                       attention_multiplier=0.1, logits_scaling=2.0),
+}
+
+
+def hf_model(model_type, **changes):
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON,
+                                                              **FAMILIES[model_type], **changes})
+    return random_hf_model(config, int(rng.integers(1 << 31)))
+
+
+def hf_logits_and_choice(model, tokens) -> tuple[np.ndarray, list[set]]:
+    """transformers' logits, and each sparse layer's experts its router chose for the
+    batch (the top-k of the router's logits)."""
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(tokens)), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return out.logits.numpy(), [set(torch.topk(logits, k, dim=-1).indices.ravel().tolist())
+                                for logits in out.router_logits]
+
+
+def covering_batch(model, n_experts: int, tries: int = 5):
+    """A random batch [2, T] whose tokens reach every expert of every sparse layer
+    (redrawn if one is idle: a few in a hundred draws), and transformers' logits of it."""
+    for _ in range(tries):
+        prompts = rng.integers(0, V, (2, T))
+        want, chosen = hf_logits_and_choice(model, prompts)
+        if chosen and all(c == set(range(n_experts)) for c in chosen):
+            return prompts, want
+    raise AssertionError(f"no batch of {tries} reached every expert: {chosen}")
+
+
+def without_windows(model):
+    """transformers' model with the same weights and windows longer than any input."""
+    config = copy.deepcopy(model.config)
+    config.sliding_window = 1 << 20
+    free = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    free.load_state_dict(model.state_dict())
+    return free.eval()
+
+
+def assert_greedy_matches(model, cfg, params, prompts, steps=6):
+    """Our greedy KV-cached tokens are transformers' forward argmax (but at a near-tie)."""
+    new = np.asarray(generate(Transformer(cfg), params, prompts, max_new_tokens=steps,
+                              rng=jax.random.key(0), temperature=0).tokens)
+    t = prompts.shape[1]
+    logits = hf_logits(model, np.concatenate([prompts, new], 1))[:, t - 1:-1]  # [B, steps, V]
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    for row in range(len(prompts)):
+        diff = np.flatnonzero(new[row] != logits[row].argmax(-1))
+        if diff.size:  # only at a near-tie may float32 rounding pick the other token
+            assert top2[row, diff[0], 1] - top2[row, diff[0], 0] < 1e-4, (row, new[row])
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_moe_family_matches_transformers(model_type, tmp_path):
+    model = hf_model(model_type)
+    model.save_pretrained(tmp_path / "hf")
+    n_experts = getattr(model.config, "num_experts", None) or model.config.num_local_experts
+    prompts, want = covering_batch(model, n_experts)
+    for scan in (False, True):
+        cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
+        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+        assert rel_err(got, want) < 1e-5, (model_type, scan, rel_err(got, want))
+    assert cfg.moe.experts == n_experts and cfg.moe.top_k == 2
+    if any(k.window for k in cfg.kinds):  # the windows bind: without them, another answer
+        assert rel_err(hf_logits(without_windows(model), prompts), want) > 1e-3
+
+    assert_greedy_matches(model, cfg, params, prompts)
+
+    written = to_hf(cfg, params, tmp_path / "out")
+    assert written["model_type"] == model_type
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    assert rel_err(hf_logits(back, prompts), want) < 1e-5
+
+
+@pytest.mark.parametrize("model_type, changes", [
+    ("qwen3_moe", dict(mlp_only_layers=[0])),
+    ("qwen2_moe", dict(decoder_sparse_step=2, qkv_bias=False, num_hidden_layers=3)),
+])
+def test_dense_and_sparse_layers_as_transformers_chooses_them(model_type, changes, tmp_path):
+    """mlp_only_layers and decoder_sparse_step: the dense layers are an MLP of width
+    intermediate_size, the rest sparse; read, and written back, as transformers runs them."""
+    model = hf_model(model_type, **changes)
+    model.save_pretrained(tmp_path / "hf")
+    prompts = rng.integers(0, V, (2, T))
+    want = hf_logits(model, prompts)
+    cfg, params = from_hf(tmp_path / "hf")
+    dense = [i for i, layer in enumerate(model.model.layers)
+             if not hasattr(layer.mlp, "experts")]
+    assert dense and [i for i, s in enumerate(cfg.sparse_layers) if not s] == dense
+    assert rel_err(np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts)),
+                   want) < 1e-5
+    assert to_hf(cfg, params, tmp_path / "out")["model_type"] == model_type
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    assert rel_err(hf_logits(back, prompts), want) < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_router_aux_loss_coef_is_the_same_penalty(model_type, tmp_path):
+    """router_aux_loss_coef (applied with output_router_logits) times transformers'
+    load_balancing_loss_func equals model.moe.aux_loss times ours (one layer, where
+    transformers' pooling over layers is the layer's own)."""
+    coef = float(rng.uniform(0.001, 0.1))
+    model = hf_model(model_type, num_hidden_layers=1, output_router_logits=True,
+                     router_aux_loss_coef=coef)
+    model.save_pretrained(tmp_path)
+    cfg, params = from_hf(tmp_path)
+    prompts = rng.integers(0, V, (2, T))
+    with torch.no_grad():
+        theirs = coef * float(model(torch.tensor(prompts)).aux_loss)
+    _, state = Transformer(cfg).apply({"params": params}, prompts, mutable=["moe"])
+    (stats,) = jax.tree.leaves(state["moe"], is_leaf=lambda x: isinstance(x, dict) and "aux" in x)
+    ours = cfg.moe.aux_loss * float(np.asarray(stats["aux"]).reshape(-1)[0])
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert config_from_hf(dict(model.config.to_dict(), output_router_logits=False)).moe.aux_loss == 0
+
+
+def test_export_picks_the_family_that_routes_alike(tmp_path):
+    """A model of ours (softmax, top-k, renormalised: Mixtral's routing spelt as Qwen's)
+    is written as Mixtral; transformers reads it to our logits."""
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
+                      max_seq_len=128, position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
+                      moe=dict(experts=4, top_k=2, router="softmax_topk", norm_topk=True))
+    params = jax.tree.map(lambda x: rng.normal(0, 0.1, x.shape).astype(x.dtype),
+                          param_shapes(cfg))
+    assert to_hf(cfg, params, tmp_path)["model_type"] == "mixtral"
+    prompts = rng.integers(0, V, (2, T))
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager").eval()
+    ours = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+    assert rel_err(ours, hf_logits(back, prompts)) < 1e-5
+
+
+@pytest.mark.parametrize("config, words", [
+    (dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"]),
+     ["'gpt_oss'", "sinks"]),
+    (dict(COMMON, model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1),
+     ["router_jitter_noise=0.1", "mixtral", "jitter"]),
+    (dict(COMMON, model_type="olmoe", num_experts=4, clip_qkv=8.0), ["clip_qkv=8.0", "olmoe"]),
+    (dict(COMMON, model_type="qwen3_moe", num_experts=4, num_local_experts=8,
+          moe_intermediate_size=32), ["num_experts", "num_local_experts", "qwen3_moe"]),
+    (dict(COMMON, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=32,
+          shared_expert_intermediate_size=40, decoder_sparse_step=0),
+     ["decoder_sparse_step=0"]),
+])
+def test_unsupported_moe_options_name_the_key_and_the_family(config, words):
+    with pytest.raises(ConfigError) as e:
+        config_from_hf(config)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
