@@ -144,6 +144,27 @@ def gradient_sums(model: Transformer, trained, frozen, batch, rng):
     return total, count, grads, {}
 
 
+def batch_sums(model: Transformer, trained, frozen, batch, rng, grad_accum: int):
+    """gradient_sums over the whole batch: with grad_accum > 1, of its micro-batches in a
+    lax.scan, added up (micro-batch i takes rows i, i + grad_accum, ...: each device keeps
+    its own rows; its dropout key is rng folded with i)."""
+    if grad_accum == 1:
+        return gradient_sums(model, trained, frozen, batch, rng)
+    micro = jax.tree.map(lambda x: jnp.swapaxes(
+        x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)  # [A, B / A, T]
+
+    def body(carry, xs):
+        i, mb = xs
+        mb = jax.tree.map(lambda x: constrain(x, "act_batch", "act_seq"), mb)
+        out = gradient_sums(model, trained, frozen, mb, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, carry, out), None
+
+    shapes = jax.eval_shape(lambda mb: gradient_sums(model, trained, frozen, mb, rng),
+                            jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))[0]
+
+
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedule, *,
                     grad_accum: int = 1, mesh=None, rules=None, shardings=None):
     """A jitted step(state, batch) -> (state, metrics), donating the old state.
@@ -165,23 +186,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
         trained, frozen = trained_part(state.params)
-        if grad_accum == 1:
-            total, count, grads, sums = gradient_sums(model, trained, frozen, batch, rng)
-        else:
-            micro = jax.tree.map(lambda x: jnp.swapaxes(
-                x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)  # [A, B / A, T]
-
-            def body(carry, xs):
-                i, mb = xs
-                mb = jax.tree.map(lambda x: constrain(x, "act_batch", "act_seq"), mb)
-                out = gradient_sums(model, trained, frozen, mb, jax.random.fold_in(rng, i))
-                return jax.tree.map(jnp.add, carry, out), None
-
-            shapes = jax.eval_shape(lambda mb: gradient_sums(model, trained, frozen, mb, rng),
-                                    jax.tree.map(lambda x: x[0], micro))
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            (total, count, grads, sums), _ = jax.lax.scan(body, zeros,
-                                                          (jnp.arange(grad_accum), micro))
+        total, count, grads, sums = batch_sums(model, trained, frozen, batch, rng, grad_accum)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         update, norm = (jax.vmap(tx.update), jax.vmap(optax.tree.norm)) if sweep else \
