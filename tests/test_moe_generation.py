@@ -371,3 +371,53 @@ def test_mlp_adapters_reach_the_shared_experts_alone():
         with pytest.raises(ConfigError, match=r"^model.lora.targets names [^\n]*routed experts "
                            r"take no adapters; target attention[^\n]*shared_experts$"):
             sparse_cfg(moe="routed", lora={"rank": 2, "targets": targets})
+
+
+# ---- 4. parity with TransformerLens ------------------------------------------------------
+
+def test_routing_hooks_match_transformer_lens(tmp_path):
+    """A random Mixtral (4 experts, top-2, weights at std 0.1) read by from_hf, and booted
+    offline by TransformerLens 4's TransformerBridge from the same folder: each sparse
+    layer's router logits (gate.hook_out), chosen experts and their weights, the layer's
+    output and the logits are TransformerLens's. It fires the routing hooks per token
+    [B T, ...] and hook_expert_weights over every expert (0 where not chosen); ours are
+    [B, T, ...] and the k chosen ones'."""
+    tl = pytest.importorskip("transformer_lens.model_bridge")
+    import tokenizers
+    import torch
+    import transformers
+    from jaxformer.convert import from_hf
+    from tests.hf.test_families import random_hf_model
+    b, t, n_experts, k = 2, 9, 4, 2
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        num_local_experts=n_experts, num_experts_per_tok=k, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None)
+    random_hf_model(config, int(rng.integers(1 << 31))).save_pretrained(tmp_path)
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"t{i}": i for i in range(64)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="t0",
+                                         pad_token="t0").save_pretrained(tmp_path)
+    bridge = tl.TransformerBridge.boot_transformers(
+        str(tmp_path), hf_model=transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+    bridge.enable_compatibility_mode(disable_warnings=True, no_processing=True)
+    tokens = rng.integers(0, 64, (b, t))
+    their_logits, theirs = bridge.run_with_cache(torch.tensor(tokens))
+    cfg, params = from_hf(tmp_path)
+    names = [f"blocks.{i}.{n}" for i in range(2) for n in
+             [f"mlp.{h}" for h in ROUTING_HOOKS] + ["hook_mlp_out"]]
+    logits, ours = run_with_cache(Transformer(cfg), params, jnp.asarray(tokens), names=names)
+    for name in names:
+        want = theirs[name].detach().numpy()
+        got = np.asarray(ours[name])
+        if name.endswith("hook_expert_weights"):  # ours placed among every expert's
+            got = (np.eye(n_experts)[np.asarray(ours[name[:-7] + "indices"])] *
+                   got[..., None]).sum(-2)
+        got = got.reshape(want.shape)
+        if name.endswith("indices"):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(logits), their_logits.detach().numpy(), rtol=1e-4,
+                               atol=1e-5)
