@@ -76,20 +76,21 @@ def token_axes(n: int, mesh) -> tuple[str, ...]:
 
 
 def weight_specs(w, mesh):
-    """Each expert param's PartitionSpec (as the rules shard it); refused unless the experts
+    """Each expert param's PartitionSpec as the rules shard it (an int8 kernel: one for its
+    values, one for its scales, jaxformer.matmul.Int8Kernel); refused unless the experts
     lie on the expert axis alone."""
     def used(entry):  # the entry's mesh axes of size > 1: nothing to gather over the rest
         kept = tuple(a for a in _axes(entry) if mesh.shape[a] > 1)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
-    specs = {name: P(*map(used, current_spec(v.shape, *param_axes(name))[1]))
-             for name, v in w.items()}
-    for name, spec in specs.items():
-        if spec[0] != AXIS:
+    def spec(name, v):
+        where = P(*map(used, current_spec(v.shape, *param_axes(name))[1]))
+        if where[0] != AXIS:
             raise ValueError(f"expert parallelism needs {name}'s experts on the mesh axis "
-                             f"{AXIS!r} alone, but they lie on {spec[0]!r}: set "
+                             f"{AXIS!r} alone, but they lie on {where[0]!r}: set "
                              "mesh.rules.experts=expert")
-    return specs
+        return where
+    return {name: jax.tree.map(functools.partial(spec, name), v) for name, v in w.items()}
 
 
 def expert_parallel_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None, mesh):
@@ -99,7 +100,7 @@ def expert_parallel_dispatch(x, weights, experts, w, ffn, *, capacity_factor=Non
     check_expert_split(n_experts, mesh.shape[AXIS])
     rows = token_axes(x.shape[0], mesh)
     specs = weight_specs(w, mesh)
-    mlp = _axes(specs["wo"][1])  # the hidden axis's: wo's products are partial sums over it
+    mlp = _axes(jax.tree.leaves(specs["wo"])[0][1])  # wo's products: partial sums over it
     if set(mlp) & set(rows):
         raise ValueError(f"expert parallelism: the experts' hidden axis (expert_mlp -> {mlp}) "
                          f"and the tokens (act_batch, act_seq -> {rows}) share mesh axes")
@@ -112,7 +113,8 @@ def expert_parallel_dispatch(x, weights, experts, w, ffn, *, capacity_factor=Non
 
 def _local(x, weights, experts, w, *, ffn, n_experts, specs, mlp):
     """One device: its tokens x [n, D], weights / experts [n, k]; its experts' params."""
-    w = {name: _gathered(v, specs[name], param_axes(name)) for name, v in w.items()}
+    w = {name: jax.tree.map(functools.partial(_gathered, names=param_axes(name)), v, specs[name])
+         for name, v in w.items()}
     if mlp and "wo_bias" in w:  # added once, not on every shard of the partial sums
         first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in mlp])
         w["wo_bias"] = jnp.where(first, w["wo_bias"], 0)
