@@ -55,7 +55,7 @@ class HFModelType:
       every layer full attention; called with get and the layer's index); layer_types_key: config.json may list layer_types;
       use_sliding_window: a window only where use_sliding_window is true (written with
       max_window_layers 0); rope_of(get, i, type): whether layer i is rotated (None: all).
-    extra(get) -> more ModelConfig fields (multipliers, soft-caps, Gemma's scale);
+    extra(get) -> more ModelConfig fields (jaxformer.hf.scales: multipliers, soft-caps);
       extra_to_hf(cfg) -> their keys. refuse: (key, the values read, why) for the rest.
     moe: the mixture of experts (jaxformer.hf.moe_layout.MoEFormat); None: dense.
     """

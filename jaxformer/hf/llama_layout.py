@@ -3,7 +3,9 @@ reader and writer and the tensor rules of every model type whose checkpoint has 
 with its own twists, which its row in jaxformer.hf.families states and this module follows.
 
 Layer types (HF's layer_types: full_attention / sliding_attention per layer, and NoPE
-layers) become a model.layer_pattern of kinds named after them (jaxformer.hf.layers).
+layers) become a model.layer_pattern of kinds named after them (jaxformer.hf.layers); a
+family's experts (its row's moe) become model.moe and the sparse layers' tensors
+(jaxformer.hf.moe_layout).
 """
 
 from __future__ import annotations
