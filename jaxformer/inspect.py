@@ -2,6 +2,11 @@
 (run_with_hooks), the logit lens, and head-ablation and activation-patching sweeps. Names, shapes and meanings are TransformerLens's
 (`blocks.3.attn.hook_pattern`); README "Inspecting a model" lists them.
 
+A sparse layer (jaxformer.moe) shows its routing as TransformerLens 4 names it:
+`blocks.i.mlp.gate.hook_out` (router logits [B, T, E]), `hook_expert_indices` and
+`hook_expert_weights` [B, T, k]; a hook that sets an expert's weight to 0 where the indices
+name it switches that expert off (tests/test_moe_generation.py).
+
 Everything here is a pure function of (params, tokens, hooks), so it composes with
 jax.jit, jax.vmap (e.g. one call over a batch of interventions) and jax.grad (e.g.
 attribution patching). With scan_layers or remat, the model is run as its per-layer loop
