@@ -39,7 +39,9 @@ def _resorted(h, sizes, n_groups: int):
 
 def over_rows(matmul):
     """matmul(h [M, in], kernel [G, in, out], sizes [G] summing to M) -> [M, out], as one
-    that vmap batches whichever of h, kernel and sizes it batches."""
+    that vmap batches whichever of h, kernel and sizes it batches. Make it once per matmul,
+    as a module's constant (jaxformer.moe.GROUPED): made and dropped in a loop, a later
+    one gave wrong answers under vmap (a traced rule of a collected one, seemingly)."""
 
     def side_by_side(fn, h, kernel, sizes):  # all batched: B * G groups, one call
         b, m = h.shape[:2]
