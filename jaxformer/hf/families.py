@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from jaxformer.hf import gpt2, gpt_neox, llama_layout, scales
 from jaxformer.hf.moe_layout import MoEFormat
+from jaxformer.hf.rope import cannot
 from jaxformer.hf.tensors import Rule
 from jaxformer.schemes import POSITION_SCHEMES
 
@@ -120,6 +121,13 @@ def _sliding_if_used(get, i):  # Qwen3-MoE: every layer slides under use_sliding
 def _qwen2_moe_types(get, i):  # transformers 5: layers i + 1 odd below max_window_layers
     slide = get("use_sliding_window") and i < get("max_window_layers") and (i + 1) % 2
     return "sliding_attention" if slide else "full_attention"
+
+
+def _olmoe_to_hf(cfg) -> dict:  # its q_norm / k_norm span hidden_size / n_heads per head
+    if cfg.head_dim * cfg.n_heads != cfg.d_model:
+        raise cannot("head_dim", cfg.head_dim, "OLMoE's heads are hidden_size / "
+                     "num_attention_heads wide (its QK-norm weights have that size)")
+    return {}
 
 
 def _smollm3_rope(get, i, layer_type=None) -> bool:  # no_rope_layers: 1 where rotated
@@ -319,7 +327,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
                       head_dim=None, rope_theta=10000.0, clip_qkv=None, num_experts_per_tok=8,
                       norm_topk_prob=False, **dict(_ROUTER_LOSS, router_aux_loss_coef=0.01)),
-        qk_norm="projection", biases="attention",
+        qk_norm="projection", biases="attention", extra_to_hf=_olmoe_to_hf,
         moe=MoEFormat("mlp", "gate", ("num_experts", "num_local_experts"), "softmax_topk",
                       "norm_topk_prob"),
         refuse=(("clip_qkv", (None,), "jaxformer does not clip q, k and v"),)),

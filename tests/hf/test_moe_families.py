@@ -24,8 +24,9 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 import jax  # noqa: E402
 
 from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noqa: E402
-from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
+from jaxformer.convert import config_from_hf, config_to_hf, from_hf, to_hf  # noqa: E402
 from jaxformer.decoding import generate  # noqa: E402
+from jaxformer.hf import MODEL_TYPES  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
 
 torch.set_num_threads(2)
@@ -194,3 +195,16 @@ def test_unsupported_moe_options_name_the_key_and_the_family(config, words):
         config_from_hf(config)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_mixtures_no_family_writes_are_refused(tmp_path):
+    """Experts with biases (GPT-OSS's) have no family: one ConfigError naming model.moe;
+    OLMoE's writer refuses heads it cannot size."""
+    base = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
+                       position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
+                       moe=dict(experts=4, top_k=2, router="topk_softmax"))
+    with pytest.raises(ConfigError, match=r"model\.moe=.* mixtral, differs in moe"):
+        config_to_hf(base.replace(moe=dict(base.moe.to_dict(), bias=True)))
+    with pytest.raises(ConfigError, match="head_dim=16.*OLMoE"):
+        MODEL_TYPES["olmoe"].write_config(base.replace(head_dim=16, qk_norm="projection"),
+                                          MODEL_TYPES["olmoe"])
