@@ -78,9 +78,12 @@ def export_model_type(cfg: ModelConfig) -> str:
     """The first model type (by export rank) whose config.json, read back, is cfg's model.
     Writers write what they can (a value a type has no spelling for at all, e.g. NTK
     scaling, raises); the round trip finds the rest. A model no type writes is a
-    ConfigError naming the fields of the nearest type that differ."""
+    ConfigError naming the fields of the nearest type that differ (a mixture of experts
+    is written, and compared, by the types with experts alone; a dense model by the rest)."""
     nearest = None
     for row in sorted(MODEL_TYPES.values(), key=lambda row: row.export_rank):
+        if (row.moe is None) == bool(cfg.moe.experts):
+            continue
         try:
             back = config_from_hf(_write(cfg, row, "float32"))
         except ConfigError as e:  # the writer (or reader) names the one value it cannot say
