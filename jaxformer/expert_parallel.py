@@ -149,7 +149,7 @@ def exchange(x, weights, experts, w, ffn, n_experts: int):
     recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)  # [X, C, D]: row i from device i
     got = jax.lax.all_to_all(counts.reshape(devices, per), AXIS, 0, 0, tiled=True)  # [X, E/X]
     ends = jnp.cumsum(got, axis=-1)  # [X, E/X]: each sender's rows are sorted by expert
-    mine = jnp.sum(jnp.arange(cap)[None, :, None] >= ends[:, None, :], axis=-1)  # [X, C]
+    mine = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(cap), side="right"))(ends)  # [X, C]
     # each received row through its local expert (padding rows: expert E/X, none: zeros)
     out, _ = ragged_dispatch(recv.reshape(devices * cap, -1),
                              jnp.ones((devices * cap, 1), jnp.float32),

@@ -16,7 +16,8 @@ name to mesh axes of the ``('data', 'fsdp', 'tensor', 'context', 'expert')`` mes
             back by all-to-all (jaxformer.expert_parallel); the batch is split over it too
 
 A mesh of (n, 1, 1) is data parallel, (1, n, 1) FSDP, (1, 1, n) tensor parallel, and any
-product of them combines them (with context and expert as keywords). The same jitted code runs on all of them, and on one CPU.
+product of them combines them (context and expert are keywords of make_mesh). The same
+jitted code runs on all of them, and on one CPU.
 """
 
 from __future__ import annotations
