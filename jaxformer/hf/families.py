@@ -44,8 +44,9 @@ class HFModelType:
     The Llama lineage's twists (read by llama_layout and jaxformer.hf.layers). norm, block,
       qk_norm: ModelConfig's. biases: "attention_and_mlp" (attention_bias on q, k, v, o and
       mlp_bias, equal), "attention" (attention_bias on q, k, v, o; no MLP key), "qkv" (q,
-      k, v always, as Qwen2), "qkv_bias" (q, k, v as its qkv_bias key says), "none". act_key, eps_key: the activation's and the norm
-      epsilon's keys; act_aliases: activation names the config class rewrites.
+      k, v always, as Qwen2), "qkv_bias" (q, k, v as its qkv_bias key says), "none".
+      act_key, eps_key: the activation's and the norm epsilon's keys; act_aliases:
+      activation names the config class rewrites.
       fused_projections: q|k|v in one qkv_proj, gate|up in one gate_up_proj.
       rope_layout: the checkpoint's own q/k layout ("interleaved": adjacent pairs (2i, 2i+1),
       permuted to jaxformer's half layout and back). rotary_fraction_key: the top-level key
@@ -53,7 +54,7 @@ class HFModelType:
       RoPE scalings the config class takes (None: all). rope_per_type: rope_parameters keyed
       by layer type, with theta defaults per type and legacy keys (key -> type).
     Layers. layer_type(get, i): layer i's type when config.json lists no layer_types (None:
-      every layer full attention; called with get and the layer's index); layer_types_key: config.json may list layer_types;
+      every layer full attention); layer_types_key: config.json may list layer_types;
       use_sliding_window: a window only where use_sliding_window is true (written with
       max_window_layers 0); rope_of(get, i, type): whether layer i is rotated (None: all).
     extra(get) -> more ModelConfig fields (jaxformer.hf.scales: multipliers, soft-caps);

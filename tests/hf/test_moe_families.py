@@ -159,15 +159,17 @@ def test_router_aux_loss_coef_is_the_same_penalty(model_type, tmp_path):
     (stats,) = jax.tree.leaves(state["moe"], is_leaf=lambda x: isinstance(x, dict) and "aux" in x)
     ours = cfg.moe.aux_loss * float(np.asarray(stats["aux"]).reshape(-1)[0])
     assert ours == pytest.approx(theirs, rel=1e-5)
-    assert config_from_hf(dict(model.config.to_dict(), output_router_logits=False)).moe.aux_loss == 0
+    off = dict(model.config.to_dict(), output_router_logits=False)  # no penalty then
+    assert config_from_hf(off).moe.aux_loss == 0
 
 
 def test_export_picks_the_family_that_routes_alike(tmp_path):
     """A model of ours (softmax, top-k, renormalised: Mixtral's routing spelt as Qwen's)
     is written as Mixtral; transformers reads it to our logits."""
     cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
-                      max_seq_len=128, position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
-                      moe=dict(experts=4, top_k=2, router="softmax_topk", norm_topk=True))
+                      max_seq_len=128, position="rope", norm="rmsnorm", ffn="swiglu",
+                      use_bias=False, moe=dict(experts=4, top_k=2, router="softmax_topk",
+                                               norm_topk=True))
     params = jax.tree.map(lambda x: rng.normal(0, 0.1, x.shape).astype(x.dtype),
                           param_shapes(cfg))
     assert to_hf(cfg, params, tmp_path)["model_type"] == "mixtral"
