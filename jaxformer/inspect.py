@@ -1,11 +1,12 @@
 """Experiments on a model's activations: read them (run_with_cache), change them
-(run_with_hooks), the logit lens, and head-ablation and activation-patching sweeps. Names, shapes and meanings are TransformerLens's
-(`blocks.3.attn.hook_pattern`); README "Inspecting a model" lists them.
+(run_with_hooks), the logit lens, and head-ablation and activation-patching sweeps. Names,
+shapes and meanings are TransformerLens's (`blocks.3.attn.hook_pattern`); README
+"Inspecting a model" lists them.
 
 A sparse layer (jaxformer.moe) shows its routing as TransformerLens 4 names it:
-`blocks.i.mlp.gate.hook_out` (router logits [B, T, E]), `hook_expert_indices` and
-`hook_expert_weights` [B, T, k]; a hook that sets an expert's weight to 0 where the indices
-name it switches that expert off (tests/test_moe_generation.py).
+`blocks.i.mlp.gate.hook_out` (router logits [B, T, E]), `hook_expert_indices` [B, T, k]
+and `hook_expert_weights` [B, T, E] (0 where not chosen); a hook that sets an expert's
+column of the weights to 0 switches that expert off (tests/test_moe_generation.py).
 
 Everything here is a pure function of (params, tokens, hooks), so it composes with
 jax.jit, jax.vmap (e.g. one call over a batch of interventions) and jax.grad (e.g.

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
 from jaxformer.expert_parallel import dispatch_for
-from jaxformer.hooks import hook_point
+from jaxformer.hooks import active, hook_point
 from jaxformer.kinds import BLOCKS, FFNS
 from jaxformer.lora import adapted
 from jaxformer.masks import pick_rule
 from jaxformer.matmul import flat_dot_general, promote_kernel
-from jaxformer.moe import balance_losses, dispatch_of, expert_load, route
+from jaxformer.moe import balance_losses, dense_weights, dispatch_of, expert_load, route
 from jaxformer.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.sharding import constrain, init_with_names
 
@@ -60,8 +60,10 @@ class MoEFeedForward(nn.Module):
     (assignments per expert [E]), aux and z (the balancing losses), dropped (the share of
     assignments over capacity). Hooks, named as TransformerLens 4 names a sparse block's:
     gate.hook_out (the router's logits [B, T, E]; TransformerLens calls the router gate),
-    hook_expert_indices and hook_expert_weights [B, T, k] (the chosen experts and their
-    weights)."""
+    hook_expert_indices [B, T, k] (the chosen experts) and hook_expert_weights [B, T, E]
+    (every expert's weight, 0 where not chosen, as TransformerLens's; a hook changes the
+    chosen experts' weights: setting one expert's column to 0 removes it, and a weight
+    given to an expert not chosen is not read)."""
 
     cfg: ModelConfig
     deterministic: bool = True
@@ -84,8 +86,11 @@ class MoEFeedForward(nn.Module):
                 (m.experts,), jnp.float32))
         weights, experts, scores = route(logits, m, score_bias)
         experts = hook_point(self, "hook_expert_indices", experts.reshape(b, t, -1))
-        weights = hook_point(self, "hook_expert_weights", weights.reshape(b, t, -1))
-        experts, weights = experts.reshape(b * t, -1), weights.reshape(b * t, -1)
+        experts = experts.reshape(b * t, -1)
+        if active(self, "hook_expert_weights"):  # every expert's weight, 0 where not chosen
+            every = hook_point(self, "hook_expert_weights",
+                               dense_weights(weights, experts, m.experts).reshape(b, t, -1))
+            weights = jnp.take_along_axis(every.reshape(b * t, -1), experts, axis=-1)
 
         f = c.expert_d_ff
         names = (("wi_gate", "wi_up") if c.gated_ffn else ("wi",)) + ("wo",)

@@ -68,7 +68,8 @@ def np_sparse_ffn(cfg, p, x, out=None, pre=""):
     logits = tm.keep(out, pre + "gate.hook_out", (h @ p["router"]["kernel"]).reshape(b, t, -1))
     weights, experts = tmoe.np_route(logits.reshape(b * t, -1), cfg.moe)
     tm.keep(out, pre + "hook_expert_indices", experts.reshape(b, t, -1))
-    tm.keep(out, pre + "hook_expert_weights", weights.reshape(b, t, -1))
+    every = (np.eye(cfg.moe.experts)[experts] * weights[..., None]).sum(-2)  # [N, E]
+    tm.keep(out, pre + "hook_expert_weights", every.reshape(b, t, -1))
     w = {k: v for k, v in p.items() if k in ("wi", "wi_gate", "wi_up", "wo")}
     y = tmoe.np_moe(h, weights, experts, w, cfg.ffn).reshape(b, t, d)
     if "shared" in p:
@@ -246,7 +247,7 @@ ROUTING_HOOKS = ("gate.hook_out", "hook_expert_indices", "hook_expert_weights")
 
 def test_routing_hooks_hold_the_float64_routing(np_forward):
     """run_with_cache's blocks.i.mlp.gate.hook_out (router logits [B, T, E]: TransformerLens
-    4 calls the router gate), hook_expert_indices and hook_expert_weights [B, T, k], scanned
+    4 calls the router gate), hook_expert_indices [B, T, k] and hook_expert_weights [B, T, E], scanned
     layers as the loop, against the float64 forward's routing."""
     cfg = sparse_cfg("shared", scan_layers=True)
     tokens, params = sparse_init(cfg)
@@ -265,21 +266,10 @@ def test_routing_hooks_hold_the_float64_routing(np_forward):
 
 
 def ablation_hooks(cfg, expert: int):
-    """Hooks that switch `expert` off in every layer: its weight set to 0 wherever a token
-    chose it (the indices remembered from their own hook, which runs first)."""
-    hooks, chosen = {}, {}
-    for i in range(cfg.n_layers):
-        pre = f"blocks.{i}.mlp."
-
-        def remember(idx, pre=pre):
-            chosen[pre] = idx
-            return idx
-
-        def ablate(w, pre=pre):
-            return jnp.where(chosen[pre] == expert, jnp.zeros((), w.dtype), w)
-
-        hooks[pre + "hook_expert_indices"], hooks[pre + "hook_expert_weights"] = remember, ablate
-    return hooks
+    """Hooks that switch `expert` off in every layer: its column of the weights over every
+    expert set to 0."""
+    return {f"blocks.{i}.mlp.hook_expert_weights": lambda w: w.at[..., expert].set(0)
+            for i in range(cfg.n_layers)}
 
 
 def without_expert(cfg, params, expert: int):
@@ -380,8 +370,7 @@ def test_routing_hooks_match_transformer_lens(tmp_path):
     offline by TransformerLens 4's TransformerBridge from the same folder: each sparse
     layer's router logits (gate.hook_out), chosen experts and their weights, the layer's
     output and the logits are TransformerLens's. It fires the routing hooks per token
-    [B T, ...] and hook_expert_weights over every expert (0 where not chosen); ours are
-    [B, T, ...] and the k chosen ones'."""
+    [B T, ...]; ours [B, T, ...]."""
     tl = pytest.importorskip("transformer_lens.model_bridge")
     import tokenizers
     import torch
@@ -411,9 +400,6 @@ def test_routing_hooks_match_transformer_lens(tmp_path):
     for name in names:
         want = theirs[name].detach().numpy()
         got = np.asarray(ours[name])
-        if name.endswith("hook_expert_weights"):  # ours placed among every expert's
-            got = (np.eye(n_experts)[np.asarray(ours[name[:-7] + "indices"])] *
-                   got[..., None]).sum(-2)
         got = got.reshape(want.shape)
         if name.endswith("indices"):
             np.testing.assert_array_equal(got, want, err_msg=name)
