@@ -77,7 +77,9 @@ class MoEConfig(Section):
     capacity_factor: None is dropless (every token reaches its top_k experts); a number
     gives each expert ceil(factor * tokens * top_k / experts) slots, filled with first
     choices before second ones, in token order within a choice; an assignment past them
-    is dropped (its token keeps the rest, the residual carries it).
+    is dropped (its token keeps the rest, the residual carries it). It is a training
+    option: a token's slot depends on the tokens beside it, so decoding runs dropless
+    (jaxformer.cached_forward.decoding_config).
     aux_loss, z_loss: the switch-transformer load-balancing loss (1 at perfect balance)
     and the router z-loss, times these, added to the train loss. bias_update_rate:
     DeepSeek-V3's auxiliary-loss-free balancing: after each step score_bias moves by this
