@@ -270,7 +270,7 @@ def ragged_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None):
     xs = x[order // k]  # [N k, D]: each assignment's token, grouped by expert
 
     def matmul(h, kernel):  # vmap batches it over the rows alone (jaxformer.grouped_vmap)
-        return GROUPED(h, kernel.astype(h.dtype), sizes)
+        return GROUPED(h, kernel, sizes)  # widened where it is read
 
     ys = expert_mlp(xs, w, ffn, matmul, flat[order])  # [N k, D]
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # token order again
