@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -29,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import bench_jax, interleaved, print_table, timed  # noqa: E402
+from train_throughput import (bench_jax, bench_torch, interleaved, print_table,  # noqa: E402
+                              timed)
 
 from jaxformer import Transformer, count_params, flops_per_token  # noqa: E402
 from jaxformer.decoding import generate  # noqa: E402
-from jaxformer.training.config import RunConfig, parse_overrides  # noqa: E402
+from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides  # noqa: E402
 from jaxformer.training.metrics import measured_matmul_flops  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
-from jaxformer.training.config import OptimConfig  # noqa: E402
 from jaxformer.training.step import abstract_state, make_train_step  # noqa: E402
 
 LLAMA_LIKE = dict(position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
@@ -77,34 +76,6 @@ def hf_model(shape: str, cfg):
                                   intermediate_size=m.d_ff, norm_topk_prob=True,
                                   decoder_sparse_step=1)
     return getattr(T, f"{SHAPES[shape][1]}ForCausalLM")(config)
-
-
-def bench_torch(shape: str, cfg, batch: int, seq: int):
-    """(first step s, one(), threads) for HF's eager model, or None without torch."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.manual_seed(0)
-    hf = hf_model(shape, cfg).train()
-    opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
-    x = torch.randint(0, cfg.vocab_size, (batch, seq))
-
-    def one():
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = hf(input_ids=x, labels=x).loss
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        opt.step()
-        t3 = time.perf_counter()
-        return (t1 - t0) * 1e3, (t2 - t0) * 1e3, (t3 - t0) * 1e3
-
-    t0 = time.perf_counter()
-    one()
-    return time.perf_counter() - t0, one, torch.get_num_threads()
 
 
 def temp_mib(cfg, batch: int, seq: int) -> float:
@@ -174,7 +145,8 @@ def main():
             first, one = bench_jax(c, a.batch, a.seq)
             rows.append([name, first])
             runners.append(one)
-        torch_res = None if a.no_torch else bench_torch(shape, cfg, a.batch, a.seq)
+        torch_res = None if a.no_torch else bench_torch(shape, cfg, a.batch, a.seq,
+                                                        build=lambda: hf_model(shape, cfg))
         if torch_res is not None:
             rows.append([f"HF {SHAPES[shape][1]}, PyTorch ({torch_res[2]} thr)", torch_res[0]])
             runners.append(torch_res[1])

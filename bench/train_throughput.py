@@ -90,16 +90,17 @@ def hf_model(shape: str, cfg, seq: int):
         attention_bias=False, bos_token_id=0, eos_token_id=0))
 
 
-def bench_torch(shape: str, cfg, batch: int, seq: int):
+def bench_torch(shape: str, cfg, batch: int, seq: int, build=None):
     """(first step s, one(), threads), or None without torch and transformers: one() runs a
-    train step and returns its forward, forward+backward and whole-step ms."""
+    train step and returns its forward, forward+backward and whole-step ms. build(): the
+    HF model (default: hf_model's for the shape)."""
     try:
         import torch
         import transformers  # noqa: F401
     except ImportError:
         return None
     torch.manual_seed(0)
-    hf = hf_model(shape, cfg, seq)
+    hf = build() if build is not None else hf_model(shape, cfg, seq)
     hf.train()
     opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
     x = torch.randint(0, cfg.vocab_size, (batch, seq))
