@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +29,17 @@ NORMS = {"layernorm": Norm(rms=False), "rmsnorm": Norm(rms=True),
 
 @dataclasses.dataclass(frozen=True)
 class FFN:
-    """activation: act in wo(act(wi x)), or wo(act(wi_gate x) * wi_up x) when gated."""
+    """activation: act in wo(act(wi x)), or wo(act(wi_gate x) * wi_up x) when gated.
+    glu: a gated FFN's own join of the two projections, wo(glu(wi_gate x, wi_up x)), where
+    it is not act(gate) * up."""
 
     activation: Callable
     gated: bool = False
+    glu: Callable | None = None
+
+    def join(self, gate, up):
+        """A gated FFN's hidden activation from its gate and up projections."""
+        return self.activation(gate) * up if self.glu is None else self.glu(gate, up)
 
 
 def _gelu_tanh(x):  # GPT-2's tanh form
@@ -42,8 +50,20 @@ def _gelu_erf(x):  # the erf form (GPT-NeoX)
     return jax.nn.gelu(x, approximate=False)
 
 
+CLAMP_ALPHA, CLAMP_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU
+
+
+def _clamped_swiglu(gate, up):
+    """gpt-oss: gate clamped above and up to [-limit, limit] at 7, then
+    (up + 1) * gate * sigmoid(1.702 gate)."""
+    gate = jnp.minimum(gate, CLAMP_LIMIT)
+    up = jnp.clip(up, -CLAMP_LIMIT, CLAMP_LIMIT)
+    return (up + 1) * gate * jax.nn.sigmoid(CLAMP_ALPHA * gate)
+
+
 FFNS = {"gelu": FFN(_gelu_tanh), "gelu_exact": FFN(_gelu_erf), "relu": FFN(jax.nn.relu),
-        "swiglu": FFN(jax.nn.silu, gated=True), "geglu": FFN(_gelu_tanh, gated=True)}
+        "swiglu": FFN(jax.nn.silu, gated=True), "geglu": FFN(_gelu_tanh, gated=True),
+        "clamped_swiglu": FFN(jax.nn.silu, gated=True, glu=_clamped_swiglu)}
 
 
 # ---- blocks: how the sublayers meet the residual -----------------------------------------

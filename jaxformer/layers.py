@@ -41,11 +41,12 @@ class FeedForward(nn.Module):
             return adapted(self, c.lora, name, y, x, 1, names, c.dtype, c.param_dtype,
                            self.deterministic)
 
-        act, up = FFNS[c.ffn].activation, ("embed", "mlp")
+        ffn, up = FFNS[c.ffn], ("embed", "mlp")
         pre = hook_point(self, "hook_pre", dense(x, c.d_ff, "wi_gate" if c.gated_ffn else "wi", up))
-        h = act(pre)  # [B, T, F]
-        if c.gated_ffn:
-            h = h * hook_point(self, "hook_pre_linear", dense(x, c.d_ff, "wi_up", up))
+        if c.gated_ffn:  # [B, T, F]
+            h = ffn.join(pre, hook_point(self, "hook_pre_linear", dense(x, c.d_ff, "wi_up", up)))
+        else:
+            h = ffn.activation(pre)
         h = hook_point(self, "hook_post", constrain(h, "act_batch", "act_seq", "act_mlp"))
         out = dense(h, c.d_model, "wo", ("mlp", "embed"), 0.02 / math.sqrt(2 * c.n_layers))
         return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)

@@ -249,7 +249,7 @@ def expert_mlp(x, w, ffn, matmul, rows=None):
         return y if bias is None else y + per_expert(bias)
 
     if ffn.gated:
-        h = ffn.activation(project(x, "wi_gate")) * project(x, "wi_up")
+        h = ffn.join(project(x, "wi_gate"), project(x, "wi_up"))
     else:
         h = ffn.activation(project(x, "wi"))
     return project(h.astype(x.dtype), "wo")

@@ -101,8 +101,13 @@ def np_expert(x, w, e, ffn):
         return h @ w[name][e].astype(np.float64) + bias
 
     act = lambda h: np.asarray(FFNS[ffn].activation(jnp.asarray(h)), np.float64)  # noqa: E731
-    h = act(project(x, "wi_gate")) * project(x, "wi_up") if FFNS[ffn].gated else \
-        act(project(x, "wi"))
+    if ffn == "clamped_swiglu":  # gpt-oss's, written out
+        g, u = np.minimum(project(x, "wi_gate"), 7.0), np.clip(project(x, "wi_up"), -7.0, 7.0)
+        h = (u + 1) * g / (1 + np.exp(-1.702 * g))
+    elif FFNS[ffn].gated:
+        h = act(project(x, "wi_gate")) * project(x, "wi_up")
+    else:
+        h = act(project(x, "wi"))
     return project(h, "wo")
 
 
@@ -123,11 +128,11 @@ def routing(n, n_experts, k, idle=()):
     return rng.uniform(0.1, 1, (n, k)).astype(np.float32), experts.astype(np.int32)
 
 
-@pytest.mark.parametrize("ffn,bias", [("swiglu", False), ("gelu", True)])
+@pytest.mark.parametrize("ffn,bias", [("swiglu", False), ("gelu", True), ("clamped_swiglu", True)])
 @pytest.mark.parametrize("dispatch", ["ragged", "dense"])
 def test_dispatch_equals_the_definition_with_idle_experts(dispatch, ffn, bias):
     n, d, f, n_experts, k = 24, 16, 8, 6, 2
-    x = rng.normal(0, 1, (n, d)).astype(np.float32)
+    x = rng.normal(0, 4 if ffn == "clamped_swiglu" else 1, (n, d)).astype(np.float32)  # clamps
     weights, experts = routing(n, n_experts, k, idle=(0, 4))  # experts 0 and 4 get no token
     w = expert_weights(n_experts, d, f, FFNS[ffn].gated, bias)
     y, dropped = DISPATCHES[dispatch](jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
