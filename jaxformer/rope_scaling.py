@@ -36,6 +36,7 @@ class RopeScaling(Section):
     beta_fast: float = 32.0           # yarn
     beta_slow: float = 1.0            # yarn
     attention_factor: float | None = None  # yarn; None = 0.1 * ln(factor) + 1
+    truncate: bool = True             # yarn: the correction range rounded out to whole dims
 
     def __post_init__(self):
         o = "rope_scaling"
@@ -126,8 +127,10 @@ def _yarn(inv_freq, head_dim, theta, s):
         return head_dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (
             2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), head_dim - 1)
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:  # the paper's and transformers' default; gpt-oss keeps the fractions
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
@@ -143,10 +146,9 @@ def _yarn_from_hf(params: Mapping[str, Any], max_len: int, key: str) -> RopeScal
     """As transformers' _compute_yarn_parameters: a missing factor is max_len / original;
     mscale and mscale_all_dim give the attention factor when it is not written. key: the
     config.json key the params came from (for errors)."""
-    if params.get("truncate", True) is not True:
-        raise ConfigError(f"config.json {key}.truncate={params['truncate']!r} is not "
-                          "supported: jaxformer's YaRN rounds the correction range "
-                          "(truncate=true)")
+    if params.get("truncate", True) not in (True, False):
+        raise ConfigError(f"config.json {key}.truncate={params['truncate']!r} must be true "
+                          "or false")
     original = params.get("original_max_position_embeddings", max_len)
     factor = params.get("factor") or max_len / original
     attention_factor = params.get("attention_factor")
@@ -158,7 +160,7 @@ def _yarn_from_hf(params: Mapping[str, Any], max_len: int, key: str) -> RopeScal
                        beta_fast=float(params.get("beta_fast") or 32),
                        beta_slow=float(params.get("beta_slow") or 1),
                        attention_factor=None if attention_factor is None
-                       else float(attention_factor))
+                       else float(attention_factor), truncate=params.get("truncate", True))
 
 
 ORIGINAL = "original_max_position_embeddings"  # HF's key for original_max_seq_len

@@ -83,8 +83,10 @@ def ref_inv_freq(dim, theta, scaling):
         def find_correction_dim(rotations):
             return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        low = max(math.floor(find_correction_dim(scaling.beta_fast)), 0)
-        high = min(math.ceil(find_correction_dim(scaling.beta_slow)), dim - 1)
+        low, high = find_correction_dim(scaling.beta_fast), find_correction_dim(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
@@ -128,7 +130,8 @@ def random_scaling(kind, rng):
                            original_max_seq_len=int(rng.integers(512, 8193)),
                            beta_fast=float(rng.uniform(16.0, 64.0)),
                            beta_slow=float(rng.uniform(0.5, 2.0)),
-                           attention_factor=float(rng.uniform(0.5, 2.0)) if explicit else None)
+                           attention_factor=float(rng.uniform(0.5, 2.0)) if explicit else None,
+                           truncate=bool(rng.random() < 0.5))
     raise AssertionError(kind)
 
 

@@ -86,4 +86,4 @@ def rope_dict(theta: float, s: RopeScaling) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_theta": theta, "rope_type": row.hf_type}
     rope.update({k: getattr(s, field) for k, field in row.hf_keys.items()
                  if getattr(s, field) is not None})
-    return dict(rope, truncate=True) if "truncate" in row.hf_read else rope
+    return dict(rope, truncate=s.truncate) if "truncate" in row.hf_read else rope
