@@ -44,8 +44,9 @@ class Attention(nn.Module):
 
     Params: query [D, N, H], key/value [D, K, H], out [N, H, D]; biases on q/k/v if
     qkv_bias, on out if use_bias; q_norm/k_norm scales [H] (qk_norm head) or [N|K, H]
-    (projection). impl: the backend chosen for this forward (the model resolves `auto`
-    once and hands it down); None reads cfg.attention_impl.
+    (projection); sinks [N] if attn_sinks (a logit per head in every row's softmax,
+    gpt-oss). impl: the backend chosen for this forward (the model resolves `auto` once
+    and hands it down); None reads cfg.attention_impl.
     """
 
     cfg: ModelConfig
@@ -84,6 +85,9 @@ class Attention(nn.Module):
         if qk_norm.query_axes is not None:
             self.q_norm = make_norm(c, "q_norm", qk_norm.query_axes)
             self.k_norm = make_norm(c, "k_norm", qk_norm.key_axes)
+        if c.attn_sinks:
+            self.sinks = self.param("sinks", init_with_names(dense_init(), "heads"),
+                                    (c.n_heads,), c.param_dtype)
 
     @property
     def backend(self) -> str:
@@ -93,6 +97,11 @@ class Attention(nn.Module):
     def cap(self) -> dict:
         """The logits' soft-cap as the backends take it (nothing when there is none)."""
         return {} if self.cfg.attn_softcap is None else {"softcap": self.cfg.attn_softcap}
+
+    @property
+    def extras(self) -> dict:
+        """The soft-cap and the attention sinks as the backends take them (those there are)."""
+        return dict(self.cap, **({"sinks": self.sinks} if self.cfg.attn_sinks else {}))
 
     def project(self, x, positions, kind=0):
         """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H]: QK-normed if qk_norm, rotated
@@ -136,7 +145,8 @@ class Attention(nn.Module):
             logits = grouped_logits(q, k, mask=mask, bias=as_4d(bias), scale=None, **self.cap)
         scores = hook_point(self, "hook_attn_scores",
                             logits.reshape(q.shape[0], -1, *logits.shape[3:]))  # [B, N, T, S]
-        pattern = hook_point(self, "hook_pattern", softmax(scores))
+        sinks = self.sinks.reshape(1, -1, 1, 1) if self.cfg.attn_sinks else None
+        pattern = hook_point(self, "hook_pattern", softmax(scores, sinks))
         return mix(group_heads(pattern, k.shape[2]), v, q)  # [B, T, N, H]
 
     def finish(self, z):
@@ -166,12 +176,12 @@ class Attention(nn.Module):
                                          is_causal=False)
         elif takes_structure(self.backend, q.shape[1], cached=True):  # a prefill, by blocks
             z = rule_attention(q, kv_cache.as_keys(k, q.shape[0]), kv_cache.as_keys(v, q.shape[0]),
-                               mask, bias, impl=prefill_impl(self.backend), **self.cap)
+                               mask, bias, impl=prefill_impl(self.backend), **self.extras)
         else:
             if isinstance(bias, LogitBias):  # left as structure for a ring's own positions
                 bias = dense_bias(bias, mask.q_positions, mask.k_positions)
             z = kv_cache.cached_attention(q, k, v, bias=bias, mask=mask.dense()
-                                          if isinstance(mask, MaskRule) else mask, **self.cap)
+                                          if isinstance(mask, MaskRule) else mask, **self.extras)
         return self.finish(hook_point(self, "hook_z", z)), cache
 
     @staticmethod
@@ -204,6 +214,6 @@ class Attention(nn.Module):
                 mask = mask.dense()
             return self.attend_with_pattern(q, k, v, mask, bias)
         if isinstance(mask, MaskRule):
-            return rule_attention(q, k, v, mask, bias, impl=self.backend, **self.cap)
+            return rule_attention(q, k, v, mask, bias, impl=self.backend, **self.extras)
         return dot_product_attention(q, k, v, mask=mask, bias=bias, impl=self.backend,
-                                     is_causal=True, **self.cap)
+                                     is_causal=True, **self.extras)

@@ -1,81 +1,41 @@
 """The attention backends as a table: one Backend per `attention_impl`, saying what it
 reads (a mask array, or the MaskRule a block at a time), whether and how it takes a
-logit bias, and where `auto` picks it and why. Config validation, `auto`, the dispatch
-below and the tests read it; a new backend is one entry (``BACKENDS[name] =
-Backend(...)``) plus its function.
+logit bias, and where `auto` picks it and why (its rule: jaxformer.backend_rules). Config
+validation, `auto`, the dispatch below and the tests read it; a new backend is one entry
+(``BACKENDS[name] = Backend(...)``) plus its function.
 
 Two ways in: ``dot_product_attention`` (a mask and a bias as arrays; every backend that
 takes arrays) and ``rule_attention`` (the model's path: the mask as a MaskRule, the bias
 as a LogitBias, each handed to the backend in the form it reads). Both take a logit
 soft-cap (``softcap``, Gemma 2: s -> softcap * tanh(s / softcap) after the scale, before
 the bias and the mask), which only the backends with takes_softcap apply (naming another
-raises; `auto` never picks one), and a contextual scheme (CoPE) likewise.
+raises; `auto` never picks one), attention sinks (``sinks`` [N], gpt-oss: a logit per query
+head in every row's softmax, jaxformer.reference) likewise with takes_sinks, and a
+contextual scheme (CoPE) likewise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from jaxformer import backend_rules as rules
+from jaxformer.backend_rules import (DENSE_LOGITS_BYTES, GATHERED_KV_BYTES,  # noqa: F401
+                                     Setting, scheme_kind)
 from jaxformer.blockwise import blockwise_attention, index_bias
 from jaxformer.chunked import chunked_attention
 from jaxformer.masks import MaskRule
 from jaxformer.reference import and_causal, as_4d, check_softcap, reference_attention
 from jaxformer.ring import context_attention
-from jaxformer.schemes import POSITION_SCHEMES, LogitBias, dense_bias
+from jaxformer.schemes import LogitBias, dense_bias
 from jaxformer.sharding import sequence_split
 from jaxformer.splash import splash_attention
 
 AUTO = "auto"  # the attention_impl that picks a backend per forward
-DENSE_LOGITS_BYTES = 1 << 30  # auto: above this, float32 [B, N, Tq, Tk] logits go blockwise
-
-
-def scheme_kind(position: str | None) -> str | None:
-    """The kind of position scheme `position` (jaxformer.schemes), None for no scheme."""
-    return None if position not in POSITION_SCHEMES else POSITION_SCHEMES[position].kind
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """What `auto` decides from: the platform, the compute dtype, head_dim, the position
-    scheme, one layer's dense float32 logits, B * N * Tq * Tk * 4 bytes, whether the
-    logits are soft-capped (then only a backend with takes_softcap answers), and whether
-    the layers' windows are data (scanned layer kinds with different windows: splash
-    needs them static)."""
-
-    platform: str
-    dtype: Any
-    head_dim: int
-    position: str | None
-    logits_bytes: int
-    softcap: bool = False
-    window_as_data: bool = False
-    context: int = 1  # devices the sequence is split over (mesh.context)
-    kv_bytes: int = 0  # one layer's keys and values of the whole sequence, in bytes
-
-    @property
-    def biased(self) -> bool:
-        return scheme_kind(self.position) == "bias"
-
-    @property
-    def contextual(self) -> bool:
-        return scheme_kind(self.position) == "contextual"
-
-    @property
-    def big(self) -> bool:
-        return self.logits_bytes > DENSE_LOGITS_BYTES
-
-    @property
-    def cudnn_fits(self) -> bool:
-        """cuDNN's flash kernel takes it: a GPU, 16-bit inputs, head_dim a multiple of 8 up
-        to 128, no bias too big to hand it densely, and no soft-cap (it takes none)."""
-        return self.platform == "gpu" and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16) \
-            and self.head_dim % 8 == 0 and self.head_dim <= 128 and not (self.biased and self.big) \
-            and not self.softcap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +54,8 @@ class Backend:
     takes_bias: whether it adds a logit bias at all.
     contextual: it runs a contextual scheme (CoPE: whole rows of keys at once).
     takes_softcap: it applies a logit soft-cap (jax.nn.dot_product_attention has none).
+    takes_sinks: it adds attention sinks to the softmax (keyword sinks [N], passed only
+      when there are some; jax.nn.dot_product_attention and splash have none).
     over_cache: its rule function also runs over a KV cache's slots (a prefill; empty
       slots sit at EMPTY_SLOT, which the rule hides).
     splits_sequence: it runs with the sequence split over a mesh axis (context
@@ -109,6 +71,7 @@ class Backend:
     takes_bias: bool = True
     contextual: bool = False
     takes_softcap: bool = False
+    takes_sinks: bool = False
     over_cache: bool = False
     splits_sequence: bool = False
     platforms: tuple[str, ...] | None = None
@@ -117,10 +80,11 @@ class Backend:
 
 # ---- the backends' functions ---------------------------------------------------------
 
-def _reference(q, k, v, *, mask, bias, scale, is_causal, softcap=None):
+def _reference(q, k, v, *, mask, bias, scale, is_causal, softcap=None, sinks=None):
     if is_causal:
         mask = and_causal(mask, q.shape[1])
-    return reference_attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
+    return reference_attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap,
+                               sinks=sinks)
 
 
 def _fused(implementation: str, bias_as_q: bool = False):
@@ -150,7 +114,7 @@ def _fused(implementation: str, bias_as_q: bool = False):
     return arrays, by_index
 
 
-def _blockwise_arrays(q, k, v, *, mask, bias, scale, is_causal, softcap=None):
+def _blockwise_arrays(q, k, v, *, mask, bias, scale, is_causal, softcap=None, sinks=None):
     """Blockwise attention for masks and biases given as arrays: their positions are
     indices, and the mask joins the bias as -inf (the model passes structure instead)."""
     b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
@@ -161,13 +125,13 @@ def _blockwise_arrays(q, k, v, *, mask, bias, scale, is_causal, softcap=None):
         terms = hide if terms is None else terms + hide
     rule = MaskRule(index(tq), index(tk), causal=False, is_causal=is_causal)
     return blockwise_attention(q, k, v, rule, bias_fn=None if terms is None else index_bias,
-                               bias_params=terms, scale=scale, softcap=softcap)
+                               bias_params=terms, scale=scale, softcap=softcap, sinks=sinks)
 
 
-def _blockwise_rule(q, k, v, rule, bias, softcap=None):
+def _blockwise_rule(q, k, v, rule, bias, softcap=None, sinks=None):
     return blockwise_attention(q, k, v, rule, bias_fn=None if bias is None else bias.fn,
                                bias_params=None if bias is None else bias.params,
-                               softcap=softcap)
+                               softcap=softcap, sinks=sinks)
 
 
 def _splash_rule(q, k, v, rule, bias, softcap=None):
@@ -177,84 +141,34 @@ def _splash_rule(q, k, v, rule, bias, softcap=None):
 def _context_rule(gather: bool):
     """Context parallel attention (jaxformer.ring), by ring or over gathered keys; with the
     sequence on one device, blockwise attention (a ring of one)."""
-    def rule_fn(q, k, v, rule, bias, softcap=None):
+    def rule_fn(q, k, v, rule, bias, softcap=None, sinks=None):
         split = sequence_split()
         if split is None:
-            return _blockwise_rule(q, k, v, rule, bias, softcap)
+            return _blockwise_rule(q, k, v, rule, bias, softcap, sinks)
         return context_attention(q, k, v, rule, bias, split=split, gather=gather,
-                                 softcap=softcap)
+                                 softcap=softcap, sinks=sinks)
     return rule_fn
 
-
-GATHERED_KV_BYTES = 64 << 20  # auto: up to this, one layer's whole K/V is gathered
-
-
-def _auto_context(gather: bool):
-    def auto(s: Setting) -> str | None:
-        if s.context == 1 or (s.kv_bytes <= GATHERED_KV_BYTES) != gather:
-            return None
-        return (f"the sequence is split over {s.context} devices and one layer's keys and "
-                f"values take {s.kv_bytes / 2**20:.1f} MiB "
-                f"({'<=' if gather else '>'} GATHERED_KV_BYTES = {GATHERED_KV_BYTES >> 20} MiB)")
-    return auto
-
-
-def _budget(s: Setting) -> str:
-    return (f"dense logits would take {s.logits_bytes / 2**30:.1f} GiB per layer "
-            f"(> DENSE_LOGITS_BYTES = {DENSE_LOGITS_BYTES / 2**30:g} GiB)")
-
-
-_NO_SOFTCAP = ("the logits are soft-capped, which xla and cudnn "
-               "(jax.nn.dot_product_attention) do not take")
-
-
-def _auto_blockwise(s: Setting) -> str | None:
-    if s.platform == "tpu":
-        if s.window_as_data:
-            return "a TPU, and the scanned layers' windows differ, which splash needs static"
-        return (f"a TPU, and position={s.position!r} adds a logit bias, which the splash "
-                "kernel does not take") if s.biased else None
-    if s.big and not s.cudnn_fits:
-        return _budget(s) + (f" and position={s.position!r}'s bias with them"
-                             if s.platform == "gpu" and s.biased else "") + (
-            f"; {_NO_SOFTCAP}" if s.softcap and s.platform != "cpu" else "")
-    return None
-
-
-def _auto_chunked(s: Setting) -> str | None:
-    """Dense logits within the budget: on a CPU always (its fastest backend), elsewhere
-    off TPUs when the logits are soft-capped (instead of xla or cudnn)."""
-    if not _dense_fits(s):
-        return None
-    if s.platform == "cpu":
-        return ""
-    return f"{_NO_SOFTCAP}; the dense logits fit the budget" if s.softcap else None
 
 
 _xla, _xla_by_index = _fused("xla")
 _cudnn, _cudnn_by_index = _fused("cudnn", bias_as_q=True)
-_dense_fits = lambda s: s.platform != "tpu" and not s.big and not s.cudnn_fits  # noqa: E731
 
 BACKENDS: dict[str, Backend] = {
-    "reference": Backend(arrays=_reference, takes_softcap=True, contextual=True, auto=lambda s: (
-        f"position={s.position!r} computes the logits from whole rows of keys"
-        if s.contextual else None)),
-    "xla": Backend(arrays=_xla, by_index=_xla_by_index, auto=lambda s: (
-        "" if _dense_fits(s) and s.platform != "cpu" and not s.softcap else None)),
+    "reference": Backend(arrays=_reference, takes_softcap=True, takes_sinks=True, contextual=True,
+                         auto=rules.reference),
+    "xla": Backend(arrays=_xla, by_index=_xla_by_index, auto=rules.xla),
     "cudnn": Backend(arrays=_cudnn, by_index=_cudnn_by_index, platforms=("gpu",),
-                     auto=lambda s: "a GPU, 16-bit inputs, head_dim a multiple of 8 up to 128"
-                     if s.cudnn_fits else None),
+                     auto=rules.cudnn),
     "chunked": Backend(arrays=chunked_attention,  # fastest on XLA:CPU, forward and backward
-                       takes_softcap=True, auto=_auto_chunked),
+                       takes_softcap=True, takes_sinks=True, auto=rules.chunked),
     "blockwise": Backend(arrays=_blockwise_arrays, rule=_blockwise_rule, over_cache=True,
-                         takes_softcap=True, auto=_auto_blockwise),
-    "ring": Backend(rule=_context_rule(gather=False), takes_softcap=True, splits_sequence=True,
-                    auto=_auto_context(gather=False)),
-    "all_gather": Backend(rule=_context_rule(gather=True), takes_softcap=True,
-                          splits_sequence=True, auto=_auto_context(gather=True)),
-    "splash": Backend(rule=_splash_rule, takes_bias=False, takes_softcap=True, auto=lambda s: (
-        "a TPU, and no logit bias") if s.platform == "tpu" and not s.biased and not s.window_as_data
-        else None),
+                         takes_softcap=True, takes_sinks=True, auto=rules.blockwise),
+    "ring": Backend(rule=_context_rule(gather=False), takes_softcap=True, takes_sinks=True,
+                    splits_sequence=True, auto=rules.context(gather=False)),
+    "all_gather": Backend(rule=_context_rule(gather=True), takes_softcap=True, takes_sinks=True,
+                          splits_sequence=True, auto=rules.context(gather=True)),
+    "splash": Backend(rule=_splash_rule, takes_bias=False, takes_softcap=True, auto=rules.splash),
 }
 
 
@@ -273,16 +187,23 @@ def softcap_backends() -> list[str]:
     return [n for n, b in BACKENDS.items() if b.takes_softcap]
 
 
+def sink_backends() -> list[str]:
+    """The backends that take attention sinks, in table order."""
+    return [n for n, b in BACKENDS.items() if b.takes_sinks]
+
+
 def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
                  position: str | None = None, softcap: bool = False,
-                 window_as_data: bool = False, context: int = 1, kv_bytes: int = 0) -> str:
+                 window_as_data: bool = False, context: int = 1, kv_bytes: int = 0,
+                 sinks: bool = False) -> str:
     """`impl`, or for `auto` the backend whose entry answers for this platform, position
     scheme and length (logits_bytes: one layer's dense float32 logits); its reason is
     printed once per process. softcap: the logits are soft-capped; an `impl` that takes
     no softcap raises, and `auto` picks only a backend that takes one. window_as_data:
     the scanned layers' windows differ (see Setting). context, kv_bytes: the devices the
     sequence is split over, one layer's K/V bytes (auto picks a backend that splits the
-    sequence exactly when context > 1)."""
+    sequence exactly when context > 1). sinks: the softmax has attention sinks, as
+    softcap."""
     if impl != AUTO and impl not in BACKENDS:
         raise ValueError(f"attention impl={impl!r} is not one of "
                          f"{', '.join([AUTO, *BACKENDS])}")
@@ -292,14 +213,18 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
         if softcap and not BACKENDS[impl].takes_softcap:
             raise ValueError(f"attention impl={impl!r} takes no logit softcap; use one of "
                              f"{', '.join([AUTO, *softcap_backends()])}")
+        if sinks and not BACKENDS[impl].takes_sinks:
+            raise ValueError(f"attention impl={impl!r} takes no attention sinks; use one of "
+                             f"{', '.join([AUTO, *sink_backends()])}")
         return impl
     setting = Setting(jax.default_backend(), dtype, head_dim, position, logits_bytes,
                       softcap=bool(softcap), window_as_data=window_as_data, context=context,
-                      kv_bytes=kv_bytes)
+                      kv_bytes=kv_bytes, sinks=bool(sinks))
     for name, backend in BACKENDS.items():
         if backend.splits_sequence != (context > 1):
             continue
         if (setting.softcap and not backend.takes_softcap) or \
+                (setting.sinks and not backend.takes_sinks) or \
                 (setting.contextual and not backend.contextual):
             continue  # the table's rules never answer so; this is the guard
         reason = None if backend.auto is None else backend.auto(setting)
@@ -340,17 +265,19 @@ def prefill_impl(impl: str) -> str:
     return next(name for name, b in BACKENDS.items() if b.over_cache and b.takes_bias)
 
 
-def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO, softcap=None):
+def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO, softcap=None,
+                   sinks=None):
     """Attention of q [B, T, N, H] over k, v [B, S, K, H] with the mask given as a rule
     (the model's path). A backend that reads rules gets the rule and the LogitBias; one
     with a by-index form gets is_causal and the window with no mask array when the rule
     is by index and nothing is packed or padded; otherwise the rule's mask array.
     bias: a LogitBias, an array [B|1, N|1, T, S], or None. softcap: the scaled logits s
     become softcap * tanh(s / softcap) before the bias and the mask (None: no cap); an
-    impl that takes none raises ValueError."""
+    impl that takes none raises ValueError. sinks: [N] attention sinks, or None; likewise."""
     softcap = check_softcap(softcap)
     impl = resolve_impl(impl, q.dtype, q.shape[-1], logits_bytes=dense_logits_bytes(
-        q.shape[0], q.shape[2], q.shape[1], k.shape[1]), softcap=softcap is not None)
+        q.shape[0], q.shape[2], q.shape[1], k.shape[1]), softcap=softcap is not None,
+        sinks=sinks is not None)
     backend = BACKENDS[impl]
     if backend.rule is not None:
         if bias is not None and not isinstance(bias, LogitBias):
@@ -359,18 +286,18 @@ def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO, soft
         if bias is not None and not backend.takes_bias:
             raise ValueError(f"attention_impl={impl!r} adds no logit bias; use one of "
                              f"{', '.join(n for n, b in BACKENDS.items() if b.takes_bias)}")
-        return backend.rule(q, k, v, rule, bias, **_cap(softcap))
+        return backend.rule(q, k, v, rule, bias, **_extras(softcap, sinks))
     if isinstance(bias, LogitBias):
         bias = dense_bias(bias, rule.q_positions, rule.k_positions)
     causal = rule.causal or rule.is_causal
     if backend.by_index is not None and rule.by_index and causal and rule.q_segment_ids is None:
-        return backend.by_index(q, k, v, as_4d(bias), rule.window, **_cap(softcap))
+        return backend.by_index(q, k, v, as_4d(bias), rule.window, **_extras(softcap, sinks))
     return dot_product_attention(q, k, v, mask=rule.dense(), bias=bias, impl=impl,
-                                 is_causal=rule.is_causal, softcap=softcap)
+                                 is_causal=rule.is_causal, softcap=softcap, sinks=sinks)
 
 
 def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, scale=None,
-                          is_causal: bool = False, softcap=None):
+                          is_causal: bool = False, softcap=None, sinks=None):
     """softmax(q k^T / sqrt(head_dim) + bias, where mask) v.
 
     q: [B, Tq, N, H]; k, v: [B, Tk, K, H] with N a multiple of K (GQA; K = 1 is MQA).
@@ -382,9 +309,12 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, sc
     softcap: Gemma 2's logit soft-capping, s = q k^T * scale -> softcap * tanh(s / softcap)
     before the bias and the mask; None (default) for none. Only backends with
     takes_softcap apply it: another named in impl raises ValueError, and auto picks one.
+    sinks: attention sinks [N] (gpt-oss: a logit per query head in every row's softmax, a
+    key with a zero value), or None; only backends with takes_sinks take them, likewise.
     """
     softcap = check_softcap(softcap)
-    impl = resolve_impl(impl, q.dtype, q.shape[-1], softcap=softcap is not None)
+    impl = resolve_impl(impl, q.dtype, q.shape[-1], softcap=softcap is not None,
+                        sinks=sinks is not None)
     if is_causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"is_causal needs as many keys as queries, got {q.shape[1]} queries "
                          f"and {k.shape[1]} keys")
@@ -393,8 +323,9 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, sc
                          f"attention_impl={impl!r}, or call jaxformer.backends.rule_attention "
                          "with a MaskRule")
     return BACKENDS[impl].arrays(q, k, v, mask=as_4d(mask), bias=as_4d(bias), scale=scale,
-                                 is_causal=is_causal, **_cap(softcap))
+                                 is_causal=is_causal, **_extras(softcap, sinks))
 
 
-def _cap(softcap) -> dict:  # the softcap keyword for a backend's function: only with a cap
-    return {} if softcap is None else {"softcap": softcap}
+def _extras(softcap, sinks) -> dict:
+    """The softcap and sinks keywords for a backend's function: only those there are."""
+    return {k: x for k, x in (("softcap", softcap), ("sinks", sinks)) if x is not None}

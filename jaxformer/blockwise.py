@@ -15,7 +15,9 @@ bias and the mask (Gemma 2); the backward multiplies the logits' gradient by the
 slope 1 - tanh(s / softcap)^2 for q and k (the bias's gradient is taken before it). Key
 blocks past a query block's last row are never visited under is_causal;
 blocks the rule masks entirely (outside a window, another packed segment, padding) are
-skipped at run time by lax.cond on the blocks' position and segment ranges.
+skipped at run time by lax.cond on the blocks' position and segment ranges. Attention
+sinks (a logit per query head, jaxformer.reference) start each row's online softmax: the
+running max at the sink and the running sum at 1, so the saved log-sum-exp includes them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.masks import MaskRule
-from jaxformer.reference import check_softcap
+from jaxformer.reference import check_softcap, group_sinks
 
 # Query rows and keys per block. Forward+backward of causal attention, B 1, 8 heads of 32,
 # 2-core Zen 4: T 2048: 125 ms in blocks of 256, 147 ms in blocks of 512 (XLA's dense
@@ -48,9 +50,10 @@ class _Static(NamedTuple):  # the mask's own settings travel in MaskRule's treed
 
 def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=None,
                         scale=None, block_q: int | None = None, block_k: int | None = None,
-                        softcap: float | None = None):
+                        softcap: float | None = None, sinks=None):
     """softmax(cap(q k^T * scale) + bias, where rule allows) v, a block at a time, with
-    cap(s) = softcap * tanh(s / softcap) when softcap is given, else s.
+    cap(s) = softcap * tanh(s / softcap) when softcap is given, else s; sinks [N]: a logit
+    per query head in every row's softmax (None: none).
 
     q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K; GQA without copying K/V).
     rule: positions and segment ids of queries and keys, causal, window, is_causal.
@@ -59,8 +62,8 @@ def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=No
     attend to gets zeros. Returns [B, T, N, H] in q.dtype."""
     st, qh, kh, vh, rule = prepare(q, k, v, rule, bias_fn=bias_fn, scale=scale,
                                    block_q=block_q, block_k=block_k, softcap=softcap)
-    out = _flash(st, qh, kh, vh, rule, bias_params)  # [B, K, G, Tp, H] float32
-    return heads_back(out, q)
+    out = _flash(st, qh, kh, vh, rule, bias_params, group_sinks(sinks, k.shape[2]))
+    return heads_back(out, q)  # from [B, K, G, Tp, H] float32
 
 
 def heads_back(out, q):
@@ -94,8 +97,29 @@ def prepare(q, k, v, rule: MaskRule, *, bias_fn=None, scale=None, block_q=None, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st: _Static, q, k, v, rule: MaskRule, params):
-    return _forward(st, q, k, v, rule, params)[0]
+def _flash(st: _Static, q, k, v, rule: MaskRule, params, sinks):
+    return _forward(st, q, k, v, rule, params, sinks)[0]
+
+
+def _flash_fwd(st: _Static, q, k, v, rule: MaskRule, params, sinks):
+    out, res = _forward(st, q, k, v, rule, params, sinks)
+    return out, (res, sinks)
+
+
+def _flash_bwd(st: _Static, saved, d_out):
+    res, sinks = saved
+    return _backward(st, res, d_out) + (sink_grad(sinks, res[-2], res[-1], d_out),)
+
+
+def sink_grad(sinks, out, lse, d_out):
+    """The sinks' gradient [K, G, 1, 1]: a sink is a key with a zero value, so its logit
+    gets -P_sink rowsum(dO * O), summed over the rows (P_sink = exp(sink - lse), the
+    log-sum-exp including the sink); None without sinks."""
+    if sinks is None:
+        return None
+    delta = jnp.sum(d_out * out, axis=-1)  # [B, K, G, T]
+    p_sink = jnp.exp(sinks[..., 0] - lse)
+    return -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(sinks.shape)
 
 
 def _key_blocks(st: _Static, rule: MaskRule, i, n_k: int):
@@ -154,13 +178,15 @@ def _block_bias(st: _Static, params, rule: MaskRule, i, j, shape):
     return jnp.broadcast_to(bias, (b, n_kv * g, rows, keys)).reshape(shape)
 
 
-def _forward(st: _Static, q, k, v, rule: MaskRule, params):
+def _forward(st: _Static, q, k, v, rule: MaskRule, params, sinks=None):
     n_q, n_k = q.shape[3] // st.bq, k.shape[2] // st.bk
 
     def query_block(i):
         q_i = jax.lax.dynamic_slice_in_dim(q, i * st.bq, st.bq, axis=3)
         row = q_i.shape[:4]
-        init = (jnp.full(row, -jnp.inf), jnp.zeros(row), jnp.zeros(q_i.shape, jnp.float32))
+        m, l = (jnp.full(row, -jnp.inf), jnp.zeros(row)) if sinks is None else \
+            (jnp.broadcast_to(sinks[..., 0], row), jnp.ones(row))  # the sink seen first
+        init = (m, l, jnp.zeros(q_i.shape, jnp.float32))
 
         def visit(j, carry):
             m, l, acc = carry
@@ -263,7 +289,7 @@ def _backward(st: _Static, res, d_out):
             jax.tree.map(lambda x: None, rule), dparams)
 
 
-_flash.defvjp(_forward, _backward)
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def index_bias(terms, q_index, k_index):

@@ -87,7 +87,9 @@ class ModelConfig(Section):
 
     attn_scale: the logits' scale (None: 1 / sqrt(head_dim)). attn_softcap, final_softcap:
     cap * tanh(x / cap) on the scaled attention logits (before any position bias and the
-    mask) and on the output logits (Gemma 2). embed_multiplier (Gemma: sqrt(d_model),
+    mask) and on the output logits (Gemma 2). attn_sinks: a learned logit per query head
+    (param attn/sinks [N]) in every row's softmax, a key with a zero value (gpt-oss).
+    embed_multiplier (Gemma: sqrt(d_model),
     rounded to the compute dtype; Granite), residual_multiplier (each sublayer's output
     before it joins the residual: Granite), logits_multiplier (Cohere's logit_scale,
     Granite's 1 / logits_scaling).
@@ -135,6 +137,7 @@ class ModelConfig(Section):
     qk_norm: str = "none"
     attn_scale: float | None = None
     attn_softcap: float | None = None
+    attn_sinks: bool = False
     final_softcap: float | None = None
     embed_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -181,7 +184,7 @@ class ModelConfig(Section):
         check_number(o, "rope_theta", self.rope_theta, float, low=1, low_open=True)
         check_number(o, "norm_eps", self.norm_eps, float, low=0, low_open=True)
         check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
-        for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers"):
+        for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers", "attn_sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         check_choice(o, "position", self.position, POSITION_SCHEMES)
@@ -264,6 +267,11 @@ class ModelConfig(Section):
             raise ConfigError(f"model.attention_impl={self.attention_impl!r} cannot soft-cap the "
                               f"logits (model.attn_softcap={self.attn_softcap}); use one of "
                               f"{', '.join(n for n, b in BACKENDS.items() if b.takes_softcap)} "
+                              f"or {AUTO!r}")
+        if self.attn_sinks and backend is not None and not backend.takes_sinks:
+            raise ConfigError(f"model.attention_impl={self.attention_impl!r} has no attention "
+                              "sinks (model.attn_sinks); use one of "
+                              f"{', '.join(n for n, b in BACKENDS.items() if b.takes_sinks)} "
                               f"or {AUTO!r}")
         for name in ("rope_fraction", "p_rope"):
             if getattr(self, name) != 1 and scheme.kind != "rotary":

@@ -30,7 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxformer.reference import scale_and_mask, softmax
+from jaxformer.reference import group_sinks, scale_and_mask, softmax
 from jaxformer.sharding import constrain
 
 EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
@@ -176,10 +176,11 @@ def as_keys(x, batch: int):
     return x.reshape(batch, rows // batch, s, h).swapaxes(1, 2)
 
 
-def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None):
+def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None, sinks=None):
     """Attention of q [B, T, N, H] over a layer's cache k, v [B * K, S, H] (a decode
     step): one row of slots per (batch row, K/V head), batch-major. softcap: the scaled
-    logits s become softcap * tanh(s / softcap) before the bias and the mask."""
+    logits s become softcap * tanh(s / softcap) before the bias and the mask; sinks [N]:
+    attention sinks (jaxformer.reference)."""
     b, t, n, h = q.shape
     rows, s, _ = k.shape
     n_kv = rows // b
@@ -188,7 +189,7 @@ def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None):
     logits = jnp.einsum("rqh,rsh->rqs", q, k, preferred_element_type=jnp.float32)
     logits = scale_and_mask(logits.reshape(b, n_kv, g, t, s), mask=mask, bias=bias,
                             scale=1.0 / math.sqrt(h), softcap=softcap)
-    w = softmax(logits).reshape(rows, g * t, s)
+    w = softmax(logits, group_sinks(sinks, n_kv)).reshape(rows, g * t, s)
     out = jnp.einsum("rqs,rsh->rqh", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out.reshape(b, n_kv, g, t, h).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
     return out.reshape(b, t, n, h).astype(q.dtype)

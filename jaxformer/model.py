@@ -143,7 +143,7 @@ class Transformer(nn.Module):
         return resolve_impl(
             c.attention_impl, c.dtype, c.head_dim, position=c.position,
             logits_bytes=dense_logits_bytes(b, c.n_heads, t, s),
-            softcap=c.attn_softcap is not None,
+            softcap=c.attn_softcap is not None, sinks=c.attn_sinks,
             window_as_data=c.scan_layers and len({k.window for k in c.kinds}) > 1,
             context=1 if split is None else split[0].shape[split[1]],
             kv_bytes=2 * b * s * c.n_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize)

@@ -7,6 +7,10 @@ heads; biases broadcast to [batch, heads, q_len, k_len].
 
 Logits are s = q.k * scale, soft-capped if asked (Gemma 2: cap * tanh(s / cap), before
 the bias and the mask), plus the bias, -inf where masked.
+
+Attention sinks (gpt-oss): a learned logit per query head [N] that joins every row's
+softmax as one more key with a zero value, so a row may give weight to nothing:
+out = sum_j e^{l_j} v_j / (sum_j e^{l_j} + e^{sink}). A row with no key then outputs 0.
 """
 
 from __future__ import annotations
@@ -89,18 +93,29 @@ def bias_and_mask(logits, *, mask, bias):
     return logits
 
 
-def exp_rows(logits):
+def group_sinks(sinks, n_kv: int):
+    """Sinks [N] (one logit per query head) as grouped logits' rows take them: float32
+    [K, G, 1, 1]; None stays None."""
+    return None if sinks is None else sinks.astype(jnp.float32).reshape(n_kv, -1, 1, 1)
+
+
+def exp_rows(logits, sinks=None):
     """exp(logits - row max) in float32 (0 where -inf; the max of a row with nothing to
-    attend to taken as 0) and the row sums [..., 1]."""
+    attend to taken as 0), the row sums [..., 1] and the row max [..., 1]. sinks
+    (broadcast to the rows [..., 1]): one more logit per row, in the max and the sums."""
     peak = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        peak = jnp.maximum(peak, sinks)
     peak = jax.lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
     e = jnp.exp(logits - peak)
-    return e, jnp.sum(e, axis=-1, keepdims=True)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return e, total if sinks is None else total + jnp.exp(sinks - peak), peak
 
 
-def softmax(logits):
-    """Softmax over the last axis in float32; a row with nothing to attend to gives zeros."""
-    e, total = exp_rows(logits)
+def softmax(logits, sinks=None):
+    """Softmax over the last axis in float32; a row with nothing to attend to gives zeros.
+    sinks: one more logit per row (broadcast to [..., 1]) whose weight is dropped."""
+    e, total, _ = exp_rows(logits, sinks)
     return e / jnp.where(total == 0, 1.0, total)
 
 
@@ -117,16 +132,18 @@ def and_causal(mask, t: int):
     return causal if mask is None else mask & causal
 
 
-def attention_weights(q, k, *, mask=None, bias=None, scale=None, softcap=None):
-    """Softmax attention weights [B, N, Tq, Tk] in float32 (for inspection and plots)."""
+def attention_weights(q, k, *, mask=None, bias=None, scale=None, softcap=None, sinks=None):
+    """Softmax attention weights [B, N, Tq, Tk] in float32 (for inspection and plots);
+    with sinks a row sums to 1 minus its sink's weight."""
     w = softmax(grouped_logits(q, k, mask=as_4d(mask), bias=as_4d(bias), scale=scale,
-                               softcap=softcap))
+                               softcap=softcap), group_sinks(sinks, k.shape[2]))
     return w.reshape(w.shape[0], -1, *w.shape[3:])  # [B, K, G, T, S] -> [B, N, T, S]
 
 
-def reference_attention(q, k, v, *, mask, bias, scale, precision=HIGHEST, softcap=None):
+def reference_attention(q, k, v, *, mask, bias, scale, precision=HIGHEST, softcap=None,
+                        sinks=None):
     w = softmax(grouped_logits(q, k, mask=mask, bias=bias, scale=scale, precision=precision,
-                               softcap=softcap))  # [B, K, G, T, S]
+                               softcap=softcap), group_sinks(sinks, k.shape[2]))  # [B, K, G, T, S]
     return mix(w, v, q, precision)  # [B, T, N, H]
 
 

@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxformer.blockwise import _backward, _forward, blockwise_attention, heads_back, prepare
+from jaxformer.blockwise import (_backward, _forward, blockwise_attention, heads_back, prepare,
+                                 sink_grad)
 from jaxformer.masks import MaskRule
+from jaxformer.reference import group_sinks
 
 def zigzag_batch(batch, n: int):
     """A batch of [B, T] arrays (inputs, targets, loss_mask, positions, segment_ids) in
@@ -86,11 +88,11 @@ def _pass(x, axis: str, n: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(st, axis, n, q, kv, rule, params):
-    return _ring_fwd(st, axis, n, q, kv, rule, params)[0]
+def _ring(st, axis, n, q, kv, rule, params, sinks):
+    return _ring_fwd(st, axis, n, q, kv, rule, params, sinks)[0]
 
 
-def _ring_fwd(st, axis, n, q, kv, rule, params):
+def _ring_fwd(st, axis, n, q, kv, rule, params, sinks):
     out, lse = _visit(st, q, kv, rule, params)
 
     def step(_, carry):
@@ -99,12 +101,15 @@ def _ring_fwd(st, axis, n, q, kv, rule, params):
         return (kv_j, *_merge(out, lse, *_visit(st, q, kv_j, rule, params)))
 
     _, out, lse = jax.lax.fori_loop(1, n, step, (kv, out, lse))
+    if sinks is not None:  # the sinks: one more partial result, a zero output at lse = sink
+        out, lse = _merge(out, lse, jnp.zeros_like(out), jnp.broadcast_to(sinks[..., 0],
+                                                                           lse.shape))
     lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # blockwise's convention: no key
-    return out, (q, kv, rule, params, out, lse)
+    return out, (q, kv, rule, params, sinks, out, lse)
 
 
 def _ring_bwd(st, axis, n, res, d_out):
-    q, kv, rule, params, out, lse = res
+    q, kv, rule, params, sinks, out, lse = res
 
     def grads(kv_j):  # this device's queries' share of the gradients against chunk kv_j
         dq, dk, dv, _, dp = _backward(st, (q, kv_j[0], kv_j[1], _rule_for(rule, kv_j),
@@ -123,30 +128,31 @@ def _ring_bwd(st, axis, n, res, d_out):
     dk, dv = _pass((dk, dv), axis, n)  # the last step's chunk: one more hop brings it home
     none = jax.tree.map(lambda x: None, kv[2:])
     return (dq.astype(q.dtype), (dk.astype(kv[0].dtype), dv.astype(kv[1].dtype), *none),
-            jax.tree.map(lambda x: None, rule), dp)
+            jax.tree.map(lambda x: None, rule), dp, sink_grad(sinks, out, lse, d_out))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(q, k, v, rule: MaskRule, *, axis: str, bias_fn=None, bias_params=None,
-                   softcap=None, block_q=None, block_k=None):
+                   softcap=None, sinks=None, block_q=None, block_k=None):
     """Attention of this device's queries q [B, T, N, H] over the keys and values k, v
     [B, T, K, H] of every device on mesh axis `axis` (call it inside shard_map). rule:
     this device's positions and segment ids (global positions: the mask and the bias read
     them, so any order of the sequence over the devices works); index causality
     (is_causal) does not hold across devices and is dropped. bias_fn, bias_params,
-    softcap as jaxformer.blockwise.blockwise_attention. Returns [B, T, N, H]."""
+    softcap, sinks as jaxformer.blockwise.blockwise_attention. Returns [B, T, N, H]."""
     n = jax.lax.axis_size(axis)
     rule = rule.replace(is_causal=False, by_index=False)
     st, qh, kh, vh, rule = prepare(q, k, v, rule, bias_fn=bias_fn, block_q=block_q,
                                    block_k=block_k, softcap=softcap)
     kv = (kh, vh, rule.k_positions, rule.k_segment_ids)
-    return heads_back(_ring(st, axis, n, qh, kv, rule, bias_params), q)
+    return heads_back(_ring(st, axis, n, qh, kv, rule, bias_params,
+                            group_sinks(sinks, k.shape[2])), q)
 
 
 def gathered_attention(q, k, v, rule: MaskRule, *, axis: str, bias_fn=None, bias_params=None,
-                       softcap=None, block_q=None, block_k=None):
+                       softcap=None, sinks=None, block_q=None, block_k=None):
     """As ring_attention, by gathering every device's keys, values, positions and segment
     ids first (one all-gather each), then blockwise attention over the whole sequence."""
     gather = lambda x: None if x is None else jax.lax.all_gather(  # noqa: E731
@@ -155,17 +161,17 @@ def gathered_attention(q, k, v, rule: MaskRule, *, axis: str, bias_fn=None, bias
                         k_segment_ids=gather(rule.k_segment_ids), is_causal=False,
                         by_index=False)
     return blockwise_attention(q, gather(k), gather(v), rule, bias_fn=bias_fn,
-                               bias_params=bias_params, softcap=softcap, block_q=block_q,
-                               block_k=block_k)
+                               bias_params=bias_params, softcap=softcap, sinks=sinks,
+                               block_q=block_q, block_k=block_k)
 
 
 def context_attention(q, k, v, rule: MaskRule, bias=None, *, split, gather: bool = False,
-                      softcap=None):
+                      softcap=None, sinks=None):
     """Attention of global q [B, T, N, H] over k, v [B, T, K, H] with the sequence split
     as `split` says (jaxformer.sharding.sequence_split: the mesh, the sequence's axis, the
     rows' and the heads' axes, each used where it divides): shard_map of ring_attention,
     or of gathered_attention with `gather`. bias: a LogitBias or None (its params
-    replicated, their gradient summed over the devices)."""
+    replicated, their gradient summed over the devices). sinks [N]: split as the heads."""
     mesh, axis, batch_axes, head_axes = split
     size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
     rows = tuple(a for a in batch_axes if mesh.shape[a] > 1)
@@ -179,11 +185,11 @@ def context_attention(q, k, v, rule: MaskRule, bias=None, *, split, gather: bool
     seg_spec = seq if rule.q_segment_ids is not None else None
     params = None if bias is None else bias.params
 
-    def local(q, k, v, q_pos, k_pos, q_seg, k_seg, params):
+    def local(q, k, v, q_pos, k_pos, q_seg, k_seg, params, sinks):
         r = rule.replace(q_positions=q_pos, k_positions=k_pos, q_segment_ids=q_seg,
                          k_segment_ids=k_seg)
         return fn(q, k, v, r, axis=axis, bias_fn=None if bias is None else bias.fn,
-                  bias_params=params, softcap=softcap)
+                  bias_params=params, softcap=softcap, sinks=sinks)
 
     # checkpointed: differentiated inside a scan over layers, the shard_map's body is
     # linearised as a jaxpr, through the blockwise loops themselves (every block's logits
@@ -191,8 +197,9 @@ def context_attention(q, k, v, rule: MaskRule, bias=None, *, split, gather: bool
     return jax.checkpoint(jax.shard_map(
         local, mesh=mesh,
         in_specs=(heads_spec, heads_spec, heads_spec, seq, seq, seg_spec, seg_spec,
-                  jax.tree.map(lambda _: P(), params)),
+                  jax.tree.map(lambda _: P(), params),
+                  None if sinks is None else P(heads or None)),
         out_specs=heads_spec, check_vma=False),
         policy=jax.checkpoint_policies.nothing_saveable)(
         q, k, v, rule.q_positions, rule.k_positions, rule.q_segment_ids, rule.k_segment_ids,
-        params)
+        params, sinks)

@@ -63,9 +63,10 @@ def np_segment(q_seg, k_seg):
     return same & np_padding(q_seg, k_seg)
 
 
-def np_attention(q, k, v=None, mask=None, bias=None, scale=None, softcap=None):
+def np_attention(q, k, v=None, mask=None, bias=None, scale=None, softcap=None, sinks=None):
     """Float64 softmax(cap(q k^T * scale) + bias, where mask) [v]; K/V repeated per group;
-    cap(s) = softcap * tanh(s / softcap) if softcap (Gemma 2), else s.
+    cap(s) = softcap * tanh(s / softcap) if softcap (Gemma 2), else s; sinks [N]: one more
+    logit per head in every row's softmax, its weight dropped (gpt-oss).
 
     Returns the weights [B, N, Tq, Tk], and the output [B, Tq, N, H] when v is given.
     A row with no allowed key gets zero weights.
@@ -82,10 +83,13 @@ def np_attention(q, k, v=None, mask=None, bias=None, scale=None, softcap=None):
         logits = logits + np.asarray(bias, np.float64)
     if mask is not None:
         logits = np.where(np.asarray(mask), logits, -np.inf)
+    sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]
     peak = logits.max(axis=-1, keepdims=True)
+    if sink is not None:
+        peak = np.maximum(peak, sink)
     peak = np.where(np.isfinite(peak), peak, 0.0)
     e = np.exp(logits - peak)
-    total = e.sum(axis=-1, keepdims=True)
+    total = e.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - peak))
     w = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
     if v is None:
         return w
@@ -98,16 +102,18 @@ def np_index_causal(mask, t):
     return causal if mask is None else mask & causal
 
 
-def np_attention_grads(q, k, v, d_out, mask, bias, scale=None, softcap=None):
+def np_attention_grads(q, k, v, d_out, mask, bias, scale=None, softcap=None, sinks=None):
     """Float64 gradients of sum(attention(q, k, v) * d_out) for q, k, v and the bias, from
     the softmax's Jacobian row by row: dlogits = w * (dw - sum_keys(w * dw)). The bias's
     gradient is summed over the axes it broadcasts along. With a softcap, q and k get
-    dlogits * (1 - tanh(s / softcap)^2), s = q k^T * scale; the bias dlogits itself."""
+    dlogits * (1 - tanh(s / softcap)^2), s = q k^T * scale; the bias dlogits itself. With
+    sinks (a key whose dw is 0, weight w_sink = 1 - sum_keys(w)) also their gradient
+    -sum_rows(w_sink * sum_keys(w * dw)), as a fifth value."""
     q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
     group = q.shape[2] // k.shape[2]
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     w, _ = np_attention(q, k, v, mask=mask, bias=bias, scale=scale,
-                        softcap=softcap)  # [B, N, T, S]
+                        softcap=softcap, sinks=sinks)  # [B, N, T, S]
     kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     dw = np.einsum("btnh,bsnh->bnts", d_out, vr)
     d_logits = w * (dw - np.sum(w * dw, axis=-1, keepdims=True))  # [B, N, T, S]
@@ -120,7 +126,12 @@ def np_attention_grads(q, k, v, d_out, mask, bias, scale=None, softcap=None):
     dk = per_head(np.einsum("bnts,btnh->bsnh", ds, q) * scale)
     dv = per_head(np.einsum("bnts,btnh->bsnh", w, d_out))
     axes = tuple(i for i in range(4) if np.shape(bias)[i] == 1)
-    return dq, dk, dv, d_logits.sum(axis=axes, keepdims=True)
+    grads = dq, dk, dv, d_logits.sum(axis=axes, keepdims=True)
+    if sinks is None:
+        return grads
+    row = np.sum(w * dw, axis=-1)  # [B, N, T]
+    w_sink = 1.0 - w.sum(axis=-1)  # rows with no key: all their weight on the sink
+    return grads + (-np.sum(w_sink * row, axis=(0, 2)),)
 
 
 # ---- random inputs -----------------------------------------------------------------

@@ -26,6 +26,7 @@ from tests.attention.reference import (
     np_index_causal,
     np_padding,
     np_segment,
+    np_window,
     random_positions,
     random_qkv,
 )
@@ -529,3 +530,152 @@ def test_auto_with_softcap_picks_only_backends_that_take_it(capsys, monkeypatch)
     assert "auto chose chunked: the logits are soft-capped, which xla and cudnn" in err
     assert "auto chose blockwise: dense logits would take" in err and \
         "; the logits are soft-capped" in err
+
+
+# ---- 10. attention sinks (gpt-oss: a logit per query head in every row's softmax) -----
+
+
+SINK_ARRAYS = [n for n in BACKENDS if backends.BACKENDS[n].takes_sinks]
+SINK_RULES = [n for n in backends.backends_here() if backends.BACKENDS[n].takes_sinks]
+
+
+def random_sinks(rng, n):
+    """Sinks of std 1 around 1: each holds a share of a row's weight that matters."""
+    return rng.normal(1.0, 1.0, n).astype(np.float32)
+
+
+def assert_sinks_matter(q, k, v, mask, bias, want):
+    """The answer with sinks is far from the one without: the test would see them missing."""
+    plain = np_attention(q, k, v, mask=mask, bias=bias)[1]
+    assert np.abs(plain - want).max() > 0.1, np.abs(plain - want).max()
+
+
+@pytest.mark.parametrize("impl", SINK_ARRAYS)
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_sinks_output_and_gradients_match_float64(rng, impl, is_causal):
+    """dot_product_attention(sinks=...): output, attention_weights and the gradients of q,
+    k, v, the bias and the sinks against float64 NumPy; GQA 4:2, a packed and padded mask
+    (padding rows have no key: all their weight on the sink, output 0), an ALiBi-like bias."""
+    n, kv, t = 4, 2, 8
+    q, k, v = random_qkv(rng, B, t, t, n, kv)
+    seg, pos = two_segments(rng, t), np.broadcast_to(np.arange(t), (B, t))
+    mask = np_segment(seg, seg)
+    bias = alibi_like_bias(rng, pos, pos, n)
+    sinks = random_sinks(rng, n)
+    full_mask = np_index_causal(mask, t) if is_causal else mask
+    d_out = rng.normal(size=(B, t, n, H)).astype(np.float32)
+    w_want, want = np_attention(q, k, v, mask=full_mask, bias=bias, sinks=sinks)
+    assert_sinks_matter(q, k, v, full_mask, bias, want)
+
+    def loss(q, k, v, bias, sinks):
+        out = dot_product_attention(q, k, v, mask=jnp.asarray(mask), bias=bias, impl=impl,
+                                    is_causal=is_causal, sinks=sinks)
+        return jnp.sum(out * d_out), out
+
+    got, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+        q, k, v, jnp.asarray(bias), jnp.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    w = attention_weights(q, k, mask=jnp.asarray(full_mask), bias=jnp.asarray(bias),
+                          sinks=jnp.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(w), w_want, rtol=1e-5, atol=1e-6)
+    for name, g, w in zip("q k v bias sinks".split(), got, np_attention_grads(
+            q, k, v, d_out, full_mask, bias, sinks=sinks)):
+        assert g.shape == w.shape, name
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", SINK_RULES)
+def test_sinks_through_rule_attention_match_float64(rng, impl):
+    """rule_attention(sinks=...), the model's path (blockwise a block at a time, the ring
+    and all-gather on one device): a packed, padded, windowed causal rule, GQA 4:2; output
+    and the gradients of q, k, v and the sinks against float64 NumPy."""
+    from jaxformer.masks import MaskRule
+    from jaxformer.positions import segment_positions
+    n, kv, t, window = 4, 2, 8, 3
+    q, k, v = random_qkv(rng, B, t, t, n, kv)
+    seg = two_segments(rng, t)
+    pos = np.asarray(segment_positions(jnp.asarray(seg)))
+    mask = np_causal(pos, pos) & np_segment(seg, seg) & np_window(pos, pos, window)
+    rule = MaskRule(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg),
+                    causal=True, window=window)
+    sinks = random_sinks(rng, n)
+    d_out = rng.normal(size=(B, t, n, H)) * (seg > 0)[..., None, None]  # padding rows: 0
+    want = np_attention(q, k, v, mask=mask, sinks=sinks)[1]
+    assert_sinks_matter(q, k, v, mask, None, want)
+
+    def loss(q, k, v, sinks):
+        out = rule_attention(q, k, v, rule, impl=impl, sinks=sinks)
+        return jnp.sum(out * d_out), out
+
+    got, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, jnp.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=2e-5)
+    dq, dk, dv, _, d_sinks = np_attention_grads(q, k, v, d_out, mask, np.zeros((1,) * 4),
+                                                sinks=sinks)
+    for name, g, w in zip("q k v sinks".split(), got, (dq, dk, dv, d_sinks)):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_cached_attention_sinks_match_float64(rng):
+    """A decode step over a KV cache (kv_cache.cached_attention) with sinks, a padding mask
+    and a bias, GQA 4:2, against float64 NumPy."""
+    from jaxformer import kv_cache
+    n, kv, tq, tk = 4, 2, 3, 8
+    q, k, v = random_qkv(rng, B, tq, tk, n, kv)
+    k_seg = np.ones((B, tk), np.int32)
+    k_seg[1, tk - int(rng.integers(1, 3)):] = 0
+    k_pos = random_positions(rng, B, tk)
+    q_pos, q_seg = k_pos[:, tk - tq:], k_seg[:, tk - tq:]
+    mask = np_causal(q_pos, k_pos) & np_padding(q_seg, k_seg)
+    bias = alibi_like_bias(rng, q_pos, k_pos, n)
+    sinks = random_sinks(rng, n)
+    rows = lambda x: jnp.swapaxes(x, 1, 2).reshape(B * kv, tk, H)  # noqa: E731
+    out = kv_cache.cached_attention(q, rows(k), rows(v), mask=jnp.asarray(mask),
+                                    bias=jnp.asarray(bias), sinks=jnp.asarray(sinks))
+    want = np_attention(q, k, v, mask=mask, bias=bias, sinks=sinks)[1]
+    assert_sinks_matter(q, k, v, mask, bias, want)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_on_a_backend_without_them_raise_naming_it(rng):
+    """xla, cudnn (jax.nn.dot_product_attention) and splash have no sinks: naming one with
+    sinks raises, naming it and the backends that take them, whichever way in; a model
+    config likewise, in one line."""
+    from jaxformer.config import ConfigError, ModelConfig
+    from jaxformer.masks import MaskRule
+    without = [n for n, b in backends.BACKENDS.items() if not b.takes_sinks]
+    assert {"xla", "cudnn", "splash"} <= set(without)
+    q, k, v = random_qkv(rng, 1, 4, 4, 2, 1)
+    sinks = jnp.zeros(2)
+    pos = jnp.broadcast_to(jnp.arange(4), (1, 4))
+    rule = MaskRule(pos, pos, is_causal=True, by_index=True)
+    for impl in without:
+        calls = [lambda: rule_attention(q, k, v, rule, impl=impl, sinks=sinks),
+                 lambda: resolve_impl(impl, jnp.float32, H, sinks=True)]
+        if backends.BACKENDS[impl].arrays is not None:
+            calls.append(lambda: dot_product_attention(q, k, v, impl=impl, sinks=sinks))
+        for call in calls:
+            with pytest.raises(ValueError) as info:
+                call()
+            message = str(info.value)
+            assert f"{impl!r}" in message and "sinks" in message
+            assert all(name in message for name in backends.sink_backends())
+        with pytest.raises(ConfigError, match=f"attention_impl='{impl}' has no attention sinks"):
+            ModelConfig(attn_sinks=True, attention_impl=impl)
+
+
+def test_auto_with_sinks_picks_only_backends_that_take_them():
+    """Every setting `auto` decides from, on CPU, GPU and TPU, with sinks: exactly one
+    entry's rule answers, and it takes sinks (on a TPU blockwise, not splash)."""
+    big = backends.DENSE_LOGITS_BYTES + 4
+    for platform in ("cpu", "gpu", "tpu"):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for position in ("rope", "alibi"):
+                for logits_bytes in (0, big):
+                    for window_as_data in (False, True):
+                        setting = backends.Setting(platform, dtype, 64, position, logits_bytes,
+                                                   window_as_data=window_as_data, sinks=True)
+                        answers = [n for n, b in backends.BACKENDS.items()
+                                   if b.auto is not None and b.auto(setting) is not None]
+                        assert len(answers) == 1, (setting, answers)
+                        assert backends.BACKENDS[answers[0]].takes_sinks, (setting, answers)
