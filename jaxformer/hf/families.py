@@ -23,6 +23,7 @@ from jaxformer.hf import gpt2, gpt_neox, llama_layout, scales
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.rope import cannot
 from jaxformer.hf.tensors import Rule
+from jaxformer.kinds import CLAMP_ALPHA, CLAMP_LIMIT
 from jaxformer.schemes import POSITION_SCHEMES
 
 
@@ -44,7 +45,8 @@ class HFModelType:
     The Llama lineage's twists (read by llama_layout and jaxformer.hf.layers). norm, block,
       qk_norm: ModelConfig's. biases: "attention_and_mlp" (attention_bias on q, k, v, o and
       mlp_bias, equal), "attention" (attention_bias on q, k, v, o; no MLP key), "qkv" (q,
-      k, v always, as Qwen2), "qkv_bias" (q, k, v as its qkv_bias key says), "none".
+      k, v always, as Qwen2), "qkv_bias" (q, k, v as its qkv_bias key says), "none",
+      "attention_no_mlp" (attention_bias on q, k, v, o, in a model with no dense MLP).
       act_key, eps_key: the activation's and the norm epsilon's keys; act_aliases:
       activation names the config class rewrites.
       fused_projections: q|k|v in one qkv_proj, gate|up in one gate_up_proj.
@@ -355,6 +357,21 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         biases="attention", extra=scales.granite, extra_to_hf=scales.granite_to_hf,
         moe=MoEFormat("block_sparse_moe", "router.layer", ("num_local_experts",),
                       "topk_softmax", stacked=("input_linear", "output_linear"))),
+    HFModelType(
+        # attention sinks and biases, 1 sliding : 1 full layers, YaRN (truncate false), the
+        # clamped SwiGLU experts with biases, fused and interleaved; softmax over the top-k
+        "gpt_oss", ("GptOssForCausalLM", "GptOssModel"), export_rank=21,
+        defaults=dict(num_key_value_heads=8, hidden_act="silu", max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True,
+                      head_dim=64, sliding_window=128, layer_types=None, rope_theta=150000.0,
+                      num_experts_per_tok=4, swiglu_alpha=CLAMP_ALPHA, swiglu_limit=CLAMP_LIMIT,
+                      **_ROUTER_LOSS),
+        biases="attention_no_mlp", layer_type=_global_every(2), layer_types_key=True,
+        extra=lambda get: dict(ffn="clamped_swiglu", attn_sinks=True),
+        moe=MoEFormat("mlp", "router", ("num_local_experts", "num_experts"), "topk_softmax",
+                      fused=("gate_up_proj", "down_proj"), biases=True),
+        refuse=(("swiglu_alpha", (CLAMP_ALPHA,), "jaxformer's clamped SwiGLU has alpha 1.702"),
+                ("swiglu_limit", (CLAMP_LIMIT,), "jaxformer's clamped SwiGLU clamps at 7"))),
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.
@@ -362,6 +379,4 @@ OTHER_MODEL_TYPES = {
     "gemma3": "Gemma 3 with vision (a Gemma3ForConditionalGeneration; its text model alone is "
     "model_type gemma3_text)", "gemma3n": "Gemma 3n",
     "olmo": "OLMo 1 (non-parametric LayerNorm)", "cohere": "Cohere 1 (Command-R)",
-    "phimoe": "a mixture of experts",
-    "gpt_oss": "GPT-OSS, whose attention sinks (self_attn.sinks) and clamped SwiGLU experts "
-    "(swiglu_limit) jaxformer lacks"}
+    "phimoe": "a mixture of experts"}

@@ -39,6 +39,8 @@ def _biases(get, row) -> tuple[bool, bool]:
         return False, bool(get("qkv_bias"))
     if row.biases == "none":
         return False, False
+    if row.biases == "attention_no_mlp":  # no dense MLP to carry use_bias
+        return bool(get("attention_bias")), bool(get("attention_bias"))
     attention = bool(get("attention_bias"))
     mlp = bool(get("mlp_bias")) if row.biases == "attention_and_mlp" else False
     if attention != mlp:
@@ -111,7 +113,7 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
     out[row.eps_key] = cfg.norm_eps
     if row.biases == "attention_and_mlp":
         out.update(attention_bias=cfg.use_bias, mlp_bias=cfg.use_bias)
-    elif row.biases == "attention":
+    elif row.biases in ("attention", "attention_no_mlp"):
         out.update(attention_bias=cfg.use_bias)
     elif row.biases == "qkv_bias":
         out.update(qkv_bias=cfg.qkv_bias)
@@ -171,6 +173,8 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
         rules += _attention(cfg, (b, "attn"), f"{p}self_attn.", rope, row.fused_projections)
         rules.append(linear((b, "attn", "out", "kernel"), f"{p}self_attn.o_proj.weight",
                             (d, n * h), (n, h, d)))
+        if cfg.attn_sinks:
+            rules.append(copied((b, "attn", "sinks"), f"{p}self_attn.sinks", (n,)))
         for ours, hf in NORM_TENSORS[cfg.block].items():
             rules.append(copied((b, ours, "scale"), f"{p}{hf}.weight", (d,)))
             if not NORMS[cfg.norm].rms and cfg.use_bias:  # LayerNorm's bias

@@ -8,10 +8,13 @@ save_pretrained writes, and the Hub holds, these):
     [D, F] (Mixtral's w1, w3, w2; the Qwen-MoE and OLMoE families' gate_proj, up_proj,
     down_proj);
   stacked (Granite-MoE): {block}.input_linear.weight [E, 2F, D] (gate rows, then up) and
-    output_linear.weight [E, D, F].
+    output_linear.weight [E, D, F];
+  fused (gpt-oss): {block}.experts.gate_up_proj [E, D, 2F] (in, out: gate and up
+    columns interleaved, gate first) and down_proj [E, F, D], with their biases
+    gate_up_proj_bias [E, 2F] (interleaved) and down_proj_bias [E, D], and the router's.
 Ours (jaxformer.layers.MoEFeedForward): router/kernel [D, E], wi_gate / wi_up [E, D, F],
-wo [E, F, D]; the shared expert's shared/{wi_gate, wi_up, wo}/kernel and shared_gate/kernel
-[D, 1].
+wo [E, F, D] (and {name}_bias [E, out], router/bias [E] with model.moe.bias); the shared
+expert's shared/{wi_gate, wi_up, wo}/kernel and shared_gate/kernel [D, 1].
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 
 from jaxformer.config import ModelConfig
 from jaxformer.hf.rope import cannot, unsupported
-from jaxformer.hf.tensors import Path, Rule, linear
+from jaxformer.hf.tensors import Path, Rule, copied, linear
 from jaxformer.moe import ROUTERS, MoEConfig
 
 
@@ -42,7 +45,9 @@ class MoEFormat:
       (Qwen2-MoE).
     Tensors, under model.layers.N.{block}. router_tensor: the router's Linear;
       expert_tensors: the gate, up and down projections of each expert j under
-      experts.j; stacked: (gate|up, down) stacked over the experts instead.
+      experts.j; stacked: (gate|up, down) stacked over the experts instead; fused:
+      (gate|up interleaved, down) under experts, as kernels. biases: the router and the
+      experts have biases (model.moe.bias; fused only).
     """
 
     block: str
@@ -55,6 +60,8 @@ class MoEFormat:
     shared_expert: bool = False
     expert_tensors: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     stacked: tuple[str, str] | None = None
+    fused: tuple[str, str] | None = None
+    biases: bool = False
 
 
 # ---- config.json ----------------------------------------------------------------------
@@ -102,7 +109,7 @@ def read_moe(hf, get, row) -> MoEConfig:
         d_ff=get(f.expert_d_ff_key) if f.expert_d_ff_key else None,
         shared_experts=int(f.shared_expert), shared_gate=f.shared_expert,
         shared_d_ff=get("shared_expert_intermediate_size") if f.shared_expert else None,
-        layers=_sparse_layers(get, row, get("num_hidden_layers")), aux_loss=aux)
+        layers=_sparse_layers(get, row, get("num_hidden_layers")), aux_loss=aux, bias=f.biases)
 
 
 def write_moe(cfg: ModelConfig, row) -> dict[str, Any]:
@@ -151,13 +158,30 @@ def _stacked(m: Path, hf: tuple[str, str], e: int, d: int, f: int) -> list[Rule]
     return [gate_up, down]
 
 
+def _fused(m: Path, p: str, hf: tuple[str, str], e: int, d: int, f: int) -> list[Rule]:
+    """gate|up [E, D, 2F] (columns interleaved) <-> wi_gate, wi_up [E, D, F]; down
+    [E, F, D] <-> wo; their biases likewise."""
+    def interleaved(ours, name, shape):  # shape: HF's, its last axis 2F
+        return Rule(tuple(m + (o,) for o in ours), (name,), (shape,),
+                    lambda w: (w[..., ::2], w[..., 1::2]),
+                    lambda g, u: (np.stack([g, u], axis=-1).reshape(shape),))
+    return [interleaved(("wi_gate", "wi_up"), f"{p}experts.{hf[0]}", (e, d, 2 * f)),
+            interleaved(("wi_gate_bias", "wi_up_bias"), f"{p}experts.{hf[0]}_bias", (e, 2 * f)),
+            copied(m + ("wo",), f"{p}experts.{hf[1]}", (e, f, d)),
+            copied(m + ("wo_bias",), f"{p}experts.{hf[1]}_bias", (e, d))]
+
+
 def moe_rules(cfg: ModelConfig, row, block: str, prefix: str) -> list[Rule]:
     """The rules of a sparse layer's feed-forward network: block_i/ffn <-> the family's
     names under `prefix` (model.layers.i.)."""
     f, d, e, ff = row.moe, cfg.d_model, cfg.moe.experts, cfg.expert_d_ff
     m, p = (block, "ffn"), f"{prefix}{f.block}."
     rules = [linear(m + ("router", "kernel"), f"{p}{f.router_tensor}.weight", (e, d), (d, e))]
-    if f.stacked:
+    if f.biases:
+        rules.append(copied(m + ("router", "bias"), f"{p}{f.router_tensor}.bias", (e,)))
+    if f.fused:
+        rules += _fused(m, p, f.fused, e, d, ff)
+    elif f.stacked:
         rules += _stacked(m, tuple(f"{p}{n}.weight" for n in f.stacked), e, d, ff)
     else:
         for ours, hf, shape in zip(("wi_gate", "wi_up", "wo"), f.expert_tensors,

@@ -44,6 +44,9 @@ FAMILIES = {  # model_type: its config.json keys beyond COMMON
                       use_sliding_window=True, sliding_window=W, max_window_layers=2),
     "granitemoe": dict(num_local_experts=4, embedding_multiplier=3.0, residual_multiplier=0.5,
                        attention_multiplier=0.1, logits_scaling=2.0),
+    "gpt_oss": dict(num_local_experts=4, sliding_window=W, head_dim=16, rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=32,
+        beta_fast=32.0, beta_slow=1.0, truncate=False)),
 }
 
 
@@ -181,8 +184,8 @@ def test_export_picks_the_family_that_routes_alike(tmp_path):
 
 
 @pytest.mark.parametrize("config, words", [
-    (dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"]),
-     ["'gpt_oss'", "sinks"]),
+    (dict(COMMON, model_type="gpt_oss", num_local_experts=4, swiglu_limit=10.0),
+     ["swiglu_limit=10.0", "gpt_oss"]),
     (dict(COMMON, model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1),
      ["router_jitter_noise=0.1", "mixtral", "jitter"]),
     (dict(COMMON, model_type="olmoe", num_experts=4, clip_qkv=8.0), ["clip_qkv=8.0", "olmoe"]),
@@ -200,8 +203,8 @@ def test_unsupported_moe_options_name_the_key_and_the_family(config, words):
 
 
 def test_mixtures_no_family_writes_are_refused(tmp_path):
-    """Experts with biases (GPT-OSS's) have no family: one ConfigError naming model.moe;
-    OLMoE's writer refuses heads it cannot size."""
+    """Experts with biases in a model without GPT-OSS's sinks and clamped SwiGLU have no
+    family: one ConfigError naming model.moe; OLMoE's writer refuses heads it cannot size."""
     base = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
                        position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
                        moe=dict(experts=4, top_k=2, router="topk_softmax"))
