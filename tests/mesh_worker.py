@@ -153,10 +153,12 @@ def splash(out):
 def patterns(out):
     """A Gemma 3-like layer pattern (a local window and two RoPE bases, scanned as data),
     QK-norm over the whole projection (its heads split over tensor), sandwich norms with
-    Gemma's 1 + w, partial rotary and both soft-caps, blockwise with remat: as splash."""
+    Gemma's 1 + w, partial rotary, both soft-caps and attention sinks (split over tensor
+    with the heads), blockwise with remat: as splash."""
     like_one_device(out, CFG.replace(
         position="rope", norm="rmsnorm_offset", block="sandwich", qk_norm="projection",
-        rope_fraction=0.5, attn_softcap=2.0, final_softcap=5.0, attention_impl="blockwise",
+        rope_fraction=0.5, attn_softcap=2.0, final_softcap=5.0, attn_sinks=True,
+        attention_impl="blockwise",
         remat="full", layer_pattern=("local", "global"),
         layer_kinds={"local": {"window": 4, "rope_theta": 100.0}, "global": {}},
         lora={"rank": 2, "targets": ("query", "out", "wi_up")}))
@@ -226,7 +228,8 @@ def context(out):
     t, res = 32, {}
     for position, window, shape, strategy in CONTEXT_CASES:
         cfg = CFG.replace(position=position, sliding_window=window, max_seq_len=t,
-                          attention_impl=strategy, scan_layers=False)
+                          attention_impl=strategy, scan_layers=False,
+                          attn_sinks=position == "rope")  # the sinks merged by the ring
         tokens = rng.integers(0, cfg.vocab_size, (2, t)).astype(np.int32)
         seg = np.where(np.arange(t) < rng.integers(6, 26, (2, 1)), 1, 2)
         seg[:, -int(rng.integers(1, 4)):] = 0
