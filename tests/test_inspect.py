@@ -49,7 +49,7 @@ def built(rng, name, **init):
 
 
 CASES = ["gpt2", "llama-gqa", "alibi-post-ln", "t5-gqa", "fire-gqa", "nope-window", "sinusoidal",
-         "sinusoidal-tokens-scaled", "qwen2-qkv-bias"]
+         "sinusoidal-tokens-scaled", "qwen2-qkv-bias", "gpt-oss-sinks"]
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -150,20 +150,29 @@ def np_attention(cfg, p, x, pos, allowed, bias=0.0, out=None, pre=""):
     s = s + bias
     s = keep(out, pre + "hook_attn_scores", np.where(allowed[:, None], s, -np.inf))
     m = np.max(s, -1, keepdims=True)
+    sink = p["sinks"][None, :, None, None] if cfg.attn_sinks else -np.inf  # a key, value 0
+    m = np.maximum(m, sink)
     e = np.exp(s - np.where(np.isfinite(m), m, 0))
-    w = keep(out, pre + "hook_pattern", e / np.maximum(e.sum(-1, keepdims=True), 1e-300))
+    total = e.sum(-1, keepdims=True) + np.exp(sink - np.where(np.isfinite(m), m, 0))
+    w = keep(out, pre + "hook_pattern", e / np.maximum(total, 1e-300))
     z = keep(out, pre + "hook_z", np.einsum("bnts,bsnh->btnh", w, v))
     return np.einsum("btnh,nhd->btd", z, p["out"]["kernel"]) + p["out"].get("bias", 0.0)
 
 
 def np_ffn(cfg, p, x, out=None, pre=""):
     act = {"gelu": np_gelu, "geglu": np_gelu, "relu": lambda a: np.maximum(a, 0),
-           "swiglu": lambda a: a / (1 + np.exp(-a))}[cfg.ffn]
-    gated = cfg.ffn in ("swiglu", "geglu")
-    h = act(keep(out, pre + "hook_pre", np_dense(p["wi_gate" if gated else "wi"], x,
-                                                 "btd,df->btf")))
+           "swiglu": lambda a: a / (1 + np.exp(-a)), "clamped_swiglu": None}[cfg.ffn]
+    gated = cfg.ffn in ("swiglu", "geglu", "clamped_swiglu")
+    h = keep(out, pre + "hook_pre", np_dense(p["wi_gate" if gated else "wi"], x, "btd,df->btf"))
     if gated:
-        h = h * keep(out, pre + "hook_pre_linear", np_dense(p["wi_up"], x, "btd,df->btf"))
+        up = keep(out, pre + "hook_pre_linear", np_dense(p["wi_up"], x, "btd,df->btf"))
+        if act is None:  # gpt-oss: gate clamped above at 7, up to [-7, 7]
+            g = np.minimum(h, 7.0)
+            h = (np.clip(up, -7.0, 7.0) + 1) * g / (1 + np.exp(-1.702 * g))
+        else:
+            h = act(h) * up
+    else:
+        h = act(h)
     return np_dense(p["wo"], keep(out, pre + "hook_post", h), "btf,fd->btd")
 
 
@@ -246,6 +255,8 @@ VARIANTS = {
     "cope-gqa": dict(position="cope", n_kv_heads=2, cope_positions=5),
     "qwen2-qkv-bias": dict(position="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2,
                            use_bias=False, qkv_bias=True),
+    "gpt-oss-sinks": dict(position="rope", norm="rmsnorm", ffn="clamped_swiglu", n_kv_heads=2,
+                          attn_sinks=True, sliding_window=4, tie_embeddings=False),
 }
 
 
@@ -266,7 +277,8 @@ def test_matches_float64_reference(name):
     np.testing.assert_allclose(got, np_forward(cfg, params, tokens), rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "alibi-post-ln", "gpt2", "t5-gqa", "fire-gqa"])
+@pytest.mark.parametrize("name", ["llama-gqa", "alibi-post-ln", "gpt2", "t5-gqa", "fire-gqa",
+                                  "gpt-oss-sinks"])
 def test_packed_matches_reference(name):
     cfg = small(**VARIANTS[name])
     tokens, params = init(cfg, batch=2, seq=12)
@@ -278,7 +290,7 @@ def test_packed_matches_reference(name):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "alibi-post-ln", "t5-gqa", "fire-gqa",
-                                  "nope-window"])
+                                  "nope-window", "gpt-oss-sinks"])
 def test_blockwise_model_matches_reference_and_its_gradients(name, monkeypatch):
     """attention_impl='blockwise' gets the mask as positions and segment ids and the
     position bias as (fn, params), a block at a time: logits match the float64 reference
