@@ -37,11 +37,9 @@ def _resorted(h, sizes, n_groups: int):
     return h.reshape(b * m, -1)[order], order, total
 
 
-def over_rows(matmul):
-    """matmul(h [M, in], kernel [G, in, out], sizes [G] summing to M) -> [M, out], as one
-    that vmap batches whichever of h, kernel and sizes it batches. Make it once per matmul,
-    as a module's constant (jaxformer.moe.GROUPED): made and dropped in a loop, a later
-    one gave wrong answers under vmap (a traced rule of a collected one, seemingly)."""
+def _batched_product(matmul):
+    """matmul(h, kernel, sizes) as a custom_vmap: a batch of rows re-sorted into one call
+    (one kernel), or the batch's groups side by side (a kernel per batch entry)."""
 
     def side_by_side(fn, h, kernel, sizes):  # all batched: B * G groups, one call
         b, m = h.shape[:2]
@@ -61,6 +59,21 @@ def over_rows(matmul):
         rows, order, total = _resorted(h, sizes, kernel.shape[0])
         y = product(rows, kernel, total)[jnp.argsort(order)]  # [B M, out], rows' order
         return y.reshape(*h.shape[:2], -1), True
+
+    return product
+
+
+def over_rows(matmul):
+    """matmul(h [M, in], kernel [G, in, out], sizes [G] summing to M, transpose=False) ->
+    [M, out] (transpose: kernel [G, out, in], transposed in the product), as one that vmap
+    batches whichever of h, kernel and sizes it batches. Make it once per matmul, as a
+    module's constant (jaxformer.moe.GROUPED): made and dropped in a loop, a later one
+    gave wrong answers under vmap (a traced rule of a collected one, seemingly). The
+    gradient's product with the transposed kernels is matmul's transpose=True (no
+    transposed copy of the kernels)."""
+    product = _batched_product(matmul)
+    product_t = _batched_product(lambda h, kernel, sizes: matmul(h, kernel, sizes,
+                                                                 transpose=True))
 
     @jax.custom_batching.custom_vmap
     def kernel_grad(h, g, sizes):  # sum over each group's rows of h^T g: [G, in, out]
@@ -84,7 +97,7 @@ def over_rows(matmul):
 
     def backward(res, g):
         h, kernel, sizes = res
-        dh = product(g, jnp.swapaxes(kernel, 1, 2), sizes)  # [M, in]
+        dh = product_t(g, kernel, sizes)  # [M, in]
         return dh, kernel_grad(h, g, sizes).astype(kernel.dtype), None
 
     grouped.defvjp(forward, backward)

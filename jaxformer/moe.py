@@ -15,6 +15,7 @@ Routing a token x (router logits l = x W_r [+ b_r], float32):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -258,22 +259,45 @@ def expert_mlp(x, w, ffn, matmul, rows=None):
 GROUPED = over_rows(grouped_matmul)  # the dropless dispatch's grouped matmul
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def take_rows(x, index, inverse, k: int):
+    """x[index // k]: index a permutation of range(N k) (each of x's N rows taken k
+    times), inverse its inverse permutation. Its gradient gathers by inverse and sums each
+    row's k copies: autodiff's transpose of the gather would be a scatter-add, which
+    XLA:CPU runs slowly."""
+    return x[index // k]
+
+
+def _take_rows_fwd(x, index, inverse, k):
+    return x[index // k], inverse
+
+
+def _take_rows_bwd(k, inverse, g):
+    return jnp.sum(g[inverse].reshape(-1, k, *g.shape[1:]), axis=1), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 def ragged_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None):
-    """Dropless: the N k assignments sorted by expert, each expert's rows one group of
-    jax.lax.ragged_dot, then back in token order and summed with their weights.
-    x [N, D] -> (y [N, D], dropped fraction 0)."""
+    """Dropless: the N k assignments sorted by expert, each expert's rows one group of a
+    grouped matmul, then back in token order and summed with their weights. The sort and
+    un-sort are gathers both ways (take_rows), the group sizes read from the sorted
+    experts: no scatter. x [N, D] -> (y [N, D], dropped fraction 0)."""
     n, k = experts.shape
     n_experts = jax.tree.leaves(w)[0].shape[0]
     flat = experts.reshape(-1)  # [N k], token-major
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    xs = x[order // k]  # [N k, D]: each assignment's token, grouped by expert
+    inverse = jnp.argsort(order)
+    rows = flat[order]  # each sorted row's expert
+    sizes = jnp.diff(jnp.searchsorted(rows, jnp.arange(n_experts + 1))).astype(jnp.int32)
+    xs = take_rows(x, order, inverse, k)  # [N k, D]: each assignment's token, by expert
 
     def matmul(h, kernel):  # vmap batches it over the rows alone (jaxformer.grouped_vmap)
         return GROUPED(h, kernel, sizes)  # widened where it is read
 
-    ys = expert_mlp(xs, w, ffn, matmul, flat[order])  # [N k, D]
-    ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # token order again
+    ys = expert_mlp(xs, w, ffn, matmul, rows)  # [N k, D]
+    ys = take_rows(ys, inverse, order, 1).reshape(n, k, -1)  # token order again
     y = jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
     return y, jnp.float32(0)
 

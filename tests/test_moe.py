@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from jaxformer import ModelConfig, Transformer, stack_layers
-from jaxformer.grouped_matmul import GROUPED_MATMULS
+from jaxformer.grouped_matmul import GROUPED_MATMULS, tile_sizes
 from jaxformer.kinds import FFNS
 from jaxformer.model import flops_per_token, param_shapes
-from jaxformer.moe import (DISPATCHES, ROUTERS, MoEConfig, balance_losses, balanced_bias,
-                           capacity_dispatch, expert_load, route)
+from jaxformer.moe import (DISPATCHES, GROUPED, ROUTERS, MoEConfig, balance_losses,
+                           balanced_bias, capacity_dispatch, expert_load, route, take_rows)
 from jaxformer.validation import ConfigError
+from tests.conftest import DEFAULT_EMITTERS
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
@@ -326,29 +327,78 @@ def test_routers_table_is_what_the_config_offers():
 
 
 @pytest.mark.parametrize("impl", list(GROUPED_MATMULS))
-@pytest.mark.parametrize("m,groups", [(3, 8), (90, 4), (200, 6)])
-def test_grouped_matmuls_equal_the_definition(impl, m, groups):
-    """Rows sorted by group times their group's kernel, with empty groups (one in the
-    middle, one last) and fewer rows than groups (decoding); gradients by the same loop."""
+@pytest.mark.parametrize("m,groups,transpose", [(3, 8, False), (90, 4, True), (200, 6, False),
+                                                (1200, 5, True)])
+def test_grouped_matmuls_equal_the_definition(impl, m, groups, transpose):
+    """Rows sorted by group times their group's kernel (transpose: the kernel given as
+    [G, out, in]), with empty groups (one in the middle, one last), fewer rows than groups
+    (decoding), and groups long enough for tiles of every size (tile_sizes); gradients by
+    the same loops."""
     sizes = rng.multinomial(m, np.full(groups - 2, 1 / (groups - 2)))
     sizes = np.insert(sizes, [1, groups - 2], 0)  # groups 1 and the last get no row
+    assert m < 1000 or min(sizes[sizes > 0]) > sum(tile_sizes(m, groups))
     x = rng.normal(0, 1, (m, 12)).astype(np.float32)
     kernel = rng.normal(0, 1, (groups, 12, 5)).astype(np.float32)
     starts = np.cumsum(sizes) - sizes
     want = np.concatenate([x[s:s + n].astype(np.float64) @ kernel[g]
                            for g, (s, n) in enumerate(zip(starts, sizes))])
-    fn = functools.partial(GROUPED_MATMULS[impl], sizes=jnp.asarray(sizes, jnp.int32))
-    np.testing.assert_allclose(np.asarray(fn(jnp.asarray(x), jnp.asarray(kernel))), want,
+    given = np.swapaxes(kernel, 1, 2) if transpose else kernel
+    fn = functools.partial(GROUPED_MATMULS[impl], sizes=jnp.asarray(sizes, jnp.int32),
+                           transpose=transpose)
+    np.testing.assert_allclose(np.asarray(fn(jnp.asarray(x), jnp.asarray(given))), want,
                                rtol=1e-5, atol=1e-5)
     probe = rng.normal(0, 1, want.shape).astype(np.float32)
     gx, gk = jax.grad(lambda x, k: jnp.sum(fn(x, k) * probe), argnums=(0, 1))(
-        jnp.asarray(x), jnp.asarray(kernel))
+        jnp.asarray(x), jnp.asarray(given))
     want_gk = np.stack([x[s:s + n].T.astype(np.float64) @ probe[s:s + n]
                         for s, n in zip(starts, sizes)])
     want_gx = np.concatenate([probe[s:s + n] @ kernel[g].T.astype(np.float64)
                               for g, (s, n) in enumerate(zip(starts, sizes))])
-    np.testing.assert_allclose(np.asarray(gk), want_gk, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(gk), np.swapaxes(want_gk, 1, 2) if transpose
+                               else want_gk, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(gx), want_gx, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_gradient_reads_the_kernels_as_they_are():
+    """The dispatch's grouped matmul (jaxformer.moe.GROUPED) multiplies by each kernel's
+    transpose in its gradient without a transposed copy: no [G, out, in] array in the
+    compiled HLO."""
+    sizes = jnp.asarray([40, 0, 70, 90], jnp.int32)
+    x, kernel = jnp.ones((200, 12)), jnp.ones((4, 12, 5))
+    fn = jax.jit(jax.grad(lambda x, k: jnp.sum(GROUPED(x, k, sizes) ** 2), argnums=(0, 1)))
+    hlo = fn.lower(x, kernel).compile(DEFAULT_EMITTERS).as_text()
+    assert "f32[4,12,5]" in hlo and "f32[4,5,12]" not in hlo
+
+
+def test_take_rows_and_its_gradient_equal_the_definition():
+    """take_rows (a gather whose gradient is a gather) is x[index // k], and its gradient
+    sums each row's probes over the places it went to (float64 NumPy)."""
+    n, k = 7, 3
+    x = rng.normal(0, 1, (n, 4)).astype(np.float32)
+    order = rng.permutation(n * k)
+    probe = rng.normal(0, 1, (n * k, 4)).astype(np.float32)
+    fn = lambda x: take_rows(x, jnp.asarray(order), jnp.argsort(order), k)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x))), x[order // k])
+    got = jax.grad(lambda x: jnp.sum(fn(x) * probe))(jnp.asarray(x))
+    want = np.zeros((n, 4))
+    np.add.at(want, order // k, probe.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_ragged_dispatch_gradient_has_no_scatter():
+    """The dropless dispatch's gradient sorts and un-sorts rows by gathers (take_rows) and
+    counts each expert's rows from the sorted experts: no scatter in its compiled HLO (a
+    scatter-add, autodiff's transpose of a gather, is slow on XLA:CPU)."""
+    n, d, f, n_experts, k = 64, 16, 8, 4, 2
+    weights, experts = routing(n, n_experts, k)
+    w = jax.tree.map(jnp.asarray, expert_weights(n_experts, d, f, True, False))
+
+    def loss(x, weights, w):
+        return jnp.sum(DISPATCHES["ragged"](x, weights, jnp.asarray(experts), w,
+                                            FFNS["swiglu"])[0] ** 2)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    hlo = fn.lower(jnp.ones((n, d)), jnp.asarray(weights), w).compile(DEFAULT_EMITTERS)
+    assert " scatter(" not in hlo.as_text()
 
 
 def test_remat_and_scan_keep_the_gradients_and_stats(remat="full"):
