@@ -39,6 +39,12 @@ class Setting:
     context: int = 1  # devices the sequence is split over (mesh.context)
     kv_bytes: int = 0  # one layer's keys and values of the whole sequence, in bytes
     sinks: bool = False  # the rows' softmax has attention sinks (only takes_sinks answers)
+    value_width: bool = False  # values of another width than the keys (MLA), likewise
+
+    @property
+    def unfused(self) -> bool:
+        """Something jax.nn.dot_product_attention (xla, cudnn) cannot run."""
+        return self.softcap or self.sinks or self.value_width
 
     @property
     def biased(self) -> bool:
@@ -58,7 +64,7 @@ class Setting:
         to 128, no bias too big to hand it densely, and no soft-cap (it takes none)."""
         return self.platform == "gpu" and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16) \
             and self.head_dim % 8 == 0 and self.head_dim <= 128 and not (self.biased and self.big) \
-            and not self.softcap and not self.sinks
+            and not self.unfused
 
 
 
@@ -82,16 +88,19 @@ def _budget(s: Setting) -> str:
 _NO_SOFTCAP = ("the logits are soft-capped, which xla and cudnn "
                "(jax.nn.dot_product_attention) do not take")
 _NO_SINKS = "the attention has sinks, which xla and cudnn (jax.nn.dot_product_attention) lack"
+_NO_VALUE_WIDTH = ("the values are not as wide as the keys (MLA), which xla and cudnn "
+                   "(jax.nn.dot_product_attention) need")
 
 
 def _not_fused(s: Setting) -> str:  # why a dense backend answers off the CPU instead of xla
-    return _NO_SOFTCAP if s.softcap else _NO_SINKS
+    return _NO_SOFTCAP if s.softcap else _NO_SINKS if s.sinks else _NO_VALUE_WIDTH
 
 
 def blockwise(s: Setting) -> str | None:
     if s.platform == "tpu":
-        if s.sinks:
-            return "a TPU, and the attention has sinks, which the splash kernel does not take"
+        if s.sinks or s.value_width:
+            what = "the attention has sinks" if s.sinks else "the values are not as wide as the keys"
+            return f"a TPU, and {what}, which the splash kernel does not take"
         if s.window_as_data:
             return "a TPU, and the scanned layers' windows differ, which splash needs static"
         return (f"a TPU, and position={s.position!r} adds a logit bias, which the splash "
@@ -99,7 +108,7 @@ def blockwise(s: Setting) -> str | None:
     if s.big and not s.cudnn_fits:
         return _budget(s) + (f" and position={s.position!r}'s bias with them"
                              if s.platform == "gpu" and s.biased else "") + (
-            f"; {_not_fused(s)}" if (s.softcap or s.sinks) and s.platform != "cpu" else "")
+            f"; {_not_fused(s)}" if s.unfused and s.platform != "cpu" else "")
     return None
 
 
@@ -110,7 +119,7 @@ def chunked(s: Setting) -> str | None:
         return None
     if s.platform == "cpu":
         return ""
-    return f"{_not_fused(s)}; the dense logits fit the budget" if s.softcap or s.sinks else None
+    return f"{_not_fused(s)}; the dense logits fit the budget" if s.unfused else None
 
 
 def _dense_fits(s: Setting) -> bool:
@@ -123,8 +132,7 @@ def reference(s: Setting) -> str | None:
 
 
 def xla(s: Setting) -> str | None:
-    return "" if _dense_fits(s) and s.platform != "cpu" and not s.softcap and not s.sinks \
-        else None
+    return "" if _dense_fits(s) and s.platform != "cpu" and not s.unfused else None
 
 
 def cudnn(s: Setting) -> str | None:
@@ -133,4 +141,4 @@ def cudnn(s: Setting) -> str | None:
 
 def splash(s: Setting) -> str | None:
     return "a TPU, and no logit bias" if s.platform == "tpu" and not s.biased \
-        and not s.window_as_data and not s.sinks else None
+        and not s.window_as_data and not s.sinks and not s.value_width else None

@@ -31,9 +31,10 @@ from jaxformer.chunked import chunked_attention
 from jaxformer.masks import MaskRule
 from jaxformer.reference import and_causal, as_4d, check_softcap, reference_attention
 from jaxformer.ring import context_attention
-from jaxformer.schemes import LogitBias, dense_bias
+from jaxformer.schemes import POSITION_SCHEMES, LogitBias, dense_bias
 from jaxformer.sharding import sequence_split
 from jaxformer.splash import splash_attention
+from jaxformer.validation import ConfigError
 
 AUTO = "auto"  # the attention_impl that picks a backend per forward
 
@@ -56,6 +57,8 @@ class Backend:
     takes_softcap: it applies a logit soft-cap (jax.nn.dot_product_attention has none).
     takes_sinks: it adds attention sinks to the softmax (keyword sinks [N], passed only
       when there are some; jax.nn.dot_product_attention and splash have none).
+    takes_value_width: its values may be narrower or wider than its queries and keys
+      (MLA: jax.nn.dot_product_attention and splash need them equal).
     over_cache: its rule function also runs over a KV cache's slots (a prefill; empty
       slots sit at EMPTY_SLOT, which the rule hides).
     splits_sequence: it runs with the sequence split over a mesh axis (context
@@ -72,6 +75,7 @@ class Backend:
     contextual: bool = False
     takes_softcap: bool = False
     takes_sinks: bool = False
+    takes_value_width: bool = False
     over_cache: bool = False
     splits_sequence: bool = False
     platforms: tuple[str, ...] | None = None
@@ -156,18 +160,22 @@ _cudnn, _cudnn_by_index = _fused("cudnn", bias_as_q=True)
 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(arrays=_reference, takes_softcap=True, takes_sinks=True, contextual=True,
-                         auto=rules.reference),
+                         takes_value_width=True, auto=rules.reference),
     "xla": Backend(arrays=_xla, by_index=_xla_by_index, auto=rules.xla),
     "cudnn": Backend(arrays=_cudnn, by_index=_cudnn_by_index, platforms=("gpu",),
                      auto=rules.cudnn),
     "chunked": Backend(arrays=chunked_attention,  # fastest on XLA:CPU, forward and backward
-                       takes_softcap=True, takes_sinks=True, auto=rules.chunked),
+                       takes_softcap=True, takes_sinks=True, takes_value_width=True,
+                       auto=rules.chunked),
     "blockwise": Backend(arrays=_blockwise_arrays, rule=_blockwise_rule, over_cache=True,
-                         takes_softcap=True, takes_sinks=True, auto=rules.blockwise),
+                         takes_softcap=True, takes_sinks=True, takes_value_width=True,
+                         auto=rules.blockwise),
     "ring": Backend(rule=_context_rule(gather=False), takes_softcap=True, takes_sinks=True,
-                    splits_sequence=True, auto=rules.context(gather=False)),
+                    takes_value_width=True, splits_sequence=True,
+                    auto=rules.context(gather=False)),
     "all_gather": Backend(rule=_context_rule(gather=True), takes_softcap=True, takes_sinks=True,
-                          splits_sequence=True, auto=rules.context(gather=True)),
+                          takes_value_width=True, splits_sequence=True,
+                          auto=rules.context(gather=True)),
     "splash": Backend(rule=_splash_rule, takes_bias=False, takes_softcap=True, auto=rules.splash),
 }
 
@@ -195,15 +203,15 @@ def sink_backends() -> list[str]:
 def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
                  position: str | None = None, softcap: bool = False,
                  window_as_data: bool = False, context: int = 1, kv_bytes: int = 0,
-                 sinks: bool = False) -> str:
+                 sinks: bool = False, value_width: bool = False) -> str:
     """`impl`, or for `auto` the backend whose entry answers for this platform, position
     scheme and length (logits_bytes: one layer's dense float32 logits); its reason is
     printed once per process. softcap: the logits are soft-capped; an `impl` that takes
     no softcap raises, and `auto` picks only a backend that takes one. window_as_data:
     the scanned layers' windows differ (see Setting). context, kv_bytes: the devices the
     sequence is split over, one layer's K/V bytes (auto picks a backend that splits the
-    sequence exactly when context > 1). sinks: the softmax has attention sinks, as
-    softcap."""
+    sequence exactly when context > 1). sinks: the softmax has attention sinks;
+    value_width: the values' width differs from the keys' (MLA); each as softcap."""
     if impl != AUTO and impl not in BACKENDS:
         raise ValueError(f"attention impl={impl!r} is not one of "
                          f"{', '.join([AUTO, *BACKENDS])}")
@@ -216,15 +224,20 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
         if sinks and not BACKENDS[impl].takes_sinks:
             raise ValueError(f"attention impl={impl!r} takes no attention sinks; use one of "
                              f"{', '.join([AUTO, *sink_backends()])}")
+        if value_width and not BACKENDS[impl].takes_value_width:
+            takers = [n for n, b in BACKENDS.items() if b.takes_value_width]
+            raise ValueError(f"attention impl={impl!r} needs values as wide as the keys; use "
+                             f"one of {', '.join([AUTO, *takers])}")
         return impl
     setting = Setting(jax.default_backend(), dtype, head_dim, position, logits_bytes,
                       softcap=bool(softcap), window_as_data=window_as_data, context=context,
-                      kv_bytes=kv_bytes, sinks=bool(sinks))
+                      kv_bytes=kv_bytes, sinks=bool(sinks), value_width=bool(value_width))
     for name, backend in BACKENDS.items():
         if backend.splits_sequence != (context > 1):
             continue
         if (setting.softcap and not backend.takes_softcap) or \
                 (setting.sinks and not backend.takes_sinks) or \
+                (setting.value_width and not backend.takes_value_width) or \
                 (setting.contextual and not backend.contextual):
             continue  # the table's rules never answer so; this is the guard
         reason = None if backend.auto is None else backend.auto(setting)
@@ -234,6 +247,35 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
                 print(f"attention: auto chose {name}: {reason}", file=sys.stderr, flush=True)
             return name
     raise ValueError(f"no attention backend answers for {setting}")
+
+
+def check_model(cfg) -> None:
+    """What a model (a ModelConfig) asks of its named attention_impl that the backend
+    cannot do: a logit bias, a contextual scheme, a soft-cap, sinks, values of another
+    width than the keys (MLA). One ConfigError line naming the backends that can."""
+    backend = BACKENDS.get(cfg.attention_impl)
+    if backend is None:  # auto picks one that can
+        return
+    kind = scheme_kind(cfg.position)
+    impl = f"model.attention_impl={cfg.attention_impl!r}"
+    if kind == "bias" and not backend.takes_bias:
+        takers = [n for n, b in BACKENDS.items() if b.takes_bias and b.rule is not None]
+        raise ConfigError(
+            f"{impl} adds no bias to the logits, so position={cfg.position!r} cannot use it; "
+            f"use attention_impl={' or '.join(map(repr, takers))} (or {AUTO!r}), or "
+            f"{'/'.join(n for n, s in POSITION_SCHEMES.items() if s.kind != 'bias')} positions")
+    if kind == "contextual" and not backend.contextual:
+        raise ConfigError("model." + contextual_refusal(cfg.attention_impl, cfg.position))
+    for needed, takes, what in (
+            (cfg.attn_softcap is not None, "takes_softcap",
+             f"cannot soft-cap the logits (model.attn_softcap={cfg.attn_softcap})"),
+            (cfg.attn_sinks, "takes_sinks", "has no attention sinks (model.attn_sinks)"),
+            (cfg.mla.on, "takes_value_width", "needs values as wide as the keys, and MLA's "
+             f"are {cfg.mla.v_head_dim} against {cfg.mla.qk_head_dim} (model.mla)")):
+        if needed and not getattr(backend, takes):
+            raise ConfigError(f"{impl} {what}; use one of "
+                              f"{', '.join(n for n, b in BACKENDS.items() if getattr(b, takes))} "
+                              f"or {AUTO!r}")
 
 
 def contextual_refusal(impl: str, position: str) -> str:
@@ -277,7 +319,7 @@ def rule_attention(q, k, v, rule: MaskRule, bias=None, *, impl: str = AUTO, soft
     softcap = check_softcap(softcap)
     impl = resolve_impl(impl, q.dtype, q.shape[-1], logits_bytes=dense_logits_bytes(
         q.shape[0], q.shape[2], q.shape[1], k.shape[1]), softcap=softcap is not None,
-        sinks=sinks is not None)
+        sinks=sinks is not None, value_width=v.shape[-1] != q.shape[-1])
     backend = BACKENDS[impl]
     if backend.rule is not None:
         if bias is not None and not isinstance(bias, LogitBias):
@@ -314,7 +356,7 @@ def dot_product_attention(q, k, v, *, mask=None, bias=None, impl: str = AUTO, sc
     """
     softcap = check_softcap(softcap)
     impl = resolve_impl(impl, q.dtype, q.shape[-1], softcap=softcap is not None,
-                        sinks=sinks is not None)
+                        sinks=sinks is not None, value_width=v.shape[-1] != q.shape[-1])
     if is_causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"is_causal needs as many keys as queries, got {q.shape[1]} queries "
                          f"and {k.shape[1]} keys")

@@ -68,8 +68,8 @@ def blockwise_attention(q, k, v, rule: MaskRule, *, bias_fn=None, bias_params=No
 
 def heads_back(out, q):
     """[B, K, G, Tp, H] float32 -> q's layout, length and dtype [B, T, N, H]."""
-    b, t, n, h = q.shape
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, -1, n, h)[:, :t].astype(q.dtype)
+    b, t, n, _ = q.shape  # out's head_dim is the values'
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, -1, n, out.shape[-1])[:, :t].astype(q.dtype)
 
 
 def prepare(q, k, v, rule: MaskRule, *, bias_fn=None, scale=None, block_q=None, block_k=None,
@@ -186,7 +186,7 @@ def _forward(st: _Static, q, k, v, rule: MaskRule, params, sinks=None):
         row = q_i.shape[:4]
         m, l = (jnp.full(row, -jnp.inf), jnp.zeros(row)) if sinks is None else \
             (jnp.broadcast_to(sinks[..., 0], row), jnp.ones(row))  # the sink seen first
-        init = (m, l, jnp.zeros(q_i.shape, jnp.float32))
+        init = (m, l, jnp.zeros(row + v.shape[-1:], jnp.float32))
 
         def visit(j, carry):
             m, l, acc = carry
@@ -209,7 +209,7 @@ def _forward(st: _Static, q, k, v, rule: MaskRule, params, sinks=None):
         return out, jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
 
     outs, lse = jax.lax.map(query_block, jnp.arange(n_q))  # [n_q, B, K, G, bq(, H)]
-    out = jnp.moveaxis(outs, 0, 3).reshape(q.shape[:3] + (-1, q.shape[4]))
+    out = jnp.moveaxis(outs, 0, 3).reshape(q.shape[:3] + (-1, v.shape[-1]))
     lse = jnp.moveaxis(lse, 0, 3).reshape(q.shape[:3] + (-1,))
     return out, (q, k, v, rule, params, out, lse)
 

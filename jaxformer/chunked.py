@@ -57,7 +57,7 @@ def chunked_attention(q, k, v, *, mask, bias, scale, is_causal, softcap=None, si
     out = _heads_first(scale, is_causal, check_softcap(softcap), qh, kh, vh, mask, bias,
                        group_sinks(sinks, n_kv))
     # out: [B, K, G, T, H] float32
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

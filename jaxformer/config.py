@@ -6,9 +6,10 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from jaxformer.backends import AUTO, BACKENDS, contextual_refusal
+from jaxformer.backends import AUTO, BACKENDS, check_model
 from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
 from jaxformer.lora import LoRAConfig, check_expert_targets
+from jaxformer.mla import MLAConfig
 from jaxformer.moe import MoEConfig
 from jaxformer.rope_scaling import RopeScaling
 from jaxformer.presets import PRESETS
@@ -96,6 +97,7 @@ class ModelConfig(Section):
 
     lora (jaxformer.lora.LoRAConfig): low-rank adapters on the projections; rank 0: none.
     moe (jaxformer.moe.MoEConfig): mixture-of-experts feed-forward layers; experts 0: none.
+    mla (jaxformer.mla.MLAConfig): multi-head latent attention; kv_lora_rank 0: none.
 
     layer_pattern, layer_kinds: a list of kind names repeated over the layers (layer i is
     layer_pattern[i % len]), each a LayerKind in layer_kinds (its window, its RoPE or
@@ -146,6 +148,7 @@ class ModelConfig(Section):
     layer_kinds: Mapping[str, LayerKind] = dataclasses.field(default_factory=dict)
     lora: LoRAConfig = LoRAConfig()
     moe: MoEConfig = MoEConfig()
+    mla: MLAConfig = MLAConfig()
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -153,6 +156,8 @@ class ModelConfig(Section):
             set_("lora", LoRAConfig.from_dict(self.lora))
         if isinstance(self.moe, Mapping):
             set_("moe", MoEConfig.from_dict(self.moe))
+        if isinstance(self.mla, Mapping):
+            set_("mla", MLAConfig.from_dict(self.mla))
         if isinstance(self.rope_scaling, Mapping):
             set_("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         elif isinstance(self.rope_scaling, str):
@@ -237,6 +242,8 @@ class ModelConfig(Section):
         """n_kv_heads, head_dim and d_ff where they are None."""
         if self.n_kv_heads is None:
             set_("n_kv_heads", self.n_heads)
+        if self.head_dim is None and self.mla.on:
+            set_("head_dim", self.mla.qk_head_dim)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of "
                               f"model.n_kv_heads={self.n_kv_heads} (1 = MQA, n_heads = MHA)")
@@ -253,26 +260,9 @@ class ModelConfig(Section):
         """Fields that must agree: the scheme's own checks, a bias scheme's backend, the
         T5 buckets, RoPE scaling."""
         scheme = POSITION_SCHEMES[self.position]
-        backend = BACKENDS.get(self.attention_impl)
-        if scheme.kind == "bias" and backend is not None and not backend.takes_bias:
-            takers = [n for n, b in BACKENDS.items() if b.takes_bias and b.rule is not None]
-            raise ConfigError(
-                f"model.attention_impl={self.attention_impl!r} adds no bias to the logits, so "
-                f"position={self.position!r} cannot use it; use attention_impl="
-                f"{' or '.join(map(repr, takers))} (or {AUTO!r}), or "
-                f"{'/'.join(n for n, s in POSITION_SCHEMES.items() if s.kind != 'bias')} positions")
-        if scheme.kind == "contextual" and backend is not None and not backend.contextual:
-            raise ConfigError("model." + contextual_refusal(self.attention_impl, self.position))
-        if self.attn_softcap is not None and backend is not None and not backend.takes_softcap:
-            raise ConfigError(f"model.attention_impl={self.attention_impl!r} cannot soft-cap the "
-                              f"logits (model.attn_softcap={self.attn_softcap}); use one of "
-                              f"{', '.join(n for n, b in BACKENDS.items() if b.takes_softcap)} "
-                              f"or {AUTO!r}")
-        if self.attn_sinks and backend is not None and not backend.takes_sinks:
-            raise ConfigError(f"model.attention_impl={self.attention_impl!r} has no attention "
-                              "sinks (model.attn_sinks); use one of "
-                              f"{', '.join(n for n, b in BACKENDS.items() if b.takes_sinks)} "
-                              f"or {AUTO!r}")
+        check_model(self)  # what the named attention backend cannot run
+        if self.mla.on:
+            self.mla.check_model(self)
         for name in ("rope_fraction", "p_rope"):
             if getattr(self, name) != 1 and scheme.kind != "rotary":
                 raise ConfigError(f"model.{name}={getattr(self, name)} needs a rotary position "
@@ -359,6 +349,7 @@ class ModelConfig(Section):
         out["layer_kinds"] = {n: dataclasses.asdict(k) for n, k in self.layer_kinds}
         out["lora"] = self.lora.to_dict()
         out["moe"] = self.moe.to_dict()
+        out["mla"] = self.mla.to_dict()
         return out
 
     SECTION = "model"  # from_dict, to_dict, replace: jaxformer.validation.Section
@@ -395,4 +386,4 @@ class ModelConfig(Section):
 
 
 # the model's fields that are sections of their own (model.rope_scaling.kind=yarn)
-NESTED = {"rope_scaling": RopeScaling, "lora": LoRAConfig, "moe": MoEConfig}
+NESTED = {"rope_scaling": RopeScaling, "lora": LoRAConfig, "moe": MoEConfig, "mla": MLAConfig}

@@ -23,7 +23,7 @@ from jaxformer.cached_forward import (Generated, checked_inputs, decode_jit, for
                                       prefill)
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
-from jaxformer.kv_cache import init_cache, kv_cache_bytes, take_rows  # noqa: F401
+from jaxformer.kv_cache import cache_widths, init_cache, kv_cache_bytes, take_rows  # noqa: F401
 from jaxformer.model import Transformer
 from jaxformer.sampling import (Sampling, checked_sampling, filter_logits,  # noqa: F401
                                 sample_logits)
@@ -178,7 +178,7 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
         last, cache = prefill(model, params, prompts, lengths, w + max_new_tokens, None, True)
         v = last.shape[-1]
         # every beam starts as a copy of its row; only beam 0 is live at first
-        cache = take_rows(cache, jnp.repeat(jnp.arange(b), k), cfg.n_kv_heads)  # B * k rows
+        cache = take_rows(cache, jnp.repeat(jnp.arange(b), k), cache_widths(cfg)[0])  # B k rows
         logits = jnp.repeat(last, k, axis=0)  # [B*k, V]
         scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # [B, k]
         state = dict(cache=cache, logits=logits, scores=scores,
@@ -201,7 +201,7 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
             length = take(state["length"]) + (~was_done).astype(jnp.int32)
             done = was_done | (tok == eos_id) if eos_id is not None else was_done
             flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
-            cache = take_rows(state["cache"], flat_parent, cfg.n_kv_heads)
+            cache = take_rows(state["cache"], flat_parent, cache_widths(cfg)[0])
             pos = jnp.take(state["pos"], flat_parent)
             logits, cache = forward_one(model, params, tok.reshape(-1), pos, cache)
             return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,

@@ -16,6 +16,10 @@ nothing it can see is overwritten while the positions of a row only grow (as in 
 a rollback to an earlier position needs the full-length cache). Its bytes are w / max_len
 of a full layer's.
 
+An MLA layer (jaxformer.mla) caches its latent as ``v`` [batch, max_len, kv_lora_rank] and
+its rotated key as ``k`` [batch, max_len, qk_rope_head_dim]: one row per batch row
+(cache_widths), kv_lora_rank + qk_rope_head_dim numbers per token.
+
 One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
 matmuls, and the reshape that then sits between the in-place cache update and the matmul
 made XLA:CPU copy each layer's K four times and transpose V on every decode step
@@ -45,12 +49,22 @@ def layer_slots(cfg, max_len: int, windowed: bool = False, spare: int = 0) -> tu
     return tuple(max_len if w is None else min(w + spare, max_len) for w in windows)
 
 
+def cache_widths(cfg) -> tuple[int, int, int]:
+    """(rows per batch row, k's width, v's width) of a layer's cache: (kv_heads, head_dim,
+    head_dim), or for MLA (1, qk_rope_head_dim, kv_lora_rank): the rotated key and the
+    latent."""
+    if cfg.mla.on:
+        return 1, cfg.mla.qk_rope_head_dim, cfg.mla.kv_lora_rank
+    return cfg.n_kv_heads, cfg.head_dim, cfg.head_dim
+
+
 def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = False) -> int:
-    """2 (K and V) * kv_heads * head_dim * bytes per value * batch * the layers' slots
-    (seq_len each, or a windowed layer's window: layer_slots)."""
+    """(k's width + v's width) * rows (kv_heads, or 1 for MLA) * bytes per value * batch *
+    the layers' slots (seq_len each, or a windowed layer's window: layer_slots)."""
     itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
     slots = sum(layer_slots(cfg, seq_len, windowed))
-    return 2 * cfg.n_kv_heads * cfg.head_dim * slots * itemsize * batch
+    rows, k_width, v_width = cache_widths(cfg)
+    return (k_width + v_width) * rows * slots * itemsize * batch
 
 
 def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False,
@@ -59,18 +73,20 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
     window shorter than max_len keep a ring of window + spare slots (unscanned layers
     only; spare >= T - 1 lets a chunk of T tokens be written and then taken back)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    rows = batch * cfg.n_kv_heads
+    per_row, k_width, v_width = cache_widths(cfg)
+    rows = batch * per_row
     if cfg.scan_layers:
         if windowed:
             raise ValueError("a windowed KV cache needs unscanned layers (its layers differ in "
                              "size); use scan_layers=false, or windowed=False")
-        shape = (cfg.n_layers, rows, max_len, cfg.head_dim)
-        layers = {"blocks": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}}
+        shape = (cfg.n_layers, rows, max_len)
+        layers = {"blocks": {"k": jnp.zeros(shape + (k_width,), dtype),
+                             "v": jnp.zeros(shape + (v_width,), dtype)}}
     else:
         layers = {}
         for i, s in enumerate(layer_slots(cfg, max_len, windowed, spare)):
-            layers[f"block_{i}"] = {"k": jnp.zeros((rows, s, cfg.head_dim), dtype),
-                                    "v": jnp.zeros((rows, s, cfg.head_dim), dtype)}
+            layers[f"block_{i}"] = {"k": jnp.zeros((rows, s, k_width), dtype),
+                                    "v": jnp.zeros((rows, s, v_width), dtype)}
             if s < max_len:  # a ring: its slots' positions
                 layers[f"block_{i}"]["positions"] = jnp.full((batch, s), EMPTY_SLOT, jnp.int32)
     return {"layers": layers, "positions": jnp.full((batch, max_len), EMPTY_SLOT, jnp.int32),
@@ -125,9 +141,10 @@ def write_layer(layer, k, v, index):
     """A layer's cache with k, v [B, T, K, H] written at slots [index, index + T) (the
     caller keeps that within S: dynamic_update_slice clamps, it does not grow); sharded as
     [B, K, S, H], rows over batch, then heads."""
-    b, t, n_kv, h = k.shape
+    b, t, n_kv, _ = k.shape
 
-    def update(cache, new):
+    def update(cache, new):  # k's and v's widths may differ (MLA)
+        h = new.shape[-1]
         cache = jax.lax.dynamic_update_slice(
             cache, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, h).astype(cache.dtype),
             (0, index, 0))
@@ -141,7 +158,7 @@ def write_ring(layer, k, v, k_positions):
     """A ring layer's cache with k, v [B, T, K, H] at positions k_positions [B, T]
     (EMPTY_SLOT: padding, not written) put in slots position % S; of several new tokens
     for one slot (T > S) the latest position is kept."""
-    b, t, n_kv, h = k.shape
+    b, t, n_kv, _ = k.shape
     s = layer["positions"].shape[1]
     real = k_positions != EMPTY_SLOT
     slot = jnp.where(real, k_positions % s, s)  # slot s: out of range, dropped
@@ -151,7 +168,7 @@ def write_ring(layer, k, v, k_positions):
         slot = jnp.where(jnp.take_along_axis(latest, slot, 1) == k_positions, slot, s)
 
     def put(cache, new):  # cache [B * K, S, H] seen as [B, K, S, H]; new [B, T, K, H]
-        c = cache.reshape(b, n_kv, s, h).at[row, :, slot].set(new.astype(cache.dtype),
+        c = cache.reshape(b, n_kv, s, -1).at[row, :, slot].set(new.astype(cache.dtype),
                                                               mode="drop")
         return c.reshape(cache.shape)
 
@@ -163,9 +180,9 @@ def ring_keys(layer, k, v, k_positions):
     """A ring's keys and values [B * K, S + T, H] followed by the new tokens' (k, v
     [B, T, K, H]), and their positions [B, S + T]: what a chunk of T > 1 tokens attends
     over before it is written (its first queries may see keys the write replaces)."""
-    b, t, n_kv, h = k.shape
+    b, t, n_kv, _ = k.shape
     rows = lambda x, new: jnp.concatenate(  # noqa: E731
-        [x, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, h).astype(x.dtype)], axis=1)
+        [x, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, -1).astype(x.dtype)], axis=1)
     return (rows(layer["k"], k), rows(layer["v"], v),
             jnp.concatenate([layer["positions"], k_positions], axis=1))
 
@@ -191,5 +208,6 @@ def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None, sinks=None)
                             scale=1.0 / math.sqrt(h), softcap=softcap)
     w = softmax(logits, group_sinks(sinks, n_kv)).reshape(rows, g * t, s)
     out = jnp.einsum("rqs,rsh->rqh", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out.reshape(b, n_kv, g, t, h).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    hv = v.shape[-1]
+    out = out.reshape(b, n_kv, g, t, hv).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Hv]
+    return out.reshape(b, t, n, hv).astype(q.dtype)

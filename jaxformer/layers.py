@@ -18,6 +18,7 @@ from jaxformer.kinds import BLOCKS, FFNS
 from jaxformer.lora import adapted
 from jaxformer.masks import pick_rule
 from jaxformer.matmul import flat_dot_general, promote_kernel
+from jaxformer.mla_attention import MLAttention
 from jaxformer.moe import balance_losses, dense_weights, dispatch_of, expert_load, route
 from jaxformer.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.sharding import constrain, init_with_names
@@ -149,7 +150,8 @@ class Block(nn.Module):
         scanned: nn.scan's carry and per-layer output). mask: one MaskRule per layer kind."""
         c = self.cfg
         kind = self.kind if kind_id is None else kind_id
-        attn = Attention(c, self.deterministic, self.impl, name="attn")
+        attn = (MLAttention if c.mla.on else Attention)(c, self.deterministic, self.impl,
+                                                        name="attn")
         ffn = (MoEFeedForward if self.sparse else FeedForward)(c, self.deterministic, name="ffn")
         block = self
 

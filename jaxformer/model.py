@@ -143,7 +143,7 @@ class Transformer(nn.Module):
         return resolve_impl(
             c.attention_impl, c.dtype, c.head_dim, position=c.position,
             logits_bytes=dense_logits_bytes(b, c.n_heads, t, s),
-            softcap=c.attn_softcap is not None, sinks=c.attn_sinks,
+            softcap=c.attn_softcap is not None, sinks=c.attn_sinks, value_width=c.mla.on,
             window_as_data=c.scan_layers and len({k.window for k in c.kinds}) > 1,
             context=1 if split is None else split[0].shape[split[1]],
             kv_bytes=2 * b * s * c.n_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize)
@@ -223,10 +223,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     - attention scores (q.k) and the weighted sum (a.v) cost 2 * 2 * n_heads * head_dim per
       query-key pair forward, x3 with backward = 12 * n_heads * head_dim. Causal attention
         half). With a sliding window w < seq_len, context = w - w^2 / (2 seq_len), the mean
-      number of keys a query sees; with a layer pattern, each layer's own.
+      number of keys a query sees; with a layer pattern, each layer's own. MLA (expanded, as
+      it trains): its projections' weights, and n_heads * (qk + v head dims) / 2 in place of
+      n_heads * head_dim.
     """
-    c = cfg
+    c, m = cfg, cfg.mla
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    pair = c.n_heads * c.head_dim  # the attention's FLOPs per query-key pair, / 4
+    if m.on:
+        query = (c.d_model + c.n_heads * m.qk_head_dim) * m.q_lora_rank if m.q_lora_rank \
+            else c.d_model * c.n_heads * m.qk_head_dim
+        attn = query + c.d_model * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * \
+            c.n_heads * (m.qk_nope_head_dim + m.v_head_dim) + c.n_heads * m.v_head_dim * c.d_model
+        pair = c.n_heads * (m.qk_head_dim + m.v_head_dim) / 2
     mult = 3 if c.gated_ffn else 2
     dense_ffn = mult * c.d_model * c.d_ff
     sparse_ffn = (c.d_model * c.moe.experts  # the router, then the active experts
@@ -239,7 +248,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         return seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
 
     keys = sum(context(c.kinds[i].window) for i in c.layer_kind_ids)
-    return 6.0 * n_matmul + 12.0 * c.n_heads * c.head_dim * keys
+    return 6.0 * n_matmul + 12.0 * pair * keys
 
 
 def stack_layers(params, n_layers: int):

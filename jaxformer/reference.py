@@ -120,10 +120,11 @@ def softmax(logits, sinks=None):
 
 
 def mix(w, v, q, precision=HIGHEST):
-    """Weights w [B, K, G, Tq, Tk] applied to v [B, Tk, K, H] -> [B, Tq, N, H] in q.dtype."""
+    """Weights w [B, K, G, Tq, Tk] applied to v [B, Tk, K, Hv] -> [B, Tq, N, Hv] in q.dtype
+    (Hv may differ from q's head_dim: MLA)."""
     out = jnp.einsum("bkgts,bskh->btkgh", w.astype(v.dtype), v, precision=precision,
                      preferred_element_type=jnp.float32)
-    return out.reshape(q.shape).astype(q.dtype)
+    return out.reshape(*q.shape[:-1], v.shape[-1]).astype(q.dtype)
 
 
 def and_causal(mask, t: int):

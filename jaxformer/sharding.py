@@ -53,6 +53,7 @@ DEFAULT_RULES: dict[str, Any] = {
     "table": None,         # learned position table rows, T5 buckets
     "pos_mlp": None,       # FIRE's hidden layer
     "lora_rank": None,     # an adapter's rank
+    "latent": None,        # MLA's latents (kv_lora_rank, q_lora_rank)
     "experts": "expert",   # a mixture's experts (their kernels' leading axis, the router's)
     "expert_mlp": "tensor",  # an expert's hidden axis
     "act_batch": ("data", "fsdp", "expert"),  # expert devices share the batch outside MoE
