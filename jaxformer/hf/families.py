@@ -19,12 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from jaxformer.hf import gpt2, gpt_neox, llama_layout, scales
+from jaxformer.hf import gpt2, gpt_neox, llama_layout, scales, twists
 from jaxformer.hf.moe_layout import MoEFormat
-from jaxformer.hf.rope import cannot
 from jaxformer.hf.tensors import Rule
 from jaxformer.kinds import CLAMP_ALPHA, CLAMP_LIMIT
-from jaxformer.schemes import POSITION_SCHEMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +59,10 @@ class HFModelType:
       max_window_layers 0); rope_of(get, i, type): whether layer i is rotated (None: all).
     extra(get) -> more ModelConfig fields (jaxformer.hf.scales: multipliers, soft-caps);
       extra_to_hf(cfg) -> their keys. refuse: (key, the values read, why) for the rest.
-    moe: the mixture of experts (jaxformer.hf.moe_layout.MoEFormat); None: dense.
+    moe: the mixture of experts (jaxformer.hf.moe_layout.MoEFormat); None: dense. mla: the
+      attention is multi-head latent attention (jaxformer.hf.mla_layout). extra_layers: what
+      tensors of layers past the last are (skipped on import with one line saying so);
+      None: such tensors are an error.
     """
 
     name: str
@@ -95,69 +96,9 @@ class HFModelType:
     extra_to_hf: Callable[[Any], dict] = lambda cfg: {}
     refuse: tuple[tuple[str, Any, str], ...] = ()
     moe: MoEFormat | None = None
+    mla: bool = False
+    extra_layers: str | None = None
 
-
-# ---- layer types, when config.json lists none -----------------------------------------
-
-
-def _all_sliding(get, i):  # Mistral, Phi-3: one window for every layer, when set
-    return "full_attention" if get("sliding_window") is None else "sliding_attention"
-
-
-def _qwen_types(get, i):  # transformers' rule: layers from max_window_layers on slide
-    slide = get("use_sliding_window") and get("sliding_window") is not None
-    return "sliding_attention" if slide and i >= get("max_window_layers") else "full_attention"
-
-
-def _global_every(n: int, key: str | None = None):
-    """Sliding layers, but every n-th (i + 1 divisible by n; n read from `key` where the
-    model type has one) global."""
-    return lambda get, i: ("full_attention" if (i + 1) % ((get(key) if key else None) or n) == 0
-                           else "sliding_attention")
-
-
-def _sliding_if_used(get, i):  # Qwen3-MoE: every layer slides under use_sliding_window
-    slide = get("use_sliding_window") and get("sliding_window") is not None
-    return "sliding_attention" if slide else "full_attention"
-
-
-def _qwen2_moe_types(get, i):  # transformers 5: layers i + 1 odd below max_window_layers
-    slide = get("use_sliding_window") and i < get("max_window_layers") and (i + 1) % 2
-    return "sliding_attention" if slide else "full_attention"
-
-
-def _olmoe_to_hf(cfg) -> dict:  # its q_norm / k_norm span hidden_size / n_heads per head
-    if cfg.head_dim * cfg.n_heads != cfg.d_model:
-        raise cannot("head_dim", cfg.head_dim, "OLMoE's heads are hidden_size / "
-                     "num_attention_heads wide (its QK-norm weights have that size)")
-    return {}
-
-
-def _smollm3_rope(get, i, layer_type=None) -> bool:  # no_rope_layers: 1 where rotated
-    layers = get("no_rope_layers")
-    if layers is None:
-        return bool((i + 1) % get("no_rope_layer_interval"))
-    return bool(layers[i])
-
-
-def _smollm3_types(get, i):  # sliding only where use_sliding_window, and a NoPE layer
-    slide = get("use_sliding_window") and get("sliding_window") is not None
-    return "sliding_attention" if slide and not _smollm3_rope(get, i) else "full_attention"
-
-
-def _smollm3_to_hf(cfg) -> dict:
-    rotary = POSITION_SCHEMES[cfg.position].kind == "rotary"
-    return dict(no_rope_layers=[int(cfg.kinds[i].rope and rotary) for i in cfg.layer_kind_ids])
-
-
-def _sliding_rotated(get, i, layer_type) -> bool:  # the global layers are NoPE
-    return layer_type == "sliding_attention"
-
-
-_NO_BIDIRECTIONAL = (("use_bidirectional_attention", (None, False), "jaxformer's attention "
-                      "is causal"),)
-_GEMMA = dict(norm="rmsnorm_offset", biases="attention", refuse=_NO_BIDIRECTIONAL)
-_ROUTER_LOSS = dict(output_router_logits=False, router_aux_loss_coef=0.001)
 
 # ---- the rows ----------------------------------------------------------------------------
 
@@ -181,14 +122,14 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         defaults=dict(num_key_value_heads=8, hidden_act="silu", max_position_embeddings=131072,
                       rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=None,
                       sliding_window=4096, rope_theta=10000.0),
-        biases="none", layer_type=_all_sliding),
+        biases="none", layer_type=twists.all_sliding),
     HFModelType(
         "qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), export_rank=4,
         defaults=dict(num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768,
                       rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=None,
                       use_sliding_window=False, sliding_window=4096, max_window_layers=28,
                       layer_types=None, rope_theta=10000.0),
-        biases="qkv", layer_type=_qwen_types, layer_types_key=True, use_sliding_window=True),
+        biases="qkv", layer_type=twists.qwen_types, layer_types_key=True, use_sliding_window=True),
     HFModelType(
         # rotary_pct / rotary_emb_base: transformers 4.x's keys, still read by 5 when
         # rope_parameters lacks partial_rotary_factor / rope_theta
@@ -206,7 +147,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                       head_dim=128, use_sliding_window=False, sliding_window=4096,
                       max_window_layers=28, rope_theta=10000.0),
-        qk_norm="head", biases="attention", layer_type=_qwen_types, layer_types_key=True,
+        qk_norm="head", biases="attention", layer_type=twists.qwen_types, layer_types_key=True,
         use_sliding_window=True),
     HFModelType(
         # Phi3Config takes only default RoPE or longrope (it reads yarn and su as longrope)
@@ -214,7 +155,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
                       head_dim=None, rope_theta=10000.0),
-        biases="none", fused_projections=True, layer_type=_all_sliding,
+        biases="none", fused_projections=True, layer_type=twists.all_sliding,
         rotary_fraction_key="partial_rotary_factor", rope_scalings=("none",)),
     HFModelType(
         "smollm3", ("SmolLM3ForCausalLM", "SmolLM3Model"), export_rank=7,
@@ -223,8 +164,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       mlp_bias=False, head_dim=None, use_sliding_window=False,
                       sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4,
                       rope_theta=2000000.0),
-        layer_type=_smollm3_types, layer_types_key=True, use_sliding_window=True,
-        rope_of=_smollm3_rope, extra_to_hf=_smollm3_to_hf),
+        layer_type=twists.smollm3_types, layer_types_key=True, use_sliding_window=True,
+        rope_of=twists.smollm3_rope, extra_to_hf=twists.smollm3_to_hf),
     HFModelType(
         "granite", ("GraniteForCausalLM", "GraniteModel"), export_rank=8,
         defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
@@ -245,7 +186,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
                       head_dim=None, sliding_window=4096),
         block="res_post_ln", qk_norm="projection", biases="attention",
-        layer_type=_global_every(4), layer_types_key=True,
+        layer_type=twists.global_every(4), layer_types_key=True,
         rope_per_type=dict(defaults={"full_attention": 5e5, "sliding_attention": 5e5},
                            legacy={"rope_theta": "full_attention"})),
     HFModelType(
@@ -254,7 +195,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True,
                       attention_bias=False, use_bidirectional_attention=None, rope_theta=10000.0,
                       query_pre_attn_scalar=None),
-        **_GEMMA, act_aliases={"gelu": "gelu_pytorch_tanh"},  # as GemmaConfig rewrites it
+        **twists.GEMMA, act_aliases={"gelu": "gelu_pytorch_tanh"},  # as GemmaConfig rewrites it
         extra=scales.gemma, extra_to_hf=scales.gemma_to_hf),
     HFModelType(
         "gemma2", ("Gemma2ForCausalLM", "Gemma2Model"), export_rank=12,
@@ -263,8 +204,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
                       final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
                       use_bidirectional_attention=None, rope_theta=10000.0),
-        **_GEMMA, block="sandwich", act_key="hidden_activation", layer_type=_global_every(2),
-        layer_types_key=True, extra=scales.gemma2, extra_to_hf=scales.gemma2_to_hf),
+        **twists.GEMMA, block="sandwich", act_key="hidden_activation",
+        layer_type=twists.global_every(2), layer_types_key=True, extra=scales.gemma2, extra_to_hf=scales.gemma2_to_hf),
     HFModelType(
         "gemma3_text", ("Gemma3ForCausalLM", "Gemma3TextModel"), export_rank=13,
         defaults=dict(num_key_value_heads=4, hidden_activation="gelu_pytorch_tanh",
@@ -272,8 +213,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       tie_word_embeddings=True, attention_bias=False, query_pre_attn_scalar=256,
                       sliding_window=4096, sliding_window_pattern=6, final_logit_softcapping=None,
                       use_bidirectional_attention=False),
-        **_GEMMA, block="sandwich", qk_norm="head", act_key="hidden_activation",
-        layer_type=_global_every(6, "sliding_window_pattern"), layer_types_key=True,
+        **twists.GEMMA, block="sandwich", qk_norm="head", act_key="hidden_activation",
+        layer_type=twists.global_every(6, "sliding_window_pattern"), layer_types_key=True,
         extra=scales.gemma3, extra_to_hf=scales.gemma3_to_hf,
         rope_per_type=dict(defaults={"full_attention": 1e6, "sliding_attention": 1e4},
                            legacy={"rope_theta": "full_attention",
@@ -288,8 +229,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       logit_scale=0.0625, rope_theta=10000.0),
         norm="layernorm", block="parallel_shared_ln", biases="attention",
         eps_key="layer_norm_eps", rope_layout="interleaved",
-        layer_type=_global_every(4, "sliding_window_pattern"), layer_types_key=True,
-        rope_of=_sliding_rotated,
+        layer_type=twists.global_every(4, "sliding_window_pattern"), layer_types_key=True,
+        rope_of=twists.sliding_rotated,
         extra=lambda get: dict(logits_multiplier=float(get("logit_scale"))),
         extra_to_hf=lambda cfg: dict(logit_scale=cfg.logits_multiplier)),
     HFModelType(
@@ -300,7 +241,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       rms_norm_eps=1e-5, tie_word_embeddings=False, head_dim=None,
                       sliding_window=4096, sliding_window_pattern=4, rope_theta=10000.0),
         block="res_post_ln", qk_norm="head", biases="none",
-        layer_type=_global_every(4, "sliding_window_pattern"), layer_types_key=True,
+        layer_type=twists.global_every(4, "sliding_window_pattern"), layer_types_key=True,
         rope_of=lambda get, i, layer_type: (layer_type == "sliding_attention"
                                             or get("sliding_window") is None)),
     HFModelType(
@@ -309,8 +250,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         defaults=dict(num_key_value_heads=8, hidden_act="silu", max_position_embeddings=131072,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, head_dim=None,
                       sliding_window=None, rope_theta=1e6, num_experts_per_tok=2,
-                      router_jitter_noise=0.0, **_ROUTER_LOSS),
-        biases="none", layer_type=_all_sliding,
+                      router_jitter_noise=0.0, **twists.ROUTER_LOSS),
+        biases="none", layer_type=twists.all_sliding,
         moe=MoEFormat("block_sparse_moe", "gate", ("num_local_experts", "num_experts"),
                       "topk_softmax", expert_tensors=("w1", "w3", "w2")),
         refuse=(("router_jitter_noise", (0,), "jaxformer's router has no jitter noise"),)),
@@ -320,8 +261,9 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                       head_dim=None, use_sliding_window=False, sliding_window=4096,
                       rope_theta=10000.0, num_experts_per_tok=8, norm_topk_prob=False,
-                      decoder_sparse_step=1, mlp_only_layers=None, **_ROUTER_LOSS),
-        qk_norm="head", biases="attention", layer_type=_sliding_if_used, use_sliding_window=True,
+                      decoder_sparse_step=1, mlp_only_layers=None, **twists.ROUTER_LOSS),
+        qk_norm="head", biases="attention", layer_type=twists.sliding_if_used,
+        use_sliding_window=True,
         moe=MoEFormat("mlp", "gate", ("num_experts", "num_local_experts"), "softmax_topk",
                       "norm_topk_prob", "moe_intermediate_size", sparse_layers=True)),
     HFModelType(
@@ -329,8 +271,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
                       head_dim=None, rope_theta=10000.0, clip_qkv=None, num_experts_per_tok=8,
-                      norm_topk_prob=False, **dict(_ROUTER_LOSS, router_aux_loss_coef=0.01)),
-        qk_norm="projection", biases="attention", extra_to_hf=_olmoe_to_hf,
+                      norm_topk_prob=False, **dict(twists.ROUTER_LOSS, router_aux_loss_coef=0.01)),
+        qk_norm="projection", biases="attention", extra_to_hf=twists.olmoe_to_hf,
         moe=MoEFormat("mlp", "gate", ("num_experts", "num_local_experts"), "softmax_topk",
                       "norm_topk_prob"),
         refuse=(("clip_qkv", (None,), "jaxformer does not clip q, k and v"),)),
@@ -341,8 +283,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       use_sliding_window=False, sliding_window=4096, max_window_layers=28,
                       layer_types=None, rope_theta=10000.0, num_experts_per_tok=4,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=None,
-                      **_ROUTER_LOSS),
-        biases="qkv_bias", layer_type=_qwen2_moe_types, layer_types_key=True,
+                      **twists.ROUTER_LOSS),
+        biases="qkv_bias", layer_type=twists.qwen2_moe_types, layer_types_key=True,
         use_sliding_window=True,
         moe=MoEFormat("mlp", "gate", ("num_experts",), "softmax_topk", "norm_topk_prob",
                       "moe_intermediate_size", sparse_layers=True, shared_expert=True)),
@@ -353,10 +295,44 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                       head_dim=None, embedding_multiplier=1.0, residual_multiplier=1.0,
                       attention_multiplier=1.0, logits_scaling=1.0, rope_theta=10000.0,
-                      num_experts_per_tok=2, **_ROUTER_LOSS),
+                      num_experts_per_tok=2, **twists.ROUTER_LOSS),
         biases="attention", extra=scales.granite, extra_to_hf=scales.granite_to_hf,
         moe=MoEFormat("block_sparse_moe", "router.layer", ("num_local_experts",),
                       "topk_softmax", stacked=("input_linear", "output_linear"))),
+    HFModelType(
+        # multi-head latent attention (V2-Lite: no query LoRA), softmax routing greedy or by
+        # groups (each group's best expert), the first layers dense, shared experts
+        "deepseek_v2", ("DeepseekV2ForCausalLM", "DeepseekV2Model"), export_rank=22,
+        defaults=dict(twists.DEEPSEEK, max_position_embeddings=2048, num_experts_per_tok=None,
+                      n_shared_experts=2, routed_scaling_factor=1.0, n_group=None,
+                      topk_group=None, topk_method="greedy", first_k_dense_replace=0,
+                      norm_topk_prob=False, mlp_bias=False),
+        biases="none", mla=True,
+        refuse=twists.DEEPSEEK_REFUSE + (("mlp_bias", (False,), "jaxformer's MLP here has no "
+                                          "biases"),),
+        moe=MoEFormat("mlp", "gate", ("n_routed_experts", "num_experts"), "softmax_topk", None,
+                      "moe_intermediate_size", first_dense_key="first_k_dense_replace",
+                      shared_count_key="n_shared_experts", groups=twists.v2_groups,
+                      groups_to_hf=twists.v2_groups_to_hf, scale_key="routed_scaling_factor")),
+    HFModelType(
+        # DeepSeek-V3 and Kimi K2: MLA with a low-rank query, sigmoid routing with the
+        # selection bias, group-limited (each group's best two), renormalised and scaled
+        "deepseek_v3", ("DeepseekV3ForCausalLM", "DeepseekV3Model"), export_rank=23,
+        defaults=dict(twists.DEEPSEEK, num_experts_per_tok=8, n_shared_experts=1,
+                      routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                      first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True,
+                      num_nextn_predict_layers=1),
+        biases="none", mla=True,
+        refuse=twists.DEEPSEEK_REFUSE + (("rope_interleave", (True,), "jaxformer reads DeepSeek's "
+                                    "rotary weights with their pairs interleaved"),),
+        extra_layers="DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), "
+        "which jaxformer does not run",
+        moe=MoEFormat("mlp", "gate", ("n_routed_experts", "num_local_experts"), "sigmoid",
+                      "norm_topk_prob", "moe_intermediate_size",
+                      first_dense_key="first_k_dense_replace", shared_count_key="n_shared_experts",
+                      groups=lambda get: (get("n_group") or 1, get("topk_group") or 1),
+                      groups_to_hf=lambda m: dict(n_group=m.groups, topk_group=m.topk_groups),
+                      scale_key="routed_scaling_factor")),
     HFModelType(
         # attention sinks and biases, 1 sliding : 1 full layers, YaRN (truncate false), the
         # clamped SwiGLU experts with biases, fused and interleaved; softmax over the top-k
@@ -365,8 +341,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True,
                       head_dim=64, sliding_window=128, layer_types=None, rope_theta=150000.0,
                       num_experts_per_tok=4, swiglu_alpha=CLAMP_ALPHA, swiglu_limit=CLAMP_LIMIT,
-                      **_ROUTER_LOSS),
-        biases="attention_no_mlp", layer_type=_global_every(2), layer_types_key=True,
+                      **twists.ROUTER_LOSS),
+        biases="attention_no_mlp", layer_type=twists.global_every(2), layer_types_key=True,
         extra=lambda get: dict(ffn="clamped_swiglu", attn_sinks=True),
         moe=MoEFormat("mlp", "router", ("num_local_experts", "num_experts"), "topk_softmax",
                       fused=("gate_up_proj", "down_proj"), biases=True),

@@ -12,6 +12,7 @@ import contextlib
 import json
 import pathlib
 import re
+import sys
 from typing import Any, Callable
 
 import jax
@@ -133,11 +134,27 @@ def _resolve(reader: SafetensorsReader, rules, row, folder) -> dict[str, str]:
             raise ValueError(f"config.json ties the embeddings (tie_word_embeddings), but "
                              f"{tied_head} in {folder} differs from {embed}")
         extra.remove(tied_head)
+    if row.extra_layers and extra:
+        extra = _skip_extra_layers(extra, names.values(), row)
     if extra:
         more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
         raise ValueError(f"unexpected tensor(s) in {folder} that config.json does not account "
                          f"for: {', '.join(extra[:8])}{more}")
     return names
+
+
+def _skip_extra_layers(extra: list[str], used, row) -> list[str]:
+    """The unexpected tensors less those of layers past the model's last, which are skipped
+    with one line (row.extra_layers says what they are: DeepSeek-V3's multi-token
+    prediction)."""
+    layer = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+    n = 1 + max((int(m.group(1)) for u in used if (m := layer.match(u))), default=-1)
+    past = [e for e in extra if (m := layer.match(e)) and int(m.group(1)) >= n]
+    if past:
+        layers = sorted({int(layer.match(e).group(1)) for e in past})
+        print(f"from_hf: skipping layer(s) {', '.join(map(str, layers))} ({len(past)} tensors): "
+              f"{row.extra_layers}", file=sys.stderr, flush=True)
+    return [e for e in extra if e not in past]
 
 
 def by_path(tree) -> dict[Path, Any]:

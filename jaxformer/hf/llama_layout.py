@@ -16,6 +16,7 @@ from jaxformer.config import ConfigError, ModelConfig
 from jaxformer.kinds import NORMS, QK_NORMS
 from jaxformer.hf.layers import (layer_fields, layers_to_hf, rope_per_type_from_hf,
                                  rope_per_type_to_hf)
+from jaxformer.hf.mla_layout import mla_rope, mla_rules, read_mla, write_mla
 from jaxformer.hf.moe_layout import moe_rules, read_moe, write_moe
 from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
 from jaxformer.hf.tensors import (Path, Rule, copied, linear, reshaped, rope_permutation,
@@ -97,6 +98,9 @@ def read_config(hf, get, row) -> ModelConfig:
     fields.update(layer_fields(hf, get, row, ropes))
     if row.moe is not None:
         fields["moe"] = read_moe(hf, get, row)
+    if row.mla:  # per-head keys from the latent; head_dim is the query/key width
+        fields["mla"], scale = read_mla(hf, get)
+        fields.update(n_kv_heads=None, head_dim=None, attn_scale=scale)
     fields.update(row.extra(get))
     return ModelConfig(**fields)
 
@@ -120,8 +124,10 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
     out.update(layers_to_hf(cfg, row))
     if row.moe is not None:
         out.update(write_moe(cfg, row))
+    if row.mla:
+        out.update(write_mla(cfg))
     if not row.rope_per_type:
-        rope = _one_rope(cfg)
+        rope = _one_rope(cfg) if not row.mla else mla_rope(cfg, _one_rope(cfg))
         if row.rotary_fraction_key is not None:
             rope["partial_rotary_factor"] = cfg.rope_fraction
         out.update(rope_parameters=rope, rope_theta=rope["rope_theta"],
@@ -170,9 +176,12 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
     rules = [copied(("embed", "embedding"), f"{t}embed_tokens.weight", (v, d))]
     for i in range(cfg.n_layers):
         b, p = f"block_{i}", f"{t}layers.{i}."
-        rules += _attention(cfg, (b, "attn"), f"{p}self_attn.", rope, row.fused_projections)
-        rules.append(linear((b, "attn", "out", "kernel"), f"{p}self_attn.o_proj.weight",
-                            (d, n * h), (n, h, d)))
+        if cfg.mla.on:
+            rules += mla_rules(cfg, (b, "attn"), f"{p}self_attn.")
+        else:
+            rules += _attention(cfg, (b, "attn"), f"{p}self_attn.", rope, row.fused_projections)
+            rules.append(linear((b, "attn", "out", "kernel"), f"{p}self_attn.o_proj.weight",
+                                (d, n * h), (n, h, d)))
         if cfg.attn_sinks:
             rules.append(copied((b, "attn", "sinks"), f"{p}self_attn.sinks", (n,)))
         for ours, hf in NORM_TENSORS[cfg.block].items():

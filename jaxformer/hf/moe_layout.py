@@ -42,8 +42,13 @@ class MoEFormat:
       decoder_sparse_step choose the sparse layers, the others a dense MLP of width
       intermediate_size (Qwen-MoE). shared_expert: one shared expert of width
       shared_expert_intermediate_size, its output times sigmoid(shared_expert_gate x)
-      (Qwen2-MoE).
-    Tensors, under model.layers.N.{block}. router_tensor: the router's Linear;
+      (Qwen2-MoE). first_dense_key: the layers before this key's count are dense, the rest
+      sparse (DeepSeek's first_k_dense_replace). shared_count_key: that many shared experts
+      of each expert's width, ungated, under shared_experts (DeepSeek). groups: (get) ->
+      (groups, topk_groups) of group-limited routing, and groups_to_hf its keys;
+      scale_key: the routed output's factor (routed_scaling_factor).
+    Tensors, under model.layers.N.{block}. router_tensor: the router's Linear
+      (with the sigmoid router, its .e_score_correction_bias is the selection bias);
       expert_tensors: the gate, up and down projections of each expert j under
       experts.j; stacked: (gate|up, down) stacked over the experts instead; fused:
       (gate|up interleaved, down) under experts, as kernels. biases: the router and the
@@ -62,6 +67,11 @@ class MoEFormat:
     stacked: tuple[str, str] | None = None
     fused: tuple[str, str] | None = None
     biases: bool = False
+    first_dense_key: str | None = None
+    shared_count_key: str | None = None
+    groups: Any = None
+    groups_to_hf: Any = None
+    scale_key: str | None = None
 
 
 # ---- config.json ----------------------------------------------------------------------
@@ -79,7 +89,11 @@ def _expert_count(hf, get, row) -> int:
 
 def _sparse_layers(get, row, n_layers: int) -> tuple[int, ...] | None:
     """The sparse layers (None: all): those not in mlp_only_layers whose number (i + 1)
-    decoder_sparse_step divides, as transformers' Qwen-MoE decoder layer chooses."""
+    decoder_sparse_step divides, as transformers' Qwen-MoE decoder layer chooses; or those
+    from first_k_dense_replace on (DeepSeek)."""
+    if row.moe.first_dense_key:
+        first = get(row.moe.first_dense_key) or 0
+        return tuple(range(first, n_layers)) if first else None
     if not row.moe.sparse_layers:
         return None
     step, dense = get("decoder_sparse_step"), set(get("mlp_only_layers") or ())
@@ -103,13 +117,17 @@ def read_moe(hf, get, row) -> MoEConfig:
     # penalty per layer; transformers pools f and p over the layers before the product,
     # ours is per layer (equal when the layers route alike).
     aux = float(get("router_aux_loss_coef")) * top_k if get("output_router_logits") else 0.0
+    shared = int(f.shared_expert) if f.shared_count_key is None else get(f.shared_count_key) or 0
+    groups, topk_groups = f.groups(get) if f.groups else (1, 1)
     return MoEConfig(
         experts=experts, top_k=top_k, router=f.router,
         norm_topk=bool(get(f.norm_topk_key)) if f.norm_topk_key else False,
         d_ff=get(f.expert_d_ff_key) if f.expert_d_ff_key else None,
-        shared_experts=int(f.shared_expert), shared_gate=f.shared_expert,
+        shared_experts=shared, shared_gate=f.shared_expert,
         shared_d_ff=get("shared_expert_intermediate_size") if f.shared_expert else None,
-        layers=_sparse_layers(get, row, get("num_hidden_layers")), aux_loss=aux, bias=f.biases)
+        layers=_sparse_layers(get, row, get("num_hidden_layers")), aux_loss=aux, bias=f.biases,
+        groups=groups, topk_groups=topk_groups,
+        routed_scale=float(get(f.scale_key)) if f.scale_key else 1.0)
 
 
 def write_moe(cfg: ModelConfig, row) -> dict[str, Any]:
@@ -134,6 +152,14 @@ def write_moe(cfg: ModelConfig, row) -> dict[str, Any]:
                    decoder_sparse_step=1)
     if f.shared_expert:
         out["shared_expert_intermediate_size"] = cfg.shared_d_ff
+    if f.shared_count_key:  # of each expert's width: the round trip catches another width
+        out[f.shared_count_key] = m.shared_experts
+    if f.first_dense_key:  # the dense layers first: the round trip catches another order
+        out[f.first_dense_key] = cfg.sparse_layers.index(True) if any(cfg.sparse_layers) else 0
+    if f.groups_to_hf:
+        out.update(f.groups_to_hf(m))
+    if f.scale_key:
+        out[f.scale_key] = m.routed_scale
     return out
 
 
@@ -177,6 +203,9 @@ def moe_rules(cfg: ModelConfig, row, block: str, prefix: str) -> list[Rule]:
     f, d, e, ff = row.moe, cfg.d_model, cfg.moe.experts, cfg.expert_d_ff
     m, p = (block, "ffn"), f"{prefix}{f.block}."
     rules = [linear(m + ("router", "kernel"), f"{p}{f.router_tensor}.weight", (e, d), (d, e))]
+    if cfg.moe.has_score_bias:
+        rules.append(copied(m + ("score_bias",), f"{p}{f.router_tensor}.e_score_correction_bias",
+                            (e,)))
     if f.biases:
         rules.append(copied(m + ("router", "bias"), f"{p}{f.router_tensor}.bias", (e,)))
     if f.fused:
@@ -188,12 +217,13 @@ def moe_rules(cfg: ModelConfig, row, block: str, prefix: str) -> list[Rule]:
                                    ((ff, d), (ff, d), (d, ff))):
             rules.append(_per_expert(m + (ours,), [f"{p}experts.{j}.{hf}.weight"
                                                    for j in range(e)], shape))
-    if f.shared_expert:
-        s = cfg.shared_d_ff
-        rules += [linear(m + ("shared", ours, "kernel"), f"{p}shared_expert.{hf}.weight",
+    if cfg.shared_d_ff:
+        s, name = cfg.shared_d_ff, "shared_expert" if f.shared_expert else "shared_experts"
+        rules += [linear(m + ("shared", ours, "kernel"), f"{p}{name}.{hf}.weight",
                          shape, shape[::-1]) for ours, hf, shape in
                   (("wi_gate", "gate_proj", (s, d)), ("wi_up", "up_proj", (s, d)),
                    ("wo", "down_proj", (d, s)))]
+    if f.shared_expert:
         rules.append(linear(m + ("shared_gate", "kernel"), f"{p}shared_expert_gate.weight",
                             (1, d), (d, 1)))
     return rules

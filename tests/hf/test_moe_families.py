@@ -47,13 +47,34 @@ FAMILIES = {  # model_type: its config.json keys beyond COMMON
     "gpt_oss": dict(num_local_experts=4, sliding_window=W, head_dim=16, rope_parameters=dict(
         rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=32,
         beta_fast=32.0, beta_slow=1.0, truncate=False)),
+    # multi-head latent attention (values narrower than keys), a dense first layer, shared
+    # experts; V2-Lite's full query and softmax routing by groups, V3's low-rank query and
+    # sigmoid routing with the selection bias and YaRN's softmax-scale correction
+    "deepseek_v2": dict(num_key_value_heads=4, n_routed_experts=6, moe_intermediate_size=32,
+                        n_shared_experts=2, kv_lora_rank=16, q_lora_rank=None,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                        first_k_dense_replace=1, num_hidden_layers=3, topk_method=
+                        "group_limited_greedy", n_group=2, topk_group=1,
+                        routed_scaling_factor=1.5),
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=32,
+                        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                        first_k_dense_replace=1, num_hidden_layers=3, n_group=4, topk_group=2,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=32, mscale=1.0,
+                                             mscale_all_dim=1.0)),
 }
 
 
 def hf_model(model_type, **changes):
     config = transformers.AutoConfig.for_model(model_type, **{**COMMON,
                                                               **FAMILIES[model_type], **changes})
-    return random_hf_model(config, int(rng.integers(1 << 31)))
+    model = random_hf_model(config, int(rng.integers(1 << 31)))
+    with torch.no_grad():  # DeepSeek-V3's selection bias is a buffer: random too
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    return model
 
 
 def hf_logits_and_choice(model, tokens) -> tuple[np.ndarray, list[set]]:
@@ -105,7 +126,8 @@ def test_moe_family_matches_transformers(model_type, tmp_path):
     model.save_pretrained(tmp_path / "hf")
     n_experts = getattr(model.config, "num_experts", None) or model.config.num_local_experts
     prompts, want = covering_batch(model, n_experts)
-    for scan in (False, True):
+    uniform = len(set(config_from_hf(model.config.to_dict()).sparse_layers)) == 1
+    for scan in (False, True) if uniform else (False,):  # scans take layers all alike
         cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
         got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
         assert rel_err(got, want) < 1e-5, (model_type, scan, rel_err(got, want))
@@ -120,6 +142,19 @@ def test_moe_family_matches_transformers(model_type, tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager").eval()
     assert rel_err(hf_logits(back, prompts), want) < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_scanned_without_dense_layers(model_type, tmp_path):
+    """DeepSeek's layers all sparse (first_k_dense_replace 0) scan: its MLA and routing give
+    transformers' logits scanned too (a scan takes layers of one structure, so a model with
+    first dense layers runs unscanned)."""
+    model = hf_model(model_type, first_k_dense_replace=0, num_hidden_layers=2)
+    model.save_pretrained(tmp_path)
+    prompts = rng.integers(0, V, (2, T))
+    cfg, params = from_hf(tmp_path, scan_layers=True)
+    got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+    assert rel_err(got, hf_logits(model, prompts)) < 1e-5
 
 
 @pytest.mark.parametrize("model_type, changes", [
