@@ -213,7 +213,10 @@ def like_one_device(out, cfg):
 CONTEXT_MESHES = [(2, 1, 1, 4), (1, 1, 1, 8), (1, 1, 2, 4)]
 CONTEXT_CASES = ([(p, w, m, "ring") for p, w in [("rope", 5), ("alibi", None), ("t5", None),
                                                    ("fire", 6)] for m in CONTEXT_MESHES]
-                 + [("rope", 5, (1, 1, 2, 4), "all_gather"), ("alibi", 7, (2, 1, 1, 4), "all_gather")])
+                 + [("rope", 5, (1, 1, 2, 4), "all_gather"), ("alibi", 7, (2, 1, 1, 4), "all_gather"),
+                    ("rope mla", None, (2, 1, 1, 4), "ring")])  # MLA: values narrower than keys
+MLA = dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=6)
 
 
 def context(out):
@@ -226,10 +229,12 @@ def context(out):
 
     rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
     t, res = 32, {}
-    for position, window, shape, strategy in CONTEXT_CASES:
+    for case, window, shape, strategy in CONTEXT_CASES:
+        position, mla = case.split()[0], "mla" in case
         cfg = CFG.replace(position=position, sliding_window=window, max_seq_len=t,
                           attention_impl=strategy, scan_layers=False,
-                          attn_sinks=position == "rope")  # the sinks merged by the ring
+                          attn_sinks=case == "rope",  # the sinks merged by the ring
+                          **(dict(mla=MLA, n_kv_heads=None, head_dim=None) if mla else {}))
         tokens = rng.integers(0, cfg.vocab_size, (2, t)).astype(np.int32)
         seg = np.where(np.arange(t) < rng.integers(6, 26, (2, 1)), 1, 2)
         seg[:, -int(rng.integers(1, 4)):] = 0
@@ -269,7 +274,7 @@ def context(out):
                    for m in re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(.*dimensions=\{(\d+)\}",
                                        line)
                    if int(m[0].split(",")[int(m[1])]) == t]
-        res[f"{position} {shape} {strategy}"] = dict(
+        res[f"{case} {shape} {strategy}"] = dict(
             logits_diff=float(np.max(np.abs(np.asarray(logits)[real] -
                                             np.asarray(ref)[:, order][real]))),
             grad_diff=max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))

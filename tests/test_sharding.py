@@ -259,7 +259,7 @@ def test_context_parallel_logits_and_gradients_equal_one_devices(context_run):
     res.pop("loss_sums")  # test_context_parallel_loss_is_one_devices_float64_loss
     # scanned and rematted: no per-block logits kept (a rank-8 stack) for the backward
     assert max(res.pop("scanned")) <= 6
-    assert len(res) == 14 and {k.split()[0] for k in res} == {"rope", "alibi", "t5", "fire"}
+    assert len(res) == 15 and {k.split()[0] for k in res} == {"rope", "alibi", "t5", "fire"}
     for name, r in res.items():
         assert r["logits_diff"] < 1e-5, (name, r)
         assert r["grad_diff"] < 2e-6 * r["grad_scale"], (name, r)
