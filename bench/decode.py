@@ -22,6 +22,13 @@ global, GQA with one K/V head, QK-norm, sandwich norms, GeGLU), decoded with a w
 cache (each local layer a ring of `window` slots) against a full-length one: KV-cache bytes
 and tokens/s.
 
+    python bench/decode.py --mla [--layers 4 --d-model 256 --heads 8 --new-tokens 256 ...]
+
+--mla: a DeepSeek-V3-shaped model (multi-head latent attention with a low-rank query; its
+ranks scaled from V3's 7168 / 1536 / 512 / 128 + 64 / 128 to d_model) against a GQA model
+(2 K/V heads) of about the same parameter count, both with a dense SwiGLU: parameters,
+KV-cache bytes per token and tokens/s.
+
 Greedy decoding, float32. Every decoder runs once to compile / warm up, then once per round,
 rounds interleaved (load from other processes on a shared machine falls on all alike);
 times are medians over rounds. HF runs at each --torch-threads count: on a busy 2-core
@@ -40,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import ModelConfig, Transformer
+from jaxformer import ModelConfig, Transformer, count_params
 from jaxformer.config import PRESETS
 from jaxformer.decoding import generate, kv_cache_bytes
 
@@ -110,6 +117,39 @@ def windowed_table(a):
                   f"{batch * a.new_tokens / sec:>10,.0f} {times['full'] / sec:>7.2f}x")
 
 
+def mla_table(a):
+    """MLA's latent cache against GQA's K/V cache, at about the same parameter count."""
+    max_len = a.prompt + a.new_tokens
+    d, h = a.d_model, a.heads
+    head = d // h
+    common = dict(vocab_size=a.vocab, d_model=d, n_layers=a.layers, n_heads=h,
+                  max_seq_len=max_len, position="rope", norm="rmsnorm", ffn="swiglu",
+                  use_bias=False, tie_embeddings=False)
+    mla = dict(q_lora_rank=3 * d // 8, kv_lora_rank=d // 4, qk_nope_head_dim=head,
+               qk_rope_head_dim=head // 2, v_head_dim=head)  # V3's ratios to d_model
+    cfgs = {"MLA (DeepSeek-V3 shape)": ModelConfig(**common, mla=mla),
+            "GQA (2 K/V heads)": ModelConfig(**common, n_kv_heads=2)}
+    print(f"device: {jax.devices()[0].device_kind}; {a.layers} layers, d_model {d}, {h} heads, "
+          f"vocab {a.vocab}, float32; MLA ranks {mla}; prompt {a.prompt}, {a.new_tokens} new "
+          "tokens, greedy")
+    header = f"{'attention':<24} {'params':>9} {'KV B/token':>10} {'batch':>5} {'tokens/s':>9}"
+    print(header)
+    print("-" * len(header))
+    models = {n: Transformer(c) for n, c in cfgs.items()}
+    params = {n: m.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+              for n, m in models.items()}
+    for batch in a.batches:
+        prompts = np.random.default_rng(0).integers(0, a.vocab, (batch, a.prompt)).astype(np.int32)
+        run = lambda n: lambda: generate(  # noqa: E731
+            models[n], params[n], prompts, max_new_tokens=a.new_tokens, rng=jax.random.key(0),
+            temperature=0.0).tokens.block_until_ready()
+        times = median_times({n: run(n) for n in cfgs}, a.repeats)
+        for n, sec in times.items():
+            per_token = kv_cache_bytes(cfgs[n], 1, 1)
+            print(f"{n:<24} {count_params(cfgs[n]):>9,} {per_token:>10,} {batch:>5} "
+                  f"{batch * a.new_tokens / sec:>9,.0f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=None, help="default 4, or 6 with --windowed")
@@ -126,6 +166,8 @@ def main():
     p.add_argument("--windowed", action="store_true",
                    help="a Gemma 3-shaped model: windowed against full-length KV cache")
     p.add_argument("--window", type=int, default=64)
+    p.add_argument("--mla", action="store_true",
+                   help="a DeepSeek-V3-shaped MLA model against GQA: cache bytes and tokens/s")
     p.add_argument("--shapes", action="store_true",
                    help="random GPT-2 shapes: cached against recompute and HF generate")
     p.add_argument("--draft-len", type=int, default=4)
@@ -133,10 +175,13 @@ def main():
     p.add_argument("--runs", default="runs/bench_decode", help="where they are trained")
     a = p.parse_args()
     a.layers = a.layers or (6 if a.windowed else 4)
-    if a.windowed or a.shapes:
+    if a.windowed or a.shapes or a.mla:
         a.prompt = a.prompt or 16
     if a.windowed:
         return windowed_table(a)
+    if a.mla:
+        a.heads = a.heads if a.heads != 4 else 8
+        return mla_table(a)
     if not a.shapes:
         from decode_limit import limit_table
         a.prompt = a.prompt or 256
