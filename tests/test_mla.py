@@ -190,3 +190,25 @@ def test_bad_mla_configs_are_one_line(change, words):
     assert "\n" not in message
     for w in words:
         assert w in message, (w, message)
+
+
+def test_beam_speculative_and_int8_run_on_the_latent_cache():
+    """Beam search of width 1 is greedy decoding, a draft model proposing for itself
+    accepts every token and decodes greedy's tokens, and int8 weights decode, all over the
+    latent cache (one cache row per batch row)."""
+    from jaxformer.decoding import beam_search
+    from jaxformer.quantize import quantize
+    cfg, params = make()
+    model = Transformer(cfg)
+    prompts = rng.integers(1, cfg.vocab_size, (2, 6)).astype(np.int32)
+    greedy = np.asarray(generate(model, params, prompts, max_new_tokens=5,
+                                 rng=jax.random.key(0), temperature=0).tokens)
+    beam = beam_search(model, params, prompts, beam_width=1, max_new_tokens=5)
+    np.testing.assert_array_equal(np.asarray(beam.tokens), greedy)
+    spec = generate(model, params, prompts, max_new_tokens=5, rng=jax.random.key(0),
+                    temperature=0, draft=(model, params), draft_len=2)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), greedy)
+    assert int(np.sum(spec.accepted)) == int(np.sum(spec.drafted)) > 0
+    int8 = generate(model, quantize(params, "int8"), prompts, max_new_tokens=5,
+                    rng=jax.random.key(0), temperature=0)
+    assert np.mean(np.asarray(int8.tokens) == greedy) > 0.5

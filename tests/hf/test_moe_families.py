@@ -157,6 +157,32 @@ def test_deepseek_scanned_without_dense_layers(model_type, tmp_path):
     assert rel_err(got, hf_logits(model, prompts)) < 1e-5
 
 
+def test_deepseek_v3_skips_multi_token_prediction_layers(tmp_path, capsys):
+    """A DeepSeek-V3 checkpoint's layers past the last (its multi-token-prediction module,
+    num_nextn_predict_layers) are skipped on import with one line saying so; in another
+    family a tensor of a layer past the last is an error."""
+    from safetensors.numpy import load_file, save_file
+    model = hf_model("deepseek_v3", first_k_dense_replace=0, num_hidden_layers=2)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+        tensors[name.replace("layers.1.", "layers.2.")] = tensors[name]  # an MTP layer
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg, params = from_hf(tmp_path)
+    err = capsys.readouterr().err
+    assert "skipping layer(s) 2" in err and "multi-token-prediction" in err
+    prompts = rng.integers(0, V, (2, 8))
+    got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+    assert rel_err(got, hf_logits(model, prompts)) < 1e-5
+    other = hf_model("mixtral")
+    other.save_pretrained(tmp_path / "mixtral")
+    tensors = load_file(tmp_path / "mixtral" / "model.safetensors")
+    tensors["model.layers.2.input_layernorm.weight"] = tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "mixtral" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensor.*layers.2"):
+        from_hf(tmp_path / "mixtral")
+
+
 @pytest.mark.parametrize("model_type, changes", [
     ("qwen3_moe", dict(mlp_only_layers=[0])),
     ("qwen2_moe", dict(decoder_sparse_step=2, qkv_bias=False, num_hidden_layers=3)),
