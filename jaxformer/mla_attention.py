@@ -7,8 +7,11 @@ Params (model.mla's sizes, N heads): q_down [D, q_lora_rank], q_down_norm, q_up 
 N, nope + rope] (or query [D, N, nope + rope] when q_lora_rank is 0); kv_down [D,
 kv_lora_rank + rope], kv_norm [kv_lora_rank], key_up [kv_lora_rank, N, nope], value_up
 [kv_lora_rank, N, v_head_dim], out [N, v_head_dim, D]; biases on q_down, kv_down and out
-with use_bias. Hooks beside Attention's: hook_latent [B, T, kv_lora_rank] (normed) and
-hook_rope_key [B, T, rope] (rotated).
+with use_bias. Hooks, named as TransformerLens 4's MLA bridge names them: hook_q_latent
+[B, T, q_lora_rank] and hook_kv_latent [B, T, kv_lora_rank] (after their norms: what the
+cache holds), hook_rot_q [B, T, N, rope] and hook_rot_k [B, T, 1, rope] (the rotated
+slices; the key's is shared by the heads), and the expanded hook_q, hook_k, hook_v
+(TransformerLens has these as [B, N, T, .], HF's layout).
 """
 
 from __future__ import annotations
@@ -79,10 +82,13 @@ class MLAttention(Attention):
         latent [B, T, kv_lora_rank] (normed) and the rope key [B, T, 1, rope] (rotated);
         the query scaled by attn_scale as Attention's."""
         c, m = self.cfg, self.cfg.mla
-        q = self.q_up(self.q_down_norm(self.q_down(x))) if m.q_lora_rank else self.query(x)
+        if m.q_lora_rank:
+            q = self.q_up(hook_point(self, "hook_q_latent", self.q_down_norm(self.q_down(x))))
+        else:
+            q = self.query(x)
         q_nope, q_rope = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         compressed = self.kv_down(x)
-        latent = hook_point(self, "hook_latent",
+        latent = hook_point(self, "hook_kv_latent",
                             self.kv_norm(compressed[..., :m.kv_lora_rank]))
         k_rope = compressed[..., m.kv_lora_rank:][:, :, None, :]
         rotate = POSITION_SCHEMES[c.position].rotate
@@ -90,7 +96,8 @@ class MLAttention(Attention):
             rc = c.replace(head_dim=m.qk_rope_head_dim, mla=MLAConfig())
             q_rope = rotate(rc, q_rope, positions, kind, keys=False)
             k_rope = rotate(rc, k_rope, positions, kind, keys=True)
-        k_rope = hook_point(self, "hook_rope_key", k_rope[:, :, 0])[:, :, None]
+        q_rope = hook_point(self, "hook_rot_q", q_rope)
+        k_rope = hook_point(self, "hook_rot_k", k_rope)
         if c.attn_scale is not None:  # latent_attention and the backends scale by default_scale
             factor = jnp.asarray(c.attn_scale / default_scale(m), q.dtype)
             q_nope, q_rope = q_nope * factor, q_rope * factor

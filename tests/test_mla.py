@@ -212,3 +212,30 @@ def test_beam_speculative_and_int8_run_on_the_latent_cache():
     int8 = generate(model, quantize(params, "int8"), prompts, max_new_tokens=5,
                     rng=jax.random.key(0), temperature=0)
     assert np.mean(np.asarray(int8.tokens) == greedy) > 0.5
+
+
+def test_hooks_name_the_latents_and_the_cache_holds_them():
+    """run_with_cache has TransformerLens 4's MLA names with their shapes, and what a
+    prefill writes to the KV cache is exactly the hooked latent and rotated key."""
+    from jaxformer.inspect import run_with_cache
+    cfg, params = make()
+    m = cfg.mla
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    _, acts = run_with_cache(Transformer(cfg), params, tokens)
+    shapes = {n: acts[f"blocks.0.attn.{n}"].shape for n in
+              ("hook_q_latent", "hook_kv_latent", "hook_rot_q", "hook_rot_k", "hook_q", "hook_v")}
+    assert shapes == {"hook_q_latent": (2, 7, m.q_lora_rank),
+                      "hook_kv_latent": (2, 7, m.kv_lora_rank),
+                      "hook_rot_q": (2, 7, cfg.n_heads, m.qk_rope_head_dim),
+                      "hook_rot_k": (2, 7, 1, m.qk_rope_head_dim),
+                      "hook_q": (2, 7, cfg.n_heads, m.qk_head_dim),
+                      "hook_v": (2, 7, cfg.n_heads, m.v_head_dim)}
+    _, cache = Transformer(cfg).apply({"params": params}, tokens, cache=init_cache(cfg, 2, 10))
+    for i in range(cfg.n_layers):
+        layer = cache["layers"][f"block_{i}"]
+        np.testing.assert_allclose(np.asarray(layer["v"][:, :7]),
+                                   np.asarray(acts[f"blocks.{i}.attn.hook_kv_latent"]), rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(layer["k"][:, :7]),
+                                   np.asarray(acts[f"blocks.{i}.attn.hook_rot_k"])[:, :, 0],
+                                   rtol=1e-4, atol=1e-5)
