@@ -239,3 +239,49 @@ def test_hooks_name_the_latents_and_the_cache_holds_them():
         np.testing.assert_allclose(np.asarray(layer["k"][:, :7]),
                                    np.asarray(acts[f"blocks.{i}.attn.hook_rot_k"])[:, :, 0],
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_mla_hooks_match_transformer_lens(tmp_path):
+    """A random DeepSeek-V3 (MLA with a low-rank query, interleaved rotary weights, a dense
+    first layer, routed and shared experts) read by from_hf and booted offline by
+    TransformerLens 4's TransformerBridge from the same folder: every MLA hook TransformerLens
+    has (the latents, the rotated slices, the expanded q, k, v) and the logits are its own.
+    It lays the expanded q, k, v out as [B, N, T, .]; ours [B, T, N, .]."""
+    tl = pytest.importorskip("transformer_lens.model_bridge")
+    import tokenizers
+    import torch
+    import transformers
+    from jaxformer.convert import from_hf
+    from jaxformer.inspect import run_with_cache
+    from tests.hf.test_families import random_hf_model
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, num_experts_per_tok=2,
+        n_routed_experts=4, n_shared_experts=1, kv_lora_rank=12, q_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, first_k_dense_replace=1,
+        n_group=2, topk_group=1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    random_hf_model(config, int(rng.integers(1 << 31))).save_pretrained(tmp_path)
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"t{i}": i for i in range(64)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="t0",
+                                         pad_token="t0").save_pretrained(tmp_path)
+    bridge = tl.TransformerBridge.boot_transformers(
+        str(tmp_path), hf_model=transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+    bridge.enable_compatibility_mode(disable_warnings=True, no_processing=True)
+    tokens = rng.integers(0, 64, (2, 9))
+    their_logits, theirs = bridge.run_with_cache(torch.tensor(tokens))
+    cfg, params = from_hf(tmp_path)
+    hooks = ("hook_q_latent", "hook_kv_latent", "hook_rot_q", "hook_rot_k", "hook_q", "hook_k",
+             "hook_v")
+    names = [f"blocks.{i}.attn.{h}" for i in range(2) for h in hooks]
+    logits, ours = run_with_cache(Transformer(cfg), params, jnp.asarray(tokens), names=names)
+    for name in names:
+        want = theirs[name].detach().numpy()
+        got = np.asarray(ours[name])
+        if name.endswith(("hook_q", "hook_k", "hook_v")):  # theirs [B, N, T, .]
+            got = got.transpose(0, 2, 1, 3)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(logits), their_logits.detach().numpy(), rtol=1e-4,
+                               atol=1e-5)
