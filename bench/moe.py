@@ -1,6 +1,7 @@
-"""Mixture-of-experts training and decoding: the jitted train step with dropless (sort +
-ragged_dot) dispatch, against the dense reference dispatch (every expert on every token)
-and Hugging Face's eager PyTorch model of the same shape, in the same run.
+"""Mixture-of-experts training and decoding: the jitted train step with dropless dispatch
+(sort + jaxformer.grouped_matmul: tiles on CPU, ragged_dot elsewhere), against the dense
+reference dispatch (every expert on every token) and Hugging Face's eager PyTorch model of
+the same shape, in the same run.
 
     python bench/moe.py [--shapes mixtral,qwen3_moe --layers 4 --d-model 512 --heads 8
         --kv-heads 2 --seq 256 --batch 8 --vocab 256 --steps 5 --no-torch --no-decode]
