@@ -247,13 +247,12 @@ def test_mla_hooks_match_transformer_lens(tmp_path):
     TransformerLens 4's TransformerBridge from the same folder: every MLA hook TransformerLens
     has (the latents, the rotated slices, the expanded q, k, v) and the logits are its own.
     It lays the expanded q, k, v out as [B, N, T, .]; ours [B, T, N, .]."""
-    tl = pytest.importorskip("transformer_lens.model_bridge")
-    import tokenizers
+    pytest.importorskip("transformer_lens.model_bridge")
     import torch
     import transformers
     from jaxformer.convert import from_hf
     from jaxformer.inspect import run_with_cache
-    from tests.hf.test_families import random_hf_model
+    from tests.hf.test_families import random_hf_model, transformer_lens_bridge
     config = transformers.AutoConfig.for_model(
         "deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48,
         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
@@ -262,13 +261,7 @@ def test_mla_hooks_match_transformer_lens(tmp_path):
         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, first_k_dense_replace=1,
         n_group=2, topk_group=1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     random_hf_model(config, int(rng.integers(1 << 31))).save_pretrained(tmp_path)
-    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {f"t{i}": i for i in range(64)}, unk_token="t0"))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="t0",
-                                         pad_token="t0").save_pretrained(tmp_path)
-    bridge = tl.TransformerBridge.boot_transformers(
-        str(tmp_path), hf_model=transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
-    bridge.enable_compatibility_mode(disable_warnings=True, no_processing=True)
+    bridge = transformer_lens_bridge(tmp_path, 64)
     tokens = rng.integers(0, 64, (2, 9))
     their_logits, theirs = bridge.run_with_cache(torch.tensor(tokens))
     cfg, params = from_hf(tmp_path)

@@ -371,12 +371,11 @@ def test_routing_hooks_match_transformer_lens(tmp_path):
     layer's router logits (gate.hook_out), chosen experts and their weights, the layer's
     output and the logits are TransformerLens's. It fires the routing hooks per token
     [B T, ...]; ours [B, T, ...]."""
-    tl = pytest.importorskip("transformer_lens.model_bridge")
-    import tokenizers
+    pytest.importorskip("transformer_lens.model_bridge")
     import torch
     import transformers
     from jaxformer.convert import from_hf
-    from tests.hf.test_families import random_hf_model
+    from tests.hf.test_families import random_hf_model, transformer_lens_bridge
     b, t, n_experts, k = 2, 9, 4, 2
     config = transformers.MixtralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
@@ -384,13 +383,7 @@ def test_routing_hooks_match_transformer_lens(tmp_path):
         num_local_experts=n_experts, num_experts_per_tok=k, bos_token_id=None,
         eos_token_id=None, pad_token_id=None)
     random_hf_model(config, int(rng.integers(1 << 31))).save_pretrained(tmp_path)
-    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {f"t{i}": i for i in range(64)}, unk_token="t0"))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="t0",
-                                         pad_token="t0").save_pretrained(tmp_path)
-    bridge = tl.TransformerBridge.boot_transformers(
-        str(tmp_path), hf_model=transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
-    bridge.enable_compatibility_mode(disable_warnings=True, no_processing=True)
+    bridge = transformer_lens_bridge(tmp_path, 64)
     tokens = rng.integers(0, 64, (b, t))
     their_logits, theirs = bridge.run_with_cache(torch.tensor(tokens))
     cfg, params = from_hf(tmp_path)

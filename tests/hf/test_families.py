@@ -89,6 +89,21 @@ def random_hf_model(config, seed: int):
     return model
 
 
+def transformer_lens_bridge(folder, vocab: int):
+    """TransformerLens 4's TransformerBridge booted offline from an HF folder (a word-level
+    tokenizer of `vocab` tokens saved beside it), weights unprocessed."""
+    import tokenizers
+    from transformer_lens.model_bridge import TransformerBridge
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="t0",
+                                         pad_token="t0").save_pretrained(folder)
+    bridge = TransformerBridge.boot_transformers(
+        str(folder), hf_model=transformers.AutoModelForCausalLM.from_pretrained(folder))
+    bridge.enable_compatibility_mode(disable_warnings=True, no_processing=True)
+    return bridge
+
+
 def hf_logits(model, tokens):
     with torch.no_grad():
         return model(torch.tensor(np.asarray(tokens))).logits.numpy()
