@@ -128,9 +128,9 @@ def test_perplexity_is_the_mean_over_windows_of_each_length():
 def test_long_windows_are_scored_blockwise_as_dense(position, monkeypatch, capsys):
     """Past the dense budget (made small here) auto scores a window with blockwise
     attention, the bias a block at a time, and the perplexity is the reference backend's."""
-    from jaxformer import backends, blockwise
+    from jaxformer import backend_rules, backends, blockwise
     monkeypatch.setattr(backends, "_EXPLAINED", set())
-    monkeypatch.setattr(backends, "DENSE_LOGITS_BYTES", 4 * 2 * 2 * 40 * 40 - 1)
+    monkeypatch.setattr(backend_rules, "DENSE_LOGITS_BYTES", 4 * 2 * 2 * 40 * 40 - 1)
     monkeypatch.setattr(blockwise, "BLOCK_Q", 16)
     monkeypatch.setattr(blockwise, "BLOCK_K", 8)
     cfg = ModelConfig(d_model=24, n_layers=2, n_heads=2, max_seq_len=64, position=position)
