@@ -11,6 +11,7 @@ dot_product_attention, attention_weights, causal_mask`` keeps working.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -38,6 +39,17 @@ def dense_init(stddev: float = 0.02):
     return nn.initializers.normal(stddev)
 
 
+def projection_layer(c: ModelConfig, feats, axis, name: str, names, bias: bool,
+                     std: float = 0.02) -> nn.DenseGeneral:
+    """An attention projection: a DenseGeneral over `axis` to `feats`, its kernel's logical
+    axes `names` (the bias's the output ones), as 2-D dots in the model's dtypes."""
+    return nn.DenseGeneral(
+        feats, axis=axis, use_bias=bias, dtype=c.dtype, param_dtype=c.param_dtype,
+        kernel_init=init_with_names(dense_init(std), *names),
+        bias_init=init_with_names(nn.initializers.zeros, *names[len(axis):]),
+        dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
+
+
 class Attention(nn.Module):
     """Multi-head (GQA/MQA) self-attention; queries and keys rotated when the position
     scheme rotates them.
@@ -55,13 +67,7 @@ class Attention(nn.Module):
 
     def setup(self):
         c = self.cfg
-        def dense(feats, axis, name, names, bias, std=0.02):  # names: the kernel's logical axes
-            return nn.DenseGeneral(
-                feats, axis=axis, use_bias=bias, dtype=c.dtype, param_dtype=c.param_dtype,
-                kernel_init=init_with_names(dense_init(std), *names),
-                bias_init=init_with_names(nn.initializers.zeros, *names[len(axis):]),
-                dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
-
+        dense = functools.partial(projection_layer, c)
         q_names, kv_names = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.query = dense((c.n_heads, c.head_dim), (-1,), "query", q_names, c.qkv_bias)
         self.key = dense((c.n_kv_heads, c.head_dim), (-1,), "key", kv_names, c.qkv_bias)
@@ -85,9 +91,13 @@ class Attention(nn.Module):
         if qk_norm.query_axes is not None:
             self.q_norm = make_norm(c, "q_norm", qk_norm.query_axes)
             self.k_norm = make_norm(c, "k_norm", qk_norm.key_axes)
-        if c.attn_sinks:
+        self.setup_sinks()
+
+    def setup_sinks(self):
+        """The attention sinks' param [N] when the model has them (setup's last step)."""
+        if self.cfg.attn_sinks:
             self.sinks = self.param("sinks", init_with_names(dense_init(), "heads"),
-                                    (c.n_heads,), c.param_dtype)
+                                    (self.cfg.n_heads,), self.cfg.param_dtype)
 
     @property
     def backend(self) -> str:

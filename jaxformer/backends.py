@@ -190,14 +190,26 @@ def dense_logits_bytes(batch: int, heads: int, q_len: int, k_len: int) -> int:
     return 4 * batch * heads * q_len * k_len
 
 
+# what a forward may ask of its backend beyond plain attention: the Backend flag that
+# grants it, and how a backend without it is refused
+NEEDS = {"softcap": ("takes_softcap", "takes no logit softcap"),
+         "sinks": ("takes_sinks", "takes no attention sinks"),
+         "value_width": ("takes_value_width", "needs values as wide as the keys")}
+
+
+def takers(flag: str) -> list[str]:
+    """The backends whose Backend `flag` is set (e.g. takes_sinks), in table order."""
+    return [n for n, b in BACKENDS.items() if getattr(b, flag)]
+
+
 def softcap_backends() -> list[str]:
     """The backends that apply a logit soft-cap, in table order."""
-    return [n for n, b in BACKENDS.items() if b.takes_softcap]
+    return takers("takes_softcap")
 
 
 def sink_backends() -> list[str]:
     """The backends that take attention sinks, in table order."""
-    return [n for n, b in BACKENDS.items() if b.takes_sinks]
+    return takers("takes_sinks")
 
 
 def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
@@ -215,19 +227,16 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
     if impl != AUTO and impl not in BACKENDS:
         raise ValueError(f"attention impl={impl!r} is not one of "
                          f"{', '.join([AUTO, *BACKENDS])}")
+    needs = [n for n, on in (("softcap", softcap), ("sinks", sinks),
+                             ("value_width", value_width)) if on]
     if impl != AUTO:
         if scheme_kind(position) == "contextual" and not BACKENDS[impl].contextual:
             raise ValueError(contextual_refusal(impl, position))
-        if softcap and not BACKENDS[impl].takes_softcap:
-            raise ValueError(f"attention impl={impl!r} takes no logit softcap; use one of "
-                             f"{', '.join([AUTO, *softcap_backends()])}")
-        if sinks and not BACKENDS[impl].takes_sinks:
-            raise ValueError(f"attention impl={impl!r} takes no attention sinks; use one of "
-                             f"{', '.join([AUTO, *sink_backends()])}")
-        if value_width and not BACKENDS[impl].takes_value_width:
-            takers = [n for n, b in BACKENDS.items() if b.takes_value_width]
-            raise ValueError(f"attention impl={impl!r} needs values as wide as the keys; use "
-                             f"one of {', '.join([AUTO, *takers])}")
+        for need in needs:
+            flag, refusal = NEEDS[need]
+            if not getattr(BACKENDS[impl], flag):
+                raise ValueError(f"attention impl={impl!r} {refusal}; use one of "
+                                 f"{', '.join([AUTO, *takers(flag)])}")
         return impl
     setting = Setting(jax.default_backend(), dtype, head_dim, position, logits_bytes,
                       softcap=bool(softcap), window_as_data=window_as_data, context=context,
@@ -235,9 +244,7 @@ def resolve_impl(impl: str, dtype, head_dim: int, logits_bytes: int = 0,
     for name, backend in BACKENDS.items():
         if backend.splits_sequence != (context > 1):
             continue
-        if (setting.softcap and not backend.takes_softcap) or \
-                (setting.sinks and not backend.takes_sinks) or \
-                (setting.value_width and not backend.takes_value_width) or \
+        if any(not getattr(backend, NEEDS[n][0]) for n in needs) or \
                 (setting.contextual and not backend.contextual):
             continue  # the table's rules never answer so; this is the guard
         reason = None if backend.auto is None else backend.auto(setting)
@@ -259,10 +266,10 @@ def check_model(cfg) -> None:
     kind = scheme_kind(cfg.position)
     impl = f"model.attention_impl={cfg.attention_impl!r}"
     if kind == "bias" and not backend.takes_bias:
-        takers = [n for n, b in BACKENDS.items() if b.takes_bias and b.rule is not None]
+        by_rule = [n for n, b in BACKENDS.items() if b.takes_bias and b.rule is not None]
         raise ConfigError(
             f"{impl} adds no bias to the logits, so position={cfg.position!r} cannot use it; "
-            f"use attention_impl={' or '.join(map(repr, takers))} (or {AUTO!r}), or "
+            f"use attention_impl={' or '.join(map(repr, by_rule))} (or {AUTO!r}), or "
             f"{'/'.join(n for n, s in POSITION_SCHEMES.items() if s.kind != 'bias')} positions")
     if kind == "contextual" and not backend.contextual:
         raise ConfigError("model." + contextual_refusal(cfg.attention_impl, cfg.position))
@@ -273,9 +280,7 @@ def check_model(cfg) -> None:
             (cfg.mla.on, "takes_value_width", "needs values as wide as the keys, and MLA's "
              f"are {cfg.mla.v_head_dim} against {cfg.mla.qk_head_dim} (model.mla)")):
         if needed and not getattr(backend, takes):
-            raise ConfigError(f"{impl} {what}; use one of "
-                              f"{', '.join(n for n, b in BACKENDS.items() if getattr(b, takes))} "
-                              f"or {AUTO!r}")
+            raise ConfigError(f"{impl} {what}; use one of {', '.join(takers(takes))} or {AUTO!r}")
 
 
 def contextual_refusal(impl: str, position: str) -> str:

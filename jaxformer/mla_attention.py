@@ -22,11 +22,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxformer import kv_cache
-from jaxformer.attention import Attention, dense_init
+from jaxformer.attention import Attention, dense_init, projection_layer
 from jaxformer.hooks import hook_point
 from jaxformer.lora import LoRA
 from jaxformer.masks import MaskRule
-from jaxformer.matmul import flat_dot_general, promote_kernel
 from jaxformer.mla import MLAConfig, default_scale, latent_attention
 from jaxformer.schemes import POSITION_SCHEMES, LogitBias, dense_bias
 from jaxformer.sharding import constrain, init_with_names
@@ -39,11 +38,7 @@ class MLAttention(Attention):
         c, m = self.cfg, self.cfg.mla
 
         def dense(feats, name, names, bias=False, axis=(-1,), std=0.02):
-            return nn.DenseGeneral(
-                feats, axis=axis, use_bias=bias, dtype=c.dtype, param_dtype=c.param_dtype,
-                kernel_init=init_with_names(dense_init(std), *names),
-                bias_init=init_with_names(nn.initializers.zeros, *names[len(axis):]),
-                dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
+            return projection_layer(c, feats, axis, name, names, bias, std)
 
         def norm(name):  # the latents' RMSNorm, whatever model.norm is
             return nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype,
@@ -73,9 +68,7 @@ class MLAttention(Attention):
         if "out" in c.lora.projections():
             self.out_lora = LoRA(c.lora, 2, (c.d_model,), out_names, c.dtype, c.param_dtype,
                                  self.deterministic)
-        if c.attn_sinks:
-            self.sinks = self.param("sinks", init_with_names(dense_init(), "heads"),
-                                    (n,), c.param_dtype)
+        self.setup_sinks()
 
     def latents(self, x, positions, kind=0):
         """x [B, T, D] -> q_nope [B, T, N, nope], q_rope [B, T, N, rope] (rotated), the

@@ -375,10 +375,15 @@ def two_segments(rng, t):
     return seg
 
 
+def assert_far_from_plain(q, k, v, mask, bias, want, margin):
+    """The answer `want` is more than `margin` from plain attention's (no cap, no sinks):
+    the test would see the feature missing."""
+    plain = np_attention(q, k, v, mask=mask, bias=bias)[1]
+    assert np.abs(plain - want).max() > margin, np.abs(plain - want).max()
+
+
 def assert_cap_binds(q, k, v, mask, bias, want):
-    """The capped answer is far from the uncapped one: the test would see a missing cap."""
-    uncapped = np_attention(q, k, v, mask=mask, bias=bias)[1]
-    assert np.abs(uncapped - want).max() > 0.3, np.abs(uncapped - want).max()
+    assert_far_from_plain(q, k, v, mask, bias, want, 0.3)
 
 
 @pytest.mark.parametrize("impl", SOFTCAP_ARRAYS)
@@ -545,9 +550,7 @@ def random_sinks(rng, n):
 
 
 def assert_sinks_matter(q, k, v, mask, bias, want):
-    """The answer with sinks is far from the one without: the test would see them missing."""
-    plain = np_attention(q, k, v, mask=mask, bias=bias)[1]
-    assert np.abs(plain - want).max() > 0.1, np.abs(plain - want).max()
+    assert_far_from_plain(q, k, v, mask, bias, want, 0.1)
 
 
 @pytest.mark.parametrize("impl", SINK_ARRAYS)
