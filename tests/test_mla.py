@@ -120,7 +120,10 @@ def test_backends_and_remat_equal_the_reference(impl, scan, remat, monkeypatch):
         want_g = stack_layers(want_g, cfg.n_layers)
     for path, g in jax.tree_util.tree_leaves_with_path(got_g):
         ref = functools.reduce(lambda x, k: x[k.key], path, want_g)
-        np.testing.assert_allclose(g, ref, rtol=1e-3, atol=1e-4, err_msg=str(path))
+        # float32 sums in another order: an absolute slack at the leaf's own scale (leaves
+        # reach ~100 here; a near-zero entry beside them moved 1.3e-4 at seed 841214719)
+        scale = float(np.abs(np.asarray(ref)).max())
+        np.testing.assert_allclose(g, ref, rtol=1e-3, atol=2e-6 * scale, err_msg=str(path))
 
 
 @pytest.mark.parametrize("scan, q_lora, window, position", [(False, 16, None, "rope"),
