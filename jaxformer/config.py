@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from jaxformer.backends import AUTO, BACKENDS, check_model
 from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
+from jaxformer.layer_runs import Run, runs
 from jaxformer.lora import LoRAConfig, check_expert_targets
 from jaxformer.mla import MLAConfig
 from jaxformer.moe import MoEConfig
@@ -276,11 +277,6 @@ class ModelConfig(Section):
                               "to t5_max_distance")
         set_("rope_scaling", self._with_original(self.rope_scaling))
         self._check_pattern(scheme)
-        sparse = self.moe.sparse(self.n_layers)
-        if self.scan_layers and len(set(sparse)) > 1:
-            raise ConfigError(f"model.scan_layers scans layers of one structure, but model.moe."
-                              f"layers={list(self.moe.layers)} makes some sparse and some dense; "
-                              "set model.scan_layers=false (or every layer sparse)")
         if self.rope_scaling.row.scales and scheme.kind != "rotary":
             rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
             raise ConfigError(f"model.rope_scaling.kind={self.rope_scaling.kind!r} needs "
@@ -373,6 +369,11 @@ class ModelConfig(Section):
     def sparse_layers(self) -> tuple[bool, ...]:
         """Whether each layer's feed-forward network is the mixture of experts (model.moe)."""
         return self.moe.sparse(self.n_layers)
+
+    @property
+    def layer_runs(self) -> tuple[Run, ...]:
+        """The runs of consecutive layers alike (dense or sparse) that scan_layers stacks."""
+        return runs(self.sparse_layers)
 
     @property
     def expert_d_ff(self) -> int:

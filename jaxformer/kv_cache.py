@@ -1,12 +1,13 @@
 """The KV cache: its layout, made, written and read in this one module.
 
 A cache is a pytree: ``layers`` laid out like the params, per layer (``block_i``) or
-stacked along a leading layer axis (``blocks``, with scan_layers), each holding ``k`` and
-``v`` [batch * n_kv_heads, max_len, head_dim] (row b * n_kv_heads + h: batch row b's head
-h); ``positions`` [batch, max_len], the position of the token in each slot (EMPTY_SLOT for
-none, e.g. a prompt's padding); and ``index``, the next slot to write. Every row writes
-its next token into the same slot, so rows with prompts of different lengths decode
-together, each at its own positions, and the cache is updated in place.
+stacked along a leading layer axis (``blocks``, or each of cfg.layer_runs, with
+scan_layers), each holding ``k`` and ``v`` [batch * n_kv_heads, max_len, head_dim] (row
+b * n_kv_heads + h: batch row b's head h); ``positions`` [batch, max_len], the position
+of the token in each slot (EMPTY_SLOT for none, e.g. a prompt's padding); and ``index``,
+the next slot to write. Every row writes its next token into the same slot, so rows with
+prompts of different lengths decode together, each at its own positions, and the cache is
+updated in place.
 
 A layer with a sliding window w shorter than the cache (a windowed cache, `windowed=True`;
 unscanned layers, as generate runs them) keeps a ring of w slots instead: the token at
@@ -79,9 +80,9 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
         if windowed:
             raise ValueError("a windowed KV cache needs unscanned layers (its layers differ in "
                              "size); use scan_layers=false, or windowed=False")
-        shape = (cfg.n_layers, rows, max_len)
-        layers = {"blocks": {"k": jnp.zeros(shape + (k_width,), dtype),
-                             "v": jnp.zeros(shape + (v_width,), dtype)}}
+        layers = {r.name: {"k": jnp.zeros((r.length, rows, max_len, k_width), dtype),
+                           "v": jnp.zeros((r.length, rows, max_len, v_width), dtype)}
+                  for r in cfg.layer_runs}
     else:
         layers = {}
         for i, s in enumerate(layer_slots(cfg, max_len, windowed, spare)):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.layer_runs import is_stacked
 from jaxformer.matmul import flat_dot_general
 from jaxformer.sharding import init_with_names
 from jaxformer.validation import ConfigError, Section, check_number
@@ -262,7 +263,7 @@ def member(cfg: LoRAConfig, params, i: int) -> tuple[LoRAConfig, dict]:
             if _leaf(k) == "lora_a":
                 v = v[..., :m.rank]
             elif _leaf(k) == "lora_b":  # [L.., r, out...], L..: the scanned layers
-                v = v[(slice(None),) * (k[0] == "blocks") + (slice(0, m.rank),)]
+                v = v[(slice(None),) * is_stacked(k[0]) + (slice(0, m.rank),)]
             flat[k] = v
     return m, _unflatten(flat)
 

@@ -1,7 +1,8 @@
 """Transformer: embed -> blocks (looped or scanned) -> final norm -> LM head.
 
 Also parameter counts and training FLOPs derived from a config, and conversion of the
-block params between per-layer (block_0, block_1, ...) and stacked (blocks) form.
+block params between per-layer (block_0, block_1, ...) and stacked (blocks) form
+(jaxformer.layer_runs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jaxformer.backends import dense_logits_bytes, resolve_impl, takes_structure
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
 from jaxformer.kinds import BLOCKS, REMATS
+from jaxformer.layer_runs import stack_layers, unstack_layers  # noqa: F401 (the public names)
 from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.masks import MaskRule
 from jaxformer.matmul import flat_dot_general, promote_kernel
@@ -29,8 +31,9 @@ head_dot = functools.partial(flat_dot_general, preferred_element_type=jnp.float3
 
 
 def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
-    """The Block class as the config wants it run (rematerialised and/or scanned), with
-    the attention backend `impl` chosen for this forward."""
+    """The Block modules as the config wants them run (rematerialised and/or scanned), with
+    the attention backend `impl` chosen for this forward: one per layer, or one scan per
+    run of alike layers (cfg.layer_runs), each with its Run."""
     block = Block
     remat = REMATS[cfg.remat]
     if remat.on:
@@ -38,12 +41,13 @@ def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
     if not cfg.scan_layers:
         return [block(cfg, deterministic, impl=impl, kind=kind, sparse=sparse, name=f"block_{i}")
                 for i, (kind, sparse) in enumerate(zip(cfg.layer_kind_ids, cfg.sparse_layers))]
-    scanned = nn.scan(block, variable_axes={"params": 0, "moe": 0}, split_rngs={"params": True,
-                      "dropout": True}, metadata_params={nn.PARTITION_NAME: "layers"},
-                      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
-                      length=cfg.n_layers)  # positions, masks, bias, cache, index, kind id
-    return scanned(cfg, deterministic, scanned=True, impl=impl, sparse=cfg.sparse_layers[0],
-                   name="blocks")
+    return [(run, nn.scan(block, variable_axes={"params": 0, "moe": 0},
+                          split_rngs={"params": True, "dropout": True},
+                          metadata_params={nn.PARTITION_NAME: "layers"},
+                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
+                          length=run.length)  # positions, masks, bias, cache, index, kind id
+             (cfg, deterministic, scanned=True, impl=impl, sparse=cfg.sparse_layers[run.start],
+              name=run.name)) for run in cfg.layer_runs]
 
 
 class Transformer(nn.Module):
@@ -111,23 +115,31 @@ class Transformer(nn.Module):
                      for k in c.kinds)  # one per layer kind: each block picks its own
         bias = self.position_bias(impl, t, cache, positions, k_positions)
         blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
-        if c.scan_layers:  # the layer kinds travel as data: each layer's kind id
-            kind_ids = jnp.asarray(c.layer_kind_ids, jnp.int32) if len(c.kinds) > 1 else None
-            x, stacked = blocks(x, positions, mask, bias, layers and layers["blocks"], index,
-                                kind_ids)
-            layers = layers and {"blocks": stacked}
-        else:
-            for block in blocks:
-                if layers is None:
-                    x = block(x, positions, mask, bias)
-                else:
-                    x, layer = block(x, positions, mask, bias, layers[block.name], index)
-                    layers = {**layers, block.name: layer}
+        x, layers = self.run_blocks(blocks, x, positions, mask, bias, layers, index)
         if cache is not None:
             cache = kv_cache.advanced(cache, layers, k_positions, t)
 
         logits = self.logits(embed, x)
         return logits if cache is None else (logits, cache)
+
+    def run_blocks(self, blocks, x, positions, mask, bias, layers, index):
+        """x through block_stack's blocks (and each layer's cache in `layers`, if any)."""
+        c = self.cfg
+        if c.scan_layers:  # the layer kinds travel as data: each layer's kind id
+            for run, scanned in blocks:
+                kind_ids = jnp.asarray(c.layer_kind_ids[run.start:run.stop], jnp.int32) \
+                    if len(c.kinds) > 1 else None
+                x, stacked = scanned(x, positions, mask, bias, layers and layers[run.name],
+                                     index, kind_ids)
+                layers = layers and {**layers, run.name: stacked}
+            return x, layers
+        for block in blocks:
+            if layers is None:
+                x = block(x, positions, mask, bias)
+            else:
+                x, layer = block(x, positions, mask, bias, layers[block.name], index)
+                layers = {**layers, block.name: layer}
+        return x, layers
 
     def check_unordered(self, cache, split):
         """Positions out of row order mask by index: refused where that cannot hold."""
@@ -249,28 +261,3 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     keys = sum(context(c.kinds[i].window) for i in c.layer_kind_ids)
     return 6.0 * n_matmul + 12.0 * pair * keys
-
-
-def stack_layers(params, n_layers: int):
-    """Per-layer params {block_0, ..., block_{L-1}} -> stacked {blocks: [L, ...]} (for scan)."""
-    params = dict(params)
-    missing = [f"block_{i}" for i in range(n_layers) if f"block_{i}" not in params]
-    if missing:
-        raise KeyError(f"stack_layers needs per-layer params; {', '.join(missing)} missing "
-                       f"(found {', '.join(sorted(params))})")
-    layers = [params.pop(f"block_{i}") for i in range(n_layers)]
-    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-    return params
-
-
-def unstack_layers(params):
-    """Stacked {blocks: [L, ...]} -> per-layer {block_0, ..., block_{L-1}}."""
-    params = dict(params)
-    if "blocks" not in params:
-        raise KeyError(f"unstack_layers needs stacked params under 'blocks' "
-                       f"(found {', '.join(sorted(params))})")
-    stacked = params.pop("blocks")
-    n_layers = jax.tree.leaves(stacked)[0].shape[0]
-    for i in range(n_layers):
-        params[f"block_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-    return params

@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.layer_runs import is_stacked
 from jaxformer.matmul import Int8Kernel
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 CONTRACTED_AXES = {"out": 2}  # a kernel's input axes: the attention output reads heads x head_dim
-STACKED = "blocks"  # scanned layers: kernels with a leading layer axis
 EXPERTS = ("wi", "wi_gate", "wi_up", "wo")  # a mixture of experts' kernels: leaves, [E, in, out]
 ROUTING = ("router", "shared_gate")  # kernels that choose experts: kept as they are
 TOKEN_EMBEDDING = ("embed", "embedding")  # the token table's path (not pos_embed's)
@@ -72,7 +72,7 @@ def quantize(params, weights: str = "int8"):
             return x.astype(jnp.bfloat16) if big and jnp.issubdtype(x.dtype, jnp.floating) else x
         if kernel is None:
             return x
-        return quantize_int8(x, CONTRACTED_AXES.get(kernel, 1), STACKED in names,
+        return quantize_int8(x, CONTRACTED_AXES.get(kernel, 1), any(map(is_stacked, names)),
                              experts=names[-1] in EXPERTS)
 
     return jax.tree_util.tree_map_with_path(convert, params)

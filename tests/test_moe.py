@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import ModelConfig, Transformer, stack_layers
+from jaxformer import ModelConfig, Transformer, stack_layers, unstack_layers
 from jaxformer.grouped_matmul import GROUPED_MATMULS, tile_sizes
 from jaxformer.kinds import FFNS
 from jaxformer.model import flops_per_token, param_shapes
@@ -315,9 +315,37 @@ def test_bad_moe_configs_are_one_line(moe, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_scan_refuses_a_mix_of_dense_and_sparse_layers():
-    with pytest.raises(ConfigError, match="scan_layers"):
-        moe_cfg(scan_layers=True, moe=dict(layers=[1]))
+def test_scan_runs_dense_and_sparse_layers_each_as_a_scan():
+    """Layers dense, sparse, dense scan as three runs (blocks_0..2); stack_layers and
+    unstack_layers go there and back; the scanned KV cache holds each run's layers and a
+    cached step gives the full forward's last logits; the bias update reaches the sparse
+    run's layer alone, with that layer's load."""
+    from jaxformer import kv_cache
+    from jaxformer.training.balancing import layer_stats, rebalanced
+    cfg = moe_cfg(n_layers=3, moe=dict(layers=[1], router="sigmoid", bias_update_rate=0.1),
+                  scan_layers=True)
+    assert [tuple(r) for r in cfg.layer_runs] == [("blocks_0", 0, 1), ("blocks_1", 1, 2),
+                                                  ("blocks_2", 2, 3)]
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 10)))
+    params = wide_params(cfg.replace(scan_layers=False), tokens)
+    stacked = stack_layers(params, 3)
+    assert sorted(stacked) == ["blocks_0", "blocks_1", "blocks_2", "embed", "final_norm"]
+    assert jax.tree.all(jax.tree.map(np.array_equal, unstack_layers(stacked), params))
+    want = Transformer(cfg.replace(scan_layers=False)).apply({"params": params}, tokens)
+    cache = kv_cache.init_cache(cfg, 2, 16)
+    assert [cache["layers"][f"blocks_{i}"]["k"].shape[0] for i in range(3)] == [1, 1, 1]
+    _, cache = Transformer(cfg).apply({"params": stacked}, tokens[:, :-1], cache=cache)
+    last, _ = Transformer(cfg).apply({"params": stacked}, tokens[:, -1:], cache=cache)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(want[:, -1]), rtol=1e-5,
+                               atol=1e-5)
+    _, sown = Transformer(cfg).apply({"params": stacked}, tokens, mutable=["moe"])
+    load = layer_stats(cfg, sown["moe"])["load"]  # [1, E]
+    assert load.shape == (1, 4) and float(load.sum()) == 2 * 10 * 2
+    moved = rebalanced(cfg, stacked, stacked, load, True)
+    bias = moved["blocks_1"]["ffn"]["score_bias"]
+    np.testing.assert_array_equal(np.asarray(bias[0]), np.asarray(
+        balanced_bias(stacked["blocks_1"]["ffn"]["score_bias"][0], load[0], 0.1)))
+    assert float(jnp.abs(bias).max()) > 0
 
 
 def test_routers_table_is_what_the_config_offers():
@@ -402,9 +430,9 @@ def test_ragged_dispatch_gradient_has_no_scatter():
 
 
 def test_remat_and_scan_keep_the_gradients_and_stats(remat="full"):
-    """Rematerialised and scanned sparse layers: the gradients of the loop without remat,
-    and the stats still sown (the train loss reads them)."""
-    cfg = moe_cfg(moe=dict(router="sigmoid", aux_loss=0.1))
+    """Rematerialised and scanned layers, a sparse run after a dense one: the gradients of
+    the loop without remat, and the stats still sown (the train loss reads them)."""
+    cfg = moe_cfg(n_layers=3, moe=dict(router="sigmoid", aux_loss=0.1, layers=[1, 2]))
     tokens = jnp.asarray(rng.integers(0, 64, (2, 12)))
     params = wide_params(cfg, tokens)
 
@@ -417,12 +445,11 @@ def test_remat_and_scan_keep_the_gradients_and_stats(remat="full"):
         return jax.grad(loss)(params)
 
     want = grads(cfg, params)
-    got = grads(cfg.replace(remat=remat, scan_layers=True), stack_layers(params, 2))
+    got = unstack_layers(grads(cfg.replace(remat=remat, scan_layers=True),
+                               stack_layers(params, cfg.n_layers)))
     for path, g in jax.tree_util.tree_leaves_with_path(got):
-        keys = [k.key for k in path]
-        for i in range(2) if keys[0] == "blocks" else [None]:
-            r, rest = (want, keys) if i is None else (want[f"block_{i}"], keys[1:])
-            for key in rest:
-                r = r[key]
-            np.testing.assert_allclose(np.asarray(g if i is None else g[i]), np.asarray(r),
-                                       rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        r = want
+        for key in path:
+            r = r[key.key]
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -20,6 +20,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.convert.hf_config import config_to_hf
 from jaxformer.hf.families import MODEL_TYPES
 from jaxformer.hf.folder import INDEX, WEIGHTS, Path, by_path
+from jaxformer.layer_runs import is_stacked, locate
 from jaxformer.lora import LoRAConfig
 from jaxformer.model import param_shapes
 
@@ -107,8 +108,9 @@ def param_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
     """path (per-layer form) -> the param as a NumPy array, after checking the tree against
     the config; a stacked param is sliced on its device, one layer at a time."""
     flat = by_path(params)
-    stacked = any(p[0] == "blocks" for p in flat)
+    stacked = any(is_stacked(p[0]) for p in flat)
     expected = by_path(param_shapes(cfg.replace(scan_layers=stacked)))
+    runs = cfg.layer_runs
     show = lambda ps: ", ".join("/".join(p) for p in ps[:6])  # noqa: E731
     missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
     if missing or extra:
@@ -121,7 +123,8 @@ def param_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
 
     def get(path: Path) -> np.ndarray:
         if stacked and path[0].startswith("block_"):
-            return np.asarray(flat[("blocks",) + path[1:]][int(path[0][6:])])
+            name, j = locate(runs, int(path[0][6:]))
+            return np.asarray(flat[(name,) + path[1:]][j])
         return np.asarray(flat[path])
 
     return get

@@ -195,7 +195,8 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
     shardings: None (the default device), one jax.sharding.Sharding for every param, a
       pytree of Shardings matching the params, or a function of the ModelConfig returning
       one of those. Each param is built on the host and sent to each device as its slice.
-    scan_layers: return the blocks stacked under "blocks" (and scan_layers=True).
+    scan_layers: return the blocks stacked under "blocks" (each run of cfg.layer_runs) and
+      scan_layers=True.
     rope_layout: "interleaved" if the checkpoint's q/k weights rotate interleaved pairs
       (Meta's original format); they are permuted to the half-rotation layout.
     """
@@ -210,7 +211,7 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
         names = _resolve(reader, rules, row, folder)
         loaders = _leaf_loaders(rules, reader, names)
         if scan_layers:
-            loaders = _stacked(loaders, cfg.n_layers)
+            loaders = _stacked(loaders, cfg.layer_runs)
         expected = by_path(param_shapes(cfg))
         assert set(loaders) == set(expected), (sorted(loaders), sorted(expected))
         if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
@@ -241,16 +242,15 @@ def _leaf_loaders(rules, reader: SafetensorsReader, names) -> dict[Path, Callabl
             for i, rule in enumerate(rules) for j, path in enumerate(rule.ours)}
 
 
-def _stacked(loaders: dict[Path, Callable], n_layers: int) -> dict[Path, Callable]:
-    """block_i/... loaders -> blocks/... loaders stacking the layers (host memory: one
-    stacked param at a time)."""
-    out = {}
-    for path, load in loaders.items():
-        if path[0] == "block_0":
-            out[("blocks",) + path[1:]] = lambda rest=path[1:]: np.stack(
-                [loaders[(f"block_{i}",) + rest]() for i in range(n_layers)])
-        elif not path[0].startswith("block_"):
-            out[path] = load
+def _stacked(loaders: dict[Path, Callable], runs) -> dict[Path, Callable]:
+    """block_i/... loaders -> blocks/... loaders stacking each run's layers (host memory:
+    one stacked param at a time)."""
+    out = {path: load for path, load in loaders.items() if not path[0].startswith("block_")}
+    for run in runs:
+        for path in loaders:
+            if path[0] == f"block_{run.start}":
+                out[(run.name,) + path[1:]] = lambda rest=path[1:], run=run: np.stack(
+                    [loaders[(f"block_{i}",) + rest]() for i in range(run.start, run.stop)])
     return out
 
 

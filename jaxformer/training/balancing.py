@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.moe import balanced_bias
 
@@ -22,13 +23,19 @@ def sparse_ids(cfg) -> list[int]:
 
 def layer_stats(cfg, sown) -> dict:
     """The "moe" collection of a forward -> its statistics stacked over the sparse layers.
-    Unscanned each layer sows block_i/ffn/stats; scanned, blocks/ffn/stats holds them
-    stacked over layers (every layer is sparse then). Each is a 1-tuple (one forward)."""
+    Unscanned each layer sows block_i/ffn/stats; scanned, each sparse run's
+    blocks.../ffn/stats holds them stacked over its layers. Each is a 1-tuple (one
+    forward)."""
     if cfg.scan_layers:
-        (stats,) = sown["blocks"]["ffn"]["stats"]
-        return dict(stats)
+        runs = [sown[r.name]["ffn"]["stats"][0] for r in sparse_runs(cfg)]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *runs) if runs else {}
     layers = [sown[f"block_{i}"]["ffn"]["stats"][0] for i in sparse_ids(cfg)]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)  # [Ls, ...] each
+
+
+def sparse_runs(cfg) -> list:
+    """The scanned runs (cfg.layer_runs) of sparse layers, in layer order."""
+    return [r for r in cfg.layer_runs if cfg.sparse_layers[r.start]]
 
 
 def penalty(moe, stats: dict):
@@ -67,8 +74,9 @@ def rebalanced(cfg, params, old, load, finite):
     whatever the optimizer did to that leaf is overwritten. A skipped step (finite False)
     keeps the old bias, as it keeps every other param."""
     rate = cfg.moe.bias_update_rate
-    if cfg.scan_layers:
-        places = [("blocks", load)]  # score_bias [L, E]
+    if cfg.scan_layers:  # score_bias [L, E] per run; load [Ls, E] the runs' in order
+        ends = np.cumsum([0] + [r.length for r in sparse_runs(cfg)])
+        places = [(r.name, load[a:b]) for r, a, b in zip(sparse_runs(cfg), ends, ends[1:])]
     else:
         places = [(f"block_{i}", load[j]) for j, i in enumerate(sparse_ids(cfg))]
     params = dict(params)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxformer import lora
+from jaxformer.layer_runs import is_stacked
 from jaxformer.validation import ConfigError
 
 
@@ -43,7 +44,7 @@ def sweep_params(model, key, tokens):
              for m in cfg.lora.members()]
 
     def pad(path, x):  # A [L.., in..., r] on its last axis, B [L.., r, out...] on r's
-        axis = x.ndim - 1 if path[-1].key == "lora_a" else int(path[0].key == "blocks")
+        axis = x.ndim - 1 if path[-1].key == "lora_a" else int(is_stacked(path[0].key))
         if path[-1].key == lora.SCALE:
             return x
         widths = [(0, 0)] * x.ndim
