@@ -41,9 +41,9 @@ def flat(tree):
     return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def setup(mesh):
+def setup(mesh, optim="adamw"):
     model = Transformer(CFG)
-    tx, schedule = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), CFG, 10)
+    tx, schedule = make_optimizer(OptimConfig(name=optim, lr=1e-2, warmup_steps=1), CFG, 10)
     if mesh is None:
         return model, tx, init_state(model, tx, 0), make_train_step(
             model, tx, schedule, grad_accum=2), lambda b: b
@@ -68,17 +68,19 @@ def batches():
 
 
 def losses(out):
-    """3 steps on one device and on each mesh: losses, params, shardings, bytes."""
+    """3 steps on one device and on each mesh: losses, params, shardings, bytes; and with
+    Muon (optim.name=muon) on one device and on (2, 2, 2)."""
     res = {}
-    for shape in [None] + MESHES:
+    runs = [(shape, "adamw") for shape in [None] + MESHES] + [(None, "muon"), ((2, 2, 2), "muon")]
+    for shape, optim in runs:
         mesh = None if shape is None else make_mesh(*shape)
-        model, _, state, step, place = setup(mesh)
+        model, _, state, step, place = setup(mesh, optim)
         ls = []
         for b in batches():
             state, m = step(state, place(b))
             ls.append(float(m["loss"]))
         params = flat(state.params)
-        res[str(shape)] = dict(
+        res[str(shape) if optim == "adamw" else f"{optim} {shape}"] = dict(
             losses=ls, params={k: np.asarray(v).ravel().tolist() for k, v in params.items()},
             specs={k: spec_of(v) for k, v in params.items()} if mesh else None,
             opt_specs={k: spec_of(v) for k, v in flat(state.opt_state).items() if v.ndim}

@@ -301,6 +301,16 @@ def test_every_mesh_trains_like_one_device(mesh_runs):
                                        err_msg=f"{name} {key}")
 
 
+def test_muon_on_a_mesh_updates_like_one_device(mesh_runs):
+    """Muon's Newton-Schulz orthogonalisation of fsdp- and tensor-split matrices (the mesh
+    (data 2, fsdp 2, tensor 2)) gives one device's update: the same losses and params."""
+    ref, run = mesh_runs["muon None"], mesh_runs["muon (2, 2, 2)"]
+    assert ref["losses"] != mesh_runs["None"]["losses"]  # not AdamW's steps
+    np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5)
+    for key, value in ref["params"].items():
+        np.testing.assert_allclose(run["params"][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
 def _expected_spec(path, shape, mesh):
     """The mesh axes DEFAULT_RULES give each dim of a param, written out by hand for the
     worker's model (scan_layers: a leading layers dim)."""

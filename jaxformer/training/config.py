@@ -24,18 +24,23 @@ from jaxformer.validation import (ConfigError, build_section, check_choice, chec
                                   read_config_file)
 
 SCHEDULES = ("cosine", "inverse_sqrt", "constant", "linear")
+OPTIMIZERS = ("adamw", "muon")
 RESUME = ("auto", "never")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with a learning-rate schedule, global-norm clipping and gradient accumulation.
+    """The optimizer (name: adamw, or muon on the blocks' matrices with AdamW on the rest:
+    jaxformer.training.optim) with a learning-rate schedule, global-norm clipping and
+    gradient accumulation. muon_beta: Muon's momentum; muon_rms: its updates' RMS per
+    sqrt(max(fan_in, fan_out)) (0.2 matches AdamW's, so lr and weight_decay serve both).
 
     schedule: cosine (linear warmup, cosine decay to lr * min_lr_ratio), linear (warmup,
     linear decay to lr * min_lr_ratio), constant (warmup, then lr), inverse_sqrt
     (lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5): Vaswani et al. with lr = 1).
     """
 
+    name: str = "adamw"
     lr: float = 3e-3
     schedule: str = "cosine"
     warmup_steps: int = 100
@@ -47,9 +52,14 @@ class OptimConfig:
     clip_norm: float | None = 1.0
     grad_accum: int = 1
     max_skips: int = 5  # consecutive non-finite steps before the run stops
+    muon_beta: float = 0.95
+    muon_rms: float = 0.2
 
     def __post_init__(self):
         o = "optim"
+        check_choice(o, "name", self.name, OPTIMIZERS)
+        check_number(o, "muon_beta", self.muon_beta, float, low=0, high=1, high_open=True)
+        check_number(o, "muon_rms", self.muon_rms, float, low=0, low_open=True)
         check_number(o, "lr", self.lr, float, low=0, low_open=True)
         check_choice(o, "schedule", self.schedule, SCHEDULES)
         check_number(o, "warmup_steps", self.warmup_steps, int, low=0)

@@ -1,14 +1,22 @@
-"""AdamW (no decay on norms, biases and embeddings), learning-rate schedules, clipping,
-and skipping of non-finite steps, all from optax."""
+"""The optimizers (optim.name): AdamW (no decay on norms, biases and embeddings), or Muon
+on the blocks' matrices beside AdamW on the rest; learning-rate schedules, clipping, and
+skipping of non-finite steps, all from optax."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from jaxformer.config import ModelConfig
+from jaxformer.layer_runs import is_stacked
+from jaxformer.quantize import CONTRACTED_AXES, EXPERTS
 from jaxformer.training.config import OptimConfig
+
+LATENT_UPS = ("key_up", "value_up")  # MLA's up-projections: [latent, heads, head_dim]
 
 
 def inverse_sqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):
@@ -47,12 +55,76 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(is_kernel, params)
 
 
+def muon_dimensions(tree):
+    """Muon's view of each param (or of each update, where optax.partition has masked the
+    others): MuonDimensionNumbers for a block's matrix, [(layers,) (experts,) in..., out...]
+    (a kernel, an expert stack, MLA's key_up / value_up; the attention output reads heads x
+    head_dim), None for the rest (AdamW): embeddings, the LM head, norms, biases, position
+    tables, sinks and LoRA's adapters."""
+    def dims(path, x):
+        if isinstance(x, optax.MaskedNode):
+            return x
+        names = [str(getattr(k, "key", k)) for k in path]
+        leaf = names[-1]
+        in_block = names[0].startswith("block_") or is_stacked(names[0])
+        if not in_block or any("lora" in n for n in names) or \
+                leaf not in ("kernel", *EXPERTS, *LATENT_UPS):
+            return None
+        lead = int(is_stacked(names[0])) + int(leaf in EXPERTS)  # batch axes: each its own
+        contracted = CONTRACTED_AXES.get(names[-2], 1) if leaf == "kernel" else 1
+        return MuonDimensionNumbers(tuple(range(lead, lead + contracted)),
+                                    tuple(range(lead + contracted, x.ndim)))
+
+    return jax.tree_util.tree_map_with_path(
+        dims, tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
+def scale_to_rms(rms: float):
+    """Each matrix's update times rms * sqrt(max(fan_in, fan_out)): an orthogonal update's
+    RMS is 1 / sqrt(max(fan_in, fan_out)), so the result's is `rms`."""
+    def scale(updates, params=None):
+        def one(u, d):
+            if not isinstance(d, MuonDimensionNumbers):
+                return u
+            fan_in = math.prod(u.shape[a] for a in d.reduction_axis)
+            fan_out = math.prod(u.shape[a] for a in d.output_axis)
+            return u * (rms * math.sqrt(max(fan_in, fan_out)))
+        return jax.tree.map(one, updates, muon_dimensions(updates),
+                            is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    return optax.stateless(scale)
+
+
+def muon(cfg: OptimConfig, schedule):
+    """Muon (Jordan et al. 2024) on the blocks' matrices: Nesterov momentum (muon_beta),
+    orthogonalised by optax's Newton-Schulz iteration, scaled to an RMS of muon_rms x
+    sqrt(max(fan_in, fan_out)) (Liu et al. 2025: AdamW's update size, so AdamW's learning
+    rate and weight decay carry over) and decayed decoupled; AdamW on the rest."""
+    is_muon = lambda x: isinstance(x, MuonDimensionNumbers)  # noqa: E731
+
+    def labels(params):
+        return jax.tree.map(lambda d: "muon" if is_muon(d) else "adamw",
+                            muon_dimensions(params), is_leaf=lambda d: d is None or is_muon(d))
+
+    matrices = optax.chain(
+        scale_by_muon(beta=cfg.muon_beta, weight_dimension_numbers=muon_dimensions),
+        scale_to_rms(cfg.muon_rms),
+        optax.add_decayed_weights(cfg.weight_decay),
+        optax.scale_by_learning_rate(schedule))
+    rest = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, mask=decay_mask)
+    return optax.partition({"muon": matrices, "adamw": rest}, labels)
+
+
 def make_optimizer(cfg: OptimConfig, model: ModelConfig, total_steps: int):
-    """chain(clip_by_global_norm, adamw), wrapped in apply_if_finite: a step whose gradients
-    hold a NaN or Inf leaves params and optimizer state unchanged. The loop stops the run
-    after cfg.max_skips consecutive skips (apply_if_finite itself never gives up here)."""
+    """chain(clip_by_global_norm, the optimizer: adamw or muon), wrapped in apply_if_finite:
+    a step whose gradients hold a NaN or Inf leaves params and optimizer state unchanged.
+    The loop stops the run after cfg.max_skips consecutive skips (apply_if_finite itself
+    never gives up here)."""
     schedule = learning_rate_schedule(cfg, model, total_steps)
     parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []
-    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    if cfg.name == "muon":
+        parts.append(muon(cfg, schedule))
+    else:
+        parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay, mask=decay_mask))
     return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=2**30), schedule

@@ -68,9 +68,10 @@ def state_shardings(model: Transformer, tx: optax.GradientTransformation, mesh, 
     params = shardings_for(sweep_specs(specs) if members(model) > 1 else specs,
                            abstract.params, mesh, rules)
     replicated = NamedSharding(mesh, P())
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 (optax.partition's)
     opt_state = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, abstract.opt_state, trained_part(params)[0],
-        transform_non_params=lambda _: replicated)
+        tx, lambda x, s: x if masked(x) else s, abstract.opt_state, trained_part(params)[0],
+        transform_non_params=lambda _: replicated, is_leaf=masked)
     return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated)
 
 

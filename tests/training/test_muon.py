@@ -1,0 +1,140 @@
+"""optim.name=muon: Newton-Schulz-orthogonalised momentum on the blocks' matrices against a
+float64 NumPy reference (every kind of matrix: a 3-D attention kernel, the attention output
+with two input axes, a stacked layer axis, an expert stack, MLA's up-projections), AdamW on
+the rest against its own float64 formula; a tiny run that learns and resumes bitwise. On a
+mesh: tests/test_sharding.py (test_muon_on_a_mesh_updates_like_one_device)."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxformer import ModelConfig
+from jaxformer.model import param_shapes
+from jaxformer.training.config import OptimConfig
+from jaxformer.training.optim import make_optimizer, muon_dimensions
+from tests.training.test_loop import config, corpus, losses, restored_state  # noqa: F401
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+NS = (3.4445, -4.7750, 2.0315)  # Jordan et al.'s quintic coefficients, 5 steps
+LR, WD, BETA, RMS = 0.02, 0.1, 0.95, 0.2
+MODELS = {  # every kind of matrix Muon sees
+    "moe": dict(ffn="swiglu", norm="rmsnorm", moe=dict(experts=4, top_k=2, d_ff=8, layers=[1]),
+                tie_embeddings=False),
+    "mla scanned": dict(scan_layers=True, mla=dict(q_lora_rank=8, kv_lora_rank=8,
+                                                   qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                                   v_head_dim=6)),
+}
+
+
+def np_orthogonalise(m, lead, contracted):
+    """m [lead..., in..., out...] -> each lead slice's (in, out) matrix through 5 quintic
+    Newton-Schulz steps after normalising by its Frobenius norm, in float64."""
+    shape = m.shape
+    fan_in = int(np.prod(shape[lead:lead + contracted]))
+    flat = m.reshape(int(np.prod(shape[:lead])), fan_in, -1)
+    out = []
+    for x in flat:
+        tall = x.shape[0] > x.shape[1]
+        x = x.T if tall else x
+        x = x / (np.linalg.norm(x) + 1e-8)
+        for _ in range(5):
+            a = x @ x.T
+            x = NS[0] * x + (NS[1] * a + NS[2] * a @ a) @ x
+        out.append(x.T if tall else x)
+    rms = RMS * np.sqrt(max(fan_in, flat.shape[2]))
+    return rms * np.stack(out).reshape(shape)
+
+
+def np_steps(w, grads, muon_dims):
+    """The param after len(grads) steps, in float64: Muon (Nesterov momentum with optax's
+    bias correction, orthogonalised, scaled to RMS, decayed) or AdamW."""
+    w, mu, nu = np.float64(w), 0.0, 0.0
+    for t, g in enumerate(grads, 1):
+        g = np.float64(g)
+        if muon_dims is None:  # AdamW (b1 0.9, b2 0.95, eps 1e-8, decay on kernels only)
+            mu, nu = 0.9 * mu + 0.1 * g, 0.95 * nu + 0.05 * g * g
+            u = (mu / (1 - 0.9 ** t)) / (np.sqrt(nu / (1 - 0.95 ** t)) + 1e-8)
+        else:
+            mu = BETA * mu + (1 - BETA) * g
+            nesterov = BETA * mu / (1 - BETA ** (t + 1)) + (1 - BETA) * g / (1 - BETA ** t)
+            u = np_orthogonalise(nesterov, *muon_dims)
+        w = w - LR * (u + WD * w * (muon_dims is not None or decayed))
+    return w
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_muon_update_matches_float64_newton_schulz(model):
+    global decayed
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
+                      **MODELS[model])
+    params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), jnp.float32),
+                          param_shapes(cfg))
+    tx, _ = make_optimizer(OptimConfig(name="muon", lr=LR, schedule="constant", warmup_steps=0,
+                                       weight_decay=WD, clip_norm=None), cfg, 10)
+    grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
+                          params) for _ in range(3)]
+    state, new = tx.init(params), params
+    for g in grads:
+        updates, state = jax.jit(tx.update)(g, state, new)
+        new = optax.apply_updates(new, updates)
+    dims = muon_dimensions(params)
+    seen = set()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(new):
+        names = [k.key for k in path]
+        d = dims
+        for n in names:
+            d = d[n]
+        decayed = names[-1] == "kernel"
+        muon_dims = None if d is None else (d.reduction_axis[0], len(d.reduction_axis))
+        want = np_steps(np.asarray(leaf_of(params, names)), [leaf_of(g, names) for g in grads],
+                        muon_dims)
+        np.testing.assert_allclose(np.asarray(leaf), want, rtol=2e-4, atol=2e-5,
+                                   err_msg="/".join(names))
+        seen.add((names[-2] if names[-1] == "kernel" else names[-1], muon_dims))
+    adamw = {n for n, d in seen if d is None}
+    assert {"embedding", "scale"} <= adamw, seen  # the token table and the norms: AdamW
+    assert ("out", (int(cfg.scan_layers), 2)) in seen  # heads x head_dim -> embed
+    if model == "moe":
+        assert ("wi_gate", (1, 1)) in seen and ("lm_head", None) in seen
+    else:
+        assert ("key_up", (1, 1)) in seen and ("q_up", (1, 1)) in seen
+
+
+def leaf_of(tree, names):
+    for n in names:
+        tree = tree[n]
+    return np.asarray(tree)
+
+
+def test_muon_trains_and_resumes_bitwise(corpus, tmp_path):  # noqa: F811
+    """configs/tiny.yaml with optim.name=muon: the loss falls; resumed from the checkpoint
+    of step 3 (a copy of the run with the later one removed), the run repeats the
+    uninterrupted one's losses, params and optimizer state bit for bit."""
+    from jaxformer.training import train
+    same = ("optim.name=muon", "train.steps=6", "checkpoint.every=3", "train.eval_every=100",
+            "train.sample_tokens=0")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    cfg = config(corpus, straight, *same)
+    train(cfg, log=lambda *a: None)
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints/6")
+    (resumed / "metrics.jsonl").unlink()
+    assert train(config(corpus, resumed, *same), log=lambda *a: None)["start_step"] == 3
+    a, b = losses(straight), losses(resumed)
+    assert set(b) == {4, 5, 6} and all(a[k] == b[k] for k in b), (a, b)
+    assert a[6] < a[1]
+    x, y = restored_state(cfg, straight), restored_state(cfg, resumed)
+    same_bits = jax.tree.leaves(jax.tree.map(np.array_equal, x, y))  # Muon's momentum too
+    assert len(same_bits) > 10 and all(same_bits)
+
+
+def test_unknown_optimizer_is_one_line():
+    from jaxformer.validation import ConfigError
+    with pytest.raises(ConfigError) as err:
+        OptimConfig(name="sgd")
+    assert "optim.name='sgd'" in str(err.value) and "muon" in str(err.value)
+    assert "\n" not in str(err.value)
