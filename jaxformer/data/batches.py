@@ -23,14 +23,16 @@ from jaxformer.data.config import DataError
 
 def get_batch(tokens: np.ndarray, docs: np.ndarray | None, *, seed: int, step: int,
               batch_size: int, seq_len: int, pack: bool = False,
-              rows: slice = slice(None)) -> dict[str, np.ndarray]:
+              rows: slice = slice(None), stream: int | None = None) -> dict[str, np.ndarray]:
     """A training batch that is a pure function of (seed, step): no iterator state, so a
     resumed run draws exactly the batches it would have drawn. Window starts are uniform
     in [0, len(tokens) - seq_len - 1]. docs: int64 [n_docs] document start offsets.
-    rows: only these rows of the batch are read (a process's share on several hosts)."""
+    rows: only these rows of the batch are read (a process's share on several hosts; a
+    slice or row indices). stream: another random stream of the same (seed, step) (a
+    mixture's source: jaxformer.data.mixture)."""
     _check(tokens, docs, batch_size, seq_len, pack, need=seq_len + 1,
            what=f"one window of seq_len={seq_len} (+1 for the last target)")
-    rng = np.random.default_rng([seed, step])
+    rng = np.random.default_rng([seed, step] if stream is None else [seed, step, stream])
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size, endpoint=True)
     return _windows(tokens, docs, starts[rows], seq_len, pack)
 

@@ -5,11 +5,42 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
+
 from jaxformer.validation import ConfigError, Section, check_choice, check_number
 
 TOKENIZERS = ("bytes", "bpe")
 BIN_DTYPES = ("uint16", "uint32")
 FORMATS = ("text", "prompt_completion")
+
+
+def parse_mixture(spec) -> tuple[tuple[str, str, float], ...]:
+    """'PATH:WEIGHT,...' (or a list of 'PATH:WEIGHT' / {path, weight} entries) -> ((name,
+    path, weight), ...), each name the path's stem; one-line errors for the rest."""
+    entries = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for entry in entries:
+        if isinstance(entry, dict) and set(entry) == {"path", "weight"}:
+            path, weight = str(entry["path"]), entry["weight"]
+        elif isinstance(entry, str) and ":" in entry:
+            path, weight = entry.strip().rsplit(":", 1)
+        else:
+            raise ConfigError(f"data.mixture entry {entry!r} is not PATH:WEIGHT (e.g. "
+                              "data.mixture=code.txt:0.8,prose.jsonl:0.2)")
+        try:
+            weight = float(weight)
+        except ValueError:
+            raise ConfigError(f"data.mixture entry {entry!r}: the weight {weight!r} is not a "
+                              "number") from None
+        if not weight > 0 or not np.isfinite(weight):
+            raise ConfigError(f"data.mixture entry {entry!r}: the weight must be > 0")
+        name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+        out.append((name, path, weight))
+    names = [n for n, _, _ in out]
+    if len(out) < 2 or len(set(names)) < len(names):
+        raise ConfigError(f"data.mixture needs two or more sources with different file names "
+                          f"(each names its val_loss/NAME); got {', '.join(names)}")
+    return tuple(out)
 
 
 class DataError(ValueError):
@@ -41,6 +72,8 @@ class DataConfig(Section):
     format: text (a corpus, as above) | prompt_completion (a .jsonl or .parquet file of
       records with the fields prompt_field and completion_field, packed one record per
       segment with the loss on the completion alone: jaxformer.data.completions).
+    mixture: PATH:WEIGHT,PATH:WEIGHT,... (or a YAML list of them) in place of path: each
+      row of a batch from a source drawn with those weights (jaxformer.data.mixture).
     """
 
     path: str | None = None
@@ -55,9 +88,11 @@ class DataConfig(Section):
     format: str = "text"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    mixture: str | None = None
 
     def __post_init__(self):
         o = "data"
+        self._check_mixture()
         for name in ("path", "cache_dir"):
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
@@ -92,5 +127,20 @@ class DataConfig(Section):
                               "of the model it fine-tunes, the default with train.init_from)")
         if not isinstance(self.pack, bool):
             raise ConfigError(f"data.pack={self.pack!r} must be true or false")
+
+    def _check_mixture(self):
+        """data.mixture held as 'PATH:WEIGHT,...' (a list is joined), checked in one line."""
+        if self.mixture is None:
+            return
+        sources = parse_mixture(self.mixture)
+        object.__setattr__(self, "mixture", ",".join(f"{p}:{w!r}" for _, p, w in sources))
+        for name, bad, fix in (("path", self.path is not None, "unset data.path"),
+                               ("format", self.format != "text", "data.format=text"),
+                               ("tokenizer", self.tokenizer == "bpe",
+                                "a tokenizer.json (e.g. from python -m jaxformer.data.prepare "
+                                "on one source) or bytes")):
+            if bad:
+                raise ConfigError(f"data.mixture reads text corpora with one given tokenizer, "
+                                  f"not data.{name}={getattr(self, name)!r}; use {fix}")
 
     SECTION = "data"  # from_dict, to_dict, replace: jaxformer.validation.Section

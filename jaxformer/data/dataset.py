@@ -22,6 +22,7 @@ from jaxformer.data.batches import eval_batches, get_batch
 from jaxformer.data.completions import CompletionData, load_completions
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import Corpus, find_corpus, read_pieces
+from jaxformer.data.mixture import MixtureData, load_mixture
 from jaxformer.data.token_files import open_tokens
 from jaxformer.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from jaxformer.data.tokens import (
@@ -68,7 +69,8 @@ class Dataset:
 
 def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
                  vocab_size: int | None = None, progress: bool = True,
-                 log: Callable[[str], None] | None = None) -> Dataset | CompletionData:
+                 log: Callable[[str], None] | None = None
+                 ) -> Dataset | CompletionData | MixtureData:
     """The train/val token streams that ``cfg`` describes.
 
     run_dir: where the tokenizer is saved as tokenizer.json (required for "bpe"; a
@@ -81,6 +83,9 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
     log: takes one-line messages (the cache used, the BPE sample); default: stderr.
     """
     log = log or to_stderr
+    if cfg.mixture:  # each source as data.path would be; one tokenizer
+        return load_mixture(cfg, load_dataset, run_dir=run_dir, vocab_size=vocab_size,
+                            progress=progress, log=log)
     corpus = find_corpus(cfg.path)
     cache_dir = os.path.expanduser(cfg.cache_dir or "~/.cache/jaxformer")
     for name, pid in remove_stale_temporaries(cache_dir):

@@ -64,16 +64,27 @@ def evaluate(eval_step, params, tokens, docs, cfg: RunConfig, place=lambda b: b,
              rows=slice(None), data=None) -> dict:
     """Mean validation loss over cfg.train.eval_batches batches of the val tokens and
     docs, or of `data` (a loaded dataset) when given (this process reads its `rows` of
-    each; `place` makes them global arrays)."""
-    total = count = 0.0
-    batches = data.eval_batches if data is not None else functools.partial(eval_batches, tokens,
-                                                                            docs)
-    for batch in batches(batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
-                         max_batches=cfg.train.eval_batches, pack=cfg.data.pack, rows=rows):
-        t, c = eval_step(params, place(batch))
-        total, count = total + np.asarray(t, np.float64), count + float(c)
-    loss = total / max(count, 1.0)  # [S] for a sweep of adapters: each one's, and the mean
+    each; `place` makes them global arrays). A mixture (data.mixture): each source's as
+    val_loss/NAME, and val_loss their mean under the mixture's weights."""
+    def mean_loss(batches):
+        total = count = 0.0
+        for batch in batches(batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
+                             max_batches=cfg.train.eval_batches, pack=cfg.data.pack, rows=rows):
+            t, c = eval_step(params, place(batch))
+            total, count = total + np.asarray(t, np.float64), count + float(c)
+        return total / max(count, 1.0)  # [S] for a sweep of adapters: each one's
+
+    parts = getattr(data, "parts", None)
+    if parts:
+        each = {f"val_loss/{p.name}": mean_loss(p.data.eval_batches) for p in parts}
+        loss = sum(p.weight * each[f"val_loss/{p.name}"] for p in parts) / sum(
+            p.weight for p in parts)
+    else:
+        each = {}
+        loss = mean_loss(data.eval_batches if data is not None else
+                         functools.partial(eval_batches, tokens, docs))
     out = {"val_loss": float(np.mean(loss)), "val_ppl": math.exp(min(float(np.mean(loss)), 50.0))}
+    out.update({k: float(np.mean(v)) for k, v in each.items()})
     if np.ndim(loss):
         out["val_losses"] = [float(x) for x in loss]
     return out

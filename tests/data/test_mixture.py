@@ -1,0 +1,77 @@
+"""data.mixture: each row of a batch from a source drawn with the mixture's weights (a
+pure function of seed, step and row, so any split of the rows over processes reads the
+same batch), the sources' shares over a run at their weights, every window a window of
+its own source, and the config's one-line errors. Training (resume, per-source val loss):
+tests/training/test_mixture_training.py."""
+
+import numpy as np
+import pytest
+
+from jaxformer.data import DataConfig, load_dataset
+from jaxformer.data.mixture import row_sources
+from jaxformer.validation import ConfigError
+
+
+def write_sources(rng, tmp_path, sizes=(3000, 2000)):
+    """Two text files of disjoint alphabets (lowercase letters, digits): a window's bytes
+    say which file it came from."""
+    paths = []
+    for name, alphabet, n in zip(("letters", "digits"), (b"abcdefghij \n", b"0123456789 \n"),
+                                 sizes):
+        path = tmp_path / f"{name}.txt"
+        path.write_bytes(bytes(rng.choice(list(alphabet), n).tolist()))
+        paths.append(path)
+    return paths
+
+
+def test_rows_follow_the_weights_and_come_from_their_source(rng, tmp_path):
+    letters, digits = write_sources(rng, tmp_path)
+    data = load_dataset(DataConfig(mixture=f"{letters}:0.8,{digits}:0.2",
+                                   cache_dir=str(tmp_path / "cache"), val_fraction=0.1),
+                        vocab_size=256, progress=False, log=lambda m: None)
+    seed, batch_size, seq_len = int(rng.integers(1 << 30)), 20, 16
+    rows = 0
+    from_letters = 0
+    for step in range(50):  # 1,000 rows
+        batch = data.train_batch(seed=seed, step=step, batch_size=batch_size, seq_len=seq_len)
+        second_half = data.train_batch(seed=seed, step=step, batch_size=batch_size,
+                                       seq_len=seq_len, rows=slice(10, 20))  # process 2 of 2
+        np.testing.assert_array_equal(second_half["inputs"], batch["inputs"][10:])
+        source = row_sources(seed, step, batch_size, [0.8, 0.2])
+        text = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+        is_letters = np.all((text >= ord("a")) | (text == 32) | (text == 10), axis=1)
+        is_digits = np.all((text < ord("a")), axis=1)
+        np.testing.assert_array_equal(is_letters, source == 0)
+        np.testing.assert_array_equal(is_digits, source == 1)
+        rows += batch_size
+        from_letters += int(is_letters.sum())
+    assert rows == 1000 and abs(from_letters / rows - 0.8) < 0.02, from_letters / rows
+    again = data.train_batch(seed=seed, step=7, batch_size=batch_size, seq_len=seq_len)
+    np.testing.assert_array_equal(again["inputs"], data.train_batch(
+        seed=seed, step=7, batch_size=batch_size, seq_len=seq_len)["inputs"])
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("a.txt:0.8", "two or more sources"),
+    ("a.txt:0.8,b/a.txt:0.2", "different file names"),
+    ("a.txt,b.txt:1", "is not PATH:WEIGHT"),
+    ("a.txt:x,b.txt:1", "is not a number"),
+    ("a.txt:0,b.txt:1", "must be > 0"),
+])
+def test_bad_mixtures_are_one_line(spec, words):
+    with pytest.raises(ConfigError) as err:
+        DataConfig(mixture=spec)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("other, words", [(dict(path="x.txt"), "data.path"),
+                                          (dict(tokenizer="bpe"), "data.tokenizer")])
+def test_mixture_refuses_what_it_cannot_read(other, words):
+    with pytest.raises(ConfigError) as err:
+        DataConfig(mixture="a.txt:1,b.txt:1", **other)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_yaml_list_is_the_same_mixture():
+    listed = DataConfig(mixture=["a.txt:0.8", {"path": "b.jsonl", "weight": 0.2}])
+    assert listed == DataConfig(mixture="a.txt:0.8,b.jsonl:0.2")
