@@ -73,7 +73,8 @@ def start(cfg, run_dir, lead: bool = True) -> Tracker | None:
     except wandb.errors.Error as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"train.wandb={t.wandb} (train.wandb_mode={t.wandb_mode}): W&B "
-                          f"could not start: {first}; or use train.wandb_mode=offline") from e
+                          f"could not start: {first.rstrip('.')}; or run with "
+                          "train.wandb_mode=offline") from e
     if run_id is None:
         id_file.write_text(run.id + "\n")
     return Tracker(run)

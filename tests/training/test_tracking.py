@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxformer.config import ConfigError
@@ -123,3 +124,24 @@ def test_bad_wandb_settings_are_one_line(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+class FakeRun:
+    """What Tracker needs of a wandb Run: the next step (a resumed online run's is past the
+    steps it holds) and log(); records the calls."""
+
+    def __init__(self, step):
+        self.step, self.logged = step, []
+
+    def log(self, data, step):
+        self.logged.append((step, data))
+
+
+def test_tracker_flattens_lists_and_skips_steps_the_run_holds(rng):
+    losses = rng.normal(size=3).tolist()
+    run = FakeRun(step=5)  # resumed after step 4 was logged
+    tracker = tracking.Tracker(run)
+    tracker.log({"step": 4, "loss": 1.0})  # again after the resume: W&B refuses it
+    tracker.log({"step": 5, "loss": float(np.mean(losses)), "losses": losses})
+    assert run.logged == [(5, {"step": 5, "loss": float(np.mean(losses)),
+                               **{f"losses/{i}": x for i, x in enumerate(losses)}})]
