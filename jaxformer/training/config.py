@@ -26,6 +26,7 @@ from jaxformer.validation import (ConfigError, build_section, check_choice, chec
 SCHEDULES = ("cosine", "inverse_sqrt", "constant", "linear")
 OPTIMIZERS = ("adamw", "muon")
 RESUME = ("auto", "never")
+WANDB_MODES = ("offline", "online")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,8 @@ class TrainConfig:
     progress: bool = True
     init_from: str | None = None  # an HF folder or a run (RUN, RUN@STEP): jaxformer.training.init_from
     random_positions: int | None = None  # MAX: train on sorted random positions < MAX (data.random_positions)
+    wandb: str | None = None  # a W&B project: metrics and config logged there (training/tracking.py)
+    wandb_mode: str = "offline"  # offline: files in run_dir/wandb (wandb sync uploads them); online
 
     def __post_init__(self):
         o = "train"
@@ -107,6 +110,11 @@ class TrainConfig:
         check_number(o, "sample_tokens", self.sample_tokens, int, low=0)
         check_number(o, "sample_temperature", self.sample_temperature, float, low=0)
         check_choice(o, "resume", self.resume, RESUME)
+        check_choice(o, "wandb_mode", self.wandb_mode, WANDB_MODES)
+        if self.wandb is not None and (not isinstance(self.wandb, str) or not self.wandb or
+                                       any(c in self.wandb for c in "/\\#?%:")):
+            raise ConfigError(f"train.wandb={self.wandb!r} must be a W&B project name (none of "
+                              "/ \\ # ? % :), or unset for no W&B")
         if not self.run_dir:
             raise ConfigError("train.run_dir must be a directory path")
         if self.init_from is not None and (not isinstance(self.init_from, str) or

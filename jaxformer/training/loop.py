@@ -27,6 +27,7 @@ from jaxformer.training.initial_weights import load_initial
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
+from jaxformer.training import tracking
 from jaxformer.sharding import (batch_devices, batch_sharding, check_context_split,
                                 check_expert_split, initialize_distributed, make_mesh,
                                 per_device_bytes, place_batch, process_rows, resolve_rules)
@@ -108,6 +109,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
                            d.cpu_collectives)
     lead = jax.process_index() == 0
+    tracking.check(cfg.train, lead)  # train.wandb without the wandb package: now, not later
     if not lead:
         log = lambda *args, **kwargs: None  # noqa: E731 (process 0 speaks for the run)
     run_dir = pathlib.Path(cfg.train.run_dir)
@@ -170,7 +172,8 @@ class _Run:
         self.eval_step = make_eval_step(model, mesh=mesh, rules=rules,
                                         param_shardings=shardings.params)
         self.moe_layers = sparse_ids(mcfg)  # the layers logged as moe_load/i, moe_dropped/i
-        self.metrics = MetricsLog(run_dir, enabled=lead)
+        self.metrics = MetricsLog(run_dir, enabled=lead,
+                                  tracker=tracking.start(cfg, run_dir, lead))  # W&B
         cleanup.callback(self.metrics.close)
         self.bar = _progress(t.steps, self.start, t.progress and lead)
         self.best = self.ckpt.best_val_loss()  # carried across resumes

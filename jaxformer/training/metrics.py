@@ -1,5 +1,5 @@
-"""What a run reports: metrics.jsonl (+ TensorBoard when a writer is installed), the peak
-FLOP/s behind MFU, and the loss-curve plot."""
+"""What a run reports: metrics.jsonl (+ TensorBoard when a writer is installed, + W&B with
+train.wandb: training/tracking.py), the peak FLOP/s behind MFU, and the loss-curve plot."""
 
 from __future__ import annotations
 
@@ -46,11 +46,13 @@ def peak_flops(dtype: str = "float32") -> tuple[float, str]:
 
 class MetricsLog:
     """Appends one JSON object per call to run_dir/metrics.jsonl; mirrors scalars to
-    TensorBoard when tensorboardX is importable."""
+    TensorBoard when tensorboardX is importable, and each record to `tracker` (a
+    tracking.Tracker: W&B) when given."""
 
-    def __init__(self, run_dir: pathlib.Path, enabled: bool = True):
+    def __init__(self, run_dir: pathlib.Path, enabled: bool = True, tracker=None):
         self.path = pathlib.Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
+        self.tracker = tracker
         self.tb = None
         if enabled:
             try:
@@ -68,10 +70,14 @@ class MetricsLog:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
+        if self.tracker is not None:
+            self.tracker.log(record)
 
     def close(self):
         if self.tb is not None:
             self.tb.close()
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 def read_metrics(run_dir) -> list[dict]:
