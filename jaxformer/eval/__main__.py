@@ -33,21 +33,31 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def task_manager(include_path, names):
+    """lm-eval's TaskManager: --include_path's tasks alone when they hold every name asked
+    for (indexing lm-eval's own thousands of task files takes about 20 s), else with them."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(n in local.all_tasks for n in names):
+            return local
+    return TaskManager(include_path=include_path)
+
+
 def evaluate(args) -> dict:
     """lm-eval's results dict (samples included) for parsed arguments."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     from jaxformer.eval.lm import JaxformerLM
 
     lm = JaxformerLM(args.model.rstrip("/"), batch_size=args.batch_size,
                      max_gen_toks=args.max_gen_toks, best=args.best)
-    tasks = TaskManager(include_path=args.include_path)
     names = [t for t in args.tasks.split(",") if t]
+    tasks = task_manager(args.include_path, names)
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
     return simple_evaluate(model=lm, tasks=names, task_manager=tasks, limit=limit,
-                           num_fewshot=args.num_fewshot, log_samples=True,
-                           batch_size=args.batch_size)
+                           num_fewshot=args.num_fewshot, log_samples=True)
 
 
 def main(argv=None) -> int:
