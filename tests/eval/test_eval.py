@@ -71,6 +71,8 @@ def test_a_run_scores_every_example_as_lm_evals_hf_model_scores_its_export(
             # choice: [[(logp, greedy)] per choice]; text: [[logp]]
             ll = lambda r: np.array([x[0][0] if task == "jaxformer_choice" else x[0] for x in r])  # noqa: E731
             np.testing.assert_allclose(ll(a[doc]), ll(b[doc]), rtol=0, atol=1e-4)
+            if task == "jaxformer_choice":  # and whether greedy decoding gives the choice
+                assert [x[0][1] for x in a[doc]] == [x[0][1] for x in b[doc]], doc
     for task, metric in [("jaxformer_choice", "acc,none"), ("jaxformer_complete",
                                                               "exact_match,none")]:
         assert ours["results"][task][metric] == theirs["results"][task][metric]
