@@ -47,6 +47,12 @@ def by_doc(samples):
     return {s["doc_id"]: s["resps"] for s in samples}
 
 
+def loglikelihoods(task, resps):
+    """An example's log-likelihoods: choice's resps are [[(logp, is_greedy)] per choice],
+    text's [[logp]]."""
+    return np.array([r[0][0] if task == "jaxformer_choice" else r[0] for r in resps])
+
+
 def test_a_run_scores_every_example_as_lm_evals_hf_model_scores_its_export(
         exported, tmp_path, monkeypatch):
     from jaxformer.eval.__main__ import main
@@ -68,9 +74,8 @@ def test_a_run_scores_every_example_as_lm_evals_hf_model_scores_its_export(
             if task == "jaxformer_complete":  # greedy text, until "\n"
                 assert a[doc] == b[doc], (doc, a[doc], b[doc])
                 continue
-            # choice: [[(logp, greedy)] per choice]; text: [[logp]]
-            ll = lambda r: np.array([x[0][0] if task == "jaxformer_choice" else x[0] for x in r])  # noqa: E731
-            np.testing.assert_allclose(ll(a[doc]), ll(b[doc]), rtol=0, atol=1e-4)
+            np.testing.assert_allclose(loglikelihoods(task, a[doc]),
+                                       loglikelihoods(task, b[doc]), rtol=0, atol=1e-4)
             if task == "jaxformer_choice":  # and whether greedy decoding gives the choice
                 assert [x[0][1] for x in a[doc]] == [x[0][1] for x in b[doc]], doc
     for task, metric in [("jaxformer_choice", "acc,none"), ("jaxformer_complete",
