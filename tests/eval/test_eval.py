@@ -1,0 +1,117 @@
+"""jaxformer.eval against lm-evaluation-harness's own `hf` model on the same weights: a tiny
+run trained for a few steps, exported with `python -m jaxformer.convert to-hf`, gives the
+same per-example log-likelihoods, perplexities, greedy completions and accuracy."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxformer.training import load_config, train
+from tests.conftest import REPO
+
+lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("torch")
+
+TASKS = REPO / "tests/eval/tasks"  # their data_files are relative to the repository root
+NAMES = ["jaxformer_choice", "jaxformer_text", "jaxformer_complete"]
+WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
+RUN = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
+       "model.vocab_size=320", "train.seq_len=32", "train.batch_size=4", "train.steps=60",
+       "train.eval_batches=1", "train.sample_tokens=0", "train.progress=false",
+       "optim.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(run dir, its to-hf export): a BPE run that learned to count in words (each line
+    counts on from a random word, as the tasks' contexts do; the same text every run)."""
+    from jaxformer.convert.__main__ import to_hf_run
+    from jaxformer.data import train_bpe
+    d = tmp_path_factory.mktemp("eval")
+    rng = np.random.default_rng(0)
+    lines = [" ".join(WORDS[(s + i) % 12] for i in range(rng.integers(3, 9)))
+             for s in rng.integers(0, 12, 3000)]
+    (d / "corpus.txt").write_text("\n".join(lines))
+    train_bpe(iter(lines), 320).save(d / "tok")
+    cfg = load_config(str(REPO / "configs/tiny.yaml"),
+                      [*RUN, f"data.path={d / 'corpus.txt'}", f"train.run_dir={d / 'run'}",
+                       f"data.tokenizer={d / 'tok/tokenizer.json'}", f"data.cache_dir={d / 'c'}"])
+    train(cfg, log=lambda *a: None)
+    to_hf_run(str(d / "run"), str(d / "hf"), log=lambda *a: None)
+    return d / "run", d / "hf"
+
+
+def by_doc(samples):
+    """{doc_id: the example's responses} of one task's logged samples."""
+    return {s["doc_id"]: s["resps"] for s in samples}
+
+
+def loglikelihoods(task, resps):
+    """An example's log-likelihoods: choice's resps are [[(logp, is_greedy)] per choice],
+    text's [[logp]]."""
+    return np.array([r[0][0] if task == "jaxformer_choice" else r[0] for r in resps])
+
+
+def test_a_run_scores_every_example_as_lm_evals_hf_model_scores_its_export(
+        exported, tmp_path, monkeypatch):
+    from jaxformer.eval.__main__ import main
+    from lm_eval.tasks import TaskManager
+    run, hf = exported
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "results.json"
+    assert main([str(run), "--tasks", ",".join(NAMES), "--include_path", str(TASKS),
+                 "--limit", "20", "--batch_size", "8", "--output", str(out)]) == 0
+    ours = json.loads(out.read_text())
+    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32",
+                                     device="cpu", tasks=NAMES, limit=20, log_samples=True,
+                                     task_manager=TaskManager(include_path=str(TASKS),
+                                                              include_defaults=False))
+    for task in NAMES:
+        a, b = by_doc(ours["samples"][task]), by_doc(theirs["samples"][task])
+        assert a.keys() == b.keys() and len(a) == (20 if task == "jaxformer_choice" else 6)
+        for doc in a:
+            if task == "jaxformer_complete":  # greedy text, until "\n"
+                assert a[doc] == b[doc], (doc, a[doc], b[doc])
+                continue
+            np.testing.assert_allclose(loglikelihoods(task, a[doc]),
+                                       loglikelihoods(task, b[doc]), rtol=0, atol=1e-4)
+            if task == "jaxformer_choice":  # and whether greedy decoding gives the choice
+                assert [x[0][1] for x in a[doc]] == [x[0][1] for x in b[doc]], doc
+    for task, metric in [("jaxformer_choice", "acc,none"), ("jaxformer_complete",
+                                                              "exact_match,none")]:
+        assert ours["results"][task][metric] == theirs["results"][task][metric]
+    # the model learned to count: better than the 1/3 of chance, and it completes lines
+    assert ours["results"]["jaxformer_choice"]["acc,none"] > 0.5
+    assert any(r[0][0].strip() for r in by_doc(ours["samples"]["jaxformer_complete"]).values())
+
+
+def test_a_request_longer_than_max_seq_len_loses_its_left_end_as_in_lm_evals_hf(exported, rng):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from jaxformer.eval import JaxformerLM
+    run, hf = exported
+    ours, theirs = JaxformerLM(str(run), batch_size=4), HFLM(pretrained=str(hf),
+                                                            dtype="float32", device="cpu")
+    assert ours.max_length == theirs.max_length == 32
+    texts = [" ".join(rng.choice(WORDS, int(rng.integers(n, n + 6)))) for n in (40, 60, 3)]
+    requests = [Instance("loglikelihood", {}, (t, " " + str(rng.choice(WORDS))), i)
+                for i, t in enumerate(texts)]
+    assert len(ours.tok_encode(texts[1])) > 32 + 1  # truncated
+    mine = ours.loglikelihood(requests, disable_tqdm=True)
+    ref = theirs.loglikelihood(requests, disable_tqdm=True)
+    np.testing.assert_allclose([m[0] for m in mine], [r[0] for r in ref], rtol=0, atol=1e-4)
+    assert [m[1] for m in mine] == [r[1] for r in ref]
+
+
+def test_an_unknown_run_dir_is_one_line_naming_what_it_wants(tmp_path, capsys, monkeypatch):
+    from jaxformer.eval.__main__ import main
+    assert main([str(tmp_path / "nothing"), "--tasks", "jaxformer_choice"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "neither a jaxformer run dir (with config.yaml) nor" in err
+    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # not installed
+    assert main([str(tmp_path), "--tasks", "x"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: jaxformer.eval needs "
+                                               "lm-evaluation-harness: pip install "
+                                               "'jaxformer[eval]'")
