@@ -147,7 +147,7 @@ class Clock:
 
 
 def test_watch_names_the_silent_peer_and_not_the_finished_one(tmp_path, rng):
-    count, heartbeat = 4, float(rng.uniform(2, 20))
+    count, heartbeat = 4, 4.0 * int(rng.integers(1, 6))  # beats of whole seconds: exact sums
     store, clock, exits = FakeStore(), Clock(), []
     watches = [PeerWatch(store, p, count, heartbeat, tmp_path, clock=clock, exit=exits.append)
                for p in range(count)]
