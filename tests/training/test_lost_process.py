@@ -3,6 +3,7 @@ stops within 30 s with one line naming it and the newest intact checkpoint step 
 3), and the same command rerun on both resumes there with the uninterrupted run's
 losses. And the watch's own logic, with a fake key-value store and clock."""
 
+import contextlib
 import os
 import pathlib
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from jaxformer.config import ConfigError
@@ -26,11 +28,17 @@ LINE = re.compile(r"jaxformer: process (\d) of 2 is gone \(no heartbeat for 3 s\
                   r"command on every host to resume from it")
 
 
-def _free_port():
+def _free_port(rng):
+    """A free port below the kernel's ephemeral range: a client that retries its connect
+    before process 0 listens can never be handed it as its own port (a TCP self-connect,
+    which then makes process 0's bind fail)."""
     import socket
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in rng.permutation(np.arange(20000, min(low, 32768))):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("localhost", int(port)))
+            return int(port)
+    raise RuntimeError("no free port")
 
 
 def launch(tmp_path, run, port, seed):
@@ -50,14 +58,22 @@ def launch(tmp_path, run, port, seed):
 
 
 def finish(procs, timeout):
-    """(returncode, stdout, stderr) of each; any still running after `timeout` is killed."""
-    try:
-        return [(p, *p.communicate(timeout=timeout)) for p in procs]
-    finally:
+    """[(process, stdout, stderr)] once both have ended; the test fails, with their
+    stderr, if either still runs after `timeout` seconds (then both are killed)."""
+    deadline, outs, late = time.time() + timeout, [], []
+    for i, p in enumerate(procs):
+        try:
+            outs.append((p, *p.communicate(timeout=max(deadline - time.time(), 0.1))))
+        except subprocess.TimeoutExpired:
+            late.append(i)
+            p.kill()
+            outs.append((p, *p.communicate()))
+    if late:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+            p.kill()
+        pytest.fail(f"process(es) {late} still ran after {timeout} s; stderr tails: "
+                    + " | ".join(err[-1500:] for _, _, err in outs))
+    return outs
 
 
 def logged_step(run):
@@ -72,18 +88,15 @@ def test_killed_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
     (tmp_path / "corpus.txt").write_text(
         "\n".join(" ".join(rng.choice(words, size=6)) for _ in range(600)))
     seed, run = int(rng.integers(1000)), tmp_path / "run"
-    port = _free_port()
+    port = _free_port(rng)
     procs = launch(tmp_path, run, port, seed)
-    try:
-        deadline = time.time() + 240
-        while logged_step(run) < 3 * EVERY + 1 and time.time() < deadline \
-                and procs[0].poll() is None:
-            time.sleep(0.05)
-        procs[1].send_signal(signal.SIGKILL)
-        killed_at = time.time()
-        (p0, _, err0), (p1, _, _) = finish(procs, timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the survivor still ran {time.time() - killed_at:.0f} s after the kill")
+    deadline = time.time() + 240
+    while logged_step(run) < 3 * EVERY + 1 and time.time() < deadline \
+            and procs[0].poll() is None:
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    (p0, _, err0), (p1, _, _) = finish(procs, timeout=30)
     assert p1.returncode == -signal.SIGKILL
     assert p0.returncode == EXIT_LOST, err0[-3000:]
     assert time.time() - killed_at < 30
@@ -104,8 +117,8 @@ def test_killed_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
     assert r0.returncode == 0 and r1.returncode == 0, (e0[-3000:], e1[-3000:])
     assert f"resumed from {run}/checkpoints/{step}" in out0
 
-    (s0, _, e0), (s1, _, e1) = finish(launch(tmp_path, tmp_path / "straight", _free_port(),
-                                             seed), timeout=300)
+    (s0, _, e0), (s1, _, e1) = finish(launch(tmp_path, tmp_path / "straight",
+                                             _free_port(rng), seed), timeout=300)
     assert s0.returncode == 0 and s1.returncode == 0, (e0[-3000:], e1[-3000:])
     want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight") if "loss" in r}
     logged = [r for r in read_metrics(run) if "loss" in r]  # the killed run's, then the rerun's
