@@ -180,12 +180,14 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     cpu_collectives: str = "gloo"  # CPU-only runs: the cross-process collectives backend
+    heartbeat_s: float = 10.0  # a process silent this long is lost: the others stop (exit 3)
 
     def __post_init__(self):
         o = "distributed"
         check_number(o, "num_processes", self.num_processes, int, low=1, optional=True)
         check_number(o, "process_id", self.process_id, int, low=0, optional=True)
         check_choice(o, "cpu_collectives", self.cpu_collectives, ("gloo", "mpi"))
+        check_number(o, "heartbeat_s", self.heartbeat_s, float, low=1)
         if self.coordinator_address is not None and ":" not in str(self.coordinator_address):
             raise ConfigError(f"distributed.coordinator_address={self.coordinator_address!r} "
                               "must be host:port of process 0, e.g. 10.0.0.1:1234")

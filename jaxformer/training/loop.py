@@ -28,6 +28,7 @@ from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training import tracking
+from jaxformer.training.peers import watch_peers
 from jaxformer.sharding import (batch_devices, batch_sharding, check_context_split,
                                 check_expert_split, initialize_distributed, make_mesh,
                                 per_device_bytes, place_batch, process_rows, resolve_rules)
@@ -107,7 +108,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     holds the run dir's lock: one run per run dir)."""
     d = cfg.distributed
     initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
-                           d.cpu_collectives)
+                           d.cpu_collectives, d.heartbeat_s)
     lead = jax.process_index() == 0
     tracking.check(cfg.train, lead)  # train.wandb without the wandb package: now, not later
     if not lead:
@@ -116,6 +117,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_dir_lock(run_dir, log=log) if lead else contextlib.nullcontext(), \
             contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(watch_peers(run_dir, d.heartbeat_s))  # a lost process: exit 3
         run = _Run(cfg, run_dir, lead, log, cleanup)
         stopped_early = run.steps()
         return run.finish(stopped_early)
