@@ -59,13 +59,15 @@ def numpy_dpo(model, policy, ref_model, reference, batch, beta, kind):
     for r in range(batch["inputs"].shape[0]):
         seg = batch["segment_ids"][r]
         for k in range(1, int(seg.max()) // 2 + 1):
-            row = []
+            row, prompts = [], []
             for s in (2 * k - 1, 2 * k):
                 at = seg == s
                 ids = np.concatenate([batch["inputs"][r][at], batch["targets"][r][at][-1:]])
                 prompt_len = bytes(ids.tolist()).decode().index("=") + 1
+                prompts.append(bytes(ids[:prompt_len].tolist()))
                 row.append([answer_logp(run, policy, ids, prompt_len),
                             answer_logp(run_ref, reference, ids, prompt_len)])
+            assert prompts[0] == prompts[1], (r, k, prompts)  # one pair's two answers
             logps.append([row[0][0], row[1][0], row[0][1], row[1][1]])
     pc, pr, rc, rr = np.asarray(logps, np.float64).T
     h = (pc - rc) - (pr - rr)
@@ -169,11 +171,14 @@ def test_bad_input_stops_in_one_line(tmp_path, capsys):
             "data.format=preference", "objective.name=dpo", f"train.run_dir={tmp_path / 'r'}",
             f"data.cache_dir={tmp_path / 'c'}", "train.progress=false"]
     tiny = str(REPO / "configs/tiny.yaml")
+    (tmp_path / "t.txt").write_text("x = 1\n" * 500)  # were grpo to train: one short step
+    cheap = [f"data.path={tmp_path / 't.txt'}", "train.steps=1", "train.sample_tokens=0",
+             "train.seq_len=16", "train.batch_size=2", f"data.cache_dir={tmp_path / 'c'}"]
     cases = [(args, [f"{path}:4: field 'rejected' is missing", "data.rejected_field"]),
              (args + ["objective.loss=foo"], ["objective.loss='foo' is not one of sigmoid, ipo"]),
              (args[:3] + args[4:], ["objective.name=lm with data.format=preference"]),
              ([tiny, *args[1:]], ["objective.name=dpo needs train.init_from"]),
-             ([tiny, "objective.name=grpo", f"train.run_dir={tmp_path / 'g'}"],
+             ([tiny, "objective.name=grpo", f"train.run_dir={tmp_path / 'g'}", *cheap],
               ["objective.name=grpo", "post-train with objective.name=dpo"])]
     for argv, needles in cases:
         assert cli.main(argv) == 2, argv
