@@ -83,11 +83,12 @@ def test_the_losses_equal_a_float64_reference_of_both_models(tmp_path, kind, ran
     NumPy's from log-probs of the policy and the reference computed apart. Without LoRA
     the reference is another params tree passed in; with LoRA it is the base alone (a
     model without adapters on the base params), the policy the base with random adapters."""
-    path = write_jsonl(tmp_path / "p.jsonl", sums(30))
+    path = write_jsonl(tmp_path / "p.jsonl", sums(30, lambda a, b: int(rng.integers(10, 200))))
     data = load_dataset(DataConfig(path=str(path), format="preference", val_fraction=0.0,
                                    cache_dir=str(tmp_path / "c")), run_dir=str(tmp_path / "run"),
                         vocab_size=256, progress=False, log=lambda *a: None)
     batch = data.train_batch(seed=int(rng.integers(1 << 30)), step=0, batch_size=3, seq_len=24)
+    assert not np.any(data.packed("train", 24) % 2)  # every row starts with a chosen answer
     base_cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, max_seq_len=24,
                            position="learned")  # absolute: positions must restart per answer
     cfg = base_cfg.replace(lora=lora.LoRAConfig(rank=rank, targets=("query", "wo")))
