@@ -55,7 +55,8 @@ def numpy_dpo(model, policy, ref_model, reference, batch, beta, kind):
     """The batch's mean loss and metrics from each pair's sequences, read back from the
     packed rows (segment 2k - 1 chosen, 2k rejected) and run one at a time."""
     logps = []  # per pair: [policy chosen, policy rejected, ref chosen, ref rejected]
-    run, run_ref = (jax.jit(lambda p, x, m=m: m.apply({"params": p}, x)) for m in (model, ref_model))
+    run, run_ref = (jax.jit(lambda p, x, m=m: m.apply({"params": p}, x))
+                    for m in (model, ref_model))
     for r in range(batch["inputs"].shape[0]):
         seg = batch["segment_ids"][r]
         for k in range(1, int(seg.max()) // 2 + 1):
