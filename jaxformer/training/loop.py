@@ -21,9 +21,10 @@ from jaxformer.data.random_positions import randomize_batch
 from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
 from jaxformer.training.balancing import layer_records, sparse_ids
+from jaxformer.training.adapter_checkpoint import keep_base, run_checkpointer
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
-from jaxformer.training.initial_weights import load_initial
+from jaxformer.training.initial_weights import base_loader, load_initial
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
@@ -155,12 +156,14 @@ class _Run:
         self.rows = process_rows(batch_sh, t.batch_size)
         self.place = lambda batch: place_batch(batch, batch_sh, t.batch_size)
         state = init_state(model, tx, t.seed, mesh=mesh, rules=rules, shardings=shardings)
-        self.ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, log=log,
-                                 async_save=cfg.checkpoint.async_save)
+        self.ckpt = run_checkpointer(  # adapter-sized for LoRA from train.init_from
+            cfg, run_dir, load=base_loader(mcfg, shardings.params, mesh, rules),
+            keep=cfg.checkpoint.keep, log=log, async_save=cfg.checkpoint.async_save)
         cleanup.callback(self.ckpt.close)  # completes the saves in flight, however we leave
         if t.init_from and self.ckpt.latest_step() is None:  # a new run from given weights
             state = state.replace(params=load_initial(t.init_from, mcfg, state.params,
                                                       shardings.params, mesh, rules, log))
+            keep_base(self.ckpt, state.params)  # its sha256, for the adapter-sized saves
         self.state = resume(self.ckpt, state, cfg, log)
         self.start = int(self.state.step)
         self.tokens_per_step = t.batch_size * t.seq_len
