@@ -29,7 +29,6 @@ from jaxformer import lora
 from jaxformer.config import ConfigError
 from jaxformer.training.checkpoint import CheckpointError, Checkpointer
 from jaxformer.training.init_from import parse_source
-from jaxformer.training.initial_weights import base_loader
 
 
 def adapters_only(cfg) -> bool:
@@ -67,25 +66,14 @@ def pinned(spec: str) -> str:
     return f"{path}@{step}"
 
 
-def one_device_loader(cfg):
-    """spec -> base weights on the first device: for a reader of the run (generate,
-    convert), which places them itself."""
-    from jaxformer.model import Transformer
-    from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
-
-    mesh, rules = make_mesh(1, 1, 1, devices=jax.devices()[:1]), resolve_rules(cfg.mesh.rules)
-    base = Transformer(cfg.model.replace(lora=lora.LoRAConfig()))
-    return base_loader(cfg.model, param_shardings(base, mesh, rules), mesh, rules)
-
-
-def run_checkpointer(cfg, run_dir, *, load=None, **kwargs) -> Checkpointer:
+def run_checkpointer(cfg, run_dir, *, load, **kwargs) -> Checkpointer:
     """The checkpoints of a run (a RunConfig): adapter-sized when adapters_only(cfg).
-    load: spec -> the base's weights placed as this process wants them (default: on one
-    device); kwargs: Checkpointer's."""
+    load: spec -> the base's weights placed as this process wants them
+    (initial_weights.base_loader, or one_device_loader for a reader of the run); kwargs:
+    Checkpointer's."""
     if not adapters_only(cfg):
         return Checkpointer(run_dir, **kwargs)
-    return AdapterCheckpointer(run_dir, cfg.train.init_from, load or one_device_loader(cfg),
-                               **kwargs)
+    return AdapterCheckpointer(run_dir, cfg.train.init_from, load, **kwargs)
 
 
 def keep_base(ckpt: Checkpointer, params):

@@ -11,6 +11,7 @@ from jaxformer import lora
 from jaxformer.config import ModelConfig
 from jaxformer.hf import from_hf
 from jaxformer.model import Transformer, stack_layers, unstack_layers
+from jaxformer.training.adapter_checkpoint import run_checkpointer
 from jaxformer.training.config import load_config
 from jaxformer.training.init_from import Source, parse_source
 from jaxformer.training.optim import make_optimizer
@@ -47,6 +48,19 @@ def base_loader(cfg: ModelConfig, param_shardings, mesh, rules):
     return lambda spec: load_base(spec, cfg, base_shardings, mesh, rules)[1]
 
 
+def one_device_loader(cfg):
+    """spec -> the base weights of train.init_from=spec on the first device, for a reader
+    of a run (a RunConfig: generate, convert), which places them itself."""
+    from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
+
+    def load(spec):
+        mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+        rules = resolve_rules(cfg.mesh.rules)
+        base = Transformer(cfg.model.replace(lora=lora.LoRAConfig()))
+        return base_loader(cfg.model, param_shardings(base, mesh, rules), mesh, rules)(spec)
+    return load
+
+
 def _run_weights(src: Source, cfg: ModelConfig, base_shardings, mesh, rules):
     """A run's params at src.step (default latest), restored sharded, adapters merged,
     stacked or unstacked and cast as `cfg` wants, and placed in base_shardings."""
@@ -56,7 +70,6 @@ def _run_weights(src: Source, cfg: ModelConfig, base_shardings, mesh, rules):
     shardings = state_shardings(model, tx, mesh, rules)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract_state(model, tx), shardings)
-    from jaxformer.training.adapter_checkpoint import run_checkpointer  # (it imports this)
     loader = base_loader(run.model, shardings.params, mesh, rules)  # an adapter-only run's base
     ckpt = run_checkpointer(run, src.path, load=loader, keep=run.checkpoint.keep,
                             async_save=False, read_only=True)
