@@ -132,8 +132,7 @@ class AdapterCheckpointer(Checkpointer):
         moved = self.spec != recorded["init_from"]  # the config at hand points elsewhere
         source, want = (self.spec if moved else recorded["source"]), recorded["sha256"]
         trained_on = (f"{self.run_dir}'s adapters were trained on the base "
-                      f"{recorded['source']} (train.init_from={recorded['init_from']}, "
-                      f"sha256 {want[:16]})")
+                      f"{recorded['source']} (sha256 {want[:16]})")
         try:
             base = self.load(source)
         except FileNotFoundError as e:  # (a CheckpointError: "no checkpoint" means another thing)
