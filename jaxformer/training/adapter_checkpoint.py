@@ -146,6 +146,7 @@ class AdapterCheckpointer(Checkpointer):
                 f"{trained_on}, but the weights at {source} have sha256 {found[:16]}: the "
                 "base changed; restore the one the adapters were trained on, or point "
                 "train.init_from at a copy of it")
+        self.log(f"base {source}: sha256 {found[:16]}, as the adapters' checkpoint recorded")
         self.record = {"base": {**recorded, "init_from": self.spec,
                                 "source": pinned(source) if moved else recorded["source"]}}
         return base
