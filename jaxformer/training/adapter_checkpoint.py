@@ -116,6 +116,8 @@ class AdapterCheckpointer(Checkpointer):
                 state = super().restore(abstract_state, model_cfg, best=best, **kwargs)
             except ConfigError:
                 raise adapter_error from None
+            self.log(f"checkpoint {int(state.step)} of {self.run_dir} holds its base (saved "
+                     "before adapter-sized checkpoints); the next saves hold the adapters alone")
             if not self.read_only:
                 self.record = self.base_record(self.spec, lora.partition(state.params,
                                                                          scales=True)[2])
