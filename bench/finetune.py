@@ -7,11 +7,14 @@ step against the same adapters trained one after another.
 Shapes: gpt2 (GPT-2 small: 124M, learned positions, tied head), llama (the same
 width and depth with RoPE, RMSNorm, SwiGLU, 4 KV heads, a 32,000-token untied head) and
 tiny (configs/tiny.yaml's 3M-param model).
-For each: params trained, optimizer-state bytes, checkpoint bytes (an orbax save of the
-whole train state, as train.py writes it), the step's compile seconds and tokens/s
-(median step after the first) for full fine-tuning and for LoRA on every projection.
+For each: params trained, optimizer-state bytes, checkpoint bytes on disk (an orbax save
+of the whole train state; for LoRA also the adapter-sized save train.py writes for a run
+from train.init_from: adapters, scales and optimizer state, with the seconds the base's
+sha256 took), the step's compile seconds and tokens/s (median step after the first) for
+full fine-tuning and for LoRA on every projection.
 Then --sweep adapters (seeds 0..n-1) as one vmapped step against one adapter's step
-times n: both train n adapters on one batch each. Prints tables; asserts nothing.
+times n: both train n adapters on one batch each (--sweep 1: none). Prints tables;
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import numpy as np
 
 from jaxformer import ModelConfig, Transformer
 from jaxformer.config import PRESETS
+from jaxformer.lora import partition
+from jaxformer.training.adapter_checkpoint import AdapterCheckpointer, checksum
 from jaxformer.training.checkpoint import Checkpointer
 from jaxformer.training.config import OptimConfig
 from jaxformer.training.optim import make_optimizer
@@ -63,19 +68,34 @@ def measure(cfg: ModelConfig, batch: int, seq: int, steps: int, checkpoint: bool
         state, m = compiled(state, data)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
-    ckpt_bytes = None
+    ckpt_bytes = adapter_bytes = sha_s = None
     if checkpoint:
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt = Checkpointer(tmp, keep=1, async_save=False)
-            ckpt.save(1, state, cfg)
-            ckpt.wait()
-            ckpt.close()
-            ckpt_bytes = sum(p.stat().st_size for p in pathlib.Path(tmp).rglob("*")
-                             if p.is_file())
+        ckpt_bytes = saved_bytes(Checkpointer, state, cfg)
+    if checkpoint and cfg.lora.rank:
+        t0 = time.perf_counter()
+        record = {"base": {"init_from": "(bench)", "source": "(bench)",
+                           "sha256": checksum(partition(state.params, scales=True)[2])}}
+        sha_s = time.perf_counter() - t0
+
+        def adapter_sized(path, **kwargs):
+            ckpt = AdapterCheckpointer(path, "(bench)", load=None, **kwargs)
+            ckpt.record = record
+            return ckpt
+        adapter_bytes = saved_bytes(adapter_sized, state, cfg)
     return dict(trained=sum(x.size for x in jax.tree.leaves(trained_part(state.params)[0])),
                 params=sum(x.size for x in jax.tree.leaves(state.params)),
-                opt=nbytes(state.opt_state), ckpt=ckpt_bytes, compile=compile_s,
-                step=statistics.median(times[1:]))
+                opt=nbytes(state.opt_state), ckpt=ckpt_bytes, adapter_ckpt=adapter_bytes,
+                sha_s=sha_s, compile=compile_s, step=statistics.median(times[1:]))
+
+
+def saved_bytes(checkpointer, state, cfg) -> int:
+    """Bytes on disk of one save of `state` by checkpointer(path, keep=, async_save=)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = checkpointer(tmp, keep=1, async_save=False)
+        ckpt.save(1, state, cfg)
+        ckpt.wait()
+        ckpt.close()
+        return sum(p.stat().st_size for p in pathlib.Path(tmp).rglob("*") if p.is_file())
 
 
 def main():
@@ -90,24 +110,30 @@ def main():
     tokens = a.batch * a.seq
     print(f"{jax.devices()[0].device_kind}, batch {a.batch} x seq {a.seq}, float32, "
           f"median of {a.steps} steps after the first, layers scanned\n", flush=True)
-    print("| shape | training | params trained | optimizer state | checkpoint | compile s "
-          "| step s | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | training | params trained | optimizer state | checkpoint, full state | "
+          "checkpoint, adapters only | base sha256 s | compile s | step s | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     sweeps = []
     for shape in a.shapes.split(","):
         base = ModelConfig(**SHAPES[shape])
         lora = base.replace(lora={"rank": a.rank})
         for name, cfg in (("full", base), (f"LoRA r={a.rank}", lora)):
             r = measure(cfg, a.batch, a.seq, a.steps)
+            adapters = "- | -" if r["adapter_ckpt"] is None else \
+                f"{r['adapter_ckpt'] / 2**20:,.1f} MiB | {r['sha_s']:.2f}"
             print(f"| {shape} | {name} | {r['trained']:,} of {r['params']:,} | "
                   f"{r['opt'] / 2**20:,.1f} MiB | {r['ckpt'] / 2**20:,.1f} MiB | "
+                  f"{adapters} | "
                   f"{r['compile']:.1f} | {r['step']:.2f} | {tokens / r['step']:,.0f} |",
                   flush=True)
             if cfg is lora:
                 one = r
-        sweep = measure(lora.replace(lora={"rank": a.rank, "sweep_seeds": a.sweep}), a.batch,
-                        a.seq, a.steps, checkpoint=False)
-        sweeps.append((shape, one, sweep))
+        if a.sweep > 1:
+            sweep = measure(lora.replace(lora={"rank": a.rank, "sweep_seeds": a.sweep}),
+                            a.batch, a.seq, a.steps, checkpoint=False)
+            sweeps.append((shape, one, sweep))
+    if not sweeps:
+        return
     print(f"\n{a.sweep} LoRA adapters (r={a.rank}, seeds 0..{a.sweep - 1}), one batch each:\n")
     print("| shape | one after another (s) | one vmapped step (s) | speed-up | compile s (one, sweep) |")
     print("|---|---|---|---|---|")

@@ -22,10 +22,12 @@ import numpy as np
 
 def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     """(RunConfig, params) of a training run directory: the checkpoint at `step` (default
-    the latest), or the best one."""
+    the latest), or the best one; an adapter-sized one joined to its base (checked)."""
     from jaxformer.model import Transformer
-    from jaxformer.training.checkpoint import Checkpointer, abstract_like
+    from jaxformer.training.adapter_checkpoint import run_checkpointer
+    from jaxformer.training.checkpoint import abstract_like
     from jaxformer.training.config import load_config
+    from jaxformer.training.initial_weights import one_device_loader
     from jaxformer.training.optim import make_optimizer
     from jaxformer.training.step import abstract_state
 
@@ -37,8 +39,9 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     model = Transformer(cfg.model)
     tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     abstract = abstract_state(model, tx)
-    ckpt = Checkpointer(run, keep=cfg.checkpoint.keep, async_save=False, read_only=True,
-                        log=lambda message: print(message, file=sys.stderr))
+    ckpt = run_checkpointer(cfg, run, load=one_device_loader(cfg), keep=cfg.checkpoint.keep,
+                            async_save=False, read_only=True,
+                            log=lambda message: print(message, file=sys.stderr))
     try:
         state = ckpt.restore(abstract_like(abstract), cfg.model, step=step, best=best)
     except FileNotFoundError:

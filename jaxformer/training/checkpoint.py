@@ -113,6 +113,7 @@ class Checkpointer:
         training: the half-written saves it finds are left to that run, not cleaned up."""
         run_dir = pathlib.Path(run_dir).absolute()
         self.async_save, self.log = async_save, log
+        self.record: dict = {}  # more keys for every save's info item (its step, val_loss)
         self.latest = self._manager(run_dir / "checkpoints", keep, read_only)
         self.best = self._manager(run_dir / "best", 1, read_only)
 
@@ -146,7 +147,8 @@ class Checkpointer:
         mngr.saving["step"] = step
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   model=ocp.args.JsonSave(model_cfg.to_dict()),
-                                  info=ocp.args.JsonSave({"step": step, "val_loss": val_loss}))
+                                  info=ocp.args.JsonSave({"step": step, "val_loss": val_loss,
+                                                          **self.record}))
         mngr.save(step, args=args, force=True)
         if not self.async_save:
             mngr.wait_until_finished()
@@ -161,9 +163,13 @@ class Checkpointer:
         if step is None:
             self._report(self.best, problems, True, "the next evaluation saves a new best")
             return math.inf
-        info = self.best.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))
-        value = info["info"].get("val_loss")
+        value = self.saved_info(step, best=True).get("val_loss")
         return math.inf if value is None else float(value)
+
+    def saved_info(self, step: int, *, best: bool = False) -> dict:
+        """The info item saved with a step: its step, val_loss and `record`."""
+        mngr = self.best if best else self.latest
+        return mngr.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))["info"]
 
     def _newest_intact(self, mngr, step, *, set_aside: bool) -> tuple[int | None, list]:
         """(the newest intact step, or `step` if it is intact, or None; [(step, damage)] of

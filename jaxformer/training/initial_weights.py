@@ -11,7 +11,7 @@ from jaxformer import lora
 from jaxformer.config import ModelConfig
 from jaxformer.hf import from_hf
 from jaxformer.model import Transformer, stack_layers, unstack_layers
-from jaxformer.training.checkpoint import Checkpointer
+from jaxformer.training.adapter_checkpoint import run_checkpointer
 from jaxformer.training.config import load_config
 from jaxformer.training.init_from import Source, parse_source
 from jaxformer.training.optim import make_optimizer
@@ -21,17 +21,44 @@ from jaxformer.training.step import abstract_state, state_shardings
 def load_initial(spec: str, cfg: ModelConfig, params, param_shardings, mesh, rules, log=print):
     """params (a fresh init, for its LoRA adapters) with the base replaced by the source's
     weights, in `param_shardings`."""
-    src = parse_source(spec)
     adapters, scales, _ = lora.partition(params, scales=True)
-    base_shardings = lora.partition(param_shardings, scales=True)[2]
+    src, base = load_base(spec, cfg, lora.partition(param_shardings, scales=True)[2], mesh,
+                          rules)
+    log(f"init_from {spec}: {sum(x.size for x in jax.tree.leaves(base)):,} weights loaded "
+        f"({src.kind}); {sum(x.size for x in jax.tree.leaves(adapters)):,} adapter params fresh")
+    return lora.combine(adapters, scales, base)
+
+
+def load_base(spec: str, cfg: ModelConfig, base_shardings, mesh, rules) -> tuple[Source, dict]:
+    """(the parsed source, its weights as `cfg`'s params without adapters, placed in
+    base_shardings)."""
+    src = parse_source(spec)
     if src.kind == "hf":
         _, base = from_hf(src.path, dtype=cfg.param_dtype, shardings=base_shardings,
                           scan_layers=cfg.scan_layers)
     else:
         base = _run_weights(src, cfg, base_shardings, mesh, rules)
-    log(f"init_from {spec}: {sum(x.size for x in jax.tree.leaves(base)):,} weights loaded "
-        f"({src.kind}); {sum(x.size for x in jax.tree.leaves(adapters)):,} adapter params fresh")
-    return lora.combine(adapters, scales, base)
+    return src, base
+
+
+def base_loader(cfg: ModelConfig, param_shardings, mesh, rules):
+    """spec -> the base weights of train.init_from=spec as load_base places them, for a
+    model `cfg` whose params are placed in `param_shardings` (adapters or not)."""
+    base_shardings = lora.partition(param_shardings, scales=True)[2]
+    return lambda spec: load_base(spec, cfg, base_shardings, mesh, rules)[1]
+
+
+def one_device_loader(cfg):
+    """spec -> the base weights of train.init_from=spec on the first device, for a reader
+    of a run (a RunConfig: generate, convert), which places them itself."""
+    from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
+
+    def load(spec):
+        mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+        rules = resolve_rules(cfg.mesh.rules)
+        base = Transformer(cfg.model.replace(lora=lora.LoRAConfig()))
+        return base_loader(cfg.model, param_shardings(base, mesh, rules), mesh, rules)(spec)
+    return load
 
 
 def _run_weights(src: Source, cfg: ModelConfig, base_shardings, mesh, rules):
@@ -40,9 +67,12 @@ def _run_weights(src: Source, cfg: ModelConfig, base_shardings, mesh, rules):
     run = load_config(str(src.path / "config.yaml"))
     model = Transformer(run.model)
     tx, _ = make_optimizer(run.optim, run.model, run.train.steps)
+    shardings = state_shardings(model, tx, mesh, rules)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            abstract_state(model, tx), state_shardings(model, tx, mesh, rules))
-    ckpt = Checkpointer(src.path, keep=run.checkpoint.keep, async_save=False, read_only=True)
+                            abstract_state(model, tx), shardings)
+    loader = base_loader(run.model, shardings.params, mesh, rules)  # an adapter-only run's base
+    ckpt = run_checkpointer(run, src.path, load=loader, keep=run.checkpoint.keep,
+                            async_save=False, read_only=True)
     try:
         params = ckpt.restore(abstract, run.model, step=src.step).params
     finally:

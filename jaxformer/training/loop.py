@@ -21,9 +21,10 @@ from jaxformer.data.random_positions import randomize_batch
 from jaxformer.decoding import generate
 from jaxformer.model import Transformer, count_params, flops_per_token
 from jaxformer.training.balancing import layer_records, sparse_ids
+from jaxformer.training.adapter_checkpoint import keep_base, run_checkpointer
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
-from jaxformer.training.initial_weights import load_initial
+from jaxformer.training.initial_weights import base_loader, load_initial
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
@@ -130,6 +131,23 @@ def train(cfg: RunConfig, *, log=print) -> dict:
         return run.finish(stopped_early)
 
 
+def load_run_data(cfg: RunConfig, run_dir: pathlib.Path, lead: bool, log):
+    """The run's data (config.yaml written beside the tokenizer it saved), and whether its
+    validation split holds a batch to evaluate."""
+    t = cfg.train
+    data = load_dataset(cfg.data, run_dir=str(run_dir), vocab_size=cfg.model.vocab_size,
+                        progress=lead, log=log)
+    if lead:  # load_dataset has saved the tokenizer beside it
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    try:
+        next(iter(data.eval_batches(batch_size=t.batch_size, seq_len=t.seq_len,
+                                    max_batches=1, pack=cfg.data.pack)))
+        return data, True
+    except DataError as e:
+        log(f"no evaluation: {e}")
+        return data, False
+
+
 class _Run:
     """One run's data, model, state and checkpoints, and the stages that use them."""
 
@@ -137,17 +155,7 @@ class _Run:
         self.cfg, self.run_dir, self.lead, self.log = cfg, run_dir, lead, log
         t, mcfg = cfg.train, cfg.model
         objective = objectives.build(cfg)  # None: the LM loss
-        self.data = data = load_dataset(cfg.data, run_dir=str(run_dir),
-                                        vocab_size=mcfg.vocab_size, progress=lead, log=log)
-        if lead:  # load_dataset has saved the tokenizer beside it
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        try:
-            next(iter(data.eval_batches(batch_size=t.batch_size, seq_len=t.seq_len,
-                                        max_batches=1, pack=cfg.data.pack)))
-            self.can_eval = True
-        except DataError as e:
-            self.can_eval = False
-            log(f"no evaluation: {e}")
+        self.data, self.can_eval = load_run_data(cfg, run_dir, lead, log)
         self.model = model = Transformer(mcfg)
         tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
         mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, context=cfg.mesh.context,
@@ -165,14 +173,17 @@ class _Run:
         self.rows = process_rows(batch_sh, t.batch_size)
         self.place = lambda batch: place_batch(batch, batch_sh, t.batch_size)
         state = init_state(model, tx, t.seed, mesh=mesh, rules=rules, shardings=shardings)
-        self.ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, log=log,
-                                 async_save=cfg.checkpoint.async_save)
+        self.ckpt = run_checkpointer(  # adapter-sized for LoRA from train.init_from
+            cfg, run_dir, load=base_loader(mcfg, shardings.params, mesh, rules),
+            keep=cfg.checkpoint.keep, log=log, async_save=cfg.checkpoint.async_save)
         cleanup.callback(self.ckpt.close)  # completes the saves in flight, however we leave
         fresh, reference = self.ckpt.latest_step() is None, None
         if t.init_from and (fresh or objectives.needs_reference(cfg)):  # given weights
             initial = load_initial(t.init_from, mcfg, state.params, shardings.params, mesh,
                                    rules, log)
-            state = state.replace(params=initial) if fresh else state  # a new run from them
+            if fresh:  # a new run from them; their sha256, for adapter-sized saves
+                state = state.replace(params=initial)
+                keep_base(self.ckpt, state.params)
             reference = objectives.reference_weights(cfg, initial)  # DPO's, or None
         self.state = resume(self.ckpt, state, cfg, log)
         self.start = int(self.state.step)

@@ -56,11 +56,12 @@ def random_batch(rng, vocab_size, rows, keep=1.0):
 
 def restored_state(cfg, run, step=None):
     """The train state saved in `run` at `step` (default: the latest)."""
-    from jaxformer.training.checkpoint import Checkpointer
+    from jaxformer.training.adapter_checkpoint import run_checkpointer
+    from jaxformer.training.initial_weights import one_device_loader
     from jaxformer.training.step import abstract_state
     model = Transformer(cfg.model)
     tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
-    ckpt = Checkpointer(run, keep=5)
+    ckpt = run_checkpointer(cfg, run, load=one_device_loader(cfg), keep=5)
     state = ckpt.restore(abstract_state(model, tx), cfg.model, step=step)
     ckpt.close()
     return state
