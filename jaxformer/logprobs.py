@@ -7,9 +7,10 @@ it sampled equal `token_logprobs` of prompt + completion under the same params, 
 batch composition (a row alone, among other rows, padded wider, packed with other
 sequences), so a rollout's log-probs can stand for the old policy in a PPO/GRPO ratio
 (jaxformer.training.grpo) and the ratio starts at 1. On CPU float32 the equality is not
-bitwise; tests/test_logprob_parity.py asserts |difference| < 1e-5 (measured ~1e-6, about
-8 float32 ulps of the log-probs' size). The difference comes from attention, never from
-the projections, norms or the log-softmax, which see identical inputs:
+bitwise; tests/test_logprob_parity.py asserts |difference| < 1e-5 (measured <= 9.5e-7,
+a few float32 ulps of log-probs of size 1-8, on each composition, rope and ALiBi). Traced
+layer by layer, the first difference is in attention's output (the q, k and v going in
+are identical); everything after it only carries it on:
 
 - prefill and incremental decoding attend through the KV cache (kv_cache.cached_attention:
   rows of [B * K, G * T, H] against every cache slot, empty ones masked), the training
@@ -17,8 +18,9 @@ the projections, norms or the log-softmax, which see identical inputs:
   each reading the keys up to its last row): the same sums, in another order;
 - XLA:CPU emits a batched matmul with a size-1 batch axis (one row) as a plain matmul and
   blocks it differently: even the training forward of a row alone and the same row among
-  others differ by ~1e-6 in the attention's output (padding a row wider, or packing it
-  at any offset behind segment ids, left it bitwise unchanged where measured);
+  others differ by ~1e-6 (padded wider or packed behind other documents, with positions
+  and segment ids given, the row's logits stayed bitwise those of the row alone given
+  them, at the widths and offsets tried; without positions, by index, they differ);
 - the decoders compile with CPU_DECODE_OPTIONS (512-bit vectors where the CPU has them).
 
 The log-softmax itself is one function (target_logprobs) on both sides, so it adds
