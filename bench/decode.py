@@ -27,7 +27,8 @@ and tokens/s.
 --mla: a DeepSeek-V3-shaped model (multi-head latent attention with a low-rank query; its
 ranks scaled from V3's 7168 / 1536 / 512 / 128 + 64 / 128 to d_model) against a GQA model
 (2 K/V heads) of about the same parameter count, both with a dense SwiGLU: parameters,
-KV-cache bytes per token and tokens/s.
+KV-cache bytes per token and tokens/s; then MLA's prefill in the absorbed form against the
+cache's latents expanded, ms at prompts of 16 to 1,024 tokens.
 
 Greedy decoding, float32. Every decoder runs once to compile / warm up, then once per round,
 rounds interleaved (load from other processes on a shared machine falls on all alike);
@@ -148,6 +149,38 @@ def mla_table(a):
             per_token = kv_cache_bytes(cfgs[n], 1, 1)
             print(f"{n:<24} {count_params(cfgs[n]):>9,} {per_token:>10,} {batch:>5} "
                   f"{batch * a.new_tokens / sec:>9,.0f}")
+    mla_prefill_table(a, cfgs["MLA (DeepSeek-V3 shape)"], params["MLA (DeepSeek-V3 shape)"])
+
+
+def mla_prefill_table(a, cfg, params):
+    """A prompt written into an empty latent cache (its length plus --new-tokens slots), in
+    the absorbed form against the cache's latents expanded: ms per prefill."""
+    from jaxformer import mla_attention
+    from jaxformer.kv_cache import init_cache
+    print(f"\nMLA prefill into the cache, ms (the absorbed form against the latents expanded; "
+          f"chunks of >= {mla_attention.EXPANDED_PREFILL} tokens run expanded)")
+    header = f"{'prompt':>6} {'batch':>5} {'absorbed':>9} {'expanded':>9} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    chosen = mla_attention.EXPANDED_PREFILL
+    try:
+        for t in (16, 64, 256, 1024):
+            for batch in a.batches:
+                tokens = jnp.asarray(np.random.default_rng(0).integers(0, a.vocab, (batch, t)),
+                                     jnp.int32)
+                fns = {}
+                for name, threshold in (("absorbed", 1 << 30), ("expanded", 2)):
+                    mla_attention.EXPANDED_PREFILL = threshold  # read as the jit traces
+                    fn = jax.jit(lambda p, x: Transformer(cfg).apply(  # noqa: B023
+                        {"params": p}, x, cache=init_cache(cfg, batch, t + a.new_tokens))[0])
+                    fn(params, tokens).block_until_ready()  # traced with this threshold
+                    fns[name] = lambda fn=fn: fn(params, tokens).block_until_ready()
+                times = median_times(fns, a.repeats)
+                print(f"{t:>6} {batch:>5} {times['absorbed'] * 1e3:>9.1f} "
+                      f"{times['expanded'] * 1e3:>9.1f} "
+                      f"{times['absorbed'] / times['expanded']:>5.2f}x")
+    finally:
+        mla_attention.EXPANDED_PREFILL = chosen
 
 
 def main():

@@ -1,7 +1,8 @@
 """The MLAttention module: multi-head latent attention (jaxformer.mla) as a Flax layer, the
 Attention module with its own projections. Without a KV cache it runs the expanded form
 through the model's backend like any layer (masks, packing, windows, context parallelism);
-with one it caches the latent and the rotated key and attends in the absorbed form.
+with one it caches the latent and the rotated key and attends in the absorbed form (a
+decode step), or a long prefill over the cache's latents expanded (EXPANDED_PREFILL).
 
 Params (model.mla's sizes, N heads): q_down [D, q_lora_rank], q_down_norm, q_up [q_lora_rank,
 N, nope + rope] (or query [D, N, nope + rope] when q_lora_rank is 0); kv_down [D,
@@ -29,6 +30,11 @@ from jaxformer.masks import MaskRule
 from jaxformer.mla import MLAConfig, default_scale, latent_attention
 from jaxformer.schemes import POSITION_SCHEMES, LogitBias, dense_bias
 from jaxformer.sharding import constrain, init_with_names
+
+
+# a chunk of at least this many tokens attends over the cache's latents expanded; shorter
+# ones (a decode step) in the absorbed form. bench/decode.py --mla measures both.
+EXPANDED_PREFILL = 64
 
 
 class MLAttention(Attention):
@@ -121,10 +127,26 @@ class MLAttention(Attention):
                                                          cache, cache_index)
         if isinstance(bias, LogitBias):
             bias = dense_bias(bias, mask.q_positions, mask.k_positions)
-        q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, self.key_up.astype(q_nope.dtype))
-        z = latent_attention(q_latent, q_rope, cached.astype(q_nope.dtype),
-                             rope_key.astype(q_nope.dtype),
-                             mask=mask.dense() if isinstance(mask, MaskRule) else mask,
-                             bias=bias, scale=default_scale(self.cfg.mla), **self.extras)
-        z = jnp.einsum("btnr,rnd->btnd", z, self.value_up.astype(z.dtype))
+        mask = mask.dense() if isinstance(mask, MaskRule) else mask
+        cached, rope_key = cached.astype(q_nope.dtype), rope_key.astype(q_nope.dtype)
+        if x.shape[1] >= EXPANDED_PREFILL:  # a prefill: the cache's latents expanded
+            z = self.expanded_over_cache(q_nope, q_rope, cached, rope_key, mask, bias)
+        else:
+            q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, self.key_up.astype(q_nope.dtype))
+            z = latent_attention(q_latent, q_rope, cached, rope_key, mask=mask, bias=bias,
+                                 scale=default_scale(self.cfg.mla), **self.extras)
+            z = jnp.einsum("btnr,rnd->btnd", z, self.value_up.astype(z.dtype))
         return self.finish(hook_point(self, "hook_z", z)), cache
+
+    def expanded_over_cache(self, q_nope, q_rope, latent, rope_key, mask, bias):
+        """Attention over the cache's slots with their keys and values expanded from the
+        latents (latent [B, S, R], rope_key [B, S, P]) -> z [B, T, N, v_head_dim]."""
+        b, s, _ = latent.shape
+        n = self.cfg.n_heads
+        k_nope = jnp.einsum("bsr,rnd->bnsd", latent, self.key_up.astype(latent.dtype))
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key[:, None], (b, n, s,
+                                                                         rope_key.shape[-1]))], -1)
+        v = jnp.einsum("bsr,rnd->bnsd", latent, self.value_up.astype(latent.dtype))
+        q = jnp.concatenate([q_nope, q_rope], -1)
+        return kv_cache.cached_attention(q, k.reshape(b * n, s, -1), v.reshape(b * n, s, -1),
+                                         mask=mask, bias=bias, **self.extras)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import math
 import os
 from contextlib import contextmanager
 from typing import Any, Mapping
@@ -310,21 +311,25 @@ def cluster_detected() -> bool:
 
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None, process_id: int | None = None,
-                           cpu_collectives: str = "gloo") -> bool:
+                           cpu_collectives: str = "gloo", heartbeat_s: float = 10.0) -> bool:
     """jax.distributed.initialize from explicit settings, or from the environment when a
     cluster launcher is detected; a no-op on one process. Call it before anything touches
-    devices. Returns whether this is a multi-process run."""
+    devices. Returns whether this is a multi-process run. JAX's own heartbeat timeout is
+    kept well above `heartbeat_s` (training/peers.py's watch, which reports a lost process
+    in one line): when JAX's fires first it aborts the survivors with C++ stack traces."""
     explicit = coordinator_address is not None
     if not explicit and not cluster_detected():
         return False
     if jax.distributed.is_initialized():
         return True
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax_heartbeat = max(100, math.ceil(3 * heartbeat_s))  # 100: JAX's default
     if explicit:
         if num_processes is None or process_id is None:
             raise ConfigError("distributed.coordinator_address is set; set "
                               "distributed.num_processes and distributed.process_id too")
-        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+        jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                   heartbeat_timeout_seconds=jax_heartbeat)
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=jax_heartbeat)
     return True

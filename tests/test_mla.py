@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import ConfigError, ModelConfig, Transformer
+from jaxformer import ConfigError, ModelConfig, Transformer, mla_attention
 from jaxformer.decoding import generate, init_cache, kv_cache_bytes
 from jaxformer.model import stack_layers
 from jaxformer.positions import segment_positions
@@ -126,14 +126,16 @@ def test_backends_and_remat_equal_the_reference(impl, scan, remat, monkeypatch):
         np.testing.assert_allclose(g, ref, rtol=1e-3, atol=2e-6 * scale, err_msg=str(path))
 
 
-@pytest.mark.parametrize("scan, q_lora, window, position", [(False, 16, None, "rope"),
-                                                            (True, 0, None, "rope"),
-                                                            (False, 0, 4, "rope"),
-                                                            (False, 16, None, "alibi")])
-def test_absorbed_decode_equals_the_expanded_forward(scan, q_lora, window, position):
+@pytest.mark.parametrize("scan, q_lora, window, position, expanded", [
+    (False, 16, None, "rope", True), (True, 0, None, "rope", False),
+    (False, 0, 4, "rope", True), (False, 16, None, "alibi", False)])
+def test_absorbed_decode_equals_the_expanded_forward(scan, q_lora, window, position, expanded,
+                                                     monkeypatch):
     """A prefill and single-token steps through the latent cache (the absorbed form) give
     the full forward's logits (the expanded form) at every position: with a low-rank query
-    or a full one, scanned, with a windowed layer's ring, and with a bias scheme."""
+    or a full one, scanned, with a windowed layer's ring, and with a bias scheme; the
+    prefill in the absorbed form, or (expanded) over the cache's latents expanded."""
+    monkeypatch.setattr(mla_attention, "EXPANDED_PREFILL", 2 if expanded else 1 << 30)
     cfg, params = make(dict(MLA, q_lora_rank=q_lora), scan_layers=scan, sliding_window=window,
                        position=position)
     model = Transformer(cfg)

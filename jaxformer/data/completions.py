@@ -49,25 +49,33 @@ class Records:
 def read_records(path: str, prompt_field: str, completion_field: str
                  ) -> Iterator[tuple[str, str, str]]:
     """(record name, prompt, completion) of each JSONL line or Parquet row; a missing or
-    non-text field is a DataError naming the record."""
-    if path.endswith(".parquet"):
-        rows = _parquet_rows(path, (prompt_field, completion_field))
-    else:
-        rows = _jsonl_rows(path)
+    non-text field, or an empty completion, is a DataError naming the record."""
+    fields = {"prompt_field": prompt_field, "completion_field": completion_field}
+    for name, (prompt, completion) in read_fields(path, fields):
+        if not completion:
+            raise DataError(f"{name}: the completion is empty, so the record has nothing to "
+                            "learn; remove it or give it a completion")
+        yield name, prompt, completion
+
+
+def read_fields(path: str, fields: dict[str, str]) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(record name, its text fields' values) of each JSONL line or Parquet row; fields:
+    data config key -> the field it names (e.g. {"prompt_field": "prompt"}). A missing or
+    non-text field is a DataError naming the record, the field and the keys that set it."""
+    names = list(fields.values())
+    keys = " / ".join(f"data.{k}" for k in fields)
+    wanted = ", ".join(repr(f) for f in names)
+    rows = _parquet_rows(path, names, keys) if path.endswith(".parquet") else _jsonl_rows(path)
     for name, row in rows:
         values = []
-        for field in (prompt_field, completion_field):
+        for field in names:
             value = row.get(field) if isinstance(row, dict) else None
             if not isinstance(value, str):
                 found = "missing" if value is None else f"{type(value).__name__}, not text"
                 raise DataError(f"{name}: field {field!r} is {found}; each record needs the "
-                                f"text fields {prompt_field!r} and {completion_field!r} (set "
-                                "data.prompt_field / data.completion_field)")
+                                f"text fields {wanted} (set {keys})")
             values.append(value)
-        if not values[1]:
-            raise DataError(f"{name}: the completion is empty, so the record has nothing to "
-                            "learn; remove it or give it a completion")
-        yield name, values[0], values[1]
+        yield name, tuple(values)
 
 
 def _jsonl_rows(path: str):
@@ -82,7 +90,7 @@ def _jsonl_rows(path: str):
                                 "JSON object") from None
 
 
-def _parquet_rows(path: str, fields):
+def _parquet_rows(path: str, fields, keys: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -91,8 +99,7 @@ def _parquet_rows(path: str, fields):
     missing = [c for c in fields if c not in f.schema_arrow.names]
     if missing:
         raise DataError(f"{path} has no column {missing[0]!r} (columns: "
-                        f"{', '.join(f.schema_arrow.names)}); set data.prompt_field / "
-                        "data.completion_field")
+                        f"{', '.join(f.schema_arrow.names)}); set {keys}")
     i = 0
     for batch in f.iter_batches(batch_size=1024, columns=list(fields)):
         for row in batch.to_pylist():
@@ -116,25 +123,30 @@ def tokenize(records, tokenizer) -> Records:
                    np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
 
 
-def pack(records: Records, seq_len: int) -> tuple[np.ndarray, int]:
+def pack(records: Records, seq_len: int, group: int = 1) -> tuple[np.ndarray, int]:
     """Row boundaries: int64 [n_rows + 1] record indices (row r holds records
-    bounds[r] .. bounds[r + 1] - 1, in order), and how many records were cut."""
-    slots = np.minimum(np.diff(records.offsets) - 1, seq_len)  # inputs each record fills
+    bounds[r] .. bounds[r + 1] - 1, in order), and how many records were cut. Records go
+    in groups of `group` (a preference pair: 2) that always share a row, each cut to
+    seq_len // group inputs (seq_len + 1 tokens for a record alone)."""
+    cap = seq_len // group
+    slots = np.minimum(np.diff(records.offsets) - 1, cap)  # inputs each record fills
+    slots = slots.reshape(-1, group).sum(1)                 # and each group
     bounds, used = [0], 0
     for i, n in enumerate(slots):
         if used + n > seq_len:
-            bounds.append(i)
+            bounds.append(i * group)
             used = 0
         used += n
     if len(records):
         bounds.append(len(records))
-    cut = int(np.sum(np.diff(records.offsets) - 1 > seq_len))
+    cut = int(np.sum(np.diff(records.offsets) - 1 > cap))
     return np.asarray(bounds, np.int64), cut
 
 
 def rows_batch(records: Records, bounds: np.ndarray, rows: np.ndarray,
-               seq_len: int) -> dict[str, np.ndarray]:
-    """The batch of packed rows `rows` (see the module docstring for its arrays)."""
+               seq_len: int, group: int = 1) -> dict[str, np.ndarray]:
+    """The batch of packed rows `rows` (see the module docstring for its arrays; each
+    record cut to seq_len // group inputs, as pack cuts them)."""
     b = len(rows)
     out = {k: np.zeros((b, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids",
                                                           "positions")}
@@ -143,7 +155,7 @@ def rows_batch(records: Records, bounds: np.ndarray, rows: np.ndarray,
         at = 0
         for seg, i in enumerate(range(bounds[row], bounds[row + 1]), 1):
             s = records.offsets[i]
-            n = int(min(records.offsets[i + 1] - s - 1, seq_len))
+            n = int(min(records.offsets[i + 1] - s - 1, seq_len // group))
             ids = records.tokens[s:s + n + 1]
             out["inputs"][r, at:at + n] = ids[:-1]
             out["targets"][r, at:at + n] = ids[1:]
@@ -164,6 +176,7 @@ class CompletionData:
     tokenizer: object
     source: str
     log: object = print
+    group: int = 1  # records that share a row, one after another (a preference pair: 2)
     _bounds: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -174,10 +187,12 @@ class CompletionData:
         """The row bounds of a split packed into rows of seq_len (computed once)."""
         if (split, seq_len) not in self._bounds:
             records = getattr(self, split)
-            bounds, cut = pack(records, seq_len)
+            bounds, cut = pack(records, seq_len, self.group)
             if cut:
-                self.log(f"data: {cut} of {len(records):,} {split} records are longer than "
-                         f"seq_len + 1 = {seq_len + 1} tokens and are cut to it")
+                most = seq_len // self.group + 1
+                self.log(f"data: {cut} of {len(records):,} {split} sequences are longer than "
+                         f"{'seq_len + 1' if self.group == 1 else 'seq_len // 2 + 1'} = "
+                         f"{most} tokens and are cut to it")
             self._bounds[split, seq_len] = bounds
         return self._bounds[split, seq_len]
 
@@ -188,7 +203,7 @@ class CompletionData:
             raise DataError(f"{self.source}: no training records")
         rng = np.random.default_rng([seed, step])
         picked = rng.integers(0, len(bounds) - 1, size=batch_size)
-        return rows_batch(self.train, bounds, picked[rows], seq_len)
+        return rows_batch(self.train, bounds, picked[rows], seq_len, self.group)
 
     def eval_batches(self, *, batch_size: int, seq_len: int, max_batches: int | None = None,
                      pack: bool = True, rows: slice = slice(None)):
@@ -200,7 +215,7 @@ class CompletionData:
                             "data.val_fraction or lower train.batch_size")
         n = n if max_batches is None else min(n, max_batches)
         return (rows_batch(self.val, bounds, (b * batch_size + np.arange(batch_size))[rows],
-                           seq_len) for b in range(n))
+                           seq_len, self.group) for b in range(n))
 
 
 def load_completions(cfg: DataConfig, tokenizer, log=print) -> CompletionData:

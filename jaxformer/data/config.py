@@ -11,7 +11,8 @@ from jaxformer.validation import ConfigError, Section, check_choice, check_numbe
 
 TOKENIZERS = ("bytes", "bpe")
 BIN_DTYPES = ("uint16", "uint32")
-FORMATS = ("text", "prompt_completion")
+FORMATS = ("text", "prompt_completion", "preference")
+RECORDS = ("prompt_completion", "preference")  # the formats of records, not a corpus
 
 
 def parse_mixture(spec) -> tuple[tuple[str, str, float], ...]:
@@ -71,7 +72,10 @@ class DataConfig(Section):
     cache_dir: where tokenized corpora are cached; None = ~/.cache/jaxformer.
     format: text (a corpus, as above) | prompt_completion (a .jsonl or .parquet file of
       records with the fields prompt_field and completion_field, packed one record per
-      segment with the loss on the completion alone: jaxformer.data.completions).
+      segment with the loss on the completion alone: jaxformer.data.completions) |
+      preference (records with prompt_field, chosen_field and rejected_field, each pair
+      packed as two segments side by side, for objective.name=dpo:
+      jaxformer.data.preferences).
     mixture: PATH:WEIGHT,PATH:WEIGHT,... (or a YAML list of them) in place of path: each
       row of a batch from a source drawn with those weights (jaxformer.data.mixture).
     """
@@ -88,6 +92,8 @@ class DataConfig(Section):
     format: str = "text"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     mixture: str | None = None
 
     def __post_init__(self):
@@ -114,15 +120,15 @@ class DataConfig(Section):
             raise ConfigError(f"data.text_field={self.text_field!r} must be a non-empty string")
         check_choice(o, "bin_dtype", self.bin_dtype, BIN_DTYPES)
         check_choice(o, "format", self.format, FORMATS)
-        for name in ("prompt_field", "completion_field"):
+        for name in ("prompt_field", "completion_field", "chosen_field", "rejected_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"data.{name}={getattr(self, name)!r} must be a field name")
-        if self.format == "prompt_completion" and not str(self.path).endswith(
+        if self.format in RECORDS and not str(self.path).endswith(
                 (".jsonl", ".json", ".parquet")):
-            raise ConfigError(f"data.format=prompt_completion reads a .jsonl or .parquet file "
+            raise ConfigError(f"data.format={self.format} reads a .jsonl or .parquet file "
                               f"of records, not data.path={self.path!r}")
-        if self.format == "prompt_completion" and self.tokenizer == "bpe":
-            raise ConfigError("data.format=prompt_completion needs a tokenizer it does not "
+        if self.format in RECORDS and self.tokenizer == "bpe":
+            raise ConfigError(f"data.format={self.format} needs a tokenizer it does not "
                               "train: data.tokenizer=bytes or a tokenizer.json (e.g. the one "
                               "of the model it fine-tunes, the default with train.init_from)")
         if not isinstance(self.pack, bool):

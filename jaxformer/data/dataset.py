@@ -23,6 +23,7 @@ from jaxformer.data.completions import CompletionData, load_completions
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import Corpus, find_corpus, read_pieces
 from jaxformer.data.mixture import MixtureData, load_mixture
+from jaxformer.data.preferences import load_preferences
 from jaxformer.data.token_files import open_tokens
 from jaxformer.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from jaxformer.data.tokens import (
@@ -92,8 +93,9 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
         log(f"data: removed {os.path.join(cache_dir, name)}, left by process {pid}, which "
             "is gone")
     tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir, progress, log)
-    if cfg.format == "prompt_completion":
-        data = load_completions(cfg, tokenizer, log)
+    if cfg.format in ("prompt_completion", "preference"):  # records, not a corpus
+        load = load_completions if cfg.format == "prompt_completion" else load_preferences
+        data = load(cfg, tokenizer, log)
         _check_ids(cfg, data, int(max(data.train.tokens.max(initial=0),
                                       data.val.tokens.max(initial=0))), vocab_size)
         return data

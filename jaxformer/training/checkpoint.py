@@ -61,9 +61,10 @@ def write_manifest(step_dir: pathlib.Path):
     os.replace(tmp, step_dir / MANIFEST)
 
 
-def damage(step_dir: pathlib.Path) -> str | None:
+def damage(step_dir: pathlib.Path, *, contents: bool = True) -> str | None:
     """What is wrong with a checkpoint step directory, or None when every file it
-    recorded is there with the size and checksum it was written with."""
+    recorded is there with the size and checksum it was written with (contents=False:
+    the sizes only, which reads no file's bytes)."""
     try:
         recorded = json.loads((step_dir / MANIFEST).read_text())
     except FileNotFoundError:
@@ -81,7 +82,7 @@ def damage(step_dir: pathlib.Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes where {size} were written"
-        if crc32(path) != crc:
+        if contents and crc32(path) != crc:
             return f"{name} does not match its checksum"
     metadata = step_dir / "_CHECKPOINT_METADATA"
     try:
@@ -90,6 +91,18 @@ def damage(step_dir: pathlib.Path) -> str | None:
         pass
     except (ValueError, UnicodeDecodeError):
         return f"{metadata.name} is unreadable"
+    return None
+
+
+def newest_intact_step(directory, *, contents: bool = True) -> int | None:
+    """The newest step under `directory` (a run's checkpoints/ or best/) that `damage`
+    finds nothing wrong with, or None. A save still in orbax's temporary directory is no
+    step yet; one renamed but not yet sealed with its checksums is skipped."""
+    directory = pathlib.Path(directory)
+    steps = [int(p.name) for p in directory.glob("*") if p.name.isdigit() and p.is_dir()]
+    for step in sorted(steps, reverse=True):
+        if damage(directory / str(step), contents=contents) is None:
+            return step
     return None
 
 

@@ -7,6 +7,7 @@
     checkpoint.*  CheckpointConfig
     mesh.*        MeshConfig (mesh.rules.NAME=AXES overrides a logical axis rule)
     distributed.* DistributedConfig
+    objective.*   ObjectiveConfig (what the loss is: lm, dpo)
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ SCHEDULES = ("cosine", "inverse_sqrt", "constant", "linear")
 OPTIMIZERS = ("adamw", "muon")
 RESUME = ("auto", "never")
 WANDB_MODES = ("offline", "online")
+OBJECTIVES = ("lm", "dpo", "grpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,12 +183,14 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     cpu_collectives: str = "gloo"  # CPU-only runs: the cross-process collectives backend
+    heartbeat_s: float = 10.0  # a process silent this long is lost: the others stop (exit 3)
 
     def __post_init__(self):
         o = "distributed"
         check_number(o, "num_processes", self.num_processes, int, low=1, optional=True)
         check_number(o, "process_id", self.process_id, int, low=0, optional=True)
         check_choice(o, "cpu_collectives", self.cpu_collectives, ("gloo", "mpi"))
+        check_number(o, "heartbeat_s", self.heartbeat_s, float, low=1)
         if self.coordinator_address is not None and ":" not in str(self.coordinator_address):
             raise ConfigError(f"distributed.coordinator_address={self.coordinator_address!r} "
                               "must be host:port of process 0, e.g. 10.0.0.1:1234")
@@ -195,9 +200,28 @@ class DistributedConfig:
                               f"distributed.num_processes={self.num_processes}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """What the step minimises (jaxformer.training.objectives). name: lm (next-token cross
+    entropy on the loss mask: pretraining, prompt/completion fine-tuning) | dpo (Rafailov et
+    al.: data.format=preference pairs against the frozen train.init_from model) | grpo
+    (reserved). beta: DPO's KL strength (IPO's tau). loss: sigmoid (DPO) | ipo (Azar et
+    al.'s squared loss), both on the answers' summed log-probabilities."""
+
+    name: str = "lm"
+    beta: float = 0.1
+    loss: str = "sigmoid"
+
+    def __post_init__(self):
+        check_choice("objective", "name", self.name, OBJECTIVES)
+        check_number("objective", "beta", self.beta, float, low=0, low_open=True)
+        check_choice("objective", "loss", self.loss, PREFERENCE_LOSSES)
+
+
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
                              "train": TrainConfig, "checkpoint": CheckpointConfig,
-                             "mesh": MeshConfig, "distributed": DistributedConfig}
+                             "mesh": MeshConfig, "distributed": DistributedConfig,
+                             "objective": ObjectiveConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +233,10 @@ class RunConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     distributed: DistributedConfig = DistributedConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
 
     def __post_init__(self):
+        self._check_objective()
         if self.train.batch_size % self.optim.grad_accum:
             raise ConfigError(f"train.batch_size={self.train.batch_size} must be a multiple of "
                               f"optim.grad_accum={self.optim.grad_accum}")
@@ -225,6 +251,22 @@ class RunConfig:
             raise ConfigError(f"train.random_positions={top} exceeds model.max_seq_len="
                               f"{self.model.max_seq_len}, the {self.model.position} position "
                               "table's rows; raise model.max_seq_len or lower random_positions")
+
+    def _check_objective(self):
+        """The objective's data, starting weights and model, each refused in one line."""
+        name, fmt = self.objective.name, self.data.format
+        if (name == "dpo") != (fmt == "preference"):
+            raise ConfigError(f"objective.name={name} with data.format={fmt}: DPO trains on "
+                              "preference pairs; use objective.name=dpo with "
+                              "data.format=preference, or another format with objective.name=lm")
+        if name == "dpo" and not self.train.init_from:
+            raise ConfigError("objective.name=dpo needs train.init_from: the model it starts "
+                              "from is its frozen reference (e.g. a fine-tuned run dir)")
+        if name == "dpo" and (any(self.model.sparse_layers) or
+                              len(self.model.lora.members()) > 1):
+            raise ConfigError("objective.name=dpo trains a dense model with one adapter or "
+                              "none; drop model.lora.sweep_* and the MoE layers, or use "
+                              "objective.name=lm")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -27,7 +27,8 @@ from jaxformer.training.initial_weights import load_initial
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training import tracking
+from jaxformer.training import objectives, tracking
+from jaxformer.training.peers import watch_peers
 from jaxformer.sharding import (batch_devices, batch_sharding, check_context_split,
                                 check_expert_split, initialize_distributed, make_mesh,
                                 per_device_bytes, place_batch, process_rows, resolve_rules)
@@ -66,13 +67,20 @@ def evaluate(eval_step, params, tokens, docs, cfg: RunConfig, place=lambda b: b,
     """Mean validation loss over cfg.train.eval_batches batches of the val tokens and
     docs, or of `data` (a loaded dataset) when given (this process reads its `rows` of
     each; `place` makes them global arrays). A mixture (data.mixture): each source's as
-    val_loss/NAME, and val_loss their mean under the mixture's weights."""
+    val_loss/NAME, and val_loss their mean under the mixture's weights. An objective's
+    metrics (training/objectives.py) as val_NAME."""
+    extra = {}  # an objective's metrics' means
+
     def mean_loss(batches):
+        sums = {}
         total = count = 0.0
         for batch in batches(batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                              max_batches=cfg.train.eval_batches, pack=cfg.data.pack, rows=rows):
-            t, c = eval_step(params, place(batch))
+            t, c, *more = eval_step(params, place(batch))
             total, count = total + np.asarray(t, np.float64), count + float(c)
+            for k, v in (more[0] if more else {}).items():
+                sums[f"val_{k}"] = sums.get(f"val_{k}", 0.0) + float(v)
+        extra.update({k: v / max(count, 1.0) for k, v in sums.items()})
         return total / max(count, 1.0)  # [S] for a sweep of adapters: each one's
 
     parts = getattr(data, "parts", None)
@@ -85,7 +93,7 @@ def evaluate(eval_step, params, tokens, docs, cfg: RunConfig, place=lambda b: b,
         loss = mean_loss(data.eval_batches if data is not None else
                          functools.partial(eval_batches, tokens, docs))
     out = {"val_loss": float(np.mean(loss)), "val_ppl": math.exp(min(float(np.mean(loss)), 50.0))}
-    out.update({k: float(np.mean(v)) for k, v in each.items()})
+    out.update({k: float(np.mean(v)) for k, v in {**each, **extra}.items()})
     if np.ndim(loss):
         out["val_losses"] = [float(x) for x in loss]
     return out
@@ -107,7 +115,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     holds the run dir's lock: one run per run dir)."""
     d = cfg.distributed
     initialize_distributed(d.coordinator_address, d.num_processes, d.process_id,
-                           d.cpu_collectives)
+                           d.cpu_collectives, d.heartbeat_s)
     lead = jax.process_index() == 0
     tracking.check(cfg.train, lead)  # train.wandb without the wandb package: now, not later
     if not lead:
@@ -116,6 +124,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_dir_lock(run_dir, log=log) if lead else contextlib.nullcontext(), \
             contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(watch_peers(run_dir, d.heartbeat_s))  # a lost process: exit 3
         run = _Run(cfg, run_dir, lead, log, cleanup)
         stopped_early = run.steps()
         return run.finish(stopped_early)
@@ -127,6 +136,7 @@ class _Run:
     def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, lead: bool, log, cleanup):
         self.cfg, self.run_dir, self.lead, self.log = cfg, run_dir, lead, log
         t, mcfg = cfg.train, cfg.model
+        objective = objectives.build(cfg)  # None: the LM loss
         self.data = data = load_dataset(cfg.data, run_dir=str(run_dir),
                                         vocab_size=mcfg.vocab_size, progress=lead, log=log)
         if lead:  # load_dataset has saved the tokenizer beside it
@@ -158,19 +168,22 @@ class _Run:
         self.ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep, log=log,
                                  async_save=cfg.checkpoint.async_save)
         cleanup.callback(self.ckpt.close)  # completes the saves in flight, however we leave
-        if t.init_from and self.ckpt.latest_step() is None:  # a new run from given weights
-            state = state.replace(params=load_initial(t.init_from, mcfg, state.params,
-                                                      shardings.params, mesh, rules, log))
+        fresh, reference = self.ckpt.latest_step() is None, None
+        if t.init_from and (fresh or objectives.needs_reference(cfg)):  # given weights
+            initial = load_initial(t.init_from, mcfg, state.params, shardings.params, mesh,
+                                   rules, log)
+            state = state.replace(params=initial) if fresh else state  # a new run from them
+            reference = objectives.reference_weights(cfg, initial)  # DPO's, or None
         self.state = resume(self.ckpt, state, cfg, log)
         self.start = int(self.state.step)
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_step = flops_per_token(mcfg, t.seq_len) * self.tokens_per_step
         self.peak, peak_source = peak_flops(mcfg.dtype)
         self.log_setup(mesh, peak_source)
+        on = dict(mesh=mesh, rules=rules, objective=objective, reference=reference)
         self.train_step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
-                                          mesh=mesh, rules=rules, shardings=shardings)
-        self.eval_step = make_eval_step(model, mesh=mesh, rules=rules,
-                                        param_shardings=shardings.params)
+                                          shardings=shardings, **on)
+        self.eval_step = make_eval_step(model, param_shardings=shardings.params, **on)
         self.moe_layers = sparse_ids(mcfg)  # the layers logged as moe_load/i, moe_dropped/i
         self.metrics = MetricsLog(run_dir, enabled=lead,
                                   tracker=tracking.start(cfg, run_dir, lead))  # W&B
@@ -274,6 +287,7 @@ class _Run:
             if losses.ndim:
                 rec["losses"] = [float(x) for x in losses]
             rec.update(layer_records(self.moe_layers, m))  # this step's, as grad_norm is
+            rec.update(objectives.step_records(m))  # DPO's rewards: this step's too
             self.metrics.write(rec)
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -88,25 +89,32 @@ def init_state(model: Transformer, tx: optax.GradientTransformation, seed: int, 
     return jax.jit(traced_under(mesh, rules, init), out_shardings=shardings)(key)
 
 
+def logits_of(model: Transformer, params, batch, dropout_rng=None, sown: bool = False):
+    """(logits float32 [B, T, V], the batch they are of) and, with sown, the "moe"
+    collection the sparse layers sow. With the sequence split over a mesh axis (context
+    parallelism) the rows are put in zigzag order first (jaxformer.ring.zigzag_batch):
+    the returned batch is in that order, so sums over a row are the same."""
+    deterministic = dropout_rng is None
+    split = sequence_split()
+    if split is not None:  # context parallelism: every device gets equal causal work
+        batch = zigzag_batch(batch, split[0].shape[split[1]])
+    out = model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
+                      segment_ids=batch.get("segment_ids"), deterministic=deterministic,
+                      rngs=None if deterministic else {"dropout": dropout_rng},
+                      mutable=["moe"] if sown else False)
+    return (out[0], batch, out[1]) if sown else (out, batch)
+
+
 def loss_terms(model: Transformer, params, batch, *, dropout_rng=None):
     """(summed next-token cross entropy over unmasked targets, their count, the sparse
     layers' statistics (training/balancing.py; {} for a dense model)).
 
     batch: inputs/targets int32 [B, T], loss_mask float32 [B, T], optional positions and
-    segment_ids [B, T]. Logits and the loss are float32. With the sequence split over a
-    mesh axis (context parallelism) the rows are put in zigzag order first
-    (jaxformer.ring.zigzag_batch): the sum is the same.
+    segment_ids [B, T]. Logits and the loss are float32 (logits_of).
     """
-    deterministic = dropout_rng is None
-    split = sequence_split()
-    if split is not None:  # context parallelism: every device gets equal causal work
-        batch = zigzag_batch(batch, split[0].shape[split[1]])
     sparse = any(model.cfg.sparse_layers)  # the MoE layers sow their statistics
-    out = model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
-                      segment_ids=batch.get("segment_ids"), deterministic=deterministic,
-                      rngs=None if deterministic else {"dropout": dropout_rng},
-                      mutable=["moe"] if sparse else False)
-    logits, sown = out if sparse else (out, None)  # [B, T, V]
+    logits, batch, *sown = logits_of(model, params, batch, dropout_rng, sown=sparse)  # [B, T, V]
+    sown = sown[0] if sown else None
     nll = -target_logprobs(logits, batch["targets"])  # [B, T]: the cross entropy (optax's)
     mask = batch["loss_mask"].astype(jnp.float32)
     stats = balancing.layer_stats(model.cfg, sown["moe"]) if sparse else {}
@@ -146,29 +154,31 @@ def gradient_sums(model: Transformer, trained, frozen, batch, rng):
     return total, count, grads, {}
 
 
-def batch_sums(model: Transformer, trained, frozen, batch, rng, grad_accum: int):
-    """gradient_sums over the whole batch: with grad_accum > 1, of its micro-batches in a
-    lax.scan, added up (micro-batch i takes rows i, i + grad_accum, ...: each device keeps
-    its own rows; its dropout key is rng folded with i)."""
+def batch_sums(sums, trained, frozen, batch, rng, grad_accum: int):
+    """sums(trained, frozen, batch, rng) (gradient_sums, or an objective's) over the whole
+    batch: with grad_accum > 1, of its micro-batches in a lax.scan, added up (micro-batch
+    i takes rows i, i + grad_accum, ...: each device keeps its own rows; its dropout key
+    is rng folded with i)."""
     if grad_accum == 1:
-        return gradient_sums(model, trained, frozen, batch, rng)
+        return sums(trained, frozen, batch, rng)
     micro = jax.tree.map(lambda x: jnp.swapaxes(
         x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)  # [A, B / A, T]
 
     def body(carry, xs):
         i, mb = xs
         mb = jax.tree.map(lambda x: constrain(x, "act_batch", "act_seq"), mb)
-        out = gradient_sums(model, trained, frozen, mb, jax.random.fold_in(rng, i))
+        out = sums(trained, frozen, mb, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, carry, out), None
 
-    shapes = jax.eval_shape(lambda mb: gradient_sums(model, trained, frozen, mb, rng),
+    shapes = jax.eval_shape(lambda mb: sums(trained, frozen, mb, rng),
                             jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))[0]
 
 
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedule, *,
-                    grad_accum: int = 1, mesh=None, rules=None, shardings=None):
+                    grad_accum: int = 1, mesh=None, rules=None, shardings=None,
+                    objective=None, reference=None):
     """A jitted step(state, batch) -> (state, metrics), donating the old state.
 
     With grad_accum > 1 the batch is split into that many micro-batches along the batch
@@ -182,13 +192,20 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
     moe_load and moe_dropped join it (balancing.step_metrics). With model.moe.
     bias_update_rate > 0, every sparse layer's score_bias then becomes balanced_bias(its
     value before the step, the load summed over the step's micro-batches, the rate).
+
+    objective: None (the language model's loss above) or one of training/objectives.py,
+    whose gradient_sums and metrics take the place of the LM's; reference: the frozen
+    params it compares with, or None (passed to every step as an argument, not baked
+    into the program as a constant).
     """
     sweep, cfg = members(model) > 1, model.cfg
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, *reference):
         rng = jax.random.fold_in(state.rng, state.step)
         trained, frozen = trained_part(state.params)
-        total, count, grads, sums = batch_sums(model, trained, frozen, batch, rng, grad_accum)
+        sums_of = functools.partial(gradient_sums, model) if objective is None else \
+            functools.partial(objective.gradient_sums, model, reference=(reference or [None])[0])
+        total, count, grads, sums = batch_sums(sums_of, trained, frozen, batch, rng, grad_accum)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         update, norm = (jax.vmap(tx.update), jax.vmap(optax.tree.norm)) if sweep else \
@@ -204,28 +221,41 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
             "lr": schedule(state.step - opt_state.total_notfinite),
             "skipped": jnp.logical_not(opt_state.last_finite).astype(jnp.int32),
             "consecutive_skips": opt_state.notfinite_count,
-            **balancing.step_metrics(sums, count, grad_accum),
+            **(balancing.step_metrics(sums, count, grad_accum) if objective is None
+               else objective.metrics(sums, count)),
         }
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new, metrics
 
+    extra = () if reference is None else (reference,)
     if mesh is None:
-        return jax.jit(step, donate_argnums=0)
-    return jax.jit(traced_under(mesh, rules, step), donate_argnums=0,
-                   in_shardings=(shardings, batch_sharding(mesh, rules)),
-                   out_shardings=(shardings, NamedSharding(mesh, P())))
+        jitted = jax.jit(step, donate_argnums=0)
+    else:
+        jitted = jax.jit(traced_under(mesh, rules, step), donate_argnums=0,
+                         in_shardings=(shardings, batch_sharding(mesh, rules)) + (
+                             (shardings.params,) if extra else ()),
+                         out_shardings=(shardings, NamedSharding(mesh, P())))
+    return (lambda state, batch: jitted(state, batch, *extra)) if extra else jitted
 
 
-def make_eval_step(model: Transformer, *, mesh=None, rules=None, param_shardings=None):
+def make_eval_step(model: Transformer, *, mesh=None, rules=None, param_shardings=None,
+                   objective=None, reference=None):
     """A jitted eval(params, batch) -> (summed cross entropy ([S] for a sweep), token count):
-    the language-model loss alone, without MoE balancing penalties."""
-    def evaluate(params, batch):
+    the language-model loss alone, without MoE balancing penalties. With an objective
+    (training/objectives.py): (its summed loss, its count, its metrics' sums)."""
+    def evaluate(params, batch, *reference):
+        if objective is not None:
+            return objective.eval_sums(model, params, batch, *reference)
         if members(model) > 1:
             return member_losses(lambda p: loss_sums(model, p, batch), *trained_part(params))
         return loss_terms(model, params, batch)[:2]
 
+    extra = () if reference is None else (reference,)
     if mesh is None:
-        return jax.jit(evaluate)
-    return jax.jit(traced_under(mesh, rules, evaluate),
-                   in_shardings=(param_shardings, batch_sharding(mesh, rules)),
-                   out_shardings=NamedSharding(mesh, P()))
+        jitted = jax.jit(evaluate)
+    else:
+        jitted = jax.jit(traced_under(mesh, rules, evaluate),
+                         in_shardings=(param_shardings, batch_sharding(mesh, rules)) + (
+                             (param_shardings,) if extra else ()),
+                         out_shardings=NamedSharding(mesh, P()))
+    return (lambda params, batch: jitted(params, batch, *extra)) if extra else jitted

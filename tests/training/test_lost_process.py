@@ -1,0 +1,212 @@
+"""A lost process: of two processes on localhost, one is SIGKILLed mid-run; the other
+stops within 30 s with one line naming it and the newest intact checkpoint step (exit
+3), and the same command rerun on both resumes there with the uninterrupted run's
+losses. And the watch's own logic, with a fake key-value store and clock."""
+
+import contextlib
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxformer.config import ConfigError
+from jaxformer.training import load_config
+from jaxformer.training.checkpoint import damage, write_manifest
+from jaxformer.training.metrics import read_metrics
+from jaxformer.training.peers import DONE, EXIT_LOST, LOST_KEY, PREFIX, PeerWatch
+from tests.conftest import REPO, xla_flags
+
+STEPS, EVERY = 24, 2
+LINE = re.compile(r"jaxformer: process (\d) of 2 is gone \(no heartbeat for 3 s\); the newest "
+                  r"intact checkpoint is step (\d+) in (\S+)/checkpoints; rerun the same "
+                  r"command on every host to resume from it")
+
+
+def _free_port(rng):
+    """A free port below the kernel's ephemeral range: a client that retries its connect
+    before process 0 listens can never be handed it as its own port (a TCP self-connect,
+    which then makes process 0's bind fail)."""
+    import socket
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in rng.permutation(np.arange(20000, min(low, 32768))):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("localhost", int(port)))
+            return int(port)
+    raise RuntimeError("no free port")
+
+
+def launch(tmp_path, run, port, seed):
+    """Both processes of a 2 x 2-device run, as every host would start it."""
+    common = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
+              "train.seq_len=32", "train.batch_size=4", f"train.steps={STEPS}",
+              "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1",
+              "train.sample_tokens=0", "train.progress=false", f"train.seed={seed}",
+              "optim.warmup_steps=2", f"checkpoint.every={EVERY}", "checkpoint.keep=3",
+              f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path / 'cache'}",
+              f"train.run_dir={run}", f"distributed.coordinator_address=localhost:{port}",
+              "distributed.num_processes=2", "distributed.heartbeat_s=3"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=xla_flags(devices=2))
+    return [subprocess.Popen([sys.executable, "train.py", *common, f"distributed.process_id={i}"],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for i in range(2)]
+
+
+def finish(procs, timeout):
+    """[(process, stdout, stderr)] once both have ended; the test fails, with their
+    stderr, if either still runs after `timeout` seconds (then both are killed)."""
+    deadline, outs, late = time.time() + timeout, [], []
+    for i, p in enumerate(procs):
+        try:
+            outs.append((p, *p.communicate(timeout=max(deadline - time.time(), 0.1))))
+        except subprocess.TimeoutExpired:
+            late.append(i)
+            p.kill()
+            outs.append((p, *p.communicate()))
+    if late:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"process(es) {late} still ran after {timeout} s; stderr tails: "
+                    + " | ".join(err[-1500:] for _, _, err in outs))
+    return outs
+
+
+def logged_step(run):
+    try:
+        return max((r["step"] for r in read_metrics(run) if "loss" in r), default=0)
+    except (FileNotFoundError, ValueError):  # not there yet, or a line half-written
+        return 0
+
+
+def test_killed_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_path, rng):
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "None", "x"]
+    (tmp_path / "corpus.txt").write_text(
+        "\n".join(" ".join(rng.choice(words, size=6)) for _ in range(600)))
+    seed, run = int(rng.integers(1000)), tmp_path / "run"
+    port = _free_port(rng)
+    procs = launch(tmp_path, run, port, seed)
+    deadline = time.time() + 240
+    while logged_step(run) < 3 * EVERY + 1 and time.time() < deadline \
+            and procs[0].poll() is None:
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    (p0, _, err0), (p1, _, _) = finish(procs, timeout=30)
+    assert p1.returncode == -signal.SIGKILL
+    assert p0.returncode == EXIT_LOST, err0[-3000:]
+    assert time.time() - killed_at < 30
+    lines = err0.strip().splitlines()
+    found = LINE.fullmatch(lines[-1])  # the last line, and C++'s stack traces nowhere
+    assert found, err0[-3000:]
+    assert "stack trace" not in err0 and "Traceback" not in err0, err0[-3000:]
+    missing, step, where = int(found[1]), int(found[2]), found[3]
+    assert missing == 1 and pathlib.Path(where) == run
+    # the step named is the newest whole one: intact, and every newer directory not a step
+    assert step % EVERY == 0 and step < STEPS and damage(run / "checkpoints" / str(step)) is None
+    newer = [p for p in (run / "checkpoints").iterdir()
+             if p.name.isdigit() and int(p.name) > step]
+    assert all(damage(p) is not None for p in newer), newer
+
+    before = len(read_metrics(run))  # the killed run's records; the rerun's follow
+    (r0, out0, e0), (r1, _, e1) = finish(launch(tmp_path, run, port, seed), timeout=300)
+    assert r0.returncode == 0 and r1.returncode == 0, (e0[-3000:], e1[-3000:])
+    assert f"resumed from {run}/checkpoints/{step}" in out0
+
+    (s0, _, e0), (s1, _, e1) = finish(launch(tmp_path, tmp_path / "straight",
+                                             _free_port(rng), seed), timeout=300)
+    assert s0.returncode == 0 and s1.returncode == 0, (e0[-3000:], e1[-3000:])
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight") if "loss" in r}
+    logged = [r for r in read_metrics(run) if "loss" in r]  # the killed run's, then the rerun's
+    assert sorted(want) == list(range(1, STEPS + 1))
+    assert [r["step"] for r in read_metrics(run)[before:] if "loss" in r] == \
+        list(range(step + 1, STEPS + 1))
+    assert {r["step"] for r in logged} == set(want)
+    for r in logged:  # exactly: the same programs on the same devices
+        assert r["loss"] == want[r["step"]], (r, want[r["step"]])
+
+
+# ---- the watch's logic, without processes ------------------------------------------------
+
+class FakeStore:
+    """The calls PeerWatch makes on JAX's client, over a dict."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.kv
+        self.kv[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.kv:
+            raise KeyError(key)
+        return self.kv[key]
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_watch_names_the_silent_peer_and_not_the_finished_one(tmp_path, rng):
+    count, heartbeat = 4, 4.0 * int(rng.integers(1, 6))  # beats of whole seconds: exact sums
+    store, clock, exits = FakeStore(), Clock(), []
+    watches = [PeerWatch(store, p, count, heartbeat, tmp_path, clock=clock, exit=exits.append)
+               for p in range(count)]
+    for w in watches:
+        w.seen = {p: (None, clock()) for p in range(count) if p != w.process}
+    silent = int(rng.integers(1, count))
+    done = next(p for p in range(1, count) if p != silent)
+    for _ in range(3):  # all beat
+        clock.now += heartbeat / 4
+        assert [w.beat() for w in watches] == [None] * count
+    store.kv[PREFIX + str(done)] = DONE  # finished: no more beats, and not missed
+    clock.now += heartbeat / 4
+    assert [w.beat() for w in watches if w.process != done] == [None] * (count - 1)
+    alive = [w for w in watches if w.process not in (silent, done)]
+    found = []
+    while not found:
+        clock.now += heartbeat / 4
+        found = [m for m in (w.beat() for w in alive) if m is not None]
+        assert clock.now < 200
+    # from the silent peer's last beat: over `heartbeat`, and found within two more beats
+    # (process 0 reads each beat on its own next one)
+    silent_for = clock.now - (100.0 + 4 * heartbeat / 4)
+    assert heartbeat < silent_for <= heartbeat + 2 * heartbeat / 4 + 1e-9
+    assert found[0] == silent and store.kv[LOST_KEY] == str(silent)
+    assert [w.beat() for w in alive[1:]] == [silent] * (len(alive) - 1)  # the others read it
+
+
+def test_the_line_names_the_newest_whole_step(tmp_path, capfd):
+    ckpt = tmp_path / "checkpoints"
+    for step in (4, 6, 8):
+        (ckpt / str(step) / "state").mkdir(parents=True)
+        (ckpt / str(step) / "state" / "data").write_bytes(os.urandom(64))
+    write_manifest(ckpt / "4")
+    write_manifest(ckpt / "6")
+    (ckpt / "6" / "state" / "data").write_bytes(os.urandom(10))  # truncated: damaged
+    (ckpt / "10.orbax-checkpoint-tmp-123").mkdir()  # a save in flight; 8 is not sealed
+    exits = []
+    watch = PeerWatch(FakeStore(), 0, 2, 3.0, ckpt, exit=exits.append)
+    watch.leave(1)
+    line = capfd.readouterr().err
+    assert exits == [EXIT_LOST]
+    assert line == (f"jaxformer: process 1 of 2 is gone (no heartbeat for 3 s); the newest "
+                    f"intact checkpoint is step 4 in {ckpt}; rerun the same command on every "
+                    "host to resume from it\n")
+
+
+def test_heartbeat_setting_is_checked():
+    with pytest.raises(ConfigError, match=r"^distributed.heartbeat_s=0.5 must be >= 1$"):
+        load_config(None, ["distributed.heartbeat_s=0.5"])
