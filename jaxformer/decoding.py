@@ -24,6 +24,7 @@ from jaxformer.cached_forward import (Generated, checked_inputs, decode_jit, for
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
 from jaxformer.kv_cache import cache_widths, init_cache, kv_cache_bytes, take_rows  # noqa: F401
+from jaxformer.logprobs import target_logprobs
 from jaxformer.model import Transformer
 from jaxformer.sampling import (Sampling, checked_sampling, filter_logits,  # noqa: F401
                                 sample_logits)
@@ -52,7 +53,7 @@ def _decode_run(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, w
 
         def emit(logits, rng, done):
             tok = sample_logits(rng, logits, sampling)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], -1)[:, 0]
+            logp = target_logprobs(logits, tok)  # the training loss's log-softmax
             tok = jnp.where(done, pad_id, tok)
             logp = jnp.where(done, 0.0, logp)
             now_done = done | (tok == eos_id) if eos_id is not None else done

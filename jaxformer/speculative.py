@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxformer.cached_forward import Generated, decode_jit, looped, prefill
 from jaxformer.kv_cache import rolled_back
+from jaxformer.logprobs import target_logprobs
 from jaxformer.model import Transformer
 from jaxformer.sampling import (Branches, Sampling, accept_drafts, branches_of,
                                 sample_and_filter, sample_logits)
@@ -170,7 +171,7 @@ def _first_row(model, params, proposer, dparams, prompt, length, rng, sampling: 
         draft_state=proposer.start(dparams, prompt, length, max_len, cache_dtype, windowed[1]),
         context=jnp.zeros(max_len + 1, jnp.int32).at[:w].set(prompt).at[length].set(first),
         out=jnp.zeros(max_new + k + 1, jnp.int32).at[0].set(first),
-        logp=jnp.zeros(max_new + k + 1).at[0].set(jax.nn.log_softmax(last[0])[first]),
+        logp=jnp.zeros(max_new + k + 1).at[0].set(target_logprobs(last[0], first)),
         n=jnp.int32(1), cur=first, prev=prompt[length - 1],
         done=jnp.asarray(max_new == 1) | (eos_id is not None and first == eos_id),
         drafted=jnp.int32(0), accepted=jnp.int32(0), rng=rng)
@@ -197,7 +198,7 @@ def speculative_fn(cfg, proposer: str, draft_cfg, k: int, max_new, eos_id, pad_i
             logits, cache = model.apply({"params": params}, seq[None],
                                         (pos + jnp.arange(k + 1))[None], cache=r.cache)
             a, toks = accept_drafts(ka, logits[0], drafts, q, sampling, branches)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits[0]), toks[:, None], 1)[:, 0]
+            logp = target_logprobs(logits[0], toks)  # [k + 1]
             m, done = _emitted(r, toks, a, max_new, eos_id)
             upd = jax.lax.dynamic_update_slice
             return r._replace(

@@ -23,11 +23,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxformer import lora
 from jaxformer.config import ConfigError
+from jaxformer.logprobs import target_logprobs
 from jaxformer.training.step import joined, logits_of
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
@@ -66,7 +66,7 @@ def answer_logps(model, params, batch, dropout_rng=None):
     answer log-probabilities (the targets' log-softmax where loss_mask is set, summed
     over the answer's segment), and 1 where the row holds pair k."""
     logits, batch = logits_of(model, params, batch, dropout_rng)  # [B, T, V] float32
-    token = -optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
+    token = target_logprobs(logits, batch["targets"])  # [B, T]: the LM loss's log-softmax
     seg = batch["segment_ids"]
     n = seg.shape[1] + 1 + (seg.shape[1] % 2)  # segments 0 .. T (+1: an odd T's last pair)
 

@@ -12,6 +12,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxformer import lora
+from jaxformer.logprobs import target_logprobs
 from jaxformer.model import Transformer
 from jaxformer.ring import zigzag_batch
 from jaxformer.training import balancing
@@ -114,7 +115,7 @@ def loss_terms(model: Transformer, params, batch, *, dropout_rng=None):
     sparse = any(model.cfg.sparse_layers)  # the MoE layers sow their statistics
     logits, batch, *sown = logits_of(model, params, batch, dropout_rng, sown=sparse)  # [B, T, V]
     sown = sown[0] if sown else None
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
+    nll = -target_logprobs(logits, batch["targets"])  # [B, T]: the cross entropy (optax's)
     mask = batch["loss_mask"].astype(jnp.float32)
     stats = balancing.layer_stats(model.cfg, sown["moe"]) if sparse else {}
     return jnp.sum(nll * mask), jnp.sum(mask), stats
