@@ -196,15 +196,19 @@ class _BpeSample:
             if self.val is not None and piece.key in self.val:
                 continue
             read += piece.size
-            if self.val is None and read > self.train:
-                return
-            n = len(piece.text)
-            if self.taken + n <= self.target * min(read / max(self.train, 1), 1.0):
+            text, last = piece.text, self.val is None and read > self.train
+            if last:  # one document: its train split ends inside this piece; keep that part
+                keep = max(piece.size - (read - self.train), 0)
+                text = text.encode("utf-8")[:keep].decode("utf-8", errors="ignore")
+            n = len(text)
+            if n and self.taken + n <= self.target * min(read / max(self.train, 1), 1.0):
                 self.taken += n
                 bar.update(n)
-                yield piece.text
+                yield text
                 if self.taken >= self.target:
                     return
+            if last:
+                return
 
 
 # ---- text corpora: tokenise once into the cache ----------------------------------------
