@@ -277,6 +277,7 @@ class ModelConfig(Section):
                               "to t5_max_distance")
         set_("rope_scaling", self._with_original(self.rope_scaling))
         self._check_pattern(scheme)
+        self.moe.sparse(self.n_layers)  # model.moe.layers within 0..n_layers - 1, or one line
         if self.rope_scaling.row.scales and scheme.kind != "rotary":
             rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
             raise ConfigError(f"model.rope_scaling.kind={self.rope_scaling.kind!r} needs "
