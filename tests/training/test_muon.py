@@ -49,9 +49,9 @@ def np_orthogonalise(m, lead, contracted):
     return rms * np.stack(out).reshape(shape)
 
 
-def np_steps(w, grads, muon_dims):
+def np_steps(w, grads, muon_dims, decayed):
     """The param after len(grads) steps, in float64: Muon (Nesterov momentum with optax's
-    bias correction, orthogonalised, scaled to RMS, decayed) or AdamW."""
+    bias correction, orthogonalised, scaled to RMS, decayed) or AdamW (decayed: a kernel)."""
     w, mu, nu = np.float64(w), 0.0, 0.0
     for t, g in enumerate(grads, 1):
         g = np.float64(g)
@@ -68,7 +68,6 @@ def np_steps(w, grads, muon_dims):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_muon_update_matches_float64_newton_schulz(model):
-    global decayed
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
                       **MODELS[model])
     params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), jnp.float32),
@@ -88,10 +87,9 @@ def test_muon_update_matches_float64_newton_schulz(model):
         d = dims
         for n in names:
             d = d[n]
-        decayed = names[-1] == "kernel"
         muon_dims = None if d is None else (d.reduction_axis[0], len(d.reduction_axis))
         want = np_steps(np.asarray(leaf_of(params, names)), [leaf_of(g, names) for g in grads],
-                        muon_dims)
+                        muon_dims, decayed=names[-1] == "kernel")
         np.testing.assert_allclose(np.asarray(leaf), want, rtol=2e-4, atol=2e-5,
                                    err_msg="/".join(names))
         seen.add((names[-2] if names[-1] == "kernel" else names[-1], muon_dims))
