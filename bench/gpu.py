@@ -1,7 +1,7 @@
 """The GPU suite: attention backends, the train step and decoding, measured in one command.
 
     python bench/gpu.py [--out DIR] [--smoke] [--sections attention,tests,train,decode]
-        [--batch N] [--repeats N]
+        [--batch N] [--repeats N] [--masks causal,alibi,...] [--seqs 2048,8192]
 
 1. attention: cuDNN vs XLA vs the reference in bf16 on every mask kind (causal, padding,
    packed, window, alibi, gqa): max error against the float32 reference, forward and
@@ -131,23 +131,26 @@ def attention_case(kind: str, sizes: Sizes, t: int, rng: np.random.Generator):
         starts[:, rng.integers(1, t, 3 * t // 64 + 1)] = 1
         seg = jnp.asarray(1 + np.cumsum(starts, axis=1).astype(np.int32))
         pos = segment_positions(seg)
-    kw = {"is_causal": True}
-    if kind in ("padding", "packed", "window"):
-        kw["mask"] = make_attention_mask(pos, pos, seg, seg, causal=True,
-                                         window=sizes.window if kind == "window" else None)
+    arrays = {}  # mask and bias travel as arguments: closed over, XLA embeds them as constants
+    if kind in ("padding", "packed", "window"):  # (4.3 GB of ALiBi bias at T 8,192)
+        arrays["mask"] = make_attention_mask(pos, pos, seg, seg, causal=True,
+                                             window=sizes.window if kind == "window" else None)
     if kind == "alibi":
-        kw["bias"] = alibi_bias(alibi_slopes(n), pos, pos)
-    return q, k, v, kw
+        arrays["bias"] = alibi_bias(alibi_slopes(n), pos, pos)
+    return q, k, v, arrays
 
 
-def attention_rows(sizes: Sizes, repeats: int) -> list[dict]:
+def attend(q, k, v, arrays, impl):
+    return dot_product_attention(q, k, v, impl=impl, is_causal=True, **arrays)
+
+
+def attention_rows(sizes: Sizes, repeats: int, masks=MASK_KINDS) -> list[dict]:
     rng = np.random.default_rng()
     rows = []
     for t in sizes.attn_seqs:
-        for kind in MASK_KINDS:
-            q, k, v, kw = attention_case(kind, sizes, t, rng)
-            truth = jax.jit(lambda q, k, v, kw=kw: dot_product_attention(
-                q, k, v, impl="reference", **kw))(q, k, v)
+        for kind in masks:
+            q, k, v, arrays = attention_case(kind, sizes, t, rng)
+            truth = jax.jit(attend, static_argnums=4)(q, k, v, arrays, "reference")
             qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
             for impl in ATTENTION_IMPLS:
                 row = {"mask": kind, "seq": t, "impl": impl}
@@ -155,22 +158,21 @@ def attention_rows(sizes: Sizes, repeats: int) -> list[dict]:
                 if impl == "cudnn" and not on_gpu():
                     row["status"] = NO_GPU
                     continue
-                fwd = lambda q, k, v, impl=impl, kw=kw: dot_product_attention(  # noqa: E731
-                    q, k, v, impl=impl, **kw)
-                grad = jax.grad(lambda q, k, v, fwd=fwd: jnp.sum(fwd(q, k, v).astype(
-                    jnp.float32)), argnums=(0, 1, 2))
+                fwd = lambda q, k, v, arrays, impl=impl: attend(q, k, v, arrays, impl)  # noqa: E731
+                grad = jax.grad(lambda q, k, v, arrays, fwd=fwd: jnp.sum(
+                    fwd(q, k, v, arrays).astype(jnp.float32)), argnums=(0, 1, 2))
                 try:
-                    out = jax.jit(fwd)(qb, kb, vb)
+                    out = jax.jit(fwd)(qb, kb, vb, arrays)
                     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - truth)))
-                    _, fwd_s, _ = timed(fwd, qb, kb, vb, repeats=repeats)
-                    _, bwd_s, _ = timed(grad, qb, kb, vb, repeats=repeats)
+                    _, fwd_s, _ = timed(fwd, qb, kb, vb, arrays, repeats=repeats)
+                    _, bwd_s, _ = timed(grad, qb, kb, vb, arrays, repeats=repeats)
                 except Exception as e:  # e.g. cuDNN refusing a shape, or out of memory
                     row["status"] = first_line(e)
                     continue
                 row.update(status="ok", max_err=err, fwd_ms=fwd_s * 1e3,
                            fwd_bwd_ms=bwd_s * 1e3)
                 print("attention row:", json.dumps(row), flush=True)
-            del q, k, v, kw, truth
+            del q, k, v, arrays, truth
     return rows
 
 
@@ -410,12 +412,19 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=None, help="train batch (default: the largest "
                    "that fits)")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--masks", default=",".join(MASK_KINDS), help="attention's mask kinds")
+    p.add_argument("--seqs", default=None, help="attention's lengths, e.g. 8192")
     a = p.parse_args(argv)
     sections = [s.strip() for s in a.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         p.error(f"unknown section(s) {', '.join(unknown)}; sections are: {', '.join(SECTIONS)}")
     sizes = SMOKE if a.smoke else Sizes()
+    masks = [m.strip() for m in a.masks.split(",") if m.strip()]
+    if set(masks) - set(MASK_KINDS):
+        p.error(f"unknown mask kind(s) in --masks; they are: {', '.join(MASK_KINDS)}")
+    if a.seqs:
+        sizes = dataclasses.replace(sizes, attn_seqs=tuple(int(t) for t in a.seqs.split(",")))
     repeats = a.repeats or (2 if a.smoke else 10)
 
     res = {"smoke": a.smoke, "device": device_info(sizes, repeats)}
@@ -423,7 +432,7 @@ def main(argv=None) -> dict:
     peaks = {"datasheet": d["peak_bf16_flops_datasheet"],
              "measured": d["matmul_bf16_flops_measured"]}
     if "attention" in sections:
-        res["attention"] = attention_rows(sizes, repeats)
+        res["attention"] = attention_rows(sizes, repeats, masks)
     if "tests" in sections:
         res["tests"] = cudnn_tests()
     if "train" in sections:
