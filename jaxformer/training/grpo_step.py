@@ -32,10 +32,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxformer.config import ConfigError
+from jaxformer.lora import base_only
 from jaxformer.decoding import generate
 from jaxformer.logprobs import token_logprobs
 from jaxformer.training.grpo import group_advantages, grpo_loss
-from jaxformer.training.objectives import base_only
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.rewards import Reward
 from jaxformer.training.step import joined, loss_terms, trained_part

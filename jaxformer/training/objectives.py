@@ -23,11 +23,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxformer import lora
 from jaxformer.config import ConfigError
 from jaxformer.logprobs import target_logprobs
+from jaxformer.training.grpo_step import GroupPolicy
 from jaxformer.training.step import joined, logits_of
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
@@ -80,13 +80,6 @@ def answer_logps(model, params, batch, dropout_rng=None):
     return sums[:, 1::2], sums[:, 2::2], (tokens[:, 1::2] > 0).astype(jnp.float32)
 
 
-def base_only(params):
-    """params with every LoRA adapter's lora_scale at 0: the model without its adapters."""
-    flat = flatten_dict(dict(params))
-    return unflatten_dict({k: jnp.zeros_like(v) if k[-1] == lora.SCALE else v
-                           for k, v in flat.items()})
-
-
 class Preference:
     """objective.name=dpo: the step's hooks (training/step.py) for DPO and IPO."""
 
@@ -96,7 +89,7 @@ class Preference:
     def reference_logps(self, model, params, reference, batch):
         """The reference's (chosen, rejected) answer log-probabilities, outside the gradient:
         `reference` (the init_from weights) or, with LoRA, `params` without the adapters."""
-        ref = base_only(params) if reference is None else reference
+        ref = lora.base_only(params) if reference is None else reference
         chosen, rejected, _ = answer_logps(model, jax.lax.stop_gradient(ref), batch)
         return jax.lax.stop_gradient(chosen), jax.lax.stop_gradient(rejected)
 
@@ -135,7 +128,6 @@ def build(cfg):
     grpo's (training/grpo_step.py) checks its reward now, before the data loads."""
     name = cfg.objective.name
     if name == "grpo":
-        from jaxformer.training.grpo_step import GroupPolicy  # it imports this module
         return GroupPolicy(cfg)
     return Preference(cfg.objective) if name == "dpo" else None
 

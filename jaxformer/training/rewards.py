@@ -1,7 +1,8 @@
 """GRPO's rewards (objective.reward): a score per sampled completion, computed on the host.
 
-task:NAME, verifiable tasks scored by exact match (1.0 or 0.0) on the completion's text
-with surrounding whitespace stripped:
+task:NAME, verifiable tasks scored by exact match (1.0 or 0.0) on the completion's first
+line (its text up to the first newline: a byte-level tokenizer has no end-of-text token,
+so records may end their completions with a newline), surrounding whitespace stripped:
 
 - task:addition: the prompt ends with ``A+B=`` (decimal integers, anything before them);
   the completion must be A + B written out;
@@ -25,11 +26,16 @@ from jaxformer.config import ConfigError
 _SUM = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)\s*=\s*$")
 
 
+def first_line(text: str) -> str:
+    """The text up to its first newline, stripped: what the task rewards compare."""
+    return text.split("\n", 1)[0].strip()
+
+
 def addition(prompt: str, completion: str, answer: str | None = None) -> float:
     """1.0 when the completion is the sum the prompt's trailing ``A+B=`` asks for."""
     found = _SUM.search(prompt)
     return float(found is not None and
-                 completion.strip() == str(int(found.group(1)) + int(found.group(2))))
+                 first_line(completion) == str(int(found.group(1)) + int(found.group(2))))
 
 
 def copy(prompt: str, completion: str, answer: str | None = None) -> float:
@@ -38,12 +44,12 @@ def copy(prompt: str, completion: str, answer: str | None = None) -> float:
     if not body.endswith("="):
         return 0.0
     word = re.split(r"[ \n]", body[:-1])[-1]
-    return float(completion.strip() == word)
+    return float(first_line(completion) == word)
 
 
 def exact(prompt: str, completion: str, answer: str | None = None) -> float:
     """1.0 when the completion is the record's reference answer."""
-    return float(answer is not None and completion.strip() == answer.strip())
+    return float(answer is not None and first_line(completion) == first_line(answer))
 
 
 def _line(error) -> str:
