@@ -1,12 +1,12 @@
-"""GRPO on 2-digit addition: fine-tune a small byte-level model on "a+b=" -> "a + b\\n"
-records to some exact-match accuracy A, then run objective.name=grpo with
-objective.reward=task:addition from it, and score both on held-out prompts (greedy
-decoding, the task reward's exact match on the completion's first line).
+"""GRPO on 2-digit addition: fine-tune a small model (d_model 64, 2 layers; a BPE of the
+256 bytes and an end of text, so rollouts stop) on 4,000 "a+b=" -> "a + b" records to
+some greedy exact-match accuracy A, then run objective.name=grpo with
+objective.reward=task:addition from it, and score both on 500 held-out prompts.
 
-    python -m jaxformer.experiments.grpo_addition --out runs/grpo_addition --seed 0
+    python -m jaxformer.experiments.grpo_addition --out runs/grpo_addition --seed 0 1 2
 
 prints one JSON line per seed: sft_accuracy, grpo_accuracy, the gain in points, and the
-run dirs (each holds its config.yaml: the command that made it is train.py with it).
+run dirs (each holds its config.yaml: train.py with it makes the same run).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def run_seed(out: pathlib.Path, seed: int, sft_steps: int, grpo_steps: int, grpo
     train(load_config(None, [
         *base, "model.max_seq_len=32", f"train.init_from={sft}", "objective.name=grpo",
         "objective.reward=task:addition", "objective.group_size=8", "objective.beta=0",
-        "objective.max_new_tokens=5", "objective.inner_steps=2", "train.batch_size=16",
+        "objective.max_new_tokens=5", "objective.inner_steps=1", "train.batch_size=64",
         f"train.steps={grpo_steps}", f"optim.lr={grpo_lr}", "optim.schedule=constant",
         "train.log_every=1", f"train.run_dir={grpo}"]), log=log)
     a, b = accuracy(sft, test), accuracy(grpo, test)
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, nargs="+", default=[0])
-    p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--grpo-steps", type=int, default=100)
+    p.add_argument("--sft-steps", type=int, default=1500)
+    p.add_argument("--grpo-steps", type=int, default=200)
     p.add_argument("--grpo-lr", type=float, default=1e-4)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
