@@ -1,5 +1,6 @@
-"""GRPO's step cost: rollout tokens/s, update tokens/s, and the share of a step spent in
-the rollout (jitted generate), the reward (host Python) and the update (jitted
+"""GRPO's step cost: rollout tokens/s, update tokens/s (completion tokens sampled, and
+completion tokens x inner_steps trained on, per second), and the share of a step spent
+in the rollout (jitted generate), the reward (host Python) and the update (jitted
 inner_steps of the loss), from the metrics a run logs (training/grpo_step.py).
 
     python bench/posttrain.py [--d-model 64 --layers 2 --prompts 16 --group 8
