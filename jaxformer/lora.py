@@ -281,3 +281,10 @@ def pick_member(cfg: LoRAConfig, params, i: int | None) -> tuple[LoRAConfig, dic
             f"{j}: rank {m.rank} seed {m.seed}" for j, m in enumerate(members)) +
             "); pick one with --member I")
     return member(cfg, params, i)
+
+
+def base_only(params):
+    """params with every adapter's lora_scale at 0: the model without its adapters (the
+    post-training objectives' frozen reference)."""
+    return _unflatten({k: jnp.zeros_like(v) if k[-1] == SCALE else v
+                       for k, v in _flatten(params).items()})

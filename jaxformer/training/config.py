@@ -205,17 +205,41 @@ class ObjectiveConfig:
     """What the step minimises (jaxformer.training.objectives). name: lm (next-token cross
     entropy on the loss mask: pretraining, prompt/completion fine-tuning) | dpo (Rafailov et
     al.: data.format=preference pairs against the frozen train.init_from model) | grpo
-    (reserved). beta: DPO's KL strength (IPO's tau). loss: sigmoid (DPO) | ipo (Azar et
-    al.'s squared loss), both on the answers' summed log-probabilities."""
+    (jaxformer.training.grpo_step: sampled groups scored by `reward`). beta: DPO's KL
+    strength (IPO's tau); GRPO's k3 KL weight (0: no reference at all). loss: sigmoid
+    (DPO) | ipo (Azar et al.'s squared loss), both on the answers' summed log-probabilities.
+    GRPO: group_size completions per prompt (train.batch_size prompts a step), sampled at
+    temperature up to max_new_tokens; reward task:NAME (training/rewards.py) or
+    MODULE:FUNCTION of (prompt, completion) -> float; inner_steps optimizer steps per
+    rollout; clip / clip_high the ratio's range [1 - clip, 1 + clip_high] (None: clip)."""
 
     name: str = "lm"
     beta: float = 0.1
     loss: str = "sigmoid"
+    group_size: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+    reward: str | None = None
+    inner_steps: int = 1
+    clip: float = 0.2
+    clip_high: float | None = None
 
     def __post_init__(self):
         check_choice("objective", "name", self.name, OBJECTIVES)
-        check_number("objective", "beta", self.beta, float, low=0, low_open=True)
+        check_number("objective", "beta", self.beta, float, low=0, low_open=self.name != "grpo")
         check_choice("objective", "loss", self.loss, PREFERENCE_LOSSES)
+        check_number("objective", "group_size", self.group_size, int, low=2)
+        check_number("objective", "temperature", self.temperature, float, low=0, low_open=True)
+        check_number("objective", "max_new_tokens", self.max_new_tokens, int, low=1)
+        check_number("objective", "inner_steps", self.inner_steps, int, low=1)
+        check_number("objective", "clip", self.clip, float, low=0, low_open=True, high=1,
+                     high_open=True)
+        check_number("objective", "clip_high", self.clip_high, float, low=0, low_open=True,
+                     optional=True)
+        if self.name == "grpo" and (not isinstance(self.reward, str) or ":" not in self.reward):
+            raise ConfigError(f"objective.name=grpo needs objective.reward (got {self.reward!r}): "
+                              "task:NAME (task:addition, task:copy, task:exact) or "
+                              "MODULE:FUNCTION, a Python function of (prompt, completion) -> float")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
@@ -255,12 +279,20 @@ class RunConfig:
     def _check_objective(self):
         """The objective's data, starting weights and model, each refused in one line."""
         name, fmt = self.objective.name, self.data.format
-        if (name == "dpo") != (fmt == "preference"):
+        if name != "grpo" and (name == "dpo") != (fmt == "preference"):
             raise ConfigError(f"objective.name={name} with data.format={fmt}: DPO trains on "
                               "preference pairs; use objective.name=dpo with "
                               "data.format=preference, or another format with objective.name=lm")
-        if name == "dpo" and not self.train.init_from:
-            raise ConfigError("objective.name=dpo needs train.init_from: the model it starts "
+        if name == "grpo" and fmt != "prompt_completion":
+            raise ConfigError(f"objective.name=grpo with data.format={fmt}: GRPO samples answers "
+                              "to the prompts of data.format=prompt_completion records")
+        if name == "grpo" and (any(self.model.sparse_layers) or
+                               len(self.model.lora.members()) > 1 or self.optim.grad_accum > 1):
+            raise ConfigError("objective.name=grpo trains a dense model with one adapter or none "
+                              "and optim.grad_accum=1; drop model.lora.sweep_*, the MoE layers "
+                              "and optim.grad_accum")
+        if name in ("dpo", "grpo") and not self.train.init_from:
+            raise ConfigError(f"objective.name={name} needs train.init_from: the model it starts "
                               "from is its frozen reference (e.g. a fine-tuned run dir)")
         if name == "dpo" and (any(self.model.sparse_layers) or
                               len(self.model.lora.members()) > 1):

@@ -192,8 +192,11 @@ class _Run:
         self.peak, peak_source = peak_flops(mcfg.dtype)
         self.log_setup(mesh, peak_source)
         on = dict(mesh=mesh, rules=rules, objective=objective, reference=reference)
-        self.train_step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
-                                          shardings=shardings, **on)
+        self.rollouts = hasattr(objective, "rollout_step")  # GRPO: step(state, step index)
+        self.train_step = objective.rollout_step(model, self.data, reference, mesh, rules,
+                                                 shardings) if self.rollouts else \
+            make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
+                            shardings=shardings, **on)
         self.eval_step = make_eval_step(model, param_shardings=shardings.params, **on)
         self.moe_layers = sparse_ids(mcfg)  # the layers logged as moe_load/i, moe_dropped/i
         self.metrics = MetricsLog(run_dir, enabled=lead,
@@ -223,6 +226,8 @@ class _Run:
 
     def batch_at(self, step):
         t = self.cfg.train
+        if self.rollouts:  # GRPO draws its own prompts (training/grpo_step.py)
+            return step
         batch = self.data.train_batch(seed=t.seed, step=step, batch_size=t.batch_size,
                                       seq_len=t.seq_len, pack=self.cfg.data.pack, rows=self.rows)
         # train.random_positions (Ruoss et al.): positions drawn from [0, MAX), or none

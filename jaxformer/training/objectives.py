@@ -23,14 +23,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxformer import lora
 from jaxformer.config import ConfigError
 from jaxformer.logprobs import target_logprobs
+from jaxformer.training.grpo_step import GroupPolicy
 from jaxformer.training.step import joined, logits_of
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
+GRPO_METRICS = ("reward_mean", "reward_std", "completion_len", "ratio_first", "ratio_mean",
+                "clip_fraction", "kl", "rollout_s", "reward_s", "update_s",
+                "rollout_tokens_per_s", "update_tokens_per_s")  # grpo_step's, per step
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float,
@@ -77,13 +80,6 @@ def answer_logps(model, params, batch, dropout_rng=None):
     return sums[:, 1::2], sums[:, 2::2], (tokens[:, 1::2] > 0).astype(jnp.float32)
 
 
-def base_only(params):
-    """params with every LoRA adapter's lora_scale at 0: the model without its adapters."""
-    flat = flatten_dict(dict(params))
-    return unflatten_dict({k: jnp.zeros_like(v) if k[-1] == lora.SCALE else v
-                           for k, v in flat.items()})
-
-
 class Preference:
     """objective.name=dpo: the step's hooks (training/step.py) for DPO and IPO."""
 
@@ -93,7 +89,7 @@ class Preference:
     def reference_logps(self, model, params, reference, batch):
         """The reference's (chosen, rejected) answer log-probabilities, outside the gradient:
         `reference` (the init_from weights) or, with LoRA, `params` without the adapters."""
-        ref = base_only(params) if reference is None else reference
+        ref = lora.base_only(params) if reference is None else reference
         chosen, rejected, _ = answer_logps(model, jax.lax.stop_gradient(ref), batch)
         return jax.lax.stop_gradient(chosen), jax.lax.stop_gradient(rejected)
 
@@ -128,19 +124,20 @@ class Preference:
 
 
 def build(cfg):
-    """The objective for cfg.objective (a RunConfig's): None for lm (step.py's own loss)."""
+    """The objective for cfg.objective (a RunConfig's): None for lm (step.py's own loss);
+    grpo's (training/grpo_step.py) checks its reward now, before the data loads."""
     name = cfg.objective.name
     if name == "grpo":
-        raise ConfigError("objective.name=grpo has no training step in this version; "
-                          "post-train with objective.name=dpo on data.format=preference pairs "
-                          "(e.g. sampled answers, ranked), or fine-tune with objective.name=lm")
+        return GroupPolicy(cfg)
     return Preference(cfg.objective) if name == "dpo" else None
 
 
 def needs_reference(cfg) -> bool:
-    """Whether the steps take the init_from weights as their frozen reference: DPO without
-    LoRA (with LoRA the base in the params is the reference)."""
-    return cfg.objective.name == "dpo" and not cfg.model.lora.rank
+    """Whether the steps take the init_from weights as their frozen reference: DPO, and
+    GRPO with objective.beta > 0, without LoRA (with LoRA the base in the params is the
+    reference)."""
+    o = cfg.objective
+    return (o.name == "dpo" or (o.name == "grpo" and o.beta > 0)) and not cfg.model.lora.rank
 
 
 def reference_weights(cfg, initial):
@@ -153,4 +150,4 @@ def reference_weights(cfg, initial):
 
 def step_records(metrics) -> dict:
     """A step's objective metrics (fetched to the host) as metrics.jsonl keys."""
-    return {k: float(np.mean(metrics[k])) for k in METRICS if k in metrics}
+    return {k: float(np.mean(metrics[k])) for k in METRICS + GRPO_METRICS if k in metrics}

@@ -181,7 +181,7 @@ def test_bad_input_stops_in_one_line(tmp_path, capsys):
              (args[:3] + args[4:], ["objective.name=lm with data.format=preference"]),
              ([tiny, *args[1:]], ["objective.name=dpo needs train.init_from"]),
              ([tiny, "objective.name=grpo", f"train.run_dir={tmp_path / 'g'}", *cheap],
-              ["objective.name=grpo", "post-train with objective.name=dpo"])]
+              ["objective.name=grpo needs objective.reward", "task:addition"])]
     for argv, needles in cases:
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err.strip()

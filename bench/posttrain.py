@@ -1,0 +1,78 @@
+"""GRPO's step cost: rollout tokens/s, update tokens/s (completion tokens sampled, and
+completion tokens x inner_steps trained on, per second), and the share of a step spent
+in the rollout (jitted generate), the reward (host Python) and the update (jitted
+inner_steps of the loss), from the metrics a run logs (training/grpo_step.py).
+
+    python bench/posttrain.py [--d-model 64 --layers 2 --prompts 16 --group 8
+        --new 5 --inner 2 --steps 12]
+
+A one-step fine-tune on 2-digit addition records (jaxformer.experiments.grpo_addition)
+gives the starting weights; then --steps GRPO steps with task:addition. Reports the
+median over the steps after the first two (compilation). Prints a table; asserts
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import tempfile
+
+import numpy as np
+
+from jaxformer.data.tokenizer import train_bpe
+from jaxformer.experiments.grpo_addition import COMMON, records
+from jaxformer.training import load_config, train
+from jaxformer.training.metrics import read_metrics
+
+
+def run(args, tmp: pathlib.Path) -> list[dict]:
+    data = tmp / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records(2000, np.random.default_rng(0))))
+    train_bpe(iter("0123456789+="), 257).save(tmp)
+    base = [*COMMON, f"data.path={data}", f"data.cache_dir={tmp / 'cache'}"]
+    model = ["model.preset=tiny", f"model.d_model={args.d_model}",
+             f"model.n_layers={args.layers}", f"model.n_heads={max(1, args.d_model // 16)}",
+             "model.max_seq_len=32", "model.vocab_size=257"]
+    quiet = lambda *a: None  # noqa: E731
+    train(load_config(None, [*model, *base, f"data.tokenizer={tmp / 'tokenizer.json'}",
+                             "train.steps=1", "train.batch_size=8",
+                             f"train.run_dir={tmp / 'sft'}"]), log=quiet)
+    train(load_config(None, [
+        *base, "model.max_seq_len=32", f"train.init_from={tmp / 'sft'}", "objective.name=grpo",
+        "objective.reward=task:addition", f"objective.group_size={args.group}",
+        f"objective.max_new_tokens={args.new}", f"objective.inner_steps={args.inner}",
+        f"train.batch_size={args.prompts}", f"train.steps={args.steps}", "train.log_every=1",
+        f"train.run_dir={tmp / 'grpo'}"]), log=quiet)
+    return [r for r in read_metrics(tmp / "grpo") if "rollout_s" in r]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--new", type=int, default=5)
+    p.add_argument("--inner", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = run(args, pathlib.Path(tmp))[2:]
+    med = lambda k: statistics.median(r[k] for r in steps)  # noqa: E731
+    total = med("rollout_s") + med("reward_s") + med("update_s")
+    print(f"GRPO step, d_model {args.d_model} x {args.layers} layers, {args.prompts} prompts x "
+          f"{args.group} completions, <= {args.new} new tokens, {args.inner} inner steps "
+          f"(median of {len(steps)} steps)")
+    print(f"{'stage':<10}{'seconds':>10}{'share':>8}{'tokens/s':>12}")
+    for stage, rate in (("rollout", med("rollout_tokens_per_s")), ("reward", None),
+                        ("update", med("update_tokens_per_s"))):
+        s = med(f"{stage}_s")
+        print(f"{stage:<10}{s:>10.4f}{s / total:>8.1%}" + (f"{rate:>12,.0f}" if rate else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""objective.name=grpo: the GRPO training step (the loss: jaxformer.training.grpo).
+
+Each step (train.steps counts them) takes train.batch_size prompts of the run's
+prompt/completion records (drawn as a pure function of (train.seed, step); the record's
+completion is the reference answer task:exact compares with) and
+
+1. rollout (jitted: jaxformer.decoding.generate, the KV-cached sampler): group_size
+   completions per prompt at objective.temperature, up to objective.max_new_tokens
+   (stopping at the tokenizer's end of text), with their log-probs;
+2. reward (on the host, Python: jaxformer.training.rewards): each completion's text
+   scored; a raising or non-number reward stops the run naming it;
+3. update (jitted, one program, the state donated): the reference's token log-probs
+   (once; skipped when objective.beta = 0), each group's advantages, then
+   objective.inner_steps optimizer steps of grpo_loss in a lax.scan, the rollout's
+   log-probs the old policy (so at the first inner step the ratio is 1: ratio_first).
+
+So a step is two jitted programs with the reward between them on the host, not one: a
+Python reward cannot run inside jit (rollout_s, reward_s and update_s are logged, and
+bench/posttrain.py measures the shares). The lr schedule runs over train.steps x
+inner_steps optimizer updates. On a mesh the params keep their shardings; the update's
+batch is replicated (every device computes every sequence), not split.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxformer.config import ConfigError
+from jaxformer.lora import base_only
+from jaxformer.decoding import generate
+from jaxformer.logprobs import token_logprobs
+from jaxformer.training.grpo import group_advantages, grpo_loss
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.rewards import Reward
+from jaxformer.training.step import joined, loss_terms, trained_part
+from jaxformer.sharding import traced_under
+
+
+def record_prompts(records, eot_id):
+    """(prompts, answers): each record's prompt token ids and its completion's (without
+    the end of text), as lists of int32 arrays."""
+    prompts, answers = [], []
+    for i in range(len(records)):
+        s, e = records.offsets[i], records.offsets[i + 1]
+        ids, answer = records.tokens[s:e], records.weights[s:e].astype(bool)
+        tail = ids[answer]
+        prompts.append(ids[~answer])
+        answers.append(tail[:-1] if eot_id is not None and len(tail) and tail[-1] == eot_id
+                       else tail)
+    return prompts, answers
+
+
+def sequences(prompts, lengths, tokens, logps, counts):
+    """The update's batch: each rollout as one row prompt + completion (right-padded):
+    tokens, positions, segment_ids (1 on the sequence), loss_mask (1 on the completion's
+    tokens) and old (the rollout's log-probs at those tokens). prompts [N, W] right-padded
+    with lengths [N]; tokens, logps [N, M] with counts [N] valid."""
+    n, w = prompts.shape
+    cols = np.arange(w + tokens.shape[1])[None, :]  # [1, T]
+    at = cols - lengths[:, None]  # index into the completion
+    completion = (at >= 0) & (at < counts[:, None])
+    safe = np.clip(at, 0, tokens.shape[1] - 1)
+    prompt = np.take_along_axis(np.pad(prompts, ((0, 0), (0, tokens.shape[1]))),
+                                np.broadcast_to(cols, (n, cols.shape[1])), 1)
+    seq = np.where(completion, np.take_along_axis(tokens, safe, 1),
+                   np.where(cols < lengths[:, None], prompt, 0))
+    live = cols < (lengths + counts)[:, None]
+    return {"tokens": seq.astype(np.int32),
+            "positions": np.broadcast_to(cols, seq.shape).astype(np.int32),
+            "segment_ids": live.astype(np.int32), "loss_mask": completion.astype(np.float32),
+            "old": np.where(completion, np.take_along_axis(logps, safe, 1), 0.0).astype(
+                np.float32)}
+
+
+class GroupPolicy:
+    """objective.name=grpo. The loop calls rollout_step(...) for its train step and the
+    eval step's eval_sums (the val records' completion loss, as objective.name=lm)."""
+
+    def __init__(self, cfg):  # cfg: the RunConfig
+        self.cfg, self.o = cfg, cfg.objective
+        self.reward = Reward(self.o.reward)  # a bad reward: refused before data loads
+
+    def eval_sums(self, model, params, batch, reference=None):
+        return loss_terms(model, params, batch)[:2]
+
+    def rollout_step(self, model, data, reference, mesh=None, rules=None, shardings=None):
+        """step(state, step_index) -> (state, metrics) for the loop."""
+        return Rollouts(self, model, data, reference, mesh, rules, shardings)
+
+    def update_fn(self, model, tx, schedule, num_groups):
+        """update(state, batch, *reference) -> (state, metrics), to be jitted."""
+        o = self.o
+
+        def update(state, batch, *reference):
+            trained, frozen = trained_part(state.params)
+            args = (batch["tokens"], batch["positions"], batch["segment_ids"])
+            ref = None
+            if o.beta:  # the init_from weights, or (LoRA) the base without its adapters
+                ref_params = reference[0] if reference else base_only(state.params)
+                ref = jax.lax.stop_gradient(token_logprobs(model, ref_params, *args))
+            group = jnp.arange(batch["rewards"].shape[0]) // o.group_size
+            adv = group_advantages(batch["rewards"], group, num_groups)
+
+            def inner(carry, i):
+                trained, opt_state = carry
+
+                def loss(t):
+                    new = token_logprobs(model, joined(t, frozen), *args)
+                    return grpo_loss(new, batch["old"], ref, batch["loss_mask"], adv,
+                                     clip=o.clip, clip_high=o.clip_high, beta=o.beta)
+                (value, m), grads = jax.value_and_grad(loss, has_aux=True)(trained)
+                updates, opt_state = tx.update(grads, opt_state, trained)
+                m.update(loss=value, grad_norm=optax.tree.norm(grads),
+                         skipped=jnp.logical_not(opt_state.last_finite).astype(jnp.int32),
+                         consecutive_skips=opt_state.notfinite_count,
+                         lr=schedule(state.step * o.inner_steps + i - opt_state.total_notfinite))
+                return (optax.apply_updates(trained, updates), opt_state), m
+
+            (trained, opt_state), ms = jax.lax.scan(inner, (trained, state.opt_state),
+                                                    jnp.arange(o.inner_steps))
+            metrics = {k: ms[k][-1] for k in ("grad_norm", "consecutive_skips", "lr")}
+            metrics.update(loss=ms["loss"][0], ratio_first=ms["ratio_mean"][0],
+                           ratio_mean=jnp.mean(ms["ratio_mean"]), skipped=jnp.max(ms["skipped"]),
+                           clip_fraction=jnp.mean(ms["clip_fraction"]), kl=ms["kl"][0])
+            new = state.replace(step=state.step + 1, params=joined(trained, frozen),
+                                opt_state=opt_state)
+            return new, metrics
+        return update
+
+
+class Rollouts:
+    """The loop's train step for GRPO: rollout, reward, update (the module docstring)."""
+
+    def __init__(self, policy, model, data, reference, mesh, rules, shardings):
+        cfg, o = policy.cfg, policy.o
+        self.policy, self.model, self.o, self.seed = policy, model, o, cfg.train.seed
+        self.batch_size, self.tokenizer = cfg.train.batch_size, data.tokenizer
+        self.prompts, self.answers = record_prompts(data.train, data.tokenizer.eot_id)
+        if not self.prompts:
+            raise ConfigError(f"{data.source}: no training records to take prompts from")
+        self.width = max(len(p) for p in self.prompts)
+        if self.width + o.max_new_tokens > cfg.model.max_seq_len:
+            raise ConfigError(f"the longest prompt ({self.width} tokens) + objective."
+                              f"max_new_tokens={o.max_new_tokens} exceeds model.max_seq_len="
+                              f"{cfg.model.max_seq_len}; lower max_new_tokens or shorten prompts")
+        # the optimizer again, its schedule over every inner update (same state layout)
+        tx, schedule = make_optimizer(cfg.optim, cfg.model, cfg.train.steps * o.inner_steps)
+        fn = policy.update_fn(model, tx, schedule, self.batch_size)
+        self.extra = () if reference is None else (reference,)
+        if mesh is None:
+            self.update = jax.jit(fn, donate_argnums=0)
+        else:
+            everywhere = NamedSharding(mesh, P())
+            self.update = jax.jit(traced_under(mesh, rules, fn), donate_argnums=0,
+                                  in_shardings=(shardings, everywhere) + (
+                                      (shardings.params,) if self.extra else ()),
+                                  out_shardings=(shardings, everywhere))
+
+    def batch(self, step):
+        """(prompts int32 [N, W] right-padded, lengths [N], prompt texts, answer texts) of
+        step's rollouts: each picked prompt group_size times in a row."""
+        picked = np.random.default_rng([self.seed, step]).integers(
+            0, len(self.prompts), self.batch_size)
+        rows = np.repeat(picked, self.o.group_size)
+        prompts = np.zeros((len(rows), self.width), np.int32)
+        lengths = np.array([len(self.prompts[i]) for i in rows], np.int32)
+        for r, i in enumerate(rows):
+            prompts[r, :lengths[r]] = self.prompts[i]
+        decode = self.tokenizer.decode
+        return (prompts, lengths, [decode(self.prompts[i].tolist()) for i in rows],
+                [decode(self.answers[i].tolist()) for i in rows])
+
+    def completion_texts(self, tokens, counts):
+        eot = self.tokenizer.eot_id
+        texts = []
+        for row, n in zip(tokens, counts):
+            ids = row[:int(n)].tolist()
+            texts.append(self.tokenizer.decode(ids[:-1] if ids and ids[-1] == eot else ids))
+        return texts
+
+    def __call__(self, state, step):
+        o, t0 = self.o, time.perf_counter()
+        prompts, lengths, texts, answers = self.batch(step)
+        out = generate(self.model, state.params, prompts, prompt_lengths=lengths,
+                       max_new_tokens=o.max_new_tokens, temperature=o.temperature,
+                       rng=jax.random.fold_in(jax.random.key(self.seed), step),
+                       eos_id=self.tokenizer.eot_id)
+        tokens, logps, counts = (np.asarray(x) for x in jax.device_get(
+            (out.tokens, out.logprobs, out.lengths)))
+        t1 = time.perf_counter()
+        rewards = np.asarray(self.policy.reward(texts, self.completion_texts(tokens, counts),
+                                                answers), np.float32)
+        t2 = time.perf_counter()
+        batch = sequences(prompts, lengths, tokens, logps, counts)
+        batch["rewards"] = rewards
+        state, m = self.update(state, batch, *self.extra)
+        m = jax.device_get(m)
+        t3 = time.perf_counter()
+        made = float(np.sum(counts))  # completion tokens sampled (and trained on)
+        m.update(reward_mean=float(rewards.mean()), reward_std=float(
+            rewards.reshape(-1, o.group_size).std(axis=1).mean()),
+            completion_len=made / len(counts), rollout_s=t1 - t0, reward_s=t2 - t1,
+            update_s=t3 - t2, rollout_tokens_per_s=made / (t1 - t0),
+            update_tokens_per_s=made * o.inner_steps / (t3 - t2))
+        return state, m
