@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxformer import kv_cache
+from jaxformer.archs import ENCODER_DECODER
 from jaxformer.attention import dense_init
 from jaxformer.cross_attention import Memory
 from jaxformer.kinds import BLOCKS, REMATS
@@ -109,12 +110,14 @@ class EncoderDecoder(nn.Module):
         self.encoder = Stack(encoder_cfg, embed=source, causal=False)
         self.decoder = Stack(c, embed=self.embed, causal=True, cross=True)
 
-    def __call__(self, source_tokens, target_tokens, source_segment_ids=None,
+    def __call__(self, source_tokens, target_tokens=None, source_segment_ids=None,
                  target_segment_ids=None, source_positions=None, target_positions=None,
                  deterministic: bool = True):
         """source [B, S], target [B, T] tokens -> the target's logits [B, T, V] float32.
         Segment ids (0 = padding) pack several pairs in a row, segment s of the target
-        attending to segment s of the source; positions default to arange."""
+        attending to segment s of the source; positions default to arange. target_tokens
+        None: the source again (an init given one example input, as Transformer's)."""
+        target_tokens = source_tokens if target_tokens is None else target_tokens
         memory = self.encode(source_tokens, source_segment_ids, source_positions, deterministic)
         return self.decode(target_tokens, memory, target_positions, target_segment_ids,
                            deterministic)
@@ -135,3 +138,8 @@ class EncoderDecoder(nn.Module):
         if positions is None:
             positions = arange_like(tokens, 0 if cache is None else cache["index"])
         return self.decoder(tokens, positions, segment_ids, deterministic, memory, cache)
+
+
+def model_for(cfg):
+    """The module of cfg.arch: the EncoderDecoder, or the (decoder-only) Transformer."""
+    return EncoderDecoder(cfg) if cfg.arch == ENCODER_DECODER else Transformer(cfg)

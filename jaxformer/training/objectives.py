@@ -28,6 +28,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jaxformer import lora
 from jaxformer.config import ConfigError
 from jaxformer.logprobs import target_logprobs
+from jaxformer.archs import ENCODER_DECODER
+from jaxformer.training.seq2seq import Seq2Seq
 from jaxformer.training.step import joined, logits_of
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
@@ -128,8 +130,11 @@ class Preference:
 
 
 def build(cfg):
-    """The objective for cfg.objective (a RunConfig's): None for lm (step.py's own loss)."""
+    """The objective for cfg.objective (a RunConfig's): None for lm (step.py's own loss);
+    an encoder-decoder's (model.arch=encoder_decoder) is training/seq2seq.py's."""
     name = cfg.objective.name
+    if cfg.model.arch == ENCODER_DECODER:
+        return Seq2Seq(cfg.optim.label_smoothing)
     if name == "grpo":
         raise ConfigError("objective.name=grpo has no training step in this version; "
                           "post-train with objective.name=dpo on data.format=preference pairs "
