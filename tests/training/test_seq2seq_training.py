@@ -124,7 +124,7 @@ def test_bad_input_stops_in_one_line(tmp_path, capsys):
              (args + [f"data.path={good}", "model.vocab_size=256"],
               ["id 256", "model.vocab_size >= 257"]),
              ([a for a in no("model.") if a != "data.format=seq2seq"] + [
-                 "data.format=seq2seq", "model.arch=encoder_decoder",
+                 "data.format=seq2seq", "model.arch=encoder_decoder", f"data.path={good}",
                  f"train.init_from={decoder_run(tmp_path)}"],
               ["model.arch='encoder_decoder' differs from 'decoder'"])]
     for argv, needles in cases:
