@@ -3,7 +3,7 @@ data.format=seq2seq: data.path names one (a key of SEQ2SEQ_TASKS) in place of a 
 
 number_words: the numbers 0 .. 9999 written in a made-up language of words (each nonzero
 digit's word, followed by its place's word: 3045 -> "tri kil kav tal pen", 0 -> "nul"),
-translated to their digits in a made-up alphabet (0 -> q, 1 -> w, ...: 3045 -> "rqtt"),
+translated to their digits in a made-up alphabet (0 -> q, 1 -> w, ...: 3045 -> "rqty"),
 in an order shuffled by a fixed seed. task_file writes a task once as a JSONL file of
 {"source", "target"} records in the data cache, which data.format=seq2seq then reads. Reading it needs what translation needs: words to
 symbols, a reordering (zeros the source leaves unsaid), lengths that differ.
