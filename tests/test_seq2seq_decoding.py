@@ -5,7 +5,6 @@ against brute force over every sequence of a tiny vocabulary."""
 import itertools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

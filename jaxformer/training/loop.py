@@ -334,7 +334,9 @@ class _Run:
                 log("no sample: train.sample_prompt is empty or fills model.max_seq_len")
             elif self.lead:
                 (self.run_dir / "sample.txt").write_text(text)
-                log(f"--- sample (temperature {cfg.train.sample_temperature}) ---\n{text}\n---")
+                how = "greedy, of train.sample_prompt as a source" if sample is translation_text \
+                    else f"temperature {cfg.train.sample_temperature}"
+                log(f"--- sample ({how}) ---\n{text}\n---")
         if self.lead and (self.run_dir / "metrics.jsonl").exists():
             summary["plot"] = str(plot_loss_curve(self.run_dir))
         return summary

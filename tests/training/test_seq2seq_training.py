@@ -7,7 +7,6 @@ import importlib.util
 import json
 
 import numpy as np
-import pytest
 import yaml
 
 from jaxformer import ModelConfig
