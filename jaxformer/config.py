@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from jaxformer.archs import check_encoder_decoder
 from jaxformer.backends import AUTO, BACKENDS, check_model
 from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
 from jaxformer.layer_runs import Run, runs
@@ -19,6 +20,7 @@ from jaxformer.validation import (ConfigError, Section, check_choice, check_numb
                                   coerce, type_names)
 
 DTYPES = ("float32", "bfloat16", "float16")
+ARCHS = ("decoder", "encoder", "encoder_decoder")  # model.arch: the textbooks' three shapes
 # the fields that change how a model runs, not what it computes: a converted or
 # initialised-from model may set them freely
 RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout")
@@ -106,6 +108,8 @@ class ModelConfig(Section):
     sliding_window.
     """
 
+    arch: str = "decoder"
+    encoder_layers: int | None = None  # arch=encoder_decoder: the encoder's (None: n_layers)
     vocab_size: int = 256
     d_model: int = 256
     n_layers: int = 4
@@ -193,6 +197,8 @@ class ModelConfig(Section):
         for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers", "attn_sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        check_choice(o, "arch", self.arch, ARCHS)
+        check_number(o, "encoder_layers", self.encoder_layers, int, low=1, optional=True)
         check_choice(o, "position", self.position, POSITION_SCHEMES)
         check_choice(o, "sinusoidal_scale", self.sinusoidal_scale, SINUSOIDAL_SCALES)
         check_number(o, "t5_num_buckets", self.t5_num_buckets, int, low=4)
@@ -262,6 +268,7 @@ class ModelConfig(Section):
         T5 buckets, RoPE scaling."""
         scheme = POSITION_SCHEMES[self.position]
         check_model(self)  # what the named attention backend cannot run
+        check_encoder_decoder(self)  # model.arch=encoder_decoder: jaxformer.archs
         if self.mla.on:
             self.mla.check_model(self)
         for name in ("rope_fraction", "p_rope"):

@@ -40,42 +40,50 @@ class Beams(NamedTuple):
 
 # ---- generate -----------------------------------------------------------------------
 
+def sample_loop(forward, last, cache, pos, rng, sampling, max_new_tokens, eos_id, pad_id):
+    """Tokens sampled from `last` [B, V] on, each fed back through forward(tokens [B],
+    positions [B], cache) -> (logits [B, V], cache) at positions pos, pos + 1, ... [B]:
+    the decoding loop of generate, for any model with a KV cache -> Generated."""
+    b = last.shape[0]
+
+    def emit(logits, rng, done):
+        tok = sample_logits(rng, logits, sampling)
+        logp = target_logprobs(logits, tok)  # the training loss's log-softmax
+        tok = jnp.where(done, pad_id, tok)
+        logp = jnp.where(done, 0.0, logp)
+        now_done = done | (tok == eos_id) if eos_id is not None else done
+        return tok, logp, now_done
+
+    rng, first = jax.random.split(rng)
+    tok, logp, done = emit(last, first, jnp.zeros((b,), bool))
+    count = jnp.ones((b,), jnp.int32)
+
+    def step(carry, key):
+        cache, tok, pos, done, count = carry
+        logits, cache = forward(tok, pos, cache)
+        new_tok, new_logp, new_done = emit(logits, key, done)
+        count = count + (~done).astype(jnp.int32)
+        return (cache, new_tok, pos + 1, new_done, count), (new_tok, new_logp)
+
+    keys = jax.random.split(rng, max_new_tokens - 1)
+    (_, _, _, _, count), (toks, logps) = jax.lax.scan(step, (cache, tok, pos, done, count), keys)
+    tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
+    logprobs = jnp.concatenate([logp[:, None], logps.T], axis=1)
+    return Generated(tokens, logprobs, count)
+
+
 def _decode_run(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache):
     """run(params, prompts, lengths, rng, sampling) -> Generated, to be jitted; sampling: a
     Sampling of [batch] arrays."""
     model, unstack = looped(cfg)
 
     def run(params, prompts, lengths, rng, sampling):
-        b, w = prompts.shape
         params = unstack(params)
-        last, cache = prefill(model, params, prompts, lengths, w + max_new_tokens, cache_dtype,
-                               windowed_cache)
-
-        def emit(logits, rng, done):
-            tok = sample_logits(rng, logits, sampling)
-            logp = target_logprobs(logits, tok)  # the training loss's log-softmax
-            tok = jnp.where(done, pad_id, tok)
-            logp = jnp.where(done, 0.0, logp)
-            now_done = done | (tok == eos_id) if eos_id is not None else done
-            return tok, logp, now_done
-
-        rng, first = jax.random.split(rng)
-        tok, logp, done = emit(last, first, jnp.zeros((b,), bool))
-        count = jnp.ones((b,), jnp.int32)
-
-        def step(carry, key):
-            cache, tok, pos, done, count = carry
-            logits, cache = forward_one(model, params, tok, pos, cache)
-            new_tok, new_logp, new_done = emit(logits, key, done)
-            count = count + (~done).astype(jnp.int32)
-            return (cache, new_tok, pos + 1, new_done, count), (new_tok, new_logp)
-
-        keys = jax.random.split(rng, max_new_tokens - 1)
-        carry = (cache, tok, lengths, done, count)
-        (_, _, _, _, count), (toks, logps) = jax.lax.scan(step, carry, keys)
-        tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
-        logprobs = jnp.concatenate([logp[:, None], logps.T], axis=1)
-        return Generated(tokens, logprobs, count)
+        last, cache = prefill(model, params, prompts, lengths, prompts.shape[1] + max_new_tokens,
+                              cache_dtype, windowed_cache)
+        forward = lambda tok, pos, cache: forward_one(model, params, tok, pos, cache)  # noqa: E731
+        return sample_loop(forward, last, cache, lengths, rng, sampling, max_new_tokens, eos_id,
+                           pad_id)
 
     return run
 
@@ -168,52 +176,64 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
 
 # ---- beam search --------------------------------------------------------------------
 
+def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, pad_id,
+              n_kv: int, normalise):
+    """Beam search from `last` [B, V] and a cache of B rows (each n_kv K/V rows), each beam
+    fed back through forward(tokens [B * k], positions [B * k], cache) -> (logits, cache)
+    at positions pos [B], pos + 1, ...; the best beam per row by normalise(sum of
+    log-probs, length) -> Beams. A beam that emits eos_id stops (then pad only, at no cost)."""
+    b, v = last.shape
+    k = beam_width
+    # every beam starts as a copy of its row; only beam 0 is live at first
+    state = dict(cache=take_rows(cache, jnp.repeat(jnp.arange(b), k), n_kv),  # B k rows
+                 logits=jnp.repeat(last, k, axis=0),  # [B*k, V]
+                 scores=jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1)),
+                 tokens=jnp.full((b, k, max_new_tokens), pad_id, jnp.int32),
+                 done=jnp.zeros((b, k), bool), length=jnp.zeros((b, k), jnp.int32),
+                 pos=jnp.repeat(pos, k))
+
+    def step(state, t):
+        logp = jax.nn.log_softmax(state["logits"]).reshape(b, k, v)
+        # a finished beam continues only with pad, at no cost
+        pad_only = jnp.where(jnp.arange(v) == pad_id, 0.0, -jnp.inf)
+        logp = jnp.where(state["done"][..., None], pad_only, logp)
+        cand = (state["scores"][..., None] + logp).reshape(b, k * v)
+        scores, idx = jax.lax.top_k(cand, k)  # [B, k]
+        parent, tok = idx // v, (idx % v).astype(jnp.int32)
+        take = lambda x: jnp.take_along_axis(x, parent.reshape(b, k, *([1] * (x.ndim - 2))),  # noqa: E731
+                                             axis=1)
+        was_done = take(state["done"])
+        tokens = take(state["tokens"]).at[:, :, t].set(tok)
+        length = take(state["length"]) + (~was_done).astype(jnp.int32)
+        done = was_done | (tok == eos_id) if eos_id is not None else was_done
+        flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
+        cache = take_rows(state["cache"], flat_parent, n_kv)
+        pos = jnp.take(state["pos"], flat_parent)
+        logits, cache = forward(tok.reshape(-1), pos, cache)
+        return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,
+                    length=length, pos=pos + 1), None
+
+    state, _ = jax.lax.scan(step, state, jnp.arange(max_new_tokens))
+    normed = normalise(state["scores"], state["length"])
+    best = jnp.argmax(normed, axis=1)  # [B]
+    pick = lambda x: jnp.take_along_axis(x, best.reshape(b, 1, *([1] * (x.ndim - 2))),  # noqa: E731
+                                         axis=1)[:, 0]
+    return Beams(pick(state["tokens"]), pick(normed), pick(state["length"]))
+
+
 @functools.lru_cache(maxsize=16)
 def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_id, pad_id):
     model, unstack = looped(cfg)
-    k = beam_width
 
     def run(params, prompts, lengths):
-        b, w = prompts.shape
         params = unstack(params)
-        last, cache = prefill(model, params, prompts, lengths, w + max_new_tokens, None, True)
-        v = last.shape[-1]
-        # every beam starts as a copy of its row; only beam 0 is live at first
-        cache = take_rows(cache, jnp.repeat(jnp.arange(b), k), cache_widths(cfg)[0])  # B k rows
-        logits = jnp.repeat(last, k, axis=0)  # [B*k, V]
-        scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # [B, k]
-        state = dict(cache=cache, logits=logits, scores=scores,
-                     tokens=jnp.full((b, k, max_new_tokens), pad_id, jnp.int32),
-                     done=jnp.zeros((b, k), bool), length=jnp.zeros((b, k), jnp.int32),
-                     pos=jnp.repeat(lengths, k))
-
-        def step(state, t):
-            logp = jax.nn.log_softmax(state["logits"]).reshape(b, k, v)
-            # a finished beam continues only with pad, at no cost
-            pad_only = jnp.where(jnp.arange(v) == pad_id, 0.0, -jnp.inf)
-            logp = jnp.where(state["done"][..., None], pad_only, logp)
-            cand = (state["scores"][..., None] + logp).reshape(b, k * v)
-            scores, idx = jax.lax.top_k(cand, k)  # [B, k]
-            parent, tok = idx // v, (idx % v).astype(jnp.int32)
-            take = lambda x: jnp.take_along_axis(x, parent.reshape(b, k, *([1] * (x.ndim - 2))),  # noqa: E731
-                                                 axis=1)
-            was_done = take(state["done"])
-            tokens = take(state["tokens"]).at[:, :, t].set(tok)
-            length = take(state["length"]) + (~was_done).astype(jnp.int32)
-            done = was_done | (tok == eos_id) if eos_id is not None else was_done
-            flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
-            cache = take_rows(state["cache"], flat_parent, cache_widths(cfg)[0])
-            pos = jnp.take(state["pos"], flat_parent)
-            logits, cache = forward_one(model, params, tok.reshape(-1), pos, cache)
-            return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,
-                        length=length, pos=pos + 1), None
-
-        state, _ = jax.lax.scan(step, state, jnp.arange(max_new_tokens))
-        normed = state["scores"] / jnp.maximum(state["length"], 1) ** length_penalty
-        best = jnp.argmax(normed, axis=1)  # [B]
-        pick = lambda x: jnp.take_along_axis(x, best.reshape(b, 1, *([1] * (x.ndim - 2))),  # noqa: E731
-                                             axis=1)[:, 0]
-        return Beams(pick(state["tokens"]), pick(normed), pick(state["length"]))
+        last, cache = prefill(model, params, prompts, lengths, prompts.shape[1] + max_new_tokens,
+                              None, True)
+        forward = lambda tok, pos, cache: forward_one(model, params, tok, pos, cache)  # noqa: E731
+        return beam_loop(forward, last, cache, lengths, beam_width=beam_width,
+                         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                         n_kv=cache_widths(cfg)[0],
+                         normalise=lambda s, n: s / jnp.maximum(n, 1) ** length_penalty)
 
     return decode_jit(run)
 

@@ -23,7 +23,7 @@ import numpy as np
 def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     """(RunConfig, params) of a training run directory: the checkpoint at `step` (default
     the latest), or the best one; an adapter-sized one joined to its base (checked)."""
-    from jaxformer.model import Transformer
+    from jaxformer.seq2seq_model import model_for
     from jaxformer.training.adapter_checkpoint import run_checkpointer
     from jaxformer.training.checkpoint import abstract_like
     from jaxformer.training.config import load_config
@@ -36,7 +36,7 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
         raise FileNotFoundError(f"{run} is not a training run (no config.yaml); pass the "
                                 "train.run_dir of a run, e.g. runs/tiny")
     cfg = load_config(str(run / "config.yaml"))
-    model = Transformer(cfg.model)
+    model = model_for(cfg.model)  # the Transformer, or an EncoderDecoder
     tx, _ = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     abstract = abstract_state(model, tx)
     ckpt = run_checkpointer(cfg, run, load=one_device_loader(cfg), keep=cfg.checkpoint.keep,
@@ -58,8 +58,13 @@ def load_run(run_dir: str, *, best: bool = False, member: int | None = None):
     from jaxformer import lora
     from jaxformer.data import load_tokenizer
     from jaxformer.model import Transformer
+    from jaxformer.seq2seq_model import EncoderDecoder, model_for
 
     cfg, params = load_run_params(run_dir, best=best)
+    if isinstance(model_for(cfg.model), EncoderDecoder):
+        raise ValueError(f"{run_dir} is an encoder-decoder (model.arch={cfg.model.arch}), which "
+                         "continues no prompt; decode its sources with python -m "
+                         f"jaxformer.experiments.translate --run {run_dir}")
     m, params = lora.pick_member(cfg.model.lora, params, member)
     return Transformer(cfg.model.replace(lora=m)), params, load_tokenizer(run_dir)
 

@@ -104,17 +104,43 @@ def _parallel_shared_ln(b, x):
     return x + b.out("hook_attn_out", b.attention(h)) + b.out("hook_mlp_out", b.ffn(h))
 
 
+# the cross-attention sublayer of an encoder-decoder's decoder block (b.cross_attention(h)),
+# joined to the residual in its flow's own manner, between self-attention and the FFN
+
+
+def _cross_pre_ln(b, x):
+    return x + b.out("hook_cross_out", b.cross_attention(b.norm("cross_norm", x)))
+
+
+def _cross_post_ln(b, x):
+    return b.norm("cross_norm", x + b.out("hook_cross_out", b.cross_attention(x)))
+
+
+def _cross_sandwich(b, x):
+    return x + b.out("hook_cross_out", b.norm("cross_post_norm",
+                                              b.cross_attention(b.norm("cross_norm", x))))
+
+
+def _cross_res_post_ln(b, x):
+    return x + b.out("hook_cross_out", b.norm("cross_post_norm", b.cross_attention(x)))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockFlow:
     """flow(b, x) -> x (above). ends_in_norm: the block's last step is a norm (post-LN),
-    so the model adds no final norm before the head."""
+    so the model adds no final norm before the head. cross(b, x) -> x: the cross-attention
+    sublayer as this flow joins it, run at the flow's midpoint (hook_resid_mid) in a
+    decoder block of an encoder-decoder; None where the flow has no midpoint (parallel)."""
 
     flow: Callable
     ends_in_norm: bool = False
+    cross: Callable | None = None
 
 
-BLOCKS = {"pre_ln": BlockFlow(_pre_ln), "post_ln": BlockFlow(_post_ln, ends_in_norm=True),
-          "sandwich": BlockFlow(_sandwich), "res_post_ln": BlockFlow(_res_post_ln),
+BLOCKS = {"pre_ln": BlockFlow(_pre_ln, cross=_cross_pre_ln),
+          "post_ln": BlockFlow(_post_ln, ends_in_norm=True, cross=_cross_post_ln),
+          "sandwich": BlockFlow(_sandwich, cross=_cross_sandwich),
+          "res_post_ln": BlockFlow(_res_post_ln, cross=_cross_res_post_ln),
           "parallel": BlockFlow(_parallel), "parallel_shared_ln": BlockFlow(_parallel_shared_ln)}
 
 

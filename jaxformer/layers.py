@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxformer.attention import Attention, dense_init
 from jaxformer.config import ModelConfig
+from jaxformer.cross_attention import CrossAttention
 from jaxformer.expert_parallel import dispatch_for
 from jaxformer.hooks import active, hook_point
 from jaxformer.kinds import BLOCKS, FFNS
@@ -134,7 +135,10 @@ class Block(nn.Module):
     kind: the layer's kind (an index into cfg.kinds: its window and RoPE); a scanned
     Block gets it per layer as `kind_id` instead. sparse: its feed-forward network is
     MoEFeedForward. With ``scanned`` it returns (x, None),
-    the carry/output pair nn.scan expects.
+    the carry/output pair nn.scan expects. cross: a decoder block of an encoder-decoder,
+    with a cross-attention sublayer (jaxformer.cross_attention, params cross_attn) over
+    `memory` (a Memory) masked by `cross_rule`, placed by the flow (BlockFlow.cross); its
+    keys and values sit in the layer's cache beside the self-attention's.
     """
 
     cfg: ModelConfig
@@ -143,12 +147,18 @@ class Block(nn.Module):
     impl: str | None = None  # the attention backend the model chose for this forward
     kind: int = 0
     sparse: bool = False  # its feed-forward network is the mixture of experts (cfg.moe)
+    cross: bool = False  # a cross-attention sublayer (an encoder-decoder's decoder block)
 
     @nn.compact
-    def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind_id=None):
+    def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind_id=None,
+                 memory=None, cross_rule=None):
         """Returns x, or (x, updated cache) when a KV cache is given (always a pair when
         scanned: nn.scan's carry and per-layer output). mask: one MaskRule per layer kind."""
         c = self.cfg
+        cross_cache = None
+        if self.cross and cache is not None:  # the cross keys/values: a cache of their own
+            cross_cache = {n: cache[n] for n in ("cross_k", "cross_v") if n in cache}
+            cache = {n: x for n, x in cache.items() if n not in ("cross_k", "cross_v")}
         kind = self.kind if kind_id is None else kind_id
         attn = (MLAttention if c.mla.on else Attention)(c, self.deterministic, self.impl,
                                                         name="attn")
@@ -170,15 +180,28 @@ class Block(nn.Module):
             def ffn(self, h):
                 return ffn(h)
 
+            def cross_attention(self, h):
+                nonlocal cross_cache
+                cross = CrossAttention(c, block.deterministic, block.impl, name="cross_attn")
+                out = cross(h, memory, cross_rule, cross_cache)
+                if cross_cache is not None:
+                    out, cross_cache = out
+                return out
+
             def out(self, name, y):
                 if c.residual_multiplier != 1.0:
                     y = y * jnp.asarray(c.residual_multiplier, y.dtype)
                 return hook_point(block, name, y)
 
             def hook(self, name, h):
-                return hook_point(block, name, h)
+                h = hook_point(block, name, h)
+                if block.cross and name == "hook_resid_mid":  # the flow's midpoint
+                    h = hook_point(block, "hook_resid_cross", BLOCKS[c.block].cross(self, h))
+                return h
 
         x = hook_point(self, "hook_resid_pre", x)
         x = BLOCKS[c.block].flow(Parts(), x)
         x = hook_point(self, "hook_resid_post", constrain(x, "act_batch", "act_seq", "act_embed"))
+        if cross_cache is not None:
+            cache = {**cache, **cross_cache}
         return (x, cache) if self.scanned or cache is not None else x

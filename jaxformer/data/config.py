@@ -7,12 +7,13 @@ import os
 
 import numpy as np
 
+from jaxformer.data.seq2seq_tasks import SEQ2SEQ_TASKS
 from jaxformer.validation import ConfigError, Section, check_choice, check_number
 
 TOKENIZERS = ("bytes", "bpe")
 BIN_DTYPES = ("uint16", "uint32")
-FORMATS = ("text", "prompt_completion", "preference")
-RECORDS = ("prompt_completion", "preference")  # the formats of records, not a corpus
+FORMATS = ("text", "prompt_completion", "preference", "seq2seq")
+RECORDS = ("prompt_completion", "preference", "seq2seq")  # the formats of records, not a corpus
 
 
 def parse_mixture(spec) -> tuple[tuple[str, str, float], ...]:
@@ -75,7 +76,9 @@ class DataConfig(Section):
       segment with the loss on the completion alone: jaxformer.data.completions) |
       preference (records with prompt_field, chosen_field and rejected_field, each pair
       packed as two segments side by side, for objective.name=dpo:
-      jaxformer.data.preferences).
+      jaxformer.data.preferences) | seq2seq (records with source_field and target_field,
+      packed on both sides, for model.arch=encoder_decoder: jaxformer.data.seq2seq; or
+      data.path a generated task of jaxformer.data.seq2seq_tasks, e.g. number_words).
     mixture: PATH:WEIGHT,PATH:WEIGHT,... (or a YAML list of them) in place of path: each
       row of a batch from a source drawn with those weights (jaxformer.data.mixture).
     """
@@ -94,6 +97,8 @@ class DataConfig(Section):
     completion_field: str = "completion"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    source_field: str = "source"
+    target_field: str = "target"
     mixture: str | None = None
 
     def __post_init__(self):
@@ -120,11 +125,13 @@ class DataConfig(Section):
             raise ConfigError(f"data.text_field={self.text_field!r} must be a non-empty string")
         check_choice(o, "bin_dtype", self.bin_dtype, BIN_DTYPES)
         check_choice(o, "format", self.format, FORMATS)
-        for name in ("prompt_field", "completion_field", "chosen_field", "rejected_field"):
+        for name in ("prompt_field", "completion_field", "chosen_field", "rejected_field",
+                     "source_field", "target_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"data.{name}={getattr(self, name)!r} must be a field name")
         if self.format in RECORDS and not str(self.path).endswith(
-                (".jsonl", ".json", ".parquet")):
+                (".jsonl", ".json", ".parquet")) and not (
+                self.format == "seq2seq" and self.path in SEQ2SEQ_TASKS):
             raise ConfigError(f"data.format={self.format} reads a .jsonl or .parquet file "
                               f"of records, not data.path={self.path!r}")
         if self.format in RECORDS and self.tokenizer == "bpe":

@@ -24,6 +24,8 @@ from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import Corpus, find_corpus, read_pieces
 from jaxformer.data.mixture import MixtureData, load_mixture
 from jaxformer.data.preferences import load_preferences
+from jaxformer.data.seq2seq import load_pairs
+from jaxformer.data.seq2seq_tasks import SEQ2SEQ_TASKS, task_file
 from jaxformer.data.token_files import open_tokens
 from jaxformer.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from jaxformer.data.tokens import (
@@ -87,12 +89,20 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
     if cfg.mixture:  # each source as data.path would be; one tokenizer
         return load_mixture(cfg, load_dataset, run_dir=run_dir, vocab_size=vocab_size,
                             progress=progress, log=log)
-    corpus = find_corpus(cfg.path)
     cache_dir = os.path.expanduser(cfg.cache_dir or "~/.cache/jaxformer")
+    if cfg.format == "seq2seq" and cfg.path in SEQ2SEQ_TASKS:  # generated, written once
+        cfg = cfg.replace(path=task_file(cfg.path, cache_dir),
+                          source_field="source", target_field="target")
+    corpus = find_corpus(cfg.path)
     for name, pid in remove_stale_temporaries(cache_dir):
         log(f"data: removed {os.path.join(cache_dir, name)}, left by process {pid}, which "
             "is gone")
     tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir, progress, log)
+    if cfg.format == "seq2seq":  # (source, target) pairs
+        data = load_pairs(cfg, tokenizer, vocab_size, log)
+        _check_ids(cfg, data, int(max(r.tokens.max(initial=0) for r in (*data.train, *data.val))),
+                   vocab_size)
+        return data
     if cfg.format in ("prompt_completion", "preference"):  # records, not a corpus
         load = load_completions if cfg.format == "prompt_completion" else load_preferences
         data = load(cfg, tokenizer, log)

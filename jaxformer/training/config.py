@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from jaxformer import validation
+from jaxformer.archs import ENCODER_DECODER
 from jaxformer.config import NESTED, PRESETS, ModelConfig
 from jaxformer.data import DataConfig
 from jaxformer.schemes import POSITION_SCHEMES
@@ -29,6 +30,7 @@ OPTIMIZERS = ("adamw", "muon")
 RESUME = ("auto", "never")
 WANDB_MODES = ("offline", "online")
 OBJECTIVES = ("lm", "dpo", "grpo")
+
 PREFERENCE_LOSSES = ("sigmoid", "ipo")
 
 
@@ -42,6 +44,8 @@ class OptimConfig:
     schedule: cosine (linear warmup, cosine decay to lr * min_lr_ratio), linear (warmup,
     linear decay to lr * min_lr_ratio), constant (warmup, then lr), inverse_sqrt
     (lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5): Vaswani et al. with lr = 1).
+    label_smoothing: the target distribution (1 - e) one-hot + e / vocab (optax's
+    smooth_labels; Vaswani et al.'s 0.1), in the encoder-decoder's loss.
     """
 
     name: str = "adamw"
@@ -58,9 +62,12 @@ class OptimConfig:
     max_skips: int = 5  # consecutive non-finite steps before the run stops
     muon_beta: float = 0.95
     muon_rms: float = 0.2
+    label_smoothing: float = 0.0
 
     def __post_init__(self):
         o = "optim"
+        check_number(o, "label_smoothing", self.label_smoothing, float, low=0, high=1,
+                     high_open=True)
         check_choice(o, "name", self.name, OPTIMIZERS)
         check_number(o, "muon_beta", self.muon_beta, float, low=0, high=1, high_open=True)
         check_number(o, "muon_rms", self.muon_rms, float, low=0, low_open=True)
@@ -283,6 +290,16 @@ class RunConfig:
             raise ConfigError(f"objective.name={name} with data.format={fmt}: DPO trains on "
                               "preference pairs; use objective.name=dpo with "
                               "data.format=preference, or another format with objective.name=lm")
+        seq2seq = (self.model.arch == ENCODER_DECODER, fmt == "seq2seq")
+        if seq2seq[0] != seq2seq[1] or (seq2seq[0] and name != "lm"):
+            raise ConfigError(f"model.arch={self.model.arch} with data.format={fmt} and "
+                              f"objective.name={name}: an encoder-decoder trains on (source, "
+                              "target) pairs; use model.arch=encoder_decoder with "
+                              "data.format=seq2seq and objective.name=lm, or neither")
+        if self.optim.label_smoothing and not seq2seq[0]:
+            raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} is applied "
+                              "by the encoder-decoder's loss only (model.arch=encoder_decoder); "
+                              "set it to 0")
         if name == "grpo" and fmt != "prompt_completion":
             raise ConfigError(f"objective.name=grpo with data.format={fmt}: GRPO samples answers "
                               "to the prompts of data.format=prompt_completion records")

@@ -19,7 +19,8 @@ from jaxformer.config import ConfigError
 from jaxformer.data import DataError, eval_batches, load_dataset
 from jaxformer.data.random_positions import randomize_batch
 from jaxformer.decoding import generate
-from jaxformer.model import Transformer, count_params, flops_per_token
+from jaxformer.model import flops_per_token
+from jaxformer.seq2seq_model import EncoderDecoder, model_for
 from jaxformer.training.balancing import layer_records, sparse_ids
 from jaxformer.training.adapter_checkpoint import keep_base, run_checkpointer
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
@@ -30,6 +31,7 @@ from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training import objectives, tracking
 from jaxformer.training.peers import watch_peers
+from jaxformer.training.seq2seq import translation_text
 from jaxformer.sharding import (batch_devices, batch_sharding, check_context_split,
                                 check_expert_split, initialize_distributed, make_mesh,
                                 per_device_bytes, place_batch, process_rows, resolve_rules)
@@ -156,7 +158,7 @@ class _Run:
         t, mcfg = cfg.train, cfg.model
         objective = objectives.build(cfg)  # None: the LM loss
         self.data, self.can_eval = load_run_data(cfg, run_dir, lead, log)
-        self.model = model = Transformer(mcfg)
+        self.model = model = model_for(mcfg)  # the Transformer, or the EncoderDecoder
         tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
         mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, context=cfg.mesh.context,
                          expert=cfg.mesh.expert)
@@ -213,7 +215,8 @@ class _Run:
         log(f"data: {data.source}; train {data.token_counts[0]:,} tokens, "
             f"val {data.token_counts[1]:,}")
         trained = sum(x.size for x in jax.tree.leaves(trained_part(self.state.params)[0]))
-        log(f"model: {count_params(mcfg):,} params ({trained:,} trained); {t.steps} steps x "
+        total = sum(x.size for x in jax.tree.leaves(self.state.params))
+        log(f"model: {total:,} params ({trained:,} trained); {t.steps} steps x "
             f"{self.tokens_per_step:,} tokens; peak {self.peak / 1e9:,.0f} GFLOP/s "
             f"({peak_source}); run dir {self.run_dir}")
         if len(mcfg.lora.members()) > 1:
@@ -330,12 +333,15 @@ class _Run:
             log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) "
                 f"at step {end_step}")
         if not stopped_early and cfg.train.sample_tokens and len(cfg.model.lora.members()) == 1:
-            text = sample_text(self.model, self.state.params, self.data.tokenizer, cfg)
+            sample = translation_text if isinstance(self.model, EncoderDecoder) else sample_text
+            text = sample(self.model, self.state.params, self.data.tokenizer, cfg)
             if text is None:
                 log("no sample: train.sample_prompt is empty or fills model.max_seq_len")
             elif self.lead:
                 (self.run_dir / "sample.txt").write_text(text)
-                log(f"--- sample (temperature {cfg.train.sample_temperature}) ---\n{text}\n---")
+                how = "greedy, of train.sample_prompt as a source" if sample is translation_text \
+                    else f"temperature {cfg.train.sample_temperature}"
+                log(f"--- sample ({how}) ---\n{text}\n---")
         if self.lead and (self.run_dir / "metrics.jsonl").exists():
             summary["plot"] = str(plot_loss_curve(self.run_dir))
         return summary

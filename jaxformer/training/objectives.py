@@ -27,7 +27,9 @@ import numpy as np
 from jaxformer import lora
 from jaxformer.config import ConfigError
 from jaxformer.logprobs import target_logprobs
+from jaxformer.archs import ENCODER_DECODER
 from jaxformer.training.grpo_step import GroupPolicy
+from jaxformer.training.seq2seq import Seq2Seq
 from jaxformer.training.step import joined, logits_of
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
@@ -125,8 +127,11 @@ class Preference:
 
 def build(cfg):
     """The objective for cfg.objective (a RunConfig's): None for lm (step.py's own loss);
-    grpo's (training/grpo_step.py) checks its reward now, before the data loads."""
+    grpo's (training/grpo_step.py) checks its reward now, before the data loads; an
+    encoder-decoder's (model.arch=encoder_decoder) is training/seq2seq.py's."""
     name = cfg.objective.name
+    if cfg.model.arch == ENCODER_DECODER:
+        return Seq2Seq(cfg.optim.label_smoothing)
     if name == "grpo":
         return GroupPolicy(cfg)
     return Preference(cfg.objective) if name == "dpo" else None

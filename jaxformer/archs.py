@@ -1,0 +1,45 @@
+"""What model.arch=encoder_decoder asks of the rest of a ModelConfig (jaxformer.config
+reads this; the model is jaxformer.seq2seq_model).
+
+An encoder-decoder has `encoder_layers` bidirectional blocks over the source and
+`n_layers` causal blocks over the target, each of those with a cross-attention sublayer
+after its self-attention (jaxformer.cross_attention). The block flow places that sublayer
+(jaxformer.kinds.BlockFlow.cross); the parallel flows have no place for it. Plain math:
+no Flax, no config import (config imports this).
+"""
+
+from __future__ import annotations
+
+from jaxformer.kinds import BLOCKS
+from jaxformer.schemes import POSITION_SCHEMES
+from jaxformer.validation import ConfigError
+
+ENCODER_DECODER = "encoder_decoder"
+
+
+def check_encoder_decoder(cfg) -> None:
+    """One ConfigError line for a setting an encoder-decoder cannot run (or encoder_layers
+    on a model without an encoder stack of its own)."""
+    if cfg.arch != ENCODER_DECODER:
+        if cfg.encoder_layers is not None:
+            raise ConfigError(f"model.encoder_layers={cfg.encoder_layers} needs model.arch="
+                              f"{ENCODER_DECODER}; drop it for arch={cfg.arch}")
+        return
+    with_cross = [n for n, f in BLOCKS.items() if f.cross is not None]
+    refusals = (
+        (BLOCKS[cfg.block].cross is None, f"model.block={cfg.block} has no place for the "
+         f"cross-attention sublayer; use one of {', '.join(with_cross)}"),
+        (cfg.scan_layers, "model.scan_layers=true is not supported with model.arch="
+         f"{ENCODER_DECODER} yet; set scan_layers=false"),
+        (cfg.mla.on, f"model.mla (latent attention) is not supported with model.arch="
+         f"{ENCODER_DECODER}; set model.mla.kv_lora_rank=0"),
+        (any(k.window is not None for k in cfg.kinds), "a sliding window (model.sliding_window "
+         f"or a layer kind's window) is one-sided and not supported with model.arch="
+         f"{ENCODER_DECODER}; drop the window"),
+        (POSITION_SCHEMES[cfg.position].logits is not None, f"model.position={cfg.position} "
+         f"(a contextual scheme) is not supported with model.arch={ENCODER_DECODER}; use "
+         "another position scheme"),
+    )
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
