@@ -32,8 +32,16 @@ class CheckpointError(RuntimeError):
     """No checkpoint that was asked for (or none at all) is intact."""
 
 
+def with_defaults(saved: dict, defaults: dict) -> dict:
+    """saved, with each field it lacks (made before the field existed) at its default."""
+    return {**defaults, **{k: with_defaults(v, defaults[k]) if isinstance(v, dict) and
+                           isinstance(defaults.get(k), dict) else v for k, v in saved.items()}}
+
+
 def config_diff(saved: dict, current: dict) -> list[str]:
-    """'field: saved -> current' for every model field that differs."""
+    """'field: saved -> current' for every model field that differs; a field the saved
+    config lacks (it predates the field) counts as ModelConfig's default."""
+    saved = with_defaults(saved, ModelConfig().to_dict())
     keys = sorted(set(saved) | set(current))
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
             if saved.get(k) != current.get(k)]

@@ -355,3 +355,22 @@ def test_a_worse_evaluation_after_a_resume_leaves_the_best(run9, corpus, tmp_pat
     saved = json.loads((run / "best" / str(best) / "info/metadata").read_text())
     assert saved == {"step": best, "val_loss": vals[best]}
     assert damage(run / "best" / str(best)) is None
+
+
+def test_a_config_saved_before_a_field_existed_compares_as_its_default():
+    """A checkpoint's model config written before a field was added lacks that field (and
+    nested ones: a lora key): it restores under the default, and only under the default."""
+    from jaxformer.config import ModelConfig
+    from jaxformer.training.checkpoint import config_diff
+    rng = np.random.default_rng()
+    cfg = ModelConfig(vocab_size=int(rng.integers(32, 300)), d_model=32, n_layers=2, n_heads=4)
+    saved = cfg.to_dict()
+    gone = [str(k) for k in rng.permutation(sorted(k for k in saved if k != "lora"))[:3]]
+    old = {k: v for k, v in saved.items() if k not in gone}
+    old["lora"] = {k: v for k, v in saved["lora"].items() if k != "rank"}
+    assert config_diff(old, cfg.to_dict()) == []
+    old.pop("arch", None)
+    assert config_diff(old, cfg.replace(arch="encoder").to_dict()) == [
+        "arch: 'decoder' -> 'encoder'"]
+    changed = cfg.replace(lora=cfg.lora.replace(rank=4)).to_dict()
+    assert config_diff(old, changed) and "rank" in config_diff(old, changed)[0]
