@@ -19,6 +19,8 @@ from jaxformer.validation import (ConfigError, Section, check_choice, check_numb
                                   coerce, type_names)
 
 DTYPES = ("float32", "bfloat16", "float16")
+# model.arch: decoder (causal: GPT), encoder (bidirectional: BERT), encoder_decoder
+ARCHS = ("decoder", "encoder", "encoder_decoder")
 # the fields that change how a model runs, not what it computes: a converted or
 # initialised-from model may set them freely
 RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout")
@@ -53,7 +55,8 @@ class LayerKind(Section):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Section):
-    """Every architectural choice of a decoder-only transformer.
+    """Every architectural choice of a transformer. arch (ARCHS): decoder, encoder (no causal
+    rule: padding and packing masks as ever, a window symmetric; no generation), encoder_decoder.
 
     None fields are resolved at construction: n_kv_heads -> n_heads, qkv_bias -> use_bias,
     head_dim -> d_model // n_heads, d_ff -> 4 * d_model (gelu/relu) or
@@ -106,6 +109,7 @@ class ModelConfig(Section):
     sliding_window.
     """
 
+    arch: str = "decoder"
     vocab_size: int = 256
     d_model: int = 256
     n_layers: int = 4
@@ -193,6 +197,7 @@ class ModelConfig(Section):
         for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers", "attn_sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        check_choice(o, "arch", self.arch, ARCHS)
         check_choice(o, "position", self.position, POSITION_SCHEMES)
         check_choice(o, "sinusoidal_scale", self.sinusoidal_scale, SINUSOIDAL_SCALES)
         check_number(o, "t5_num_buckets", self.t5_num_buckets, int, low=4)
@@ -268,8 +273,7 @@ class ModelConfig(Section):
             if getattr(self, name) != 1 and scheme.kind != "rotary":
                 raise ConfigError(f"model.{name}={getattr(self, name)} needs a rotary position "
                                   f"scheme, not position={self.position!r}")
-        if scheme.check is not None:
-            scheme.check(self)
+        scheme.checked(self)  # its own check, and an encoder's refusals
         if self.t5_max_distance <= self.t5_num_buckets // 2:
             raise ConfigError(f"model.t5_max_distance={self.t5_max_distance} must exceed "
                               f"half of model.t5_num_buckets={self.t5_num_buckets}: the first "
@@ -361,6 +365,11 @@ class ModelConfig(Section):
                 isinstance(PRESETS[name].get("rope_scaling"), Mapping):
             values["rope_scaling"] = {**PRESETS[name]["rope_scaling"], **overrides["rope_scaling"]}
         return cls.from_dict(values)
+
+    @property
+    def causal(self) -> bool:
+        """Self-attention has the causal rule (all but an encoder); the masks read it."""
+        return self.arch != "encoder"
 
     @property
     def gated_ffn(self) -> bool:

@@ -51,7 +51,8 @@ def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
 
 
 class Transformer(nn.Module):
-    """A decoder-only language model; logits are float32 [batch, seq, vocab].
+    """A language model; logits are float32 [batch, seq, vocab]. A decoder (causal), or
+    with cfg.arch=encoder a bidirectional encoder (no causal rule; no KV cache).
 
     ``positions`` [B, T] default to arange; ``segment_ids`` [B, T] (optional) pack several
     documents in a row (attention stays inside a segment) and mark padding with 0.
@@ -83,6 +84,10 @@ class Transformer(nn.Module):
         Attention covers every slot, and the result is (logits, updated cache).
         """
         c = self.cfg
+        if c.arch == "encoder_decoder":
+            raise NotImplementedError("model.arch=encoder_decoder is not built by Transformer")
+        if cache is not None:
+            kv_cache.check_generates(c)  # an encoder has no KV cache
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         b, t = tokens.shape
@@ -109,9 +114,10 @@ class Transformer(nn.Module):
         split = sequence_split()  # context parallelism: the order of a row is the caller's
         impl = self.backend(b, t, k_positions.shape[1], split)
         self.check_unordered(cache, split)
+        causal = c.causal  # the arch's rule (an encoder's is none), decided once here
         mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
-                              causal=self.ordered_positions, by_index=by_index,
-                              is_causal=cache is None and split is None)
+                              causal=causal and self.ordered_positions, by_index=by_index,
+                              is_causal=causal and cache is None and split is None)
                      for k in c.kinds)  # one per layer kind: each block picks its own
         bias = self.position_bias(impl, t, cache, positions, k_positions)
         blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
