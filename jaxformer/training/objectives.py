@@ -1,4 +1,5 @@
-"""Training objectives beside the language model's (objective.name; step.py holds lm's).
+"""Training objectives beside the language model's (objective.name; step.py holds lm's,
+training/mlm.py the masked language model's).
 
 dpo (Rafailov et al. 2023, "Direct Preference Optimization"): batches of preference
 pairs (jaxformer.data.preferences: in each row, segment 2k - 1 is pair k's chosen answer
@@ -28,6 +29,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jaxformer import lora
 from jaxformer.config import ConfigError
 from jaxformer.logprobs import target_logprobs
+from jaxformer.training.mlm import MaskedLM
 from jaxformer.training.step import joined, logits_of
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
@@ -134,6 +136,8 @@ def build(cfg):
         raise ConfigError("objective.name=grpo has no training step in this version; "
                           "post-train with objective.name=dpo on data.format=preference pairs "
                           "(e.g. sampled answers, ranked), or fine-tune with objective.name=lm")
+    if name == "mlm":
+        return MaskedLM(cfg)
     return Preference(cfg.objective) if name == "dpo" else None
 
 
