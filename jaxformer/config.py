@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from jaxformer.backends import AUTO, BACKENDS, check_model
 from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
+from jaxformer.layer_kinds import LayerKind
 from jaxformer.layer_runs import Run, runs
 from jaxformer.lora import LoRAConfig, check_expert_targets
 from jaxformer.mla import MLAConfig
@@ -24,33 +25,6 @@ ARCHS = ("decoder", "encoder", "encoder_decoder")
 # the fields that change how a model runs, not what it computes: a converted or
 # initialised-from model may set them freely
 RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerKind(Section):
-    """One kind of layer in a model's layer pattern (model.layer_kinds): what its
-    attention sees and how its queries and keys are rotated.
-
-    window: the sliding window of its attention (None: every earlier key).
-    rope: False makes it a NoPE layer (nothing rotated; a rotary position scheme only).
-    rope_theta, rope_scaling: this kind's RoPE base and scaling; None: the model's.
-    """
-
-    window: int | None = None
-    rope: bool = True
-    rope_theta: float | None = None
-    rope_scaling: RopeScaling | None = None
-
-    SECTION = "layer_kinds.<kind>"
-
-    def __post_init__(self):
-        if isinstance(self.rope_scaling, Mapping):
-            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
-        check_number(self.SECTION, "window", self.window, int, low=1, optional=True)
-        if not isinstance(self.rope, bool):
-            raise ConfigError(f"{self.SECTION}.rope={self.rope!r} must be true or false")
-        check_number(self.SECTION, "rope_theta", self.rope_theta, float, low=1, low_open=True,
-                     optional=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +73,10 @@ class ModelConfig(Section):
     before it joins the residual: Granite), logits_multiplier (Cohere's logit_scale,
     Granite's 1 / logits_scaling).
 
+    embed_norm: the model's norm on the input embeddings (positions added): BERT.
+    head_transform: before the LM head, a dense d_model -> d_model, the FFN's activation and
+    the model's norm (BERT's MLM head transform); head_bias: a bias [vocab] on the logits.
+
     lora (jaxformer.lora.LoRAConfig): low-rank adapters on the projections; rank 0: none.
     moe (jaxformer.moe.MoEConfig): mixture-of-experts feed-forward layers; experts 0: none.
     mla (jaxformer.mla.MLAConfig): multi-head latent attention; kv_lora_rank 0: none.
@@ -146,6 +124,9 @@ class ModelConfig(Section):
     attn_softcap: float | None = None
     attn_sinks: bool = False
     final_softcap: float | None = None
+    embed_norm: bool = False
+    head_transform: bool = False
+    head_bias: bool = False
     embed_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_multiplier: float = 1.0
@@ -194,7 +175,8 @@ class ModelConfig(Section):
         check_number(o, "rope_theta", self.rope_theta, float, low=1, low_open=True)
         check_number(o, "norm_eps", self.norm_eps, float, low=0, low_open=True)
         check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
-        for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers", "attn_sinks"):
+        for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers", "attn_sinks",
+                     "embed_norm", "head_transform", "head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         check_choice(o, "arch", self.arch, ARCHS)

@@ -19,7 +19,7 @@ from jaxformer.attention import dense_init
 from jaxformer.backends import dense_logits_bytes, resolve_impl, takes_structure
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
-from jaxformer.kinds import BLOCKS, REMATS
+from jaxformer.kinds import BLOCKS, FFNS, REMATS
 from jaxformer.layer_runs import stack_layers, unstack_layers  # noqa: F401 (the public names)
 from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.masks import MaskRule
@@ -188,6 +188,8 @@ class Transformer(nn.Module):
         if embed_positions is not None:  # an absolute scheme: terms added to the input
             x, terms = embed_positions(self, c, x, positions)
             x = x + hook_point(self, "hook_pos_embed", terms)
+        if c.embed_norm:  # BERT's LayerNorm on the embeddings
+            x = apply_norm(c, make_norm(c, "embed_norm"), x)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         return constrain(x, "act_batch", "act_seq", "act_embed")
 
@@ -197,6 +199,12 @@ class Transformer(nn.Module):
         c = self.cfg
         if not BLOCKS[c.block].ends_in_norm:  # post-LN blocks already end in a norm
             x = apply_norm(c, make_norm(c, "final_norm"), x)
+        if c.head_transform:  # BERT's MLM head: dense, the FFN's activation, a norm
+            x = nn.Dense(c.d_model, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+                         kernel_init=init_with_names(dense_init(), "embed", "norm"),
+                         bias_init=init_with_names(nn.initializers.zeros, "norm"),
+                         name="head_transform")(x)
+            x = apply_norm(c, make_norm(c, "head_norm"), FFNS[c.ffn].activation(x))
         if c.tie_embeddings:
             logits = head_dot(x, embed.embedding.astype(c.dtype),
                               (((2,), (1,)), ((), ())))  # [B, T, D] x [V, D]
@@ -207,6 +215,9 @@ class Transformer(nn.Module):
                               kernel_init=init_with_names(dense_init(), "embed", "vocab"),
                               name="lm_head")(x)
         logits = logits.astype(jnp.float32)
+        if c.head_bias:
+            logits = logits + self.param("head_bias", init_with_names(
+                nn.initializers.zeros, "vocab"), (c.vocab_size,), c.param_dtype).astype(jnp.float32)
         if c.logits_multiplier != 1.0:
             logits = logits * jnp.float32(c.logits_multiplier)
         if c.final_softcap is not None:

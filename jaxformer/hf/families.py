@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from jaxformer.hf import gpt2, gpt_neox, llama_layout, scales, twists
+from jaxformer.hf import bert, gpt2, gpt_neox, llama_layout, scales, twists
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.tensors import Rule
 from jaxformer.kinds import CLAMP_ALPHA, CLAMP_LIMIT
@@ -112,6 +112,15 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         read_config=gpt2.read_config, write_config=gpt2.write_config,
         tensor_rules=gpt2.tensor_rules, tensor_prefix="transformer.", fan_in_fan_out=True,
         ignored_tensors=gpt2.BUFFERS),
+    HFModelType(
+        # a bidirectional encoder with the masked-LM head (jaxformer.hf.bert)
+        "bert", ("BertForMaskedLM", "BertModel"), export_rank=24,
+        defaults=dict(hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2,
+                      layer_norm_eps=1e-12, tie_word_embeddings=True, is_decoder=False,
+                      add_cross_attention=False),
+        read_config=bert.read_config, write_config=bert.write_config,
+        tensor_rules=bert.tensor_rules, tensor_prefix="bert.",
+        head_tensor="cls.predictions.decoder.weight", ignored_tensors=bert.BUFFERS),
     HFModelType(
         "llama", ("LlamaForCausalLM", "LlamaModel"), export_rank=2,
         defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
