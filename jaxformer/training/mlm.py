@@ -17,6 +17,8 @@ byte that UTF-8 text never holds).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -47,13 +49,20 @@ def corrupt(key, tokens, eligible, *, rate: float, mask_id: int, vocab_size: int
     return out, chosen
 
 
+@dataclasses.dataclass(frozen=True)
 class MaskedLM:
-    """objective.name=mlm: the step's hooks (training/step.py), as objectives.Preference."""
+    """objective.name=mlm: the step's hooks (training/step.py), as objectives.Preference;
+    hashable by value (a cached step builder may key on it)."""
 
-    def __init__(self, cfg):  # cfg: the RunConfig
-        self.rate = cfg.objective.mask_rate
-        self.mask_id = mask_id_of(cfg.objective, cfg.model)
-        self.vocab_size = cfg.model.vocab_size
+    rate: float
+    mask_id: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, cfg) -> "MaskedLM":
+        """The objective of a RunConfig (its objective and model sections)."""
+        return cls(cfg.objective.mask_rate, mask_id_of(cfg.objective, cfg.model),
+                   cfg.model.vocab_size)
 
     def terms(self, model, params, batch, key, dropout_rng=None):
         """(summed cross entropy at the chosen positions, their count, {})."""

@@ -137,7 +137,7 @@ def build(cfg):
                           "post-train with objective.name=dpo on data.format=preference pairs "
                           "(e.g. sampled answers, ranked), or fine-tune with objective.name=lm")
     if name == "mlm":
-        return MaskedLM(cfg)
+        return MaskedLM.of(cfg)
     return Preference(cfg.objective) if name == "dpo" else None
 
 

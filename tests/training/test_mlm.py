@@ -37,7 +37,7 @@ def test_the_masked_loss_equals_a_float64_reference():
     eval step's are the mean cross entropy at the chosen positions of the model's float64
     forward of the corrupted row; only chosen, non-padding tokens change."""
     cfg = load_config(None, [*RUN, "objective.mask_rate=0.3"])
-    model, obj = Transformer(cfg.model), MaskedLM(cfg)
+    model, obj = Transformer(cfg.model), MaskedLM.of(cfg)
     seg = np.array([[1] * 9 + [2] * 7, [1] * 12 + [0] * 4])
     pos = np.asarray(segment_positions(jnp.asarray(seg)))
     tokens = rng.integers(0, 255, seg.shape).astype(np.int32)
