@@ -113,15 +113,6 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         tensor_rules=gpt2.tensor_rules, tensor_prefix="transformer.", fan_in_fan_out=True,
         ignored_tensors=gpt2.BUFFERS),
     HFModelType(
-        # a bidirectional encoder with the masked-LM head (jaxformer.hf.bert)
-        "bert", ("BertForMaskedLM", "BertModel"), export_rank=24,
-        defaults=dict(hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2,
-                      layer_norm_eps=1e-12, tie_word_embeddings=True, is_decoder=False,
-                      add_cross_attention=False),
-        read_config=bert.read_config, write_config=bert.write_config,
-        tensor_rules=bert.tensor_rules, tensor_prefix="bert.",
-        head_tensor="cls.predictions.decoder.weight", ignored_tensors=bert.BUFFERS),
-    HFModelType(
         "llama", ("LlamaForCausalLM", "LlamaModel"), export_rank=2,
         defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
                       rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
@@ -357,6 +348,15 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       fused=("gate_up_proj", "down_proj"), biases=True),
         refuse=(("swiglu_alpha", (CLAMP_ALPHA,), "jaxformer's clamped SwiGLU has alpha 1.702"),
                 ("swiglu_limit", (CLAMP_LIMIT,), "jaxformer's clamped SwiGLU clamps at 7"))),
+    HFModelType(
+        # a bidirectional encoder with the masked-LM head (jaxformer.hf.bert)
+        "bert", ("BertForMaskedLM", "BertModel"), export_rank=24,
+        defaults=dict(hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2,
+                      layer_norm_eps=1e-12, tie_word_embeddings=True, is_decoder=False,
+                      add_cross_attention=False),
+        read_config=bert.read_config, write_config=bert.write_config,
+        tensor_rules=bert.tensor_rules, tensor_prefix="bert.",
+        head_tensor="cls.predictions.decoder.weight", ignored_tensors=bert.BUFFERS),
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.
