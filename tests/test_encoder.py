@@ -147,3 +147,21 @@ def test_generation_is_refused_in_one_line():
         with pytest.raises(ConfigError, match="model.arch=encoder has no generation") as e:
             call()
         assert "\n" not in str(e.value)
+
+
+def test_inspected_patterns_have_no_causal_rule():
+    """run_with_cache computes the attention pattern through the hooked reference path: an
+    encoder's rows spread over the keys after the query too (within its segment, none
+    elsewhere), and its logits are the plain forward's."""
+    from jaxformer.inspect import run_with_cache
+    cfg = encoder()
+    tokens, pos, seg = packed_batch()
+    params = init(cfg, tokens)
+    logits, cache = run_with_cache(Transformer(cfg), params, tokens, positions=pos,
+                                   segment_ids=seg, names=["blocks.0.attn.hook_pattern"])
+    pattern = np.asarray(cache["blocks.0.attn.hook_pattern"])  # [B, N, T, S]
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    assert (pattern[np.broadcast_to(same[:, None], pattern.shape)] > 0).all()
+    assert (pattern[np.broadcast_to(~same[:, None], pattern.shape)] == 0).all()
+    np.testing.assert_allclose(np.asarray(logits)[seg > 0], logits_of(
+        cfg, params, tokens, positions=pos, segment_ids=seg)[seg > 0], rtol=1e-5, atol=1e-5)
