@@ -23,9 +23,8 @@ from jaxformer.hf.tensors import Rule, copied, linear, reshaped
 # transformers' "gelu" is the exact (erf) GELU; gelu_new the tanh approximation
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "relu": "relu"}
 TYPES = 2  # type_vocab_size: BERT's two segments (sentence A and B)
-# buffers, the pooler (which the masked-LM head does not read), the decoder's bias (the
-# same tensor as cls.predictions.bias)
-BUFFERS = (r"(bert\.)?embeddings\.(position_ids|token_type_ids)", r"(bert\.)?pooler\..*",
+# buffers, and the decoder's bias (the same tensor as cls.predictions.bias)
+BUFFERS = (r"(bert\.)?embeddings\.(position_ids|token_type_ids)",
            r"cls\.predictions\.decoder\.bias")
 
 

@@ -349,8 +349,9 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         refuse=(("swiglu_alpha", (CLAMP_ALPHA,), "jaxformer's clamped SwiGLU has alpha 1.702"),
                 ("swiglu_limit", (CLAMP_LIMIT,), "jaxformer's clamped SwiGLU clamps at 7"))),
     HFModelType(
-        # a bidirectional encoder with the masked-LM head (jaxformer.hf.bert)
-        "bert", ("BertForMaskedLM", "BertModel"), export_rank=24,
+        # a bidirectional encoder with the masked-LM head (jaxformer.hf.bert); a bare
+        # BertModel has no such head, and is refused
+        "bert", ("BertForMaskedLM",), export_rank=24,
         defaults=dict(hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2,
                       layer_norm_eps=1e-12, tie_word_embeddings=True, is_decoder=False,
                       add_cross_attention=False),

@@ -63,3 +63,14 @@ def test_bert_matches_transformers_and_round_trips(act, tmp_path):
     assert written["model_type"] == "bert" and written["architectures"] == ["BertForMaskedLM"]
     back = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "out").eval()
     assert np.abs(masked_lm_logits(back, tokens, mask) - want)[real].max() / scale < 1e-5
+
+
+def test_a_bare_bert_model_is_refused_in_one_line(tmp_path):
+    """BertModel has no masked-LM head to read: refused by its architecture, in one line."""
+    from jaxformer import ConfigError
+    model = random_bert("gelu")
+    model.bert.save_pretrained(tmp_path / "bare")
+    with pytest.raises(ConfigError, match="unsupported architecture.*BertModel.*BertForMaskedLM"
+                       ) as e:
+        from_hf(tmp_path / "bare")
+    assert "\n" not in str(e.value)
