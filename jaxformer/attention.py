@@ -218,10 +218,10 @@ class Attention(nn.Module):
         scores or patterns (the whole grid, for this layer) or the scheme computes the
         logits itself (the model chose `reference` for it), else the chosen backend."""
         if active(self, "hook_attn_scores", "hook_pattern") or self.contextual:
-            if isinstance(mask, MaskRule):
+            if isinstance(mask, MaskRule):  # its dense mask holds is_causal already
                 if isinstance(bias, LogitBias):
                     bias = dense_bias(bias, mask.q_positions, mask.k_positions)
-                mask = mask.dense()
+                return self.attend_with_pattern(q, k, v, mask.dense(), bias, is_causal=False)
             return self.attend_with_pattern(q, k, v, mask, bias)
         if isinstance(mask, MaskRule):
             return rule_attention(q, k, v, mask, bias, impl=self.backend, **self.extras)

@@ -142,6 +142,8 @@ def _may_attend(st: _Static, rule: MaskRule, i, j):
         ok &= kp.min(1) <= qp.max(1)
     if rule.any_window is not None:  # static, or traced (layer kinds in a scan)
         ok &= qp.min(1) - kp.max(1) < rule.any_window
+        if not rule.causal:  # a symmetric window: keys ahead of the queries too
+            ok &= kp.min(1) - qp.max(1) < rule.any_window
     if rule.q_segment_ids is not None:
         qs = jax.lax.dynamic_slice_in_dim(rule.q_segment_ids, i * st.bq, st.bq, axis=1)
         ks = jax.lax.dynamic_slice_in_dim(rule.k_segment_ids, j * st.bk, st.bk, axis=1)

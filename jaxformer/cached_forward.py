@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import ModelConfig
-from jaxformer.kv_cache import init_cache
+from jaxformer.kv_cache import check_generates, init_cache
 from jaxformer.model import Transformer, unstack_layers
 
 
@@ -37,6 +37,7 @@ def checked_inputs(cfg: ModelConfig, prompts, prompt_lengths, max_new_tokens: in
                    room: int = 0):
     """Validated (prompts int32 [B, W], lengths int32 [B]); errors name the bad input.
     room: positions past the last new token that decoding also writes (a draft's)."""
+    check_generates(cfg)  # an encoder: one line, before anything compiles
     if not isinstance(prompts, jax.Array):
         prompts = np.asarray(prompts)
     if prompts.ndim != 2 or prompts.shape[1] == 0:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from jaxformer.archs import check_encoder_decoder
 from jaxformer.backends import AUTO, BACKENDS, check_model
 from jaxformer.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
+from jaxformer.layer_kinds import LayerKind
 from jaxformer.layer_runs import Run, runs
 from jaxformer.lora import LoRAConfig, check_expert_targets
 from jaxformer.mla import MLAConfig
@@ -27,35 +28,9 @@ RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dr
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerKind(Section):
-    """One kind of layer in a model's layer pattern (model.layer_kinds): what its
-    attention sees and how its queries and keys are rotated.
-
-    window: the sliding window of its attention (None: every earlier key).
-    rope: False makes it a NoPE layer (nothing rotated; a rotary position scheme only).
-    rope_theta, rope_scaling: this kind's RoPE base and scaling; None: the model's.
-    """
-
-    window: int | None = None
-    rope: bool = True
-    rope_theta: float | None = None
-    rope_scaling: RopeScaling | None = None
-
-    SECTION = "layer_kinds.<kind>"
-
-    def __post_init__(self):
-        if isinstance(self.rope_scaling, Mapping):
-            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
-        check_number(self.SECTION, "window", self.window, int, low=1, optional=True)
-        if not isinstance(self.rope, bool):
-            raise ConfigError(f"{self.SECTION}.rope={self.rope!r} must be true or false")
-        check_number(self.SECTION, "rope_theta", self.rope_theta, float, low=1, low_open=True,
-                     optional=True)
-
-
-@dataclasses.dataclass(frozen=True)
 class ModelConfig(Section):
-    """Every architectural choice of a decoder-only transformer.
+    """Every architectural choice of a transformer. arch (ARCHS): decoder, encoder (no causal
+    rule: padding and packing masks as ever, a window symmetric; no generation), encoder_decoder.
 
     None fields are resolved at construction: n_kv_heads -> n_heads, qkv_bias -> use_bias,
     head_dim -> d_model // n_heads, d_ff -> 4 * d_model (gelu/relu) or
@@ -97,6 +72,10 @@ class ModelConfig(Section):
     rounded to the compute dtype; Granite), residual_multiplier (each sublayer's output
     before it joins the residual: Granite), logits_multiplier (Cohere's logit_scale,
     Granite's 1 / logits_scaling).
+
+    embed_norm: the model's norm on the input embeddings (positions added): BERT.
+    head_transform: before the LM head, a dense d_model -> d_model, the FFN's activation and
+    the model's norm (BERT's MLM head transform); head_bias: a bias [vocab] on the logits.
 
     lora (jaxformer.lora.LoRAConfig): low-rank adapters on the projections; rank 0: none.
     moe (jaxformer.moe.MoEConfig): mixture-of-experts feed-forward layers; experts 0: none.
@@ -146,6 +125,9 @@ class ModelConfig(Section):
     attn_softcap: float | None = None
     attn_sinks: bool = False
     final_softcap: float | None = None
+    embed_norm: bool = False
+    head_transform: bool = False
+    head_bias: bool = False
     embed_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_multiplier: float = 1.0
@@ -194,7 +176,8 @@ class ModelConfig(Section):
         check_number(o, "rope_theta", self.rope_theta, float, low=1, low_open=True)
         check_number(o, "norm_eps", self.norm_eps, float, low=0, low_open=True)
         check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
-        for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers", "attn_sinks"):
+        for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers", "attn_sinks",
+                     "embed_norm", "head_transform", "head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         check_choice(o, "arch", self.arch, ARCHS)
@@ -275,8 +258,7 @@ class ModelConfig(Section):
             if getattr(self, name) != 1 and scheme.kind != "rotary":
                 raise ConfigError(f"model.{name}={getattr(self, name)} needs a rotary position "
                                   f"scheme, not position={self.position!r}")
-        if scheme.check is not None:
-            scheme.check(self)
+        scheme.checked(self)  # its own check, and an encoder's refusals
         if self.t5_max_distance <= self.t5_num_buckets // 2:
             raise ConfigError(f"model.t5_max_distance={self.t5_max_distance} must exceed "
                               f"half of model.t5_num_buckets={self.t5_num_buckets}: the first "
@@ -368,6 +350,11 @@ class ModelConfig(Section):
                 isinstance(PRESETS[name].get("rope_scaling"), Mapping):
             values["rope_scaling"] = {**PRESETS[name]["rope_scaling"], **overrides["rope_scaling"]}
         return cls.from_dict(values)
+
+    @property
+    def causal(self) -> bool:
+        """Self-attention has the causal rule (all but an encoder); the masks read it."""
+        return self.arch != "encoder"
 
     @property
     def gated_ffn(self) -> bool:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from jaxformer.reference import group_sinks, scale_and_mask, softmax
 from jaxformer.sharding import constrain
+from jaxformer.validation import ConfigError
 
 EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
 
@@ -68,11 +69,20 @@ def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = F
     return (k_width + v_width) * rows * slots * itemsize * batch
 
 
+def check_generates(cfg) -> None:
+    """Refuses generation (a KV cache: generate, beam search, speculative decoding) for a
+    model without the causal rule, in one line."""
+    if not cfg.causal:
+        raise ConfigError(f"model.arch={cfg.arch} has no generation (each token attends to the "
+                          "whole row, after it too); use model.arch=decoder to generate")
+
+
 def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False,
                spare: int = 0):
     """An empty cache for `batch` rows of up to `max_len` tokens. windowed: layers with a
     window shorter than max_len keep a ring of window + spare slots (unscanned layers
     only; spare >= T - 1 lets a chunk of T tokens be written and then taken back)."""
+    check_generates(cfg)
     dtype = jnp.dtype(dtype or cfg.dtype)
     per_row, k_width, v_width = cache_widths(cfg)
     rows = batch * per_row

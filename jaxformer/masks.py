@@ -33,14 +33,22 @@ def sliding_window_mask(q_positions, k_positions, window: int):
     return (q_positions[:, None, :, None] - k_positions[:, None, None, :]) < window
 
 
+def symmetric_window_mask(q_positions, k_positions, window: int):
+    """Keys fewer than `window` positions from the query, either side (an encoder's
+    window). -> [B, 1, Tq, Tk]"""
+    return jnp.abs(q_positions[:, None, :, None] - k_positions[:, None, None, :]) < window
+
+
 def make_attention_mask(q_positions, k_positions, q_segment_ids=None, k_segment_ids=None, *,
                         causal: bool = True, window: int | None = None):
-    """The conjunction of the masks above that apply. -> [B, 1, Tq, Tk] bool"""
+    """The conjunction of the masks above that apply; without the causal rule a window is
+    symmetric. -> [B, 1, Tq, Tk] bool"""
     mask = jnp.ones((q_positions.shape[0], 1, q_positions.shape[1], k_positions.shape[1]), bool)
     if causal:
         mask &= causal_mask(q_positions, k_positions)
     if window is not None:
-        mask &= sliding_window_mask(q_positions, k_positions, window)
+        window_mask = sliding_window_mask if causal else symmetric_window_mask
+        mask &= window_mask(q_positions, k_positions, window)
     if q_segment_ids is not None:
         mask &= segment_mask(q_segment_ids, k_segment_ids)
     return mask
@@ -50,6 +58,9 @@ def make_attention_mask(q_positions, k_positions, q_segment_ids=None, k_segment_
 class MaskRule:
     """The mask as structure: positions [B, Tq] and [B, Tk], optional segment ids (0 =
     padding), and the static settings; a pytree whose arrays jit, scan and vmap carry.
+
+    causal: keys at positions after the query's are hidden; False (an encoder) also makes
+    the window symmetric (|q - k| < window).
 
     is_causal: also hide keys after the query's own index (self-attention, Tq = Tk): with
     position-causal masking this changes nothing for ordinary rows, and it lets a

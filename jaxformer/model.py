@@ -19,7 +19,7 @@ from jaxformer.attention import dense_init
 from jaxformer.backends import dense_logits_bytes, resolve_impl, takes_structure
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import hook_point
-from jaxformer.kinds import BLOCKS, REMATS
+from jaxformer.kinds import BLOCKS, FFNS, REMATS
 from jaxformer.layer_runs import stack_layers, unstack_layers  # noqa: F401 (the public names)
 from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.masks import MaskRule
@@ -51,7 +51,8 @@ def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
 
 
 class Transformer(nn.Module):
-    """A decoder-only language model; logits are float32 [batch, seq, vocab].
+    """A language model; logits are float32 [batch, seq, vocab]. A decoder (causal), or
+    with cfg.arch=encoder a bidirectional encoder (no causal rule; no KV cache).
 
     ``positions`` [B, T] default to arange; ``segment_ids`` [B, T] (optional) pack several
     documents in a row (attention stays inside a segment) and mark padding with 0.
@@ -83,6 +84,10 @@ class Transformer(nn.Module):
         Attention covers every slot, and the result is (logits, updated cache).
         """
         c = self.cfg
+        if c.arch == "encoder_decoder":
+            raise NotImplementedError("model.arch=encoder_decoder is not built by Transformer")
+        if cache is not None:
+            kv_cache.check_generates(c)  # an encoder has no KV cache
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         b, t = tokens.shape
@@ -109,9 +114,10 @@ class Transformer(nn.Module):
         split = sequence_split()  # context parallelism: the order of a row is the caller's
         impl = self.backend(b, t, k_positions.shape[1], split)
         self.check_unordered(cache, split)
+        causal = c.causal  # the arch's rule (an encoder's is none), decided once here
         mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
-                              causal=self.ordered_positions, by_index=by_index,
-                              is_causal=cache is None and split is None)
+                              causal=causal and self.ordered_positions, by_index=by_index,
+                              is_causal=causal and cache is None and split is None)
                      for k in c.kinds)  # one per layer kind: each block picks its own
         bias = self.position_bias(impl, t, cache, positions, k_positions)
         blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
@@ -182,6 +188,8 @@ class Transformer(nn.Module):
         if embed_positions is not None:  # an absolute scheme: terms added to the input
             x, terms = embed_positions(self, c, x, positions)
             x = x + hook_point(self, "hook_pos_embed", terms)
+        if c.embed_norm:  # BERT's LayerNorm on the embeddings
+            x = apply_norm(c, make_norm(c, "embed_norm"), x)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         return constrain(x, "act_batch", "act_seq", "act_embed")
 
@@ -191,6 +199,12 @@ class Transformer(nn.Module):
         c = self.cfg
         if not BLOCKS[c.block].ends_in_norm:  # post-LN blocks already end in a norm
             x = apply_norm(c, make_norm(c, "final_norm"), x)
+        if c.head_transform:  # BERT's MLM head: dense, the FFN's activation, a norm
+            x = nn.Dense(c.d_model, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+                         kernel_init=init_with_names(dense_init(), "embed", "norm"),
+                         bias_init=init_with_names(nn.initializers.zeros, "norm"),
+                         name="head_transform")(x)
+            x = apply_norm(c, make_norm(c, "head_norm"), FFNS[c.ffn].activation(x))
         if c.tie_embeddings:
             logits = head_dot(x, embed.embedding.astype(c.dtype),
                               (((2,), (1,)), ((), ())))  # [B, T, D] x [V, D]
@@ -201,6 +215,9 @@ class Transformer(nn.Module):
                               kernel_init=init_with_names(dense_init(), "embed", "vocab"),
                               name="lm_head")(x)
         logits = logits.astype(jnp.float32)
+        if c.head_bias:
+            logits = logits + self.param("head_bias", init_with_names(
+                nn.initializers.zeros, "vocab"), (c.vocab_size,), c.param_dtype).astype(jnp.float32)
         if c.logits_multiplier != 1.0:
             logits = logits * jnp.float32(c.logits_multiplier)
         if c.final_softcap is not None:

@@ -199,13 +199,16 @@ def relative_position_bucket(relative_position, *, bidirectional: bool = False,
     return offset + jnp.where(distance < exact, distance, log_bucket)
 
 
-def t5_bias(table, q_positions, k_positions, *, max_distance: int = 128):
-    """T5's (decoder) logit bias: [batch, heads, q_len, k_len] float32.
+def t5_bias(table, q_positions, k_positions, *, max_distance: int = 128,
+            bidirectional: bool = False):
+    """T5's logit bias: [batch, heads, q_len, k_len] float32, a decoder's (unidirectional
+    buckets) or with `bidirectional` an encoder's.
 
     table: [num_buckets, heads], a learned scalar per bucket and head; positions
     [batch, q_len] and [batch, k_len].
     """
     buckets = relative_position_bucket(k_positions[:, None, :] - q_positions[:, :, None],
+                                       bidirectional=bidirectional,
                                        num_buckets=table.shape[0], max_distance=max_distance)
     return jnp.moveaxis(jnp.take(table.astype(jnp.float32), buckets, axis=0), -1, 1)
 

@@ -69,6 +69,9 @@ class PositionScheme:
     max_length(cfg) -> the longest sequence the scheme can encode (a learned table's
       rows), or None for any length.
     check(cfg): raises ConfigError naming a model field the scheme cannot work with.
+    causal_only: defined for causal attention only, so an encoder (model.arch=encoder)
+      refuses it (in `checked`): xPos (its scales decay only for keys behind the query,
+      and grow ahead), CoPE (a key's position counts gates from it to the end of the row).
     """
 
     kind: str
@@ -78,6 +81,7 @@ class PositionScheme:
     logits: Callable | None = None
     max_length: Callable | None = None
     check: Callable | None = None
+    causal_only: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -86,6 +90,16 @@ class PositionScheme:
                  "contextual": "logits"}.get(self.kind)
         if needs and getattr(self, needs) is None:
             raise ValueError(f"a PositionScheme of kind {self.kind!r} needs `{needs}`")
+
+    def checked(self, cfg) -> None:
+        """What this scheme refuses of model config `cfg`: its own check, and an arch without
+        the causal rule where it is causal_only; one ConfigError line."""
+        if self.check is not None:
+            self.check(cfg)
+        if self.causal_only and not cfg.causal:
+            both = [n for n, s in POSITION_SCHEMES.items() if not s.causal_only]
+            raise ConfigError(f"model.position={cfg.position!r} is defined for causal attention "
+                              f"only, not model.arch={cfg.arch!r}; use one of {', '.join(both)}")
 
 
 # ---- absolute ------------------------------------------------------------------------
@@ -187,16 +201,18 @@ def _alibi(module, cfg):
 @dataclasses.dataclass(frozen=True)
 class _T5Bias:  # hashable by value: blockwise attention takes it as a static argument
     max_distance: int
+    bidirectional: bool = False  # an encoder's buckets: half for keys after the query
 
     def __call__(self, table, q_positions, k_positions):
-        return t5_bias(table, q_positions, k_positions, max_distance=self.max_distance)
+        return t5_bias(table, q_positions, k_positions, max_distance=self.max_distance,
+                       bidirectional=self.bidirectional)
 
 
 def _t5(module, cfg):
     table = module.param("relative_bias", init_with_names(nn.initializers.normal(0.02), "table",
                                                           "heads"),
                          (cfg.t5_num_buckets, cfg.n_heads), cfg.param_dtype)
-    return LogitBias(_T5Bias(cfg.t5_max_distance), table)
+    return LogitBias(_T5Bias(cfg.t5_max_distance, bidirectional=not cfg.causal), table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,10 +300,11 @@ POSITION_SCHEMES: dict[str, PositionScheme] = {
     "none": PositionScheme("none"),
     "t5": PositionScheme("bias", bias=_t5),
     "fire": PositionScheme("bias", bias=_fire),
-    "xpos": PositionScheme("rotary", rotate=_rotary(xpos=True), check=_check_xpos),
+    "xpos": PositionScheme("rotary", rotate=_rotary(xpos=True), check=_check_xpos,
+                           causal_only=True),
     "kerple": PositionScheme("bias", bias=_kerple),
     "sandwich": PositionScheme("bias", bias=_sandwich),
-    "cope": PositionScheme("contextual", logits=_cope, check=_check_cope),
+    "cope": PositionScheme("contextual", logits=_cope, check=_check_cope, causal_only=True),
 }
 
 

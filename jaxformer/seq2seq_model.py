@@ -49,7 +49,6 @@ class Stack(Transformer):
     head. embed: the token table it reads (shared per tie_embeddings)."""
 
     embed: nn.Module | None = None
-    causal: bool = True
     cross: bool = False
 
     @nn.compact
@@ -65,8 +64,8 @@ class Stack(Transformer):
             k_positions = kv_cache.key_positions(cache, positions, segment_ids)
             k_segments = segment_ids = None
         impl = self.backend(b, t, k_positions.shape[1], None)
-        mask = MaskRule(positions, k_positions, segment_ids, k_segments, causal=self.causal,
-                        is_causal=self.causal and cache is None)
+        mask = MaskRule(positions, k_positions, segment_ids, k_segments, causal=c.causal,
+                        is_causal=c.causal and cache is None)
         bias = self.position_bias(impl, t, cache, positions, k_positions)
         block = nn.remat(Block, policy=REMATS[c.remat].policy) if REMATS[c.remat].on else Block
         for i, sparse in enumerate(c.sparse_layers):
@@ -106,9 +105,11 @@ class EncoderDecoder(nn.Module):
         source = self.embed
         if not c.tie_embeddings:
             self.source_embed = source = table()
-        encoder_cfg = c.replace(n_layers=c.encoder_layers or c.n_layers)
-        self.encoder = Stack(encoder_cfg, embed=source, causal=False)
-        self.decoder = Stack(c, embed=self.embed, causal=True, cross=True)
+        # the encoder stack is an encoder (no causal rule; T5's bidirectional buckets)
+        encoder_cfg = c.replace(n_layers=c.encoder_layers or c.n_layers, encoder_layers=None,
+                                arch="encoder")
+        self.encoder = Stack(encoder_cfg, embed=source)
+        self.decoder = Stack(c, embed=self.embed, cross=True)
 
     def __call__(self, source_tokens, target_tokens=None, source_segment_ids=None,
                  target_segment_ids=None, source_positions=None, target_positions=None,

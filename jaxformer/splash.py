@@ -1,6 +1,7 @@
 """Splash attention: jax's TPU kernel (jax.experimental.pallas.ops.tpu.splash_attention),
-handed the mask as structure: CausalMask or LocalMask for the window, SegmentIds for
-packing and padding; GQA native, q pre-scaled.
+handed the mask as structure: CausalMask or LocalMask for the window (without the causal
+rule, an encoder's: FullMask, or LocalMask symmetric), SegmentIds for packing and padding;
+GQA native, q pre-scaled.
 
 Off a TPU it runs in Pallas interpret mode: slow, for tests (its error against a float32
 reference is ~1e-6, forward and backward), with a one-line warning. Its masks are by
@@ -31,14 +32,16 @@ _WARNED: set = set()
 def splash_attention(q, k, v, rule: MaskRule, *, scale=None, softcap=None):
     """q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K) -> [B, T, N, H].
 
-    Self-attention with a causal rule (window optional, segment ids optional: id 0 is
+    Self-attention with a causal rule or none (rule.causal and rule.is_causal both False:
+    an encoder's, its window symmetric) (window optional, segment ids optional: id 0 is
     padding, and a padding query gets zeros, as on every other backend). Under
     jaxformer.sharding.sharding_context it runs per device under shard_map, rows split as
     act_batch says and heads as act_heads / act_kv_heads say (query heads stay whole
     where key/value heads cannot be split alike); the sequence must not be split.
     softcap: the logits s = q.k * scale become softcap * tanh(s / softcap)."""
-    if not rule.causal or q.shape[1] != k.shape[1]:
-        raise ValueError("splash attention here is causal self-attention (Tq = Tk)")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError("splash attention here is self-attention (Tq = Tk)")
+    causal = rule.causal or rule.is_causal
     if rule.layer_window is not None:
         raise NotImplementedError("splash attention needs each layer's window static, but the "
                                   "layer kinds' windows differ under scan_layers; set "
@@ -51,7 +54,7 @@ def splash_attention(q, k, v, rule: MaskRule, *, scale=None, softcap=None):
     seg = rule.q_segment_ids if rule.q_segment_ids is not None else \
         jnp.ones(q.shape[:2], jnp.int32)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    local = functools.partial(_splash, window=rule.window, scale=scale,
+    local = functools.partial(_splash, window=rule.window, causal=causal, scale=scale,
                               softcap=check_softcap(softcap), interpret=interpret)
     where = current_spec(q.shape, "act_batch", "act_seq", "act_heads", "head_dim")
     if where is None or where[0].size == 1:
@@ -71,15 +74,18 @@ def splash_attention(q, k, v, rule: MaskRule, *, scale=None, softcap=None):
                          out_specs=q_spec, check_vma=False)(q, k, v, seg)
 
 
-def _splash(q, k, v, seg, *, window, scale, softcap, interpret):
+def _splash(q, k, v, seg, *, window, causal, scale, softcap, interpret):
     """The kernel on one device's rows and heads."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     b, t, n, h = q.shape
     tp = -(-t // BLOCK) * BLOCK
     seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, tp - t)))  # padded rows: id 0
-    base = sa.CausalMask((tp, tp)) if window is None else \
-        sa.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0)
+    if window is None:
+        base = sa.CausalMask((tp, tp)) if causal else sa.FullMask((tp, tp))
+    else:
+        base = sa.LocalMask((tp, tp), window_size=(window - 1, 0 if causal else window - 1),
+                            offset=0)
     kernel = sa.make_splash_mha_single_device(sa.MultiHeadMask([base] * n),
                                               attn_logits_soft_cap=softcap,
                                               interpret=interpret)

@@ -96,12 +96,23 @@ def np_dense(p, x, spec):
     return np.einsum(spec, x, p["kernel"]) + p.get("bias", 0.0)
 
 
-def np_t5_bucket(cfg, distance):
-    """T5's decoder bucket of a distance >= 0, from the textbook formula in float64."""
-    exact = cfg.t5_num_buckets // 2
+def np_t5_bucket(cfg, distance, num_buckets=None):
+    """T5's decoder bucket of a distance >= 0, from the textbook formula in float64
+    (num_buckets: the model's, or an encoder's half of them for one side)."""
+    num_buckets = num_buckets or cfg.t5_num_buckets
+    exact = num_buckets // 2
     far = exact + np.floor(np.log(np.maximum(distance, exact) / exact)
-                           / math.log(cfg.t5_max_distance / exact) * exact)
-    return np.where(distance < exact, distance, np.minimum(far, cfg.t5_num_buckets - 1))
+                           / math.log(cfg.t5_max_distance / exact) * (num_buckets - exact))
+    return np.where(distance < exact, distance, np.minimum(far, num_buckets - 1))
+
+
+def np_t5_buckets(cfg, rel):
+    """The bucket of each query - key distance `rel`: a decoder's (keys behind the query),
+    or an encoder's (T5's bidirectional: the upper half of the buckets for keys ahead)."""
+    if cfg.causal:
+        return np_t5_bucket(cfg, np.maximum(rel, 0))
+    half = cfg.t5_num_buckets // 2
+    return (rel < 0) * half + np_t5_bucket(cfg, np.abs(rel), half)
 
 
 def np_position_bias(cfg, p, pos):
@@ -109,7 +120,7 @@ def np_position_bias(cfg, p, pos):
     rel = pos[:, :, None] - pos[:, None, :]  # query - key
     if cfg.position == "t5":
         table = p["position_bias"]["relative_bias"]
-        return np.moveaxis(table[np_t5_bucket(cfg, np.maximum(rel, 0)).astype(int)], -1, 1)
+        return np.moveaxis(table[np_t5_buckets(cfg, rel).astype(int)], -1, 1)
     if cfg.position == "fire":
         f = p["position_bias"]
         psi = lambda d: np.log(np.abs(f["c"] * d) + 1)  # noqa: E731
@@ -199,9 +210,10 @@ def np_forward(cfg, params, tokens, positions=None, segment_ids=None, out=None):
     elif cfg.position == "sinusoidal":
         x, table = np_sinusoidal_terms(cfg, x, pos)
         x = x + keep(out, "hook_pos_embed", table)
-    allowed = pos[:, None, :] <= pos[:, :, None]  # [B, Tq, Tk]
+    ahead = pos[:, :, None] - pos[:, None, :]  # query - key, [B, Tq, Tk]
+    allowed = ahead >= 0 if cfg.causal else np.ones_like(ahead, bool)  # an encoder: no rule
     if cfg.sliding_window:
-        allowed &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
+        allowed &= (ahead if cfg.causal else np.abs(ahead)) < cfg.sliding_window
     if segment_ids is not None:
         seg = np.asarray(segment_ids)
         allowed &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)

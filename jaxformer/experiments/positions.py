@@ -51,14 +51,15 @@ __all__ = ["DEFAULT_CONFIG", "SMALL", "StudyConfig", "StudySettings", "eval_conf
 # ---- training and evaluation ----------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _evaluator(mcfg: ModelConfig, context: int = 1):
+def _evaluator(mcfg: ModelConfig, context: int = 1, objective=None):
     """The jitted eval step; context > 1: with each sequence split over that many devices
-    (context parallelism: lengths past one device's memory), the params replicated."""
+    (context parallelism: lengths past one device's memory), the params replicated.
+    objective: None (next-token loss) or MLM's (jaxformer.training.mlm.MaskedLM)."""
     model = Transformer(mcfg)
     if context == 1:
-        return make_eval_step(model)
+        return make_eval_step(model, objective=objective)
     mesh, rules = make_mesh(1, 1, 1, context, devices=jax.devices()[:context]), resolve_rules()
-    return make_eval_step(model, mesh=mesh, rules=rules,
+    return make_eval_step(model, mesh=mesh, rules=rules, objective=objective,
                           param_shardings=param_shardings(model, mesh, rules))
 
 
@@ -73,12 +74,14 @@ def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log):
         return randomize_batch(rows, t.random_positions, seed, step)  # Ruoss et al., or none
 
     return train_seeds(mcfg, cfg.run.optim, t.steps, seeds, batch, log_every=t.log_every,
-                       log=log)
+                       log=log, objective=cfg.objective)
 
 
 def perplexity(mcfg: ModelConfig, params, tokens, length: int,
-               batch_tokens: int, context: int = 1) -> float | None:
-    """exp(mean next-token NLL) over tokens[1:], the tokens cut into windows of `length`.
+               batch_tokens: int, context: int = 1, objective=None) -> float | None:
+    """exp(mean next-token NLL) over tokens[1:], the tokens cut into windows of `length`;
+    with the MLM objective (an encoder), exp(mean NLL of the masked tokens), each window
+    corrupted as MLM's evaluation does (jaxformer.training.mlm).
 
     tokens: [n * length + 1] ints; each window is scored with no context from before it.
     context: the devices each window is split over (length a multiple of 2 x context).
@@ -89,13 +92,16 @@ def perplexity(mcfg: ModelConfig, params, tokens, length: int,
     x = np.asarray(tokens, np.int32)
     inputs, targets = x[:-1].reshape(-1, length), x[1:].reshape(-1, length)  # [W, length]
     rows = min(max(1, batch_tokens // length), len(inputs))
-    eval_step, total, count = _evaluator(mcfg, context), 0.0, 0.0
+    eval_step, total, count = _evaluator(mcfg, context, objective), 0.0, 0.0
     for i in range(0, len(inputs), rows):
         inp, tgt = inputs[i:i + rows], targets[i:i + rows]
         mask = np.ones(inp.shape, np.float32)
         pad = ((0, rows - len(inp)), (0, 0))  # the last batch padded: one shape per length
-        t, c = eval_step(params, {"inputs": np.pad(inp, pad), "targets": np.pad(tgt, pad),
-                                  "loss_mask": np.pad(mask, pad)})
+        batch = {"inputs": np.pad(inp, pad), "targets": np.pad(tgt, pad),
+                 "loss_mask": np.pad(mask, pad)}
+        if objective is not None:  # MLM chooses no token of a padding row (segment 0)
+            batch["segment_ids"] = np.pad(mask, pad).astype(np.int32)
+        t, c, *_ = eval_step(params, batch)
         total, count = total + float(t), count + float(c)
     loss = total / count
     return math.exp(min(loss, 700.0)) if math.isfinite(loss) else None
@@ -149,7 +155,7 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
             params = seed_slice(stacked, k)
             for name, scaling in zip(names, scalings):
                 ppl = [perplexity(eval_config(mcfg, scaling, m, t.seq_len), params, val, n,
-                                  s.eval_batch_tokens, cfg.run.mesh.context)
+                                  s.eval_batch_tokens, cfg.run.mesh.context, cfg.objective)
                        if n <= mcfg.max_seq_len else None
                        for m, n in zip(s.eval_multiples, lengths)]
                 rows[name]["ppl"].append(ppl)

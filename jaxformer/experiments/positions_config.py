@@ -17,11 +17,13 @@ from jaxformer.rope_scaling import ROPE_SCALINGS, RopeScaling
 from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.validation import check_choice, check_keys, check_number
 from jaxformer.training.config import RunConfig
+from jaxformer.training.mlm import MaskedLM
 from jaxformer.validation import coerce, read_config_file
 
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")
-SECTIONS = ("study", "model", "data", "optim", "train", "mesh")  # mesh: for evaluation
+# mesh: for evaluation; objective: lm, or mlm for model.arch=encoder
+SECTIONS = ("study", "model", "data", "optim", "train", "mesh", "objective")
 TRAIN_KEYS = ("steps", "batch_size", "seq_len", "seed", "log_every", "random_positions")
 SET_BY_STUDY = {"position": "choose schemes with study.schemes",
                 "rope_scaling": "RoPE scaling is applied at evaluation only: study.rope_scaling",
@@ -94,9 +96,12 @@ def check_settings(settings, *, choices: Mapping[str, tuple[str, ...]],
 @dataclasses.dataclass(frozen=True)
 class StudyConfig:
     study: StudySettings
-    run: RunConfig  # model (its position unused), data, optim, train
+    run: RunConfig  # model (its position unused), data, optim, train, objective
 
     def __post_init__(self):
+        if self.run.objective.name not in ("lm", "mlm"):
+            raise ConfigError(f"objective.name={self.run.objective.name} is not one the study "
+                              "scores; use lm (a decoder) or mlm (model.arch=encoder)")
         if self.run.data.pack:
             raise ConfigError("data.pack=true is not supported by the study: it evaluates "
                               "unpacked windows, so it trains on unpacked ones too")
@@ -127,7 +132,12 @@ class StudyConfig:
                                       max_seq_len=length if table else longest)
 
     def to_dict(self) -> dict[str, Any]:
-        return study_dict(self.study, self.run, ("model", "data", "optim"))
+        return study_dict(self.study, self.run, ("model", "data", "optim", "objective"))
+
+    @property
+    def objective(self):
+        """The training and scoring objective: None for lm, MLM's for an encoder."""
+        return MaskedLM.of(self.run) if self.run.objective.name == "mlm" else None
 
 
 def study_dict(study, run: RunConfig, sections) -> dict[str, Any]:

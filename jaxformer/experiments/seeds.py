@@ -17,13 +17,14 @@ from jaxformer.training.step import init_state, make_train_step
 
 
 @functools.lru_cache(maxsize=None)
-def vmapped_trainer(mcfg, optim, steps: int, ordered_positions: bool = True):
+def vmapped_trainer(mcfg, optim, steps: int, ordered_positions: bool = True, objective=None):
     """(init(seeds [N]) -> N stacked TrainStates, step(states, batches) -> (states, metrics))
     for one model config: jitted once, whatever the number of seeds; every batch and metric
-    carries the seed axis first. ordered_positions: as the Transformer's."""
+    carries the seed axis first. ordered_positions: as the Transformer's; objective: None
+    (the LM's loss) or a hashable one of training/objectives.py (MLM)."""
     model = Transformer(mcfg, ordered_positions=ordered_positions)
     tx, schedule = make_optimizer(optim, mcfg, steps)
-    step = make_train_step(model, tx, schedule, grad_accum=optim.grad_accum)
+    step = make_train_step(model, tx, schedule, grad_accum=optim.grad_accum, objective=objective)
     init = jax.jit(jax.vmap(lambda seed: init_state(model, tx, seed)))
     return init, jax.jit(jax.vmap(step), donate_argnums=0)
 
@@ -39,13 +40,13 @@ def stack(trees):
 
 
 def train_seeds(mcfg, optim, steps: int, seeds, batch, *, log_every: int, log,
-                ordered_positions: bool = True):
+                ordered_positions: bool = True, objective=None):
     """Trains one model per seed, all at once: (stacked params, each seed's mean train loss
     over the last log interval).
 
     batch(seed, step) -> that seed's batch at that step (a dict of NumPy arrays).
     """
-    init, step_fn = vmapped_trainer(mcfg, optim, steps, ordered_positions)
+    init, step_fn = vmapped_trainer(mcfg, optim, steps, ordered_positions, objective)
     state = init(jnp.asarray(seeds, jnp.int32))
     recent, t0 = [], time.perf_counter()
     for step in range(steps):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from jaxformer.hf import gpt2, gpt_neox, llama_layout, scales, twists
+from jaxformer.hf import bert, gpt2, gpt_neox, llama_layout, scales, twists
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.tensors import Rule
 from jaxformer.kinds import CLAMP_ALPHA, CLAMP_LIMIT
@@ -348,6 +348,16 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       fused=("gate_up_proj", "down_proj"), biases=True),
         refuse=(("swiglu_alpha", (CLAMP_ALPHA,), "jaxformer's clamped SwiGLU has alpha 1.702"),
                 ("swiglu_limit", (CLAMP_LIMIT,), "jaxformer's clamped SwiGLU clamps at 7"))),
+    HFModelType(
+        # a bidirectional encoder with the masked-LM head (jaxformer.hf.bert); a bare
+        # BertModel has no such head, and is refused
+        "bert", ("BertForMaskedLM",), export_rank=24,
+        defaults=dict(hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2,
+                      layer_norm_eps=1e-12, tie_word_embeddings=True, is_decoder=False,
+                      add_cross_attention=False),
+        read_config=bert.read_config, write_config=bert.write_config,
+        tensor_rules=bert.tensor_rules, tensor_prefix="bert.",
+        head_tensor="cls.predictions.decoder.weight", ignored_tensors=bert.BUFFERS),
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.

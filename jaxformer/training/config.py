@@ -7,7 +7,7 @@
     checkpoint.*  CheckpointConfig
     mesh.*        MeshConfig (mesh.rules.NAME=AXES overrides a logical axis rule)
     distributed.* DistributedConfig
-    objective.*   ObjectiveConfig (what the loss is: lm, dpo)
+    objective.*   ObjectiveConfig (what the loss is: lm, mlm, dpo)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SCHEDULES = ("cosine", "inverse_sqrt", "constant", "linear")
 OPTIMIZERS = ("adamw", "muon")
 RESUME = ("auto", "never")
 WANDB_MODES = ("offline", "online")
-OBJECTIVES = ("lm", "dpo", "grpo")
+OBJECTIVES = ("lm", "mlm", "dpo", "grpo")
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo")
 
@@ -210,7 +210,8 @@ class DistributedConfig:
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
     """What the step minimises (jaxformer.training.objectives). name: lm (next-token cross
-    entropy on the loss mask: pretraining, prompt/completion fine-tuning) | dpo (Rafailov et
+    entropy on the loss mask: pretraining, prompt/completion fine-tuning) | mlm (BERT's
+    masked tokens, for model.arch=encoder: jaxformer.training.mlm) | dpo (Rafailov et
     al.: data.format=preference pairs against the frozen train.init_from model) | grpo
     (jaxformer.training.grpo_step: sampled groups scored by `reward`). beta: DPO's KL
     strength (IPO's tau); GRPO's k3 KL weight (0: no reference at all). loss: sigmoid
@@ -218,7 +219,9 @@ class ObjectiveConfig:
     GRPO: group_size completions per prompt (train.batch_size prompts a step), sampled at
     temperature up to max_new_tokens; reward task:NAME (training/rewards.py) or
     MODULE:FUNCTION of (prompt, completion) -> float; inner_steps optimizer steps per
-    rollout; clip / clip_high the ratio's range [1 - clip, 1 + clip_high] (None: clip)."""
+    rollout; clip / clip_high the ratio's range [1 - clip, 1 + clip_high] (None: clip).
+    MLM: mask_rate the share of tokens chosen (80% masked, 10% random, 10% kept); mask_id
+    the id of its mask (None: model.vocab_size - 1, reserved for it)."""
 
     name: str = "lm"
     beta: float = 0.1
@@ -230,10 +233,15 @@ class ObjectiveConfig:
     inner_steps: int = 1
     clip: float = 0.2
     clip_high: float | None = None
+    mask_rate: float = 0.15
+    mask_id: int | None = None
 
     def __post_init__(self):
         check_choice("objective", "name", self.name, OBJECTIVES)
         check_number("objective", "beta", self.beta, float, low=0, low_open=self.name != "grpo")
+        check_number("objective", "mask_rate", self.mask_rate, float, low=0, low_open=True,
+                     high=1, high_open=True)
+        check_number("objective", "mask_id", self.mask_id, int, low=0, optional=True)
         check_choice("objective", "loss", self.loss, PREFERENCE_LOSSES)
         check_number("objective", "group_size", self.group_size, int, low=2)
         check_number("objective", "temperature", self.temperature, float, low=0, low_open=True)
@@ -285,7 +293,15 @@ class RunConfig:
 
     def _check_objective(self):
         """The objective's data, starting weights and model, each refused in one line."""
-        name, fmt = self.objective.name, self.data.format
+        name, fmt, arch = self.objective.name, self.data.format, self.model.arch
+        if (name == "mlm") != (arch == "encoder"):
+            raise ConfigError(f"objective.name={name} with model.arch={arch}: an encoder sees "
+                              "every token of the row and trains on masked ones; use "
+                              "objective.name=mlm with model.arch=encoder, or objective.name=lm")
+        mask_id = self.objective.mask_id
+        if name == "mlm" and mask_id is not None and mask_id >= self.model.vocab_size:
+            raise ConfigError(f"objective.mask_id={mask_id} must be below model.vocab_size="
+                              f"{self.model.vocab_size}")
         if name != "grpo" and (name == "dpo") != (fmt == "preference"):
             raise ConfigError(f"objective.name={name} with data.format={fmt}: DPO trains on "
                               "preference pairs; use objective.name=dpo with "

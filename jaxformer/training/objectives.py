@@ -1,4 +1,5 @@
-"""Training objectives beside the language model's (objective.name; step.py holds lm's).
+"""Training objectives beside the language model's (objective.name; step.py holds lm's,
+training/mlm.py the masked language model's).
 
 dpo (Rafailov et al. 2023, "Direct Preference Optimization"): batches of preference
 pairs (jaxformer.data.preferences: in each row, segment 2k - 1 is pair k's chosen answer
@@ -25,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import lora
+from jaxformer.archs import ENCODER_DECODER
 from jaxformer.config import ConfigError
 from jaxformer.logprobs import target_logprobs
-from jaxformer.archs import ENCODER_DECODER
 from jaxformer.training.grpo_step import GroupPolicy
+from jaxformer.training.mlm import MaskedLM
 from jaxformer.training.seq2seq import Seq2Seq
 from jaxformer.training.step import joined, logits_of
 
@@ -134,6 +136,8 @@ def build(cfg):
         return Seq2Seq(cfg.optim.label_smoothing)
     if name == "grpo":
         return GroupPolicy(cfg)
+    if name == "mlm":
+        return MaskedLM.of(cfg)
     return Preference(cfg.objective) if name == "dpo" else None
 
 

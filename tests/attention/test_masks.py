@@ -64,8 +64,9 @@ def test_make_attention_mask_is_the_and_of_its_parts(rng, causal, window, with_s
     expected = np.ones((B, 1, q_pos.shape[1], k_pos.shape[1]), bool)
     if causal:
         expected &= np_causal(q_pos, k_pos)
-    if window is not None:
-        expected &= np_window(q_pos, k_pos, window)
+    if window is not None:  # without the causal rule (an encoder's) the window is symmetric
+        expected &= np_window(q_pos, k_pos, window) if causal else \
+            np.abs(q_pos[:, None, :, None] - k_pos[:, None, None, :]) < window
     segs = (None, None)
     if with_segments:
         expected &= np_segment(q_seg, k_seg)

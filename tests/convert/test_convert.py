@@ -464,8 +464,8 @@ DROP = object()
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(model_type="bert", architectures=["BertModel"]),
-     "unsupported model_type 'bert'.*gpt2, llama, mistral, qwen2"),
+    (dict(model_type="xlnet", architectures=["XLNetLMHeadModel"]),
+     "unsupported model_type 'xlnet'.*gpt2, llama, mistral, qwen2"),
     (dict(architectures=["GPT2ForSequenceClassification"]),
      "GPT2ForSequenceClassification.*GPT2LMHeadModel"),
     (dict(activation_function="gelu"), "activation_function='gelu'.*tanh"),

@@ -268,3 +268,49 @@ def test_each_vmapped_seed_trains_on_its_own_batches(corpus, tmp_path, rng):
     runs = separate_runs(cfg.model_config("alibi"), cfg.run.optim, cfg.run.train.steps, seeds,
                          batch)
     assert_each_seed_trained_alone(params, runs)
+
+
+def test_the_study_compares_schemes_in_an_encoder(corpus, tmp_path):
+    """model.arch=encoder with objective.name=mlm: each scheme trains on masked tokens and is
+    scored by the masked tokens' perplexity at every length (well below the 256 of a
+    uniform guess after a few dozen steps: the objective is the one trained); a causal-only
+    scheme is refused in one line before anything trains."""
+    args = [*study.SMALL, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+            "model.arch=encoder", "objective.name=mlm", "study.eval_multiples=1,2",
+            "train.steps=20", "train.log_every=20", "optim.lr=1e-2", "study.progress=false"]
+    cfg = study.load_study_config(str(study.DEFAULT_CONFIG), [*args, "study.schemes=none,alibi"])
+    results = study.run_study(cfg)
+    assert results["config"]["objective"]["name"] == "mlm"
+    for scheme in ("none", "alibi"):
+        ppl = results["rows"][scheme]["ppl"][0]
+        assert all(np.isfinite(p) and 1 < p < 64 for p in ppl), (scheme, ppl)
+    with pytest.raises(ConfigError, match="position='xpos' is defined for causal attention"):
+        study.load_study_config(str(study.DEFAULT_CONFIG), [*args, "study.schemes=rope,xpos"])
+
+
+def test_an_encoders_perplexity_is_its_masked_tokens():
+    """study.perplexity with the MLM objective: exp of the mean float64 cross entropy of
+    the masked tokens of each window, corrupted as MLM's evaluation does (its fixed key
+    folded with the batch's token sum)."""
+    from jaxformer.training.mlm import MaskedLM, corrupt
+    from tests.training.test_mlm import np_masked_loss
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    mcfg = ModelConfig(arch="encoder", d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
+                       position="alibi")  # 4 heads: the float64 forward's ALiBi slopes
+    tokens = rng.integers(0, 255, 3 * 16 + 1)
+    params = Transformer(mcfg).init(jax.random.key(int(rng.integers(1 << 30))),
+                                    jnp.zeros((1, 16), jnp.int32))["params"]
+    params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32), params)
+    got = study.perplexity(mcfg, params, tokens, 16, 32, objective=MaskedLM(0.3, 255, 256))
+    windows = np.concatenate([tokens[:-1].reshape(3, 16), np.zeros((1, 16), int)])
+    seg = np.repeat([1, 1, 1, 0], 16).reshape(4, 16)  # batches of 2 rows: the last padded
+    pos = np.broadcast_to(np.arange(16), (2, 16))
+    total = count = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        key = jax.random.fold_in(jax.random.PRNGKey(0x6D6C6D), int(windows[rows].sum()))
+        corrupted, chosen = (np.asarray(x) for x in corrupt(
+            key, jnp.asarray(windows[rows], jnp.int32), jnp.asarray(seg[rows] > 0), rate=0.3,
+            mask_id=255, vocab_size=256))
+        loss = np_masked_loss(mcfg, params, windows[rows], corrupted, chosen, pos, seg[rows])
+        total, count = total + loss * chosen.sum(), count + chosen.sum()
+    np.testing.assert_allclose(got, np.exp(total / count), rtol=1e-4)
