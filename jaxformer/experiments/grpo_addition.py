@@ -31,43 +31,35 @@ COMMON = ["train.seq_len=32", "train.log_every=10", "train.eval_batches=1",
           "data.format=prompt_completion", "optim.warmup_steps=0"]
 
 
-OFF_BY = (-10, -1, 1, 10)  # a noisy record's answer: the sum plus one of these
+def records(count: int, rng: np.random.Generator) -> list[dict]:
+    """`count` records "a+b=" -> "a + b", a and b uniform in 0..99."""
+    return [{"prompt": f"{a}+{b}=", "completion": f"{a + b}"}
+            for a, b in rng.integers(0, 100, (count, 2)).tolist()]
 
 
-def records(count: int, rng: np.random.Generator, noise: float = 0.0) -> list[dict]:
-    """`count` records "a+b=" -> "a + b", a and b uniform in 0..99; a share `noise` of
-    them (at random) answer the sum off by one of OFF_BY instead (label noise)."""
-    pairs = rng.integers(0, 100, (count, 2))
-    off = np.where(rng.random(count) < noise, rng.choice(OFF_BY, count), 0)
-    return [{"prompt": f"{a}+{b}=", "completion": f"{max(a + b + o, 0)}"}
-            for (a, b), o in zip(pairs.tolist(), off.tolist())]
-
-
-def accuracy(run_dir, prompts: list[str], samples: int = 0) -> float:
-    """Exact match on `prompts` of greedy completions (samples=0), or of `samples`
-    completions of each at temperature 1 (the policy GRPO trains), up to 5 new tokens."""
+def accuracy(run_dir, prompts: list[str]) -> float:
+    """Exact match of greedy completions (up to 5 new tokens) on `prompts`."""
     model, params, tok = load_run(str(run_dir))
     ids = [tok.encode(p) for p in prompts]
-    rows = np.repeat(np.arange(len(ids)), max(samples, 1))
-    batch = np.zeros((len(rows), max(len(i) for i in ids)), np.int32)
-    for r, i in enumerate(rows):
-        batch[r, :len(ids[i])] = ids[i]
-    out = generate(model, params, batch, prompt_lengths=np.array([len(ids[i]) for i in rows]),
-                   max_new_tokens=5, rng=jax.random.key(0), temperature=float(samples > 0),
-                   eos_id=tok.eot_id)
+    width = max(len(i) for i in ids)
+    batch = np.zeros((len(ids), width), np.int32)
+    for r, i in enumerate(ids):
+        batch[r, :len(i)] = i
+    out = generate(model, params, batch, prompt_lengths=np.array([len(i) for i in ids]),
+                   max_new_tokens=5, rng=jax.random.key(0), temperature=0.0, eos_id=tok.eot_id)
     tokens, lengths = jax.device_get((out.tokens, out.lengths))
     texts = [tok.decode([i for i in t[:n].tolist() if i != tok.eot_id])
              for t, n in zip(tokens, lengths)]
-    return float(np.mean([addition(prompts[i], c) for i, c in zip(rows, texts)]))
+    return float(np.mean([addition(p, c) for p, c in zip(prompts, texts)]))
 
 
 def run_seed(out: pathlib.Path, seed: int, sft_steps: int, grpo_steps: int, grpo_lr: float,
-             log, noise: float = 0.0, inner_steps: int = 1) -> dict:
+             log) -> dict:
     """The SFT run, the GRPO run from it, and both accuracies on 500 held-out prompts."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     data = out / "train.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in records(4000, rng, noise)) + "\n")
+    data.write_text("\n".join(json.dumps(r) for r in records(4000, rng)) + "\n")
     test = [r["prompt"] for r in records(500, np.random.default_rng(10_000 + seed))]
     base = [*COMMON, f"data.path={data}", f"data.cache_dir={out / 'cache'}",
             f"train.seed={seed}"]
@@ -79,15 +71,13 @@ def run_seed(out: pathlib.Path, seed: int, sft_steps: int, grpo_steps: int, grpo
     train(load_config(None, [
         *base, "model.max_seq_len=32", f"train.init_from={sft}", "objective.name=grpo",
         "objective.reward=task:addition", "objective.group_size=8", "objective.beta=0",
-        "objective.max_new_tokens=5", f"objective.inner_steps={inner_steps}", "train.batch_size=64",
+        "objective.max_new_tokens=5", "objective.inner_steps=1", "train.batch_size=64",
         f"train.steps={grpo_steps}", f"optim.lr={grpo_lr}", "optim.schedule=constant",
         "train.log_every=1", f"train.run_dir={grpo}"]), log=log)
-    row = {"seed": seed, "noise": noise, "sft_steps": sft_steps, "grpo_steps": grpo_steps}
-    for name, samples in (("", 8), ("greedy_", 0)):
-        a, b = accuracy(sft, test, samples), accuracy(grpo, test, samples)
-        row.update({f"{name}sft_accuracy": a, f"{name}grpo_accuracy": b,
-                    f"{name}gain_points": 100 * (b - a)})
-    return {**row, "sft_run": str(sft), "grpo_run": str(grpo)}
+    a, b = accuracy(sft, test), accuracy(grpo, test)
+    return {"seed": seed, "sft_steps": sft_steps, "grpo_steps": grpo_steps,
+            "sft_accuracy": a, "grpo_accuracy": b, "gain_points": 100 * (b - a),
+            "sft_run": str(sft), "grpo_run": str(grpo)}
 
 
 def main(argv=None) -> int:
@@ -97,15 +87,12 @@ def main(argv=None) -> int:
     p.add_argument("--sft-steps", type=int, default=1500)
     p.add_argument("--grpo-steps", type=int, default=200)
     p.add_argument("--grpo-lr", type=float, default=1e-4)
-    p.add_argument("--noise", type=float, default=0.0, help="share of fine-tuning records "
-                   "whose answer is off by -10, -1, 1 or 10")
-    p.add_argument("--inner-steps", type=int, default=1)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     log = (lambda *a: None) if args.quiet else print
     for seed in args.seed:
         row = run_seed(pathlib.Path(args.out) / f"seed{seed}", seed, args.sft_steps,
-                       args.grpo_steps, args.grpo_lr, log, args.noise, args.inner_steps)
+                       args.grpo_steps, args.grpo_lr, log)
         print(json.dumps(row), flush=True)
     return 0
 
