@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxformer.archs import ENCODER_DECODER
 from jaxformer.config import RUNTIME, ConfigError, ModelConfig
 from jaxformer.hf.config_json import config_from_hf
 from jaxformer.hf.families import MODEL_TYPES, HFModelType
@@ -52,6 +53,8 @@ def _computed(cfg: ModelConfig, name: str):
     reads when every layer is sparse, as None then."""
     if name == "moe":
         return _moe(cfg)
+    if name == "encoder_layers" and cfg.arch == ENCODER_DECODER:  # None: n_layers
+        return cfg.encoder_layers or cfg.n_layers
     if name == "d_ff" and all(cfg.sparse_layers):
         return None
     return getattr(cfg, name)
