@@ -82,10 +82,11 @@ def export_model_type(cfg: ModelConfig) -> str:
     Writers write what they can (a value a type has no spelling for at all, e.g. NTK
     scaling, raises); the round trip finds the rest. A model no type writes is a
     ConfigError naming the fields of the nearest type that differ (a mixture of experts
-    is written, and compared, by the types with experts alone; a dense model by the rest)."""
+    is written, and compared, by the types with experts alone; a dense model by the rest;
+    each model by the types of its model.arch)."""
     nearest = None
     for row in sorted(MODEL_TYPES.values(), key=lambda row: row.export_rank):
-        if (row.moe is None) == bool(cfg.moe.experts):
+        if (row.moe is None) == bool(cfg.moe.experts) or row.arch != cfg.arch:
             continue
         try:
             back = config_from_hf(_write(cfg, row, "float32"))
@@ -100,6 +101,9 @@ def export_model_type(cfg: ModelConfig) -> str:
                     f"expresses it (the nearest, {row.name}, differs in {', '.join(diffs)})")
         if nearest is None or miss[0] < nearest[0]:
             nearest = miss
+    if nearest is None:
+        raise ConfigError(f"model.arch={cfg.arch!r} cannot be written as a Hugging Face "
+                          "checkpoint: no supported model type holds that arch")
     raise ConfigError(nearest[1])
 
 

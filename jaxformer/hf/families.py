@@ -63,6 +63,7 @@ class HFModelType:
       attention is multi-head latent attention (jaxformer.hf.mla_layout). extra_layers: what
       tensors of layers past the last are (skipped on import with one line saying so);
       None: such tensors are an error.
+    arch: the model.arch its checkpoints hold (to_hf tries the rows of a model's arch alone).
     """
 
     name: str
@@ -98,6 +99,7 @@ class HFModelType:
     moe: MoEFormat | None = None
     mla: bool = False
     extra_layers: str | None = None
+    arch: str = "decoder"
 
 
 # ---- the rows ----------------------------------------------------------------------------
@@ -357,7 +359,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       add_cross_attention=False),
         read_config=bert.read_config, write_config=bert.write_config,
         tensor_rules=bert.tensor_rules, tensor_prefix="bert.",
-        head_tensor="cls.predictions.decoder.weight", ignored_tensors=bert.BUFFERS),
+        head_tensor="cls.predictions.decoder.weight", ignored_tensors=bert.BUFFERS,
+        arch="encoder"),
     HFModelType(
         # an encoder-decoder (jaxformer.hf.t5): v1.0 (relu, the output scaled by
         # d_model ** -0.5) and v1.1 (gated-gelu, its own head, no scale)
@@ -367,7 +370,8 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       feed_forward_proj="relu", is_encoder_decoder=True, is_decoder=False,
                       tie_word_embeddings=True, n_positions=t5.POSITIONS),
         read_config=t5.read_config, write_config=t5.write_config,
-        tensor_rules=t5.tensor_rules, tensor_prefix="", ignored_tensors=t5.BUFFERS),
+        tensor_rules=t5.tensor_rules, tensor_prefix="", ignored_tensors=t5.BUFFERS,
+        arch="encoder_decoder"),
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.
