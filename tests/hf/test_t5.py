@@ -99,3 +99,18 @@ def test_t5_matches_transformers_and_round_trips(version, tmp_path):
     assert written["architectures"] == ["T5ForConditionalGeneration"]
     back = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
     assert np.abs(hf_logits(back, source, mask, target) - want).max() / scale < 1e-5
+
+
+def test_differing_source_and_target_tables_are_refused_in_one_line(tmp_path):
+    """T5 has one input table: an untied model whose source_embed and embed differ cannot
+    be written as T5, and says so in one line."""
+    from jaxformer import ConfigError, ModelConfig
+    cfg = ModelConfig(arch="encoder_decoder", encoder_layers=1, n_layers=1, vocab_size=V,
+                      d_model=16, n_heads=2, d_ff=24, position="t5", t5_num_buckets=8,
+                      t5_max_distance=20, norm="rmsnorm", norm_eps=1e-6, ffn="geglu",
+                      use_bias=False, attn_scale=1.0, tie_embeddings=False, max_seq_len=32)
+    tokens = np.zeros((1, 4), np.int32)
+    params = EncoderDecoder(cfg).init(jax.random.key(int(rng.integers(1 << 31))), tokens)
+    with pytest.raises(ConfigError, match="tie_embeddings.*shared.weight") as e:
+        to_hf(cfg, params["params"], tmp_path)
+    assert "\n" not in str(e.value)
