@@ -23,6 +23,7 @@ also stores each layer's cross-attention keys and values (cross_k, cross_v), rea
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxformer import kv_cache
@@ -32,7 +33,7 @@ from jaxformer.cross_attention import Memory
 from jaxformer.kinds import BLOCKS, REMATS
 from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.masks import MaskRule
-from jaxformer.model import Transformer
+from jaxformer.model import Transformer, param_shapes
 from jaxformer.sharding import init_with_names
 
 
@@ -144,3 +145,12 @@ class EncoderDecoder(nn.Module):
 def model_for(cfg):
     """The module of cfg.arch: the EncoderDecoder, or the (decoder-only) Transformer."""
     return EncoderDecoder(cfg) if cfg.arch == ENCODER_DECODER else Transformer(cfg)
+
+
+def arch_param_shapes(cfg):
+    """The param tree of model_for(cfg) as jax.ShapeDtypeStructs (jaxformer.model's
+    param_shapes for any model.arch); allocates nothing."""
+    if cfg.arch != ENCODER_DECODER:
+        return param_shapes(cfg)
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(EncoderDecoder(cfg).init, jax.random.key(0), tokens)["params"]

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxformer.archs import ENCODER_DECODER
 from jaxformer.config import RUNTIME, ConfigError, ModelConfig
 from jaxformer.hf.config_json import config_from_hf
 from jaxformer.hf.families import MODEL_TYPES, HFModelType
@@ -52,6 +53,8 @@ def _computed(cfg: ModelConfig, name: str):
     reads when every layer is sparse, as None then."""
     if name == "moe":
         return _moe(cfg)
+    if name == "encoder_layers" and cfg.arch == ENCODER_DECODER:  # None: n_layers
+        return cfg.encoder_layers or cfg.n_layers
     if name == "d_ff" and all(cfg.sparse_layers):
         return None
     return getattr(cfg, name)
@@ -79,10 +82,11 @@ def export_model_type(cfg: ModelConfig) -> str:
     Writers write what they can (a value a type has no spelling for at all, e.g. NTK
     scaling, raises); the round trip finds the rest. A model no type writes is a
     ConfigError naming the fields of the nearest type that differ (a mixture of experts
-    is written, and compared, by the types with experts alone; a dense model by the rest)."""
+    is written, and compared, by the types with experts alone; a dense model by the rest;
+    each model by the types of its model.arch)."""
     nearest = None
     for row in sorted(MODEL_TYPES.values(), key=lambda row: row.export_rank):
-        if (row.moe is None) == bool(cfg.moe.experts):
+        if (row.moe is None) == bool(cfg.moe.experts) or row.arch != cfg.arch:
             continue
         try:
             back = config_from_hf(_write(cfg, row, "float32"))
@@ -97,6 +101,9 @@ def export_model_type(cfg: ModelConfig) -> str:
                     f"expresses it (the nearest, {row.name}, differs in {', '.join(diffs)})")
         if nearest is None or miss[0] < nearest[0]:
             nearest = miss
+    if nearest is None:
+        raise ConfigError(f"model.arch={cfg.arch!r} cannot be written as a Hugging Face "
+                          "checkpoint: no supported model type holds that arch")
     raise ConfigError(nearest[1])
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from jaxformer.hf import bert, gpt2, gpt_neox, llama_layout, scales, twists
+from jaxformer.hf import bert, gpt2, gpt_neox, llama_layout, scales, t5, twists
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.tensors import Rule
 from jaxformer.kinds import CLAMP_ALPHA, CLAMP_LIMIT
@@ -63,6 +63,7 @@ class HFModelType:
       attention is multi-head latent attention (jaxformer.hf.mla_layout). extra_layers: what
       tensors of layers past the last are (skipped on import with one line saying so);
       None: such tensors are an error.
+    arch: the model.arch its checkpoints hold (to_hf tries the rows of a model's arch alone).
     """
 
     name: str
@@ -98,6 +99,7 @@ class HFModelType:
     moe: MoEFormat | None = None
     mla: bool = False
     extra_layers: str | None = None
+    arch: str = "decoder"
 
 
 # ---- the rows ----------------------------------------------------------------------------
@@ -357,7 +359,19 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       add_cross_attention=False),
         read_config=bert.read_config, write_config=bert.write_config,
         tensor_rules=bert.tensor_rules, tensor_prefix="bert.",
-        head_tensor="cls.predictions.decoder.weight", ignored_tensors=bert.BUFFERS),
+        head_tensor="cls.predictions.decoder.weight", ignored_tensors=bert.BUFFERS,
+        arch="encoder"),
+    HFModelType(
+        # an encoder-decoder (jaxformer.hf.t5): v1.0 (relu, the output scaled by
+        # d_model ** -0.5) and v1.1 (gated-gelu, its own head, no scale)
+        "t5", ("T5ForConditionalGeneration",), export_rank=25,
+        defaults=dict(num_decoder_layers=None, d_kv=64, relative_attention_num_buckets=32,
+                      relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
+                      feed_forward_proj="relu", is_encoder_decoder=True, is_decoder=False,
+                      tie_word_embeddings=True, n_positions=t5.POSITIONS),
+        read_config=t5.read_config, write_config=t5.write_config,
+        tensor_rules=t5.tensor_rules, tensor_prefix="", ignored_tensors=t5.BUFFERS,
+        arch="encoder_decoder"),
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.
