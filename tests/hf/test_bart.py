@@ -106,3 +106,19 @@ def test_bart_matches_transformers_and_round_trips(variant, tmp_path):
     assert written["architectures"] == ["BartForConditionalGeneration"]
     back = transformers.BartForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
     assert np.abs(hf_logits(back, source, mask, target) - want).max() / scale < 1e-5
+
+
+@pytest.mark.parametrize("key, other", [("decoder_ffn_dim", "encoder_ffn_dim"),
+                                        ("decoder_attention_heads", "encoder_attention_heads")])
+def test_stacks_of_differing_widths_or_heads_are_refused_in_one_line(key, other):
+    """jaxformer's encoder and decoder share d_ff and n_heads: a BART config.json whose
+    stacks differ in one is refused in one line naming both keys."""
+    from jaxformer import ConfigError
+    from jaxformer.convert import config_from_hf
+    hf = transformers.BartConfig(vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1,
+                                 encoder_attention_heads=4, decoder_attention_heads=4,
+                                 encoder_ffn_dim=48, decoder_ffn_dim=48).to_dict()
+    hf[key] = {"decoder_ffn_dim": 64, "decoder_attention_heads": 2}[key]
+    with pytest.raises(ConfigError, match=f"{key}=.*{other}") as e:
+        config_from_hf(hf)
+    assert "\n" not in str(e.value)
