@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from jaxformer.hf import bert, gpt2, gpt_neox, llama_layout, scales, t5, twists
+from jaxformer.hf import bart, bert, gpt2, gpt_neox, llama_layout, scales, t5, twists
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.tensors import Rule
 from jaxformer.kinds import CLAMP_ALPHA, CLAMP_LIMIT
@@ -372,6 +372,15 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
         read_config=t5.read_config, write_config=t5.write_config,
         tensor_rules=t5.tensor_rules, tensor_prefix="", ignored_tensors=t5.BUFFERS,
         arch="encoder_decoder"),
+    HFModelType(
+        # an encoder-decoder (jaxformer.hf.bart): post-LN, learned positions (offset 2) of
+        # each stack, a norm on the embeddings, final_logits_bias
+        "bart", ("BartForConditionalGeneration",), export_rank=26,
+        defaults=dict(max_position_embeddings=1024, activation_function="gelu",
+                      scale_embedding=False, is_encoder_decoder=True, is_decoder=False,
+                      tie_word_embeddings=True),
+        read_config=bart.read_config, write_config=bart.write_config,
+        tensor_rules=bart.tensor_rules, ignored_tensors=bart.BUFFERS, arch="encoder_decoder"),
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.

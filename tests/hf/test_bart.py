@@ -1,0 +1,124 @@
+"""The bart family (jaxformer.hf.bart) against transformers' BartForConditionalGeneration:
+random tiny models with weights of std 0.1 (the position tables, final_logits_bias and
+norms included), read by from_hf, give transformers' float32 logits on padded batches
+within 1e-5 relative and its greedy tokens; to_hf writes a folder transformers reads back
+as the same model. The tiny config turns off what makes HF's generate more than greedy
+(forced_bos_token_id, forced_eos_token_id: None; no_repeat_ngram_size, min_length: 0)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
+transformers = pytest.importorskip("transformers", reason="the interop extra")
+
+import jax  # noqa: E402
+
+from jaxformer.convert import from_hf, to_hf  # noqa: E402
+from jaxformer.seq2seq_decoding import seq2seq_generate  # noqa: E402
+from jaxformer.seq2seq_model import EncoderDecoder  # noqa: E402
+
+torch.set_num_threads(2)
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+V, S, T, D = 64, 12, 7, 32  # vocab, source and target lengths, width
+PAD, EOS, START = 1, 2, 2  # BART's pad, eos and decoder start (= eos) tokens
+VARIANTS = {"scaled-tied": dict(scale_embedding=True, tie_word_embeddings=True,
+                                activation_function="gelu"),
+            "untied": dict(scale_embedding=False, tie_word_embeddings=False,
+                           activation_function="relu")}
+
+
+def random_bart(variant: str):
+    """A tiny BART (2 encoder, 3 decoder layers), plain greedy generation; "untied" with
+    its own LM head (transformers 5 ties it unless it differs)."""
+    config = transformers.BartConfig(
+        vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+        max_position_embeddings=16, dropout=0.0, pad_token_id=PAD, bos_token_id=0,
+        eos_token_id=EOS, decoder_start_token_id=START, forced_bos_token_id=None,
+        forced_eos_token_id=None, no_repeat_ngram_size=0, min_length=0, **VARIANTS[variant])
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    model = transformers.BartForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        if variant == "untied":
+            model.lm_head.weight = torch.nn.Parameter(torch.empty(V, D))
+            model.config.tie_word_embeddings = False
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "layer_norm" in name or "layernorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def padded_batch():
+    """Source [2, S] with the second row padded (mask 0), target [2, T] starting with the
+    decoder start token."""
+    source = rng.integers(3, V, (2, S))
+    mask = np.ones((2, S), np.int64)
+    mask[1, int(rng.integers(4, S - 1)):] = 0
+    source[mask == 0] = PAD
+    target = np.concatenate([np.full((2, 1), START), rng.integers(3, V, (2, T - 1))], 1)
+    return source, mask, target
+
+
+def hf_logits(model, source, mask, target):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(source), attention_mask=torch.tensor(mask),
+                     decoder_input_ids=torch.tensor(target)).logits.numpy()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_bart_matches_transformers_and_round_trips(variant, tmp_path):
+    """Logits of a padded batch: from_hf's within 1e-5 relative of transformers'; greedy
+    tokens equal model.generate(do_sample=False)'s; to_hf's folder, read by transformers,
+    gives the same logits."""
+    model = random_bart(variant)
+    model.save_pretrained(tmp_path / "hf")
+    source, mask, target = padded_batch()
+    want = hf_logits(model, source, mask, target)
+    scale = np.abs(want).max()
+
+    cfg, params = from_hf(tmp_path / "hf")
+    assert cfg.arch == "encoder_decoder" and cfg.block == "post_ln" and cfg.embed_norm
+    assert cfg.tie_embeddings == (variant == "scaled-tied")
+    s2s = EncoderDecoder(cfg)
+    got = np.asarray(jax.jit(s2s.apply)({"params": params}, source, target,
+                                        source_segment_ids=mask))
+    assert np.abs(got - want).max() / scale < 1e-5
+
+    new = 6
+    gen = model.generation_config
+    assert gen.forced_eos_token_id is None and gen.forced_bos_token_id is None
+    assert not gen.no_repeat_ngram_size and not gen.min_length
+    with torch.no_grad():
+        theirs = model.generate(input_ids=torch.tensor(source),
+                                attention_mask=torch.tensor(mask), do_sample=False,
+                                num_beams=1, max_new_tokens=new, min_new_tokens=0).numpy()
+    assert (theirs[:, 0] == START).all()
+    theirs = np.pad(theirs[:, 1:], ((0, 0), (0, new + 1 - theirs.shape[1])),
+                    constant_values=PAD)  # PAD after both EOS
+    ours = seq2seq_generate(s2s, params, source, bos_id=START, eos_id=EOS, pad_id=PAD,
+                            max_new_tokens=new, source_lengths=mask.sum(1))
+    np.testing.assert_array_equal(np.asarray(ours.tokens), theirs)
+
+    written = to_hf(cfg, params, tmp_path / "out")
+    assert written["model_type"] == "bart"
+    assert written["architectures"] == ["BartForConditionalGeneration"]
+    back = transformers.BartForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    assert np.abs(hf_logits(back, source, mask, target) - want).max() / scale < 1e-5
+
+
+@pytest.mark.parametrize("key, other", [("decoder_ffn_dim", "encoder_ffn_dim"),
+                                        ("decoder_attention_heads", "encoder_attention_heads")])
+def test_stacks_of_differing_widths_or_heads_are_refused_in_one_line(key, other):
+    """jaxformer's encoder and decoder share d_ff and n_heads: a BART config.json whose
+    stacks differ in one is refused in one line naming both keys."""
+    from jaxformer import ConfigError
+    from jaxformer.convert import config_from_hf
+    hf = transformers.BartConfig(vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1,
+                                 encoder_attention_heads=4, decoder_attention_heads=4,
+                                 encoder_ffn_dim=48, decoder_ffn_dim=48).to_dict()
+    hf[key] = {"decoder_ffn_dim": 64, "decoder_attention_heads": 2}[key]
+    with pytest.raises(ConfigError, match=f"{key}=.*{other}") as e:
+        config_from_hf(hf)
+    assert "\n" not in str(e.value)
