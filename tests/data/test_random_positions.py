@@ -76,7 +76,7 @@ def test_a_process_share_of_the_loop_batch_draws_what_one_host_draws(rng):
         "batch_size": b, "seq_len": t, "seed": seed, "random_positions": top}})
     k = int(rng.integers(1, b))  # a share that does not start at row 0
     rows = slice(k, k + int(rng.integers(1, b - k + 1)))
-    run = SimpleNamespace(cfg=cfg, data=data, rows=rows, place=lambda batch: batch)
+    run = SimpleNamespace(cfg=cfg, data=data, rows=rows, rollouts=None, place=lambda batch: batch)
     got = loop._Run.batch_at(run, step)
     one_host = data.train_batch(seed=seed, step=step, batch_size=b, seq_len=t, pack=True)
     want = randomize_batch(one_host, top, seed, step)
