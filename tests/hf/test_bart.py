@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch", reason="the interop extra (torch, transform
 transformers = pytest.importorskip("transformers", reason="the interop extra")
 
 from tests.hf.seq2seq_parity import check_family, padded_batch  # noqa: E402
+from tests.hf.test_families import redraw  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -38,11 +39,8 @@ def random_bart(variant: str):
         if variant == "untied":
             model.lm_head.weight = torch.nn.Parameter(torch.empty(V, D))
             model.config.tie_word_embeddings = False
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "layer_norm" in name or "layernorm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
+    redraw([*model.named_parameters(), *model.named_buffers()],
+           lambda name: "layer_norm" in name or "layernorm" in name)
     return model
 
 

@@ -13,6 +13,7 @@ import jax  # noqa: E402
 
 from jaxformer import Transformer  # noqa: E402
 from jaxformer.convert import from_hf, to_hf  # noqa: E402
+from tests.hf.test_families import redraw  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -25,12 +26,7 @@ def random_bert(act: str):
         layer_norm_eps=float(rng.uniform(1e-6, 1e-3)))
     torch.manual_seed(int(rng.integers(1 << 31)))
     model = transformers.BertForMaskedLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
+    redraw(model.named_parameters(), lambda name: "LayerNorm" in name)
     return model
 
 

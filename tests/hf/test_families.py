@@ -80,13 +80,19 @@ def random_hf_model(config, seed: int):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager").eval()
+    redraw(model.named_parameters(), lambda name: "norm" in name)
+    return model
+
+
+def redraw(named, is_norm):
+    """Weights of std 0.1 in place of each (name, tensor) of `named` (wider than
+    transformers' init, so differences show); a norm's (is_norm(name)) perturbed by 0.1."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
+        for name, p in named:
+            if is_norm(name):
                 p.add_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
-    return model
 
 
 def transformer_lens_bridge(folder, vocab: int):

@@ -16,6 +16,7 @@ import jax  # noqa: E402
 from jaxformer.convert import to_hf  # noqa: E402
 from jaxformer.seq2seq_model import EncoderDecoder  # noqa: E402
 from tests.hf.seq2seq_parity import check_family, padded_batch  # noqa: E402
+from tests.hf.test_families import redraw  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -39,11 +40,7 @@ def random_t5(version: str):
         if version == "v1.1":
             model.lm_head.weight = torch.nn.Parameter(torch.empty(V, 32))
             model.config.tie_word_embeddings = False
-        for name, p in model.named_parameters():
-            if "layer_norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
+    redraw(model.named_parameters(), lambda name: "layer_norm" in name)
     return model
 
 
