@@ -32,7 +32,7 @@ def read_config(hf, get, row) -> ModelConfig:
     act = get("hidden_act")
     if act not in ACTIVATIONS:
         raise unsupported("hidden_act", act, "bert's MLP in jaxformer is gelu (exact erf: "
-                          f"gelu_exact), gelu_new (tanh: gelu) or relu")
+                          "gelu_exact), gelu_new (tanh: gelu) or relu")
     for key, want in (("type_vocab_size", TYPES), ("is_decoder", False),
                       ("add_cross_attention", False)):
         if get(key) != want:

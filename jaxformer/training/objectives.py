@@ -27,7 +27,6 @@ import numpy as np
 
 from jaxformer import lora
 from jaxformer.archs import ENCODER_DECODER
-from jaxformer.config import ConfigError
 from jaxformer.logprobs import target_logprobs
 from jaxformer.training.grpo_step import GroupPolicy
 from jaxformer.training.mlm import MaskedLM
