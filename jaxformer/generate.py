@@ -25,7 +25,6 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     the latest), or the best one; an adapter-sized one joined to its base (checked)."""
     from jaxformer.seq2seq_model import model_for
     from jaxformer.training.adapter_checkpoint import run_checkpointer
-    from jaxformer.training.checkpoint import abstract_like
     from jaxformer.training.config import load_config
     from jaxformer.training.initial_weights import one_device_loader
     from jaxformer.training.optim import make_optimizer
@@ -42,8 +41,13 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     ckpt = run_checkpointer(cfg, run, load=one_device_loader(cfg), keep=cfg.checkpoint.keep,
                             async_save=False, read_only=True,
                             log=lambda message: print(message, file=sys.stderr))
+    # on this process's first device, whatever mesh saved it (orbax would otherwise ask
+    # for the saving run's devices: "Topology mismatch")
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                          abstract)
     try:
-        state = ckpt.restore(abstract_like(abstract), cfg.model, step=step, best=best)
+        state = ckpt.restore(target, cfg.model, step=step, best=best)
     except FileNotFoundError:
         raise FileNotFoundError(f"{run} has no {'best ' if best else ''}checkpoint yet; train "
                                 f"it first (python train.py train.run_dir={run})") from None

@@ -360,7 +360,15 @@ def study_eval(out):
     json.dump(res, open(out, "w"))
 
 
+def grpo(out):
+    """train.py's GRPO run (tests/training/test_grpo.py gives its args as JSON in
+    GRPO_ARGS, a mesh among them): one jitted program per step on the mesh."""
+    from jaxformer.training import load_config, train
+    train(load_config(None, json.loads(os.environ["GRPO_ARGS"])), log=lambda *a: None)
+    json.dump({"devices": jax.device_count()}, open(out, "w"))
+
+
 if __name__ == "__main__":
-    {"losses": losses, "checkpoint": checkpoint, "decode": decode,
+    {"losses": losses, "grpo": grpo, "checkpoint": checkpoint, "decode": decode,
      "splash": splash, "patterns": patterns, "context": context,
      "study_eval": study_eval}[sys.argv[1]](sys.argv[2])

@@ -4,21 +4,22 @@ Each step (train.steps counts them) takes train.batch_size prompts of the run's
 prompt/completion records (drawn as a pure function of (train.seed, step); the record's
 completion is the reference answer task:exact compares with) and
 
-1. rollout (jitted: jaxformer.decoding.generate, the KV-cached sampler): group_size
-   completions per prompt at objective.temperature, up to objective.max_new_tokens
-   (stopping at the tokenizer's end of text), with their log-probs;
-2. reward (on the host, Python: jaxformer.training.rewards): each completion's text
-   scored; a raising or non-number reward stops the run naming it;
-3. update (jitted, one program, the state donated): the reference's token log-probs
-   (once; skipped when objective.beta = 0), each group's advantages, then
-   objective.inner_steps optimizer steps of grpo_loss in a lax.scan, the rollout's
-   log-probs the old policy (so at the first inner step the ratio is 1: ratio_first).
+1. rollout (jaxformer.decoding.generate, the KV-cached sampler): group_size completions
+   per prompt at objective.temperature, up to objective.max_new_tokens (stopping at the
+   tokenizer's end of text), with their log-probs;
+2. reward: each completion scored (jaxformer.training.rewards);
+3. update (the state donated): the reference's token log-probs (skipped when
+   objective.beta = 0), each group's advantages, then objective.inner_steps optimizer
+   steps of grpo_loss in a lax.scan, the rollout's log-probs the old policy (so at the
+   first inner step the ratio is 1: ratio_first).
 
-So a step is two jitted programs with the reward between them on the host, not one: a
-Python reward cannot run inside jit (rollout_s, reward_s and update_s are logged, and
-bench/posttrain.py measures the shares). The lr schedule runs over train.steps x
-inner_steps optimizer updates. On a mesh the params keep their shardings; the update's
-batch is replicated (every device computes every sequence), not split.
+A task reward (task:NAME) has its targets before the rollout, so with a byte-level
+tokenizer (jaxformer.training.match) the three stages are one jitted program on the run's
+mesh. A Python reward (MODULE:FUNCTION) runs on the host between two jitted programs,
+rollout and update, whose times are logged (rollout_s, reward_s, update_s);
+bench/posttrain.py measures both forms. The lr schedule runs over train.steps x
+inner_steps optimizer updates. On a mesh the params keep their shardings; the rollouts
+are replicated (every device computes every sequence), not split.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jaxformer.lora import base_only
 from jaxformer.decoding import generate
 from jaxformer.logprobs import token_logprobs
 from jaxformer.training.grpo import group_advantages, grpo_loss
+from jaxformer.training.match import byte_table, encode_targets, task_rewards, token_pieces
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.rewards import Reward
 from jaxformer.training.step import joined, loss_terms, trained_part
@@ -62,20 +64,26 @@ def sequences(prompts, lengths, tokens, logps, counts):
     tokens) and old (the rollout's log-probs at those tokens). prompts [N, W] right-padded
     with lengths [N]; tokens, logps [N, M] with counts [N] valid."""
     n, w = prompts.shape
-    cols = np.arange(w + tokens.shape[1])[None, :]  # [1, T]
+    m = tokens.shape[1]
+    cols = jnp.arange(w + m)[None, :]  # [1, T]
     at = cols - lengths[:, None]  # index into the completion
     completion = (at >= 0) & (at < counts[:, None])
-    safe = np.clip(at, 0, tokens.shape[1] - 1)
-    prompt = np.take_along_axis(np.pad(prompts, ((0, 0), (0, tokens.shape[1]))),
-                                np.broadcast_to(cols, (n, cols.shape[1])), 1)
-    seq = np.where(completion, np.take_along_axis(tokens, safe, 1),
-                   np.where(cols < lengths[:, None], prompt, 0))
+    safe = jnp.clip(at, 0, m - 1)
+    prompt = jnp.where(cols < lengths[:, None], jnp.pad(prompts, ((0, 0), (0, m))), 0)
+    seq = jnp.where(completion, jnp.take_along_axis(tokens, safe, 1), prompt)
     live = cols < (lengths + counts)[:, None]
-    return {"tokens": seq.astype(np.int32),
-            "positions": np.broadcast_to(cols, seq.shape).astype(np.int32),
-            "segment_ids": live.astype(np.int32), "loss_mask": completion.astype(np.float32),
-            "old": np.where(completion, np.take_along_axis(logps, safe, 1), 0.0).astype(
-                np.float32)}
+    return {"tokens": seq.astype(jnp.int32),
+            "positions": jnp.broadcast_to(cols, seq.shape).astype(jnp.int32),
+            "segment_ids": live.astype(jnp.int32), "loss_mask": completion.astype(jnp.float32),
+            "old": jnp.where(completion, jnp.take_along_axis(logps, safe, 1), 0.0).astype(
+                jnp.float32)}
+
+
+def reward_stats(rewards, counts, group_size):
+    """The rollout's logged numbers: reward mean, within-group std, completion length."""
+    return {"reward_mean": jnp.mean(rewards),
+            "reward_std": jnp.mean(jnp.std(rewards.reshape(-1, group_size), axis=1)),
+            "completion_len": jnp.mean(counts.astype(jnp.float32))}
 
 
 class GroupPolicy:
@@ -94,18 +102,21 @@ class GroupPolicy:
         return Rollouts(self, model, data, reference, mesh, rules, shardings)
 
     def update_fn(self, model, tx, schedule, num_groups):
-        """update(state, batch, *reference) -> (state, metrics), to be jitted."""
+        """update(state, rollout, *reference) -> (state, metrics), to be jitted; rollout:
+        prompts, lengths, tokens, logps, counts (as `sequences` takes them) and rewards."""
         o = self.o
 
-        def update(state, batch, *reference):
+        def update(state, rollout, *reference):
             trained, frozen = trained_part(state.params)
+            batch = sequences(*(rollout[k] for k in ("prompts", "lengths", "tokens", "logps",
+                                                     "counts")))
             args = (batch["tokens"], batch["positions"], batch["segment_ids"])
             ref = None
             if o.beta:  # the init_from weights, or (LoRA) the base without its adapters
                 ref_params = reference[0] if reference else base_only(state.params)
                 ref = jax.lax.stop_gradient(token_logprobs(model, ref_params, *args))
-            group = jnp.arange(batch["rewards"].shape[0]) // o.group_size
-            adv = group_advantages(batch["rewards"], group, num_groups)
+            group = jnp.arange(rollout["rewards"].shape[0]) // o.group_size
+            adv = group_advantages(rollout["rewards"], group, num_groups)
 
             def inner(carry, i):
                 trained, opt_state = carry
@@ -149,22 +160,48 @@ class Rollouts:
             raise ConfigError(f"the longest prompt ({self.width} tokens) + objective."
                               f"max_new_tokens={o.max_new_tokens} exceeds model.max_seq_len="
                               f"{cfg.model.max_seq_len}; lower max_new_tokens or shorten prompts")
+        pieces = token_pieces(data.tokenizer) if policy.reward.target else None
+        self.fused = pieces is not None  # one program: a task reward on token ids
+        if self.fused:
+            self.table, self.table_lengths = byte_table(pieces)
         # the optimizer again, its schedule over every inner update (same state layout)
         tx, schedule = make_optimizer(cfg.optim, cfg.model, cfg.train.steps * o.inner_steps)
-        fn = policy.update_fn(model, tx, schedule, self.batch_size)
+        update = policy.update_fn(model, tx, schedule, self.batch_size)
         self.extra = () if reference is None else (reference,)
+        fn = self.one_program(update) if self.fused else update
         if mesh is None:
-            self.update = jax.jit(fn, donate_argnums=0)
+            self.step_fn = jax.jit(fn, donate_argnums=0)
         else:
             everywhere = NamedSharding(mesh, P())
-            self.update = jax.jit(traced_under(mesh, rules, fn), donate_argnums=0,
-                                  in_shardings=(shardings, everywhere) + (
-                                      (shardings.params,) if self.extra else ()),
-                                  out_shardings=(shardings, everywhere))
+            self.step_fn = jax.jit(traced_under(mesh, rules, fn), donate_argnums=0,
+                                   in_shardings=(shardings, everywhere) + (
+                                       (shardings.params,) if self.extra else ()),
+                                   out_shardings=(shardings, everywhere))
+
+    def rollout(self, params, prompts, lengths, key):
+        """generate's (tokens, log-probs, counts) for the step's prompts."""
+        o = self.o
+        out = generate(self.model, params, prompts, prompt_lengths=lengths,
+                       max_new_tokens=o.max_new_tokens, temperature=o.temperature, rng=key,
+                       eos_id=self.tokenizer.eot_id)
+        return out.tokens, out.logprobs, out.lengths
+
+    def one_program(self, update):
+        """step(state, batch, *reference): rollout, task reward, update, as one function."""
+        def step(state, batch, *reference):
+            tokens, logps, counts = self.rollout(state.params, batch["prompts"],
+                                                 batch["lengths"], batch["key"])
+            rewards = task_rewards(tokens, counts, batch["table"], batch["table_lengths"],
+                                   self.tokenizer.eot_id, batch["target"], batch["target_len"])
+            rollout = dict(prompts=batch["prompts"], lengths=batch["lengths"], tokens=tokens,
+                           logps=logps, counts=counts, rewards=rewards)
+            state, m = update(state, rollout, *reference)
+            return state, {**m, **reward_stats(rewards, counts, self.o.group_size)}
+        return step
 
     def batch(self, step):
-        """(prompts int32 [N, W] right-padded, lengths [N], prompt texts, answer texts) of
-        step's rollouts: each picked prompt group_size times in a row."""
+        """(prompts int32 [N, W] right-padded, lengths [N], picked record ids [N]) of step's
+        rollouts: each picked prompt group_size times in a row."""
         picked = np.random.default_rng([self.seed, step]).integers(
             0, len(self.prompts), self.batch_size)
         rows = np.repeat(picked, self.o.group_size)
@@ -172,8 +209,12 @@ class Rollouts:
         lengths = np.array([len(self.prompts[i]) for i in rows], np.int32)
         for r, i in enumerate(rows):
             prompts[r, :lengths[r]] = self.prompts[i]
+        return prompts, lengths, rows
+
+    def texts(self, rows):
+        """(prompt texts, answer texts) of records `rows`."""
         decode = self.tokenizer.decode
-        return (prompts, lengths, [decode(self.prompts[i].tolist()) for i in rows],
+        return ([decode(self.prompts[i].tolist()) for i in rows],
                 [decode(self.answers[i].tolist()) for i in rows])
 
     def completion_texts(self, tokens, counts):
@@ -185,27 +226,38 @@ class Rollouts:
         return texts
 
     def __call__(self, state, step):
+        prompts, lengths, rows = self.batch(step)
+        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        if self.fused:
+            texts, answers = self.texts(rows[::self.o.group_size])
+            width = self.o.max_new_tokens * self.table.shape[1]
+            target, target_len = encode_targets(
+                [self.policy.reward.target(p, a) for p, a in zip(texts, answers)], width)
+            batch = dict(prompts=prompts, lengths=lengths, key=key, table=self.table,
+                         table_lengths=self.table_lengths,
+                         target=np.repeat(target, self.o.group_size, axis=0),
+                         target_len=np.repeat(target_len, self.o.group_size))
+            return self.step_fn(state, batch, *self.extra)
+        return self.hosted(state, prompts, lengths, rows, key)
+
+    def hosted(self, state, prompts, lengths, rows, key):
+        """The step with a Python reward: rollout (jitted), reward (host), update (jitted)."""
         o, t0 = self.o, time.perf_counter()
-        prompts, lengths, texts, answers = self.batch(step)
-        out = generate(self.model, state.params, prompts, prompt_lengths=lengths,
-                       max_new_tokens=o.max_new_tokens, temperature=o.temperature,
-                       rng=jax.random.fold_in(jax.random.key(self.seed), step),
-                       eos_id=self.tokenizer.eot_id)
         tokens, logps, counts = (np.asarray(x) for x in jax.device_get(
-            (out.tokens, out.logprobs, out.lengths)))
+            self.rollout(state.params, prompts, lengths, key)))
         t1 = time.perf_counter()
+        texts, answers = self.texts(rows)
         rewards = np.asarray(self.policy.reward(texts, self.completion_texts(tokens, counts),
                                                 answers), np.float32)
         t2 = time.perf_counter()
-        batch = sequences(prompts, lengths, tokens, logps, counts)
-        batch["rewards"] = rewards
-        state, m = self.update(state, batch, *self.extra)
+        rollout = dict(prompts=prompts, lengths=lengths, tokens=tokens, logps=logps,
+                       counts=counts, rewards=rewards)
+        state, m = self.step_fn(state, rollout, *self.extra)
         m = jax.device_get(m)
         t3 = time.perf_counter()
         made = float(np.sum(counts))  # completion tokens sampled (and trained on)
-        m.update(reward_mean=float(rewards.mean()), reward_std=float(
-            rewards.reshape(-1, o.group_size).std(axis=1).mean()),
-            completion_len=made / len(counts), rollout_s=t1 - t0, reward_s=t2 - t1,
-            update_s=t3 - t2, rollout_tokens_per_s=made / (t1 - t0),
-            update_tokens_per_s=made * o.inner_steps / (t3 - t2))
+        m.update({k: float(v) for k, v in reward_stats(rewards, counts, o.group_size).items()})
+        m.update(rollout_s=t1 - t0, reward_s=t2 - t1, update_s=t3 - t2,
+                 rollout_tokens_per_s=made / (t1 - t0),
+                 update_tokens_per_s=made * o.inner_steps / (t3 - t2))
         return state, m

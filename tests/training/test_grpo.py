@@ -1,21 +1,26 @@
 """objective.name=grpo (jaxformer.training.grpo_step): the task rewards against sums done
 here, a run whose Python reward sees every rollout (the logged means checked against
-its scores, the ratio 1 at each first inner step, the KL 0 at the first step) and
-one-line errors for bad input."""
+its scores, the ratio 1 at each first inner step, the KL 0 at the first step), a task
+reward's one-program step against the same reward run on the host and against itself on
+an 8-device mesh, and one-line errors for bad input."""
 
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from jaxformer.config import ConfigError
+from jaxformer.generate import load_run_params
 from jaxformer.training import load_config, train
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.rewards import Reward
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
@@ -41,7 +46,7 @@ def nothing(prompt, completion):
 
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
-    """A two-step fine-tune on "a+b=" -> "a + b\\n" records: (its run dir, the records,
+    """A 40-step fine-tune on "a+b=" -> "a + b\\n" records: (its run dir, the records,
     the args a GRPO run from it takes, the reward module's name)."""
     tmp = tmp_path_factory.mktemp("grpo")
     r = np.random.default_rng(0)
@@ -50,7 +55,7 @@ def sft(tmp_path_factory):
     data = tmp / "sums.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in records) + "\n")
     common = [f"data.path={data}", f"data.cache_dir={tmp / 'c'}"]
-    train(load_config(None, [*SFT, *common, "train.steps=2", f"train.run_dir={tmp / 'sft'}"]),
+    train(load_config(None, [*SFT, *common, "train.steps=40", f"train.run_dir={tmp / 'sft'}"]),
           log=lambda *a: None)
     (tmp / "grpo_rewards_mod.py").write_text(REWARDS)
     sys.path.insert(0, str(tmp))
@@ -106,6 +111,65 @@ def test_a_run_scores_every_rollout_and_starts_each_update_at_ratio_one(sft):
         assert rec["rollout_s"] > 0 and rec["update_s"] > 0
     assert logged[0]["kl"] < 1e-7
     assert abs(logged[-1]["ratio_mean"] - 1) > 1e-6  # the second inner step moved
+
+
+ONE_PROGRAM = ["objective.group_size=4", "objective.max_new_tokens=3", "train.batch_size=8",
+               "train.steps=2", "objective.inner_steps=2", "optim.lr=1e-2", "objective.beta=0.1",
+               "optim.schedule=constant", "objective.temperature=1.5"]
+
+
+@pytest.fixture(scope="module")
+def one_program(sft):
+    """A task:addition run (one jitted program a step) and the same reward as a Python
+    function (rollout, host reward, update): their run dirs."""
+    tmp, _, grpo = sft
+    for name, reward in (("fused", "task:addition"),
+                         ("hosted", "jaxformer.training.rewards:addition")):
+        train(load_config(None, [*grpo, *ONE_PROGRAM, f"objective.reward={reward}",
+                                 f"train.run_dir={tmp / name}"]), log=lambda *a: None)
+    return tmp / "fused", tmp / "hosted"
+
+
+def same_run(a, b, tol, params_tol):
+    """Two runs' logged rewards equal, their other metrics within tol and final params
+    within params_tol (Adam moves a param whose gradients are ~0 by up to lr a step, so
+    float differences in those show at ~1e-3 of lr)."""
+    ma, mb = ([r for r in read_metrics(d) if "reward_mean" in r] for d in (a, b))
+    assert len(ma) == len(mb) == 2
+    for x, y in zip(ma, mb):
+        assert x["reward_mean"] == y["reward_mean"] and x["reward_std"] == y["reward_std"]
+        for k in ("loss", "grad_norm", "ratio_mean", "kl", "completion_len"):
+            assert math.isclose(x[k], y[k], rel_tol=tol, abs_tol=tol), (k, x[k], y[k])
+    pa, pb = (load_run_params(d)[1] for d in (a, b))
+    for u, v in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=params_tol,
+                                   atol=params_tol)
+
+
+def test_a_task_reward_in_the_step_is_the_python_reward_on_the_host(one_program):
+    """task:addition runs inside the jitted step (no host stage is timed) and makes the
+    run the Python function makes between two programs; some rollouts score 1."""
+    fused, hosted = one_program
+    rows = [r for r in read_metrics(fused) if "reward_mean" in r]
+    assert "rollout_s" not in rows[0]
+    assert all("rollout_s" in r for r in read_metrics(hosted) if "reward_mean" in r)
+    assert sum(r["reward_mean"] for r in rows) > 0
+    same_run(fused, hosted, 1e-5, 1e-5)
+
+
+def test_the_one_program_step_on_a_mesh_equals_one_device(sft, one_program, tmp_path):
+    """On 8 devices (data 2, fsdp 2, tensor 2) the task:addition run equals one device's."""
+    _, _, grpo = sft
+    args = [*grpo, *ONE_PROGRAM, "objective.reward=task:addition", "mesh.data=2",
+            "mesh.fsdp=2", "mesh.tensor=2", f"train.run_dir={tmp_path / 'mesh'}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), GRPO_ARGS=json.dumps(args),
+               XLA_FLAGS=xla_flags(8))
+    proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", "grpo",
+                           str(tmp_path / "out.json")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "out.json").read_text()) == {"devices": 8}
+    same_run(one_program[0], tmp_path / "mesh", 1e-5, 1e-4)  # lr 1e-2
 
 
 def test_bad_input_stops_in_one_line(sft, capsys):
