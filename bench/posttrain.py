@@ -1,7 +1,12 @@
-"""GRPO's step cost: rollout tokens/s, update tokens/s (completion tokens sampled, and
-completion tokens x inner_steps trained on, per second), and the share of a step spent
-in the rollout (jitted generate), the reward (host Python) and the update (jitted
-inner_steps of the loss), from the metrics a run logs (training/grpo_step.py).
+"""GRPO's step cost, in its two forms (training/grpo_step.py), from the metrics a run logs:
+
+- the reward as Python on the host (objective.reward=MODULE:FUNCTION, here
+  jaxformer.training.rewards:addition): rollout tokens/s, update tokens/s (completion
+  tokens sampled, and completion tokens x inner_steps trained on, per second), and the
+  share of a step spent in the rollout (jitted generate), the reward (host Python) and
+  the update (jitted inner_steps of the loss);
+- the same reward as task:addition: rollout, reward and update one jitted program, its
+  step seconds (the loop's tokens/s over the step's train.batch_size x seq_len).
 
     python bench/posttrain.py [--d-model 64 --layers 2 --prompts 16 --group 8
         --new 5 --inner 2 --steps 12]
@@ -27,8 +32,10 @@ from jaxformer.experiments.grpo_addition import COMMON, records
 from jaxformer.training import load_config, train
 from jaxformer.training.metrics import read_metrics
 
+SEQ_LEN = 32  # train.seq_len in COMMON: the loop's tokens/s counts batch_size x SEQ_LEN
 
-def run(args, tmp: pathlib.Path) -> list[dict]:
+
+def run(args, tmp: pathlib.Path) -> dict[str, list[dict]]:
     data = tmp / "train.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in records(2000, np.random.default_rng(0))))
     train_bpe(iter("0123456789+="), 257).save(tmp)
@@ -40,13 +47,18 @@ def run(args, tmp: pathlib.Path) -> list[dict]:
     train(load_config(None, [*model, *base, f"data.tokenizer={tmp / 'tokenizer.json'}",
                              "train.steps=1", "train.batch_size=8",
                              f"train.run_dir={tmp / 'sft'}"]), log=quiet)
-    train(load_config(None, [
-        *base, "model.max_seq_len=32", f"train.init_from={tmp / 'sft'}", "objective.name=grpo",
-        "objective.reward=task:addition", f"objective.group_size={args.group}",
-        f"objective.max_new_tokens={args.new}", f"objective.inner_steps={args.inner}",
-        f"train.batch_size={args.prompts}", f"train.steps={args.steps}", "train.log_every=1",
-        f"train.run_dir={tmp / 'grpo'}"]), log=quiet)
-    return [r for r in read_metrics(tmp / "grpo") if "rollout_s" in r]
+    out = {}
+    for form, reward in (("host", "jaxformer.training.rewards:addition"),
+                         ("one", "task:addition")):
+        train(load_config(None, [
+            *base, "model.max_seq_len=32", f"train.init_from={tmp / 'sft'}",
+            "objective.name=grpo", f"objective.reward={reward}",
+            f"objective.group_size={args.group}", f"objective.max_new_tokens={args.new}",
+            f"objective.inner_steps={args.inner}", f"train.batch_size={args.prompts}",
+            f"train.steps={args.steps}", "train.log_every=1",
+            f"train.run_dir={tmp / form}"]), log=quiet)
+        out[form] = [r for r in read_metrics(tmp / form) if "reward_mean" in r][2:]
+    return out
 
 
 def main(argv=None) -> int:
@@ -60,7 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        steps = run(args, pathlib.Path(tmp))[2:]
+        forms = run(args, pathlib.Path(tmp))
+    steps = forms["host"]
     med = lambda k: statistics.median(r[k] for r in steps)  # noqa: E731
     total = med("rollout_s") + med("reward_s") + med("update_s")
     print(f"GRPO step, d_model {args.d_model} x {args.layers} layers, {args.prompts} prompts x "
@@ -71,6 +84,12 @@ def main(argv=None) -> int:
                         ("update", med("update_tokens_per_s"))):
         s = med(f"{stage}_s")
         print(f"{stage:<10}{s:>10.4f}{s / total:>8.1%}" + (f"{rate:>12,.0f}" if rate else ""))
+    one = statistics.median(args.prompts * SEQ_LEN / r["tokens_per_s"] for r in forms["one"])
+    made = statistics.median(r["completion_len"] for r in forms["one"]) * args.prompts * args.group
+    print(f"{'host total':<10}{total:>10.4f}")
+    print(f"{'one program':<10}{one:>10.4f}{one / total:>8.1%}{made / one:>12,.0f}  "
+          f"(task:addition, one jitted step: its share is of the host form's "
+          f"step; tokens/s: sampled per step second)")
     return 0
 
 

@@ -1,12 +1,15 @@
 """GRPO on 2-digit addition: fine-tune a small model (d_model 64, 2 layers; a BPE of the
-256 bytes and an end of text, so rollouts stop) on 4,000 "a+b=" -> "a + b" records to
-some greedy exact-match accuracy A, then run objective.name=grpo with
-objective.reward=task:addition from it, and score both on 500 held-out prompts.
+256 bytes and an end of text, so rollouts stop) on 4,000 "a+b=" -> "a + b" records until
+its greedy exact match on 300 validation prompts reaches --target (default 50%: the
+accuracy A), then run objective.name=grpo with objective.reward=task:addition from it
+(256 prompts x 8 completions a step, 4 inner steps, lr 1e-4, 300 steps), and score both
+on 500 held-out prompts.
 
     python -m jaxformer.experiments.grpo_addition --out runs/grpo_addition --seed 0 1 2
 
-prints one JSON line per seed: sft_accuracy, grpo_accuracy, the gain in points, and the
-run dirs (each holds its config.yaml: train.py with it makes the same run).
+prints one JSON line per seed: sft_steps, sft_accuracy, grpo_accuracy, the gain in
+points, and the run dirs (each holds its config.yaml: train.py with it makes the same
+run; the fine-tune's is its last chunk's).
 """
 
 from __future__ import annotations
@@ -53,9 +56,27 @@ def accuracy(run_dir, prompts: list[str]) -> float:
     return float(np.mean([addition(p, c) for p, c in zip(prompts, texts)]))
 
 
-def run_seed(out: pathlib.Path, seed: int, sft_steps: int, grpo_steps: int, grpo_lr: float,
-             log) -> dict:
-    """The SFT run, the GRPO run from it, and both accuracies on 500 held-out prompts."""
+def fine_tune(out: pathlib.Path, base: list[str], seed: int, target: float, chunk: int,
+              most: int, log) -> int:
+    """Fine-tune (constant lr) in chunks of `chunk` steps, each resuming the last, until
+    the greedy exact match on 300 validation prompts (not the test's) reaches `target`
+    or `most` steps are done; returns the steps taken."""
+    val = [r["prompt"] for r in records(300, np.random.default_rng(20_000 + seed))]
+    steps = 0
+    while steps < most:
+        steps = min(steps + chunk, most)
+        train(load_config(None, [*MODEL, *base, f"data.tokenizer={out / 'tokenizer.json'}",
+                                 f"train.steps={steps}", "train.batch_size=32", "optim.lr=3e-3",
+                                 "optim.schedule=constant", f"train.run_dir={out / 'sft'}"]),
+              log=log)
+        if accuracy(out / "sft", val) >= target:
+            break
+    return steps
+
+
+def run_seed(out: pathlib.Path, seed: int, args, log) -> dict:
+    """The SFT run (to args.target), the GRPO run from it, and both accuracies on 500
+    held-out prompts."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     data = out / "train.jsonl"
@@ -65,17 +86,16 @@ def run_seed(out: pathlib.Path, seed: int, sft_steps: int, grpo_steps: int, grpo
             f"train.seed={seed}"]
     sft, grpo = out / "sft", out / "grpo"
     train_bpe(iter("0123456789+="), 257).save(out)  # the bytes and an end of text (id 0)
-    train(load_config(None, [*MODEL, *base, f"data.tokenizer={out / 'tokenizer.json'}",
-                             f"train.steps={sft_steps}", "train.batch_size=32",
-                             "optim.lr=3e-3", f"train.run_dir={sft}"]), log=log)
+    sft_steps = fine_tune(out, base, seed, args.target, args.sft_chunk, args.sft_steps, log)
     train(load_config(None, [
         *base, "model.max_seq_len=32", f"train.init_from={sft}", "objective.name=grpo",
         "objective.reward=task:addition", "objective.group_size=8", "objective.beta=0",
-        "objective.max_new_tokens=5", "objective.inner_steps=1", "train.batch_size=64",
-        f"train.steps={grpo_steps}", f"optim.lr={grpo_lr}", "optim.schedule=constant",
-        "train.log_every=1", f"train.run_dir={grpo}"]), log=log)
+        "objective.max_new_tokens=5", f"objective.inner_steps={args.inner}",
+        f"train.batch_size={args.prompts}", f"train.steps={args.grpo_steps}",
+        f"optim.lr={args.grpo_lr}", "optim.schedule=constant", "train.log_every=1",
+        f"train.run_dir={grpo}"]), log=log)
     a, b = accuracy(sft, test), accuracy(grpo, test)
-    return {"seed": seed, "sft_steps": sft_steps, "grpo_steps": grpo_steps,
+    return {"seed": seed, "sft_steps": sft_steps, "grpo_steps": args.grpo_steps,
             "sft_accuracy": a, "grpo_accuracy": b, "gain_points": 100 * (b - a),
             "sft_run": str(sft), "grpo_run": str(grpo)}
 
@@ -84,15 +104,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, nargs="+", default=[0])
-    p.add_argument("--sft-steps", type=int, default=1500)
-    p.add_argument("--grpo-steps", type=int, default=200)
+    p.add_argument("--target", type=float, default=0.5,
+                   help="fine-tune until the validation exact match reaches this")
+    p.add_argument("--sft-chunk", type=int, default=100)
+    p.add_argument("--sft-steps", type=int, default=3000, help="the most fine-tuning steps")
+    p.add_argument("--grpo-steps", type=int, default=300)
+    p.add_argument("--prompts", type=int, default=256, help="prompts per GRPO step")
+    p.add_argument("--inner", type=int, default=4, help="objective.inner_steps")
     p.add_argument("--grpo-lr", type=float, default=1e-4)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     log = (lambda *a: None) if args.quiet else print
     for seed in args.seed:
-        row = run_seed(pathlib.Path(args.out) / f"seed{seed}", seed, args.sft_steps,
-                       args.grpo_steps, args.grpo_lr, log)
+        row = run_seed(pathlib.Path(args.out) / f"seed{seed}", seed, args, log)
         print(json.dumps(row), flush=True)
     return 0
 
