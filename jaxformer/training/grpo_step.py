@@ -162,8 +162,9 @@ class Rollouts:
                               f"{cfg.model.max_seq_len}; lower max_new_tokens or shorten prompts")
         pieces = token_pieces(data.tokenizer) if policy.reward.target else None
         self.fused = pieces is not None  # one program: a task reward on token ids
-        if self.fused:
-            self.table, self.table_lengths = byte_table(pieces)
+        if self.fused:  # on the devices once, not sent each step
+            self.table, self.table_lengths = jax.device_put(
+                byte_table(pieces), None if mesh is None else NamedSharding(mesh, P()))
         # the optimizer again, its schedule over every inner update (same state layout)
         tx, schedule = make_optimizer(cfg.optim, cfg.model, cfg.train.steps * o.inner_steps)
         update = policy.update_fn(model, tx, schedule, self.batch_size)
