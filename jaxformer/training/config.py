@@ -217,9 +217,11 @@ class ObjectiveConfig:
     strength (IPO's tau); GRPO's k3 KL weight (0: no reference at all). loss: sigmoid
     (DPO) | ipo (Azar et al.'s squared loss), both on the answers' summed log-probabilities.
     GRPO: group_size completions per prompt (train.batch_size prompts a step), sampled at
-    temperature up to max_new_tokens; reward task:NAME (training/rewards.py) or
-    MODULE:FUNCTION of (prompt, completion) -> float; inner_steps optimizer steps per
-    rollout; clip / clip_high the ratio's range [1 - clip, 1 + clip_high] (None: clip).
+    temperature up to max_new_tokens (the ratio and KL read the model's own, temperature-1
+    log-probs: a temperature other than 1 samples off-policy); reward task:NAME
+    (training/rewards.py) or MODULE:FUNCTION of (prompt, completion) -> float;
+    inner_steps optimizer steps per rollout; clip / clip_high the ratio's range
+    [1 - clip, 1 + clip_high] (None: clip).
     MLM: mask_rate the share of tokens chosen (80% masked, 10% random, 10% kept); mask_id
     the id of its mask (None: model.vocab_size - 1, reserved for it)."""
 
