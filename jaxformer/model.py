@@ -250,9 +250,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
       (vocab x d_model, tied or not). The embedding lookup is a gather (no FLOPs); norms and
       biases are negligible and not counted. Each weight costs 2 FLOPs forward, 4 backward.
     - attention scores (q.k) and the weighted sum (a.v) cost 2 * 2 * n_heads * head_dim per
-      query-key pair forward, x3 with backward = 12 * n_heads * head_dim. Causal attention
-        half). With a sliding window w < seq_len, context = w - w^2 / (2 seq_len), the mean
-      number of keys a query sees; with a layer pattern, each layer's own. MLA (expanded, as
+      query-key pair forward, x3 with backward = 12 * n_heads * head_dim, times the
+      context: the mean number of keys a query sees, seq_len / 2 under the causal rule
+      (blocks above the diagonal skipped or not, the useful half), seq_len in an encoder.
+      With a sliding window w < seq_len, w - w^2 / (2 seq_len) causal, twice that in an
+      encoder (|i - j| < w); with a layer pattern, each layer's own. MLA (expanded, as
       it trains): its projections' weights, and n_heads * (qk + v head dims) / 2 in place of
       n_heads * head_dim.
     """
@@ -274,7 +276,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n_matmul = c.n_layers * attn + ffn + c.d_model * c.vocab_size
 
     def context(w):
-        return seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
+        half = seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
+        return half if c.causal else 2 * half  # an encoder's query sees both sides
 
     keys = sum(context(c.kinds[i].window) for i in c.layer_kind_ids)
     return 6.0 * n_matmul + 12.0 * pair * keys

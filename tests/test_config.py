@@ -1,5 +1,6 @@
 import dataclasses
 
+import numpy as np
 import pytest
 
 import jaxformer
@@ -112,6 +113,20 @@ def test_flops_per_token_gpt2_small():
     # Kaplan et al.'s C ~ 6N: attention adds a few percent at T = 1024
     n = jaxformer.count_params(cfg)
     assert 1.0 < jaxformer.flops_per_token(cfg, T) / (6 * n) < 1.2
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_an_encoders_queries_see_keys_on_both_sides(window):
+    """An encoder's attention FLOPs count every key a query attends to, counted here."""
+    T, L, d = 256, 2, 64
+    cfg = ModelConfig(vocab_size=50, d_model=d, n_layers=L, n_heads=4, d_ff=4 * d,
+                      max_seq_len=T, arch="encoder", sliding_window=window)
+    i = np.arange(T)
+    near = np.abs(i[:, None] - i[None, :]) < (window or T)
+    matmul = L * 12 * d * d + d * 50  # q, k, v, o: 4d^2; MLP: 8d^2; head: dV
+    keys = near.sum() / T  # the mean keys a query sees: T, or ~2w - w^2 / T
+    assert jaxformer.flops_per_token(cfg, T) == pytest.approx(6 * matmul + 12 * L * d * keys,
+                                                               rel=2e-3)
 
 
 def test_flops_per_token_gqa_and_window():
