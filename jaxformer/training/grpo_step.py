@@ -102,8 +102,9 @@ class GroupPolicy:
         return Rollouts(self, model, data, reference, mesh, rules, shardings)
 
     def update_fn(self, model, tx, schedule, num_groups):
-        """update(state, rollout, *reference) -> (state, metrics), to be jitted; rollout:
-        prompts, lengths, tokens, logps, counts (as `sequences` takes them) and rewards."""
+        """update(state, rollout, *reference) -> (state, metrics, the rollout's reward_stats
+        among them), to be jitted; rollout: prompts, lengths, tokens, logps, counts (as
+        `sequences` takes them) and rewards."""
         o = self.o
 
         def update(state, rollout, *reference):
@@ -139,6 +140,7 @@ class GroupPolicy:
             metrics.update(loss=ms["loss"][0], ratio_first=ms["ratio_mean"][0],
                            ratio_mean=jnp.mean(ms["ratio_mean"]), skipped=jnp.max(ms["skipped"]),
                            clip_fraction=jnp.mean(ms["clip_fraction"]), kl=ms["kl"][0])
+            metrics.update(reward_stats(rollout["rewards"], rollout["counts"], o.group_size))
             new = state.replace(step=state.step + 1, params=joined(trained, frozen),
                                 opt_state=opt_state)
             return new, metrics
@@ -196,8 +198,7 @@ class Rollouts:
                                    self.tokenizer.eot_id, batch["target"], batch["target_len"])
             rollout = dict(prompts=batch["prompts"], lengths=batch["lengths"], tokens=tokens,
                            logps=logps, counts=counts, rewards=rewards)
-            state, m = update(state, rollout, *reference)
-            return state, {**m, **reward_stats(rewards, counts, self.o.group_size)}
+            return update(state, rollout, *reference)
         return step
 
     def batch(self, step):
@@ -257,7 +258,6 @@ class Rollouts:
         m = jax.device_get(m)
         t3 = time.perf_counter()
         made = float(np.sum(counts))  # completion tokens sampled (and trained on)
-        m.update({k: float(v) for k, v in reward_stats(rewards, counts, o.group_size).items()})
         m.update(rollout_s=t1 - t0, reward_s=t2 - t1, update_s=t3 - t2,
                  rollout_tokens_per_s=made / (t1 - t0),
                  update_tokens_per_s=made * o.inner_steps / (t3 - t2))
