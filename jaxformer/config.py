@@ -352,6 +352,12 @@ class ModelConfig(Section):
         return cls.from_dict(values)
 
     @property
+    def encoder_n_layers(self) -> int:
+        """The encoder stack's layers (arch=encoder_decoder): encoder_layers, None meaning
+        n_layers."""
+        return self.encoder_layers or self.n_layers
+
+    @property
     def causal(self) -> bool:
         """Self-attention has the causal rule (all but an encoder); the masks read it."""
         return self.arch != "encoder"

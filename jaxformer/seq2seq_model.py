@@ -33,7 +33,7 @@ from jaxformer.cross_attention import Memory
 from jaxformer.kinds import BLOCKS, REMATS
 from jaxformer.layers import Block, apply_norm, make_norm
 from jaxformer.masks import MaskRule
-from jaxformer.model import Transformer, param_shapes
+from jaxformer.model import Transformer
 from jaxformer.sharding import init_with_names
 
 
@@ -107,7 +107,7 @@ class EncoderDecoder(nn.Module):
         if not c.tie_embeddings:
             self.source_embed = source = table()
         # the encoder stack is an encoder (no causal rule; T5's bidirectional buckets)
-        encoder_cfg = c.replace(n_layers=c.encoder_layers or c.n_layers, encoder_layers=None,
+        encoder_cfg = c.replace(n_layers=c.encoder_n_layers, encoder_layers=None,
                                 arch="encoder")
         self.encoder = Stack(encoder_cfg, embed=source)
         self.decoder = Stack(c, embed=self.embed, cross=True)
@@ -150,7 +150,5 @@ def model_for(cfg):
 def arch_param_shapes(cfg):
     """The param tree of model_for(cfg) as jax.ShapeDtypeStructs (jaxformer.model's
     param_shapes for any model.arch); allocates nothing."""
-    if cfg.arch != ENCODER_DECODER:
-        return param_shapes(cfg)
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return jax.eval_shape(EncoderDecoder(cfg).init, jax.random.key(0), tokens)["params"]
+    return jax.eval_shape(model_for(cfg).init, jax.random.key(0), tokens)["params"]

@@ -54,7 +54,7 @@ def _computed(cfg: ModelConfig, name: str):
     if name == "moe":
         return _moe(cfg)
     if name == "encoder_layers" and cfg.arch == ENCODER_DECODER:  # None: n_layers
-        return cfg.encoder_layers or cfg.n_layers
+        return cfg.encoder_n_layers
     if name == "d_ff" and all(cfg.sparse_layers):
         return None
     return getattr(cfg, name)

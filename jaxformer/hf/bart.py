@@ -73,7 +73,7 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
                      "embeddings by sqrt(d_model) or not at all")
     layers = dict(ffn_dim=cfg.d_ff, attention_heads=cfg.n_heads, layerdrop=0.0)
     keys = {f"{stack}_{k}": v for stack in ("encoder", "decoder") for k, v in layers.items()}
-    keys.update(encoder_layers=cfg.encoder_layers or cfg.n_layers, decoder_layers=cfg.n_layers)
+    keys.update(encoder_layers=cfg.encoder_n_layers, decoder_layers=cfg.n_layers)
     return dict(keys, d_model=cfg.d_model, activation_function=acts[cfg.ffn],
                 max_position_embeddings=cfg.max_seq_len, scale_embedding=scaled,
                 is_encoder_decoder=True, is_decoder=False, dropout=cfg.dropout,
@@ -86,7 +86,7 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
         raise ValueError("rope_layout applies to RoPE models; BART has learned positions")
     d, v, m = cfg.d_model, cfg.vocab_size, row.tensor_prefix
     rules = [embedding_rule(cfg, v, d, m)]
-    for stack, layers in (("encoder", cfg.encoder_layers or cfg.n_layers),
+    for stack, layers in (("encoder", cfg.encoder_n_layers),
                           ("decoder", cfg.n_layers)):
         rules += [positions_rule(cfg, stack, f"{m}{stack}.embed_positions.weight"),
                   *norm_rules((stack, "embed_norm"), f"{m}{stack}.layernorm_embedding", d)]

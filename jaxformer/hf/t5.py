@@ -77,7 +77,7 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
         raise cannot("logits_multiplier", cfg.logits_multiplier, f"{row.name} scales its "
                      "output by d_model ** -0.5 or not at all")
     return dict(d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff, num_heads=cfg.n_heads,
-                num_layers=cfg.encoder_layers or cfg.n_layers, num_decoder_layers=cfg.n_layers,
+                num_layers=cfg.encoder_n_layers, num_decoder_layers=cfg.n_layers,
                 relative_attention_num_buckets=cfg.t5_num_buckets,
                 relative_attention_max_distance=cfg.t5_max_distance,
                 layer_norm_epsilon=cfg.norm_eps, feed_forward_proj=FFN_TO_HF[cfg.ffn],
@@ -91,7 +91,7 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
         raise ValueError("rope_layout applies to RoPE models; T5 has a relative bias")
     d, v = cfg.d_model, cfg.vocab_size
     rules = [shared_rule(cfg, v, d)]
-    for stack, layers in (("encoder", cfg.encoder_layers or cfg.n_layers),
+    for stack, layers in (("encoder", cfg.encoder_n_layers),
                           ("decoder", cfg.n_layers)):
         rules.append(copied((stack, "position_bias", "relative_bias"),
                             f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
