@@ -37,7 +37,7 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from jaxformer.model import Transformer, count_params
+    from jaxformer import Transformer, count_params
     from jaxformer.sharding import batch_sharding, check_context_split, make_mesh, resolve_rules
     from jaxformer.training import load_config
     from jaxformer.training.optim import make_optimizer

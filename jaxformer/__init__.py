@@ -6,14 +6,8 @@ keep_freed_memory()  # before jax starts its CPU backend: see jaxformer/host_mem
 
 from jaxformer.config import ConfigError, ModelConfig, RopeScaling
 from jaxformer.decoding import beam_search, generate, kv_cache_bytes
-from jaxformer.model import (
-    Transformer,
-    count_params,
-    flops_per_token,
-    param_shapes,
-    stack_layers,
-    unstack_layers,
-)
+from jaxformer.model import Transformer, flops_per_token, stack_layers, unstack_layers
+from jaxformer.models import count_params, model_for, param_shapes
 
 __all__ = [
     "ConfigError",
@@ -25,6 +19,7 @@ __all__ = [
     "flops_per_token",
     "generate",
     "kv_cache_bytes",
+    "model_for",
     "param_shapes",
     "stack_layers",
     "unstack_layers",

@@ -357,6 +357,11 @@ class ModelConfig(Section):
         n_layers."""
         return self.encoder_layers or self.n_layers
 
+    def encoder_stack(self) -> "ModelConfig":
+        """arch=encoder_decoder: the encoder stack's own config, an encoder of
+        encoder_n_layers layers (the model builds it; flops_per_token counts it)."""
+        return self.replace(n_layers=self.encoder_n_layers, encoder_layers=None, arch="encoder")
+
     @property
     def causal(self) -> bool:
         """Self-attention has the causal rule (all but an encoder); the masks read it."""

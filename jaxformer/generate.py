@@ -23,7 +23,7 @@ import numpy as np
 def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     """(RunConfig, params) of a training run directory: the checkpoint at `step` (default
     the latest), or the best one; an adapter-sized one joined to its base (checked)."""
-    from jaxformer.seq2seq_model import model_for
+    from jaxformer.models import model_for
     from jaxformer.training.adapter_checkpoint import run_checkpointer
     from jaxformer.training.config import load_config
     from jaxformer.training.initial_weights import one_device_loader
@@ -62,7 +62,8 @@ def load_run(run_dir: str, *, best: bool = False, member: int | None = None):
     from jaxformer import lora
     from jaxformer.data import load_tokenizer
     from jaxformer.model import Transformer
-    from jaxformer.seq2seq_model import EncoderDecoder, model_for
+    from jaxformer.models import model_for
+    from jaxformer.seq2seq_model import EncoderDecoder
 
     cfg, params = load_run_params(run_dir, best=best)
     if isinstance(model_for(cfg.model), EncoderDecoder):

@@ -104,7 +104,6 @@ class MLAttention(Attention):
 
     def project(self, x, positions, kind=0):
         """The expanded form: q, k [B, T, N, nope + rope] and v [B, T, N, v_head_dim]."""
-        c = self.cfg
         q_nope, q_rope, latent, k_rope = self.latents(x, positions, kind)
         k_nope = jnp.einsum("btr,rnd->btnd", latent, self.key_up.astype(latent.dtype))
         v = jnp.einsum("btr,rnd->btnd", latent, self.value_up.astype(latent.dtype))

@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxformer import kv_cache
+from jaxformer.archs import ENCODER_DECODER
 from jaxformer.attention import dense_init
 from jaxformer.backends import dense_logits_bytes, resolve_impl, takes_structure
 from jaxformer.config import ModelConfig
@@ -84,8 +83,9 @@ class Transformer(nn.Module):
         Attention covers every slot, and the result is (logits, updated cache).
         """
         c = self.cfg
-        if c.arch == "encoder_decoder":
-            raise NotImplementedError("model.arch=encoder_decoder is not built by Transformer")
+        if c.arch == ENCODER_DECODER:
+            raise NotImplementedError(f"model.arch={ENCODER_DECODER} is not built by Transformer; "
+                                      "use jaxformer.model_for(cfg)")
         if cache is not None:
             kv_cache.check_generates(c)  # an encoder has no KV cache
         if tokens.ndim != 2:
@@ -225,19 +225,7 @@ class Transformer(nn.Module):
         return constrain(logits, "act_batch", "act_seq", "act_vocab")
 
 
-# ---- params: counting and reshaping ------------------------------------------------
-
-
-def param_shapes(cfg: ModelConfig):
-    """The param tree as jax.ShapeDtypeStructs, via jax.eval_shape (allocates nothing)."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    variables = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens)
-    return variables["params"]
-
-
-def count_params(cfg: ModelConfig) -> int:
-    """Exact number of parameters, without allocating them."""
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(param_shapes(cfg))))
+# ---- FLOPs ----------------------------------------------------------------------
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -257,9 +245,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
       encoder (|i - j| < w); with a layer pattern, each layer's own. MLA (expanded, as
       it trains): its projections' weights, and n_heads * (qk + v head dims) / 2 in place of
       n_heads * head_dim.
+    - an encoder-decoder (its source and target rows both seq_len, as data.seq2seq packs
+      them; per target token): the encoder stack's count without a head, the decoder's
+      (causal), and in each decoder layer the cross-attention's four projections (keys and
+      values of as many source tokens as target ones) and seq_len keys per query.
     """
     c, m = cfg, cfg.mla
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    if c.arch == ENCODER_DECODER:
+        encoder = flops_per_token(c.encoder_stack(), seq_len) - 6.0 * c.d_model * c.vocab_size
+        decoder = flops_per_token(c.replace(arch="decoder", encoder_layers=None), seq_len)
+        return encoder + decoder + c.n_layers * (6.0 * attn + 12.0 * c.n_heads * c.head_dim
+                                                 * seq_len)
     pair = c.n_heads * c.head_dim  # the attention's FLOPs per query-key pair, / 4
     if m.on:
         query = (c.d_model + c.n_heads * m.qk_head_dim) * m.q_lora_rank if m.q_lora_rank \

@@ -23,11 +23,9 @@ also stores each layer's cross-attention keys and values (cross_k, cross_v), rea
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from jaxformer import kv_cache
-from jaxformer.archs import ENCODER_DECODER
 from jaxformer.attention import dense_init
 from jaxformer.cross_attention import Memory
 from jaxformer.kinds import BLOCKS, REMATS
@@ -107,9 +105,7 @@ class EncoderDecoder(nn.Module):
         if not c.tie_embeddings:
             self.source_embed = source = table()
         # the encoder stack is an encoder (no causal rule; T5's bidirectional buckets)
-        encoder_cfg = c.replace(n_layers=c.encoder_n_layers, encoder_layers=None,
-                                arch="encoder")
-        self.encoder = Stack(encoder_cfg, embed=source)
+        self.encoder = Stack(c.encoder_stack(), embed=source)
         self.decoder = Stack(c, embed=self.embed, cross=True)
 
     def __call__(self, source_tokens, target_tokens=None, source_segment_ids=None,
@@ -141,14 +137,3 @@ class EncoderDecoder(nn.Module):
             positions = arange_like(tokens, 0 if cache is None else cache["index"])
         return self.decoder(tokens, positions, segment_ids, deterministic, memory, cache)
 
-
-def model_for(cfg):
-    """The module of cfg.arch: the EncoderDecoder, or the (decoder-only) Transformer."""
-    return EncoderDecoder(cfg) if cfg.arch == ENCODER_DECODER else Transformer(cfg)
-
-
-def arch_param_shapes(cfg):
-    """The param tree of model_for(cfg) as jax.ShapeDtypeStructs (jaxformer.model's
-    param_shapes for any model.arch); allocates nothing."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return jax.eval_shape(model_for(cfg).init, jax.random.key(0), tokens)["params"]

@@ -1,5 +1,7 @@
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -127,6 +129,29 @@ def test_an_encoders_queries_see_keys_on_both_sides(window):
     keys = near.sum() / T  # the mean keys a query sees: T, or ~2w - w^2 / T
     assert jaxformer.flops_per_token(cfg, T) == pytest.approx(6 * matmul + 12 * L * d * keys,
                                                                rel=2e-3)
+
+
+def test_an_encoder_decoders_flops_count_both_stacks_and_the_cross_attention():
+    """Per target token (the source row as long as the target row, as data.seq2seq packs
+    them): 6 FLOPs for each weight of a kernel in the param tree (both stacks, the
+    cross-attention, the head; the embedding tables are gathered), and 12 * n_heads *
+    head_dim per query-key pair, counted on the masks: the encoder's queries see all T
+    keys, the decoder's the causal half, its cross-attention all T source keys. The
+    params counted without allocating are those an init allocates."""
+    T, d, H = 128, 32, 4
+    cfg = ModelConfig(vocab_size=50, d_model=d, n_layers=2, encoder_layers=3, n_heads=H,
+                      n_kv_heads=2, d_ff=64, ffn="swiglu", max_seq_len=T,
+                      arch="encoder_decoder", tie_embeddings=False)
+    leaves = jax.tree_util.tree_leaves_with_path(jaxformer.param_shapes(cfg))
+    kernels = sum(np.prod(x.shape) for path, x in leaves if path[-1].key == "kernel")
+    i = np.arange(T)
+    causal = (i[:, None] >= i[None, :]).sum() / T
+    keys = 3 * T + 2 * (causal + T)
+    assert jaxformer.flops_per_token(cfg, T) == pytest.approx(6 * kernels + 12 * d * keys,
+                                                              rel=1e-3)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    params = jaxformer.model_for(cfg).init(jax.random.key(0), tokens)["params"]
+    assert jaxformer.count_params(cfg) == sum(x.size for x in jax.tree.leaves(params))
 
 
 def test_flops_per_token_gqa_and_window():

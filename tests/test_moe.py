@@ -13,7 +13,7 @@ import pytest
 from jaxformer import ModelConfig, Transformer, stack_layers, unstack_layers
 from jaxformer.grouped_matmul import GROUPED_MATMULS, tile_sizes
 from jaxformer.kinds import FFNS
-from jaxformer.model import flops_per_token, param_shapes
+from jaxformer import flops_per_token, param_shapes
 from jaxformer.moe import (DISPATCHES, GROUPED, ROUTERS, MoEConfig, balance_losses,
                            balanced_bias, capacity_dispatch, expert_load, route, take_rows)
 from jaxformer.validation import ConfigError

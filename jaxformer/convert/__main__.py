@@ -56,7 +56,8 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     from jaxformer.config import ConfigError
     from jaxformer.convert import from_hf, read_hf_json
     from jaxformer.data import ByteTokenizer
-    from jaxformer.model import count_params, stack_layers, unstack_layers
+    from jaxformer.model import stack_layers, unstack_layers
+    from jaxformer.models import count_params
     from jaxformer.training.checkpoint import Checkpointer
     from jaxformer.training.optim import make_optimizer
     from jaxformer.training.step import TrainState

@@ -22,7 +22,7 @@ from jaxformer.hf.families import MODEL_TYPES
 from jaxformer.hf.folder import INDEX, WEIGHTS, Path, by_path
 from jaxformer.layer_runs import is_stacked, locate
 from jaxformer.lora import LoRAConfig
-from jaxformer.seq2seq_model import arch_param_shapes
+from jaxformer.models import param_shapes
 
 
 def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str = "half",
@@ -109,7 +109,7 @@ def param_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
     the config; a stacked param is sliced on its device, one layer at a time."""
     flat = by_path(params)
     stacked = any(is_stacked(p[0]) for p in flat)
-    expected = by_path(arch_param_shapes(cfg.replace(scan_layers=stacked)))
+    expected = by_path(param_shapes(cfg.replace(scan_layers=stacked)))
     runs = cfg.layer_runs
     show = lambda ps: ", ".join("/".join(p) for p in ps[:6])  # noqa: E731
     missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))

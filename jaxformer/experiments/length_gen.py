@@ -44,7 +44,8 @@ from jaxformer.experiments.positions_config import (check_run_sections, study_di
                                                     check_settings, read_sections,
                                                     settings_from_dict, study_main)
 from jaxformer.experiments.seeds import train_seeds
-from jaxformer.model import Transformer, count_params
+from jaxformer.model import Transformer
+from jaxformer.models import count_params
 from jaxformer.training.config import RunConfig
 
 __all__ = ["DEFAULT_CONFIG", "SMALL", "LengthGenConfig", "LengthGenSettings", "exact_match",

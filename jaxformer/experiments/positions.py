@@ -40,7 +40,8 @@ from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, Study
                                                     multiples_of_l, study_main)
 from jaxformer.experiments.report import summarize, write_outputs
 from jaxformer.experiments.seeds import seed_slice, train_seeds
-from jaxformer.model import Transformer, count_params
+from jaxformer.model import Transformer
+from jaxformer.models import count_params
 from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
 from jaxformer.training.step import make_eval_step
 

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from jaxformer.config import ModelConfig
 from jaxformer.hf.config_json import config_from_hf, model_type_row
-from jaxformer.seq2seq_model import arch_param_shapes
+from jaxformer.models import param_shapes
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -212,7 +212,7 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
         loaders = _leaf_loaders(rules, reader, names)
         if scan_layers:
             loaders = _stacked(loaders, cfg.layer_runs)
-        expected = by_path(arch_param_shapes(cfg))
+        expected = by_path(param_shapes(cfg))
         assert set(loaders) == set(expected), (sorted(loaders), sorted(expected))
         if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
             shardings = shardings(cfg)

@@ -20,7 +20,8 @@ from jaxformer.data import DataError, eval_batches, load_dataset
 from jaxformer.data.random_positions import randomize_batch
 from jaxformer.decoding import generate
 from jaxformer.model import flops_per_token
-from jaxformer.seq2seq_model import EncoderDecoder, model_for
+from jaxformer.models import model_for
+from jaxformer.seq2seq_model import EncoderDecoder
 from jaxformer.training.balancing import layer_records, sparse_ids
 from jaxformer.training.adapter_checkpoint import keep_base, run_checkpointer
 from jaxformer.training.checkpoint import Checkpointer, abstract_like

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from jaxformer import ModelConfig
-from jaxformer.model import param_shapes
+from jaxformer import param_shapes
 from jaxformer.training.config import OptimConfig
 from jaxformer.training.optim import make_optimizer, muon_dimensions
 from tests.training.test_loop import config, corpus, losses, restored_state  # noqa: F401
