@@ -213,8 +213,10 @@ def like_one_device(out, cfg):
 # (position scheme, window, mesh (data, fsdp, tensor, context), strategy): the ring on
 # every scheme and mesh the issue names, the all-gather strategy on two of them
 CONTEXT_MESHES = [(2, 1, 1, 4), (1, 1, 1, 8), (1, 1, 2, 4)]
-CONTEXT_CASES = ([(p, w, m, "ring") for p, w in [("rope", 5), ("alibi", None), ("t5", None),
-                                                   ("fire", 6)] for m in CONTEXT_MESHES]
+# RoPE (with sinks) on every mesh, each bias scheme on one of them
+CONTEXT_CASES = ([("rope", 5, m, "ring") for m in CONTEXT_MESHES]
+                 + [(p, w, m, "ring") for (p, w), m in zip([("alibi", None), ("t5", None),
+                                                            ("fire", 6)], CONTEXT_MESHES[::-1])]
                  + [("rope", 5, (1, 1, 2, 4), "all_gather"), ("alibi", 7, (2, 1, 1, 4), "all_gather"),
                     ("rope mla", None, (2, 1, 1, 4), "ring")])  # MLA: values narrower than keys
 MLA = dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
