@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxformer.cached_forward import (Generated, checked_inputs, decode_jit, forward_one, looped,
                                       prefill)
 from jaxformer.config import ModelConfig
+from jaxformer.constraints import Constraints, checked_constraints, constrain
 from jaxformer.hooks import session
 from jaxformer.kv_cache import cache_widths, init_cache, kv_cache_bytes, take_rows  # noqa: F401
 from jaxformer.logprobs import target_logprobs
@@ -40,39 +41,54 @@ class Beams(NamedTuple):
 
 # ---- generate -----------------------------------------------------------------------
 
-def sample_loop(forward, last, cache, pos, rng, sampling, max_new_tokens, eos_id, pad_id):
+def sample_loop(forward, last, cache, pos, rng, sampling, max_new_tokens, eos_id, pad_id,
+                constraints=Constraints(), history=None):
     """Tokens sampled from `last` [B, V] on, each fed back through forward(tokens [B],
     positions [B], cache) -> (logits [B, V], cache) at positions pos, pos + 1, ... [B]:
-    the decoding loop of generate, for any model with a KV cache -> Generated."""
+    the decoding loop of generate, for any model with a KV cache -> Generated. Sampled
+    under `constraints` (jaxformer.constraints); history [B, L]: each row's tokens before
+    pos (what constraints.needs_history asks for), the new ones written after them."""
     b = last.shape[0]
+    rows = jnp.arange(b)
 
-    def emit(logits, rng, done):
-        tok = sample_logits(rng, logits, sampling)
+    def emit(logits, rng, done, step, pos, history):
+        allowed = constrain(logits, constraints, step, max_new_tokens, eos_id, history, pos)
+        tok = sample_logits(rng, allowed, sampling)
         logp = target_logprobs(logits, tok)  # the training loss's log-softmax
         tok = jnp.where(done, pad_id, tok)
         logp = jnp.where(done, 0.0, logp)
         now_done = done | (tok == eos_id) if eos_id is not None else done
-        return tok, logp, now_done
+        if history is not None:
+            history = history.at[rows, pos].set(tok, mode="drop")
+        return tok, logp, now_done, history
 
     rng, first = jax.random.split(rng)
-    tok, logp, done = emit(last, first, jnp.zeros((b,), bool))
+    tok, logp, done, history = emit(last, first, jnp.zeros((b,), bool), 0, pos, history)
     count = jnp.ones((b,), jnp.int32)
 
-    def step(carry, key):
-        cache, tok, pos, done, count = carry
+    def step(carry, xs):
+        cache, tok, pos, done, count, history = carry
+        key, t = xs
         logits, cache = forward(tok, pos, cache)
-        new_tok, new_logp, new_done = emit(logits, key, done)
+        new_tok, new_logp, new_done, history = emit(logits, key, done, t, pos + 1, history)
         count = count + (~done).astype(jnp.int32)
-        return (cache, new_tok, pos + 1, new_done, count), (new_tok, new_logp)
+        return (cache, new_tok, pos + 1, new_done, count, history), (new_tok, new_logp)
 
-    keys = jax.random.split(rng, max_new_tokens - 1)
-    (_, _, _, _, count), (toks, logps) = jax.lax.scan(step, (cache, tok, pos, done, count), keys)
+    xs = (jax.random.split(rng, max_new_tokens - 1), jnp.arange(1, max_new_tokens))
+    carry, (toks, logps) = jax.lax.scan(step, (cache, tok, pos, done, count, history), xs)
     tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
     logprobs = jnp.concatenate([logp[:, None], logps.T], axis=1)
-    return Generated(tokens, logprobs, count)
+    return Generated(tokens, logprobs, carry[4])
 
 
-def _decode_run(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache):
+def prompt_history(prompts, max_new_tokens: int, constraints: Constraints):
+    """The tokens a constraint reads (each row's prompt, room for the new ones), or None."""
+    return jnp.pad(prompts, ((0, 0), (0, max_new_tokens))) if constraints.needs_history \
+        else None
+
+
+def _decode_run(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache,
+                constraints=Constraints()):
     """run(params, prompts, lengths, rng, sampling) -> Generated, to be jitted; sampling: a
     Sampling of [batch] arrays."""
     model, unstack = looped(cfg)
@@ -83,17 +99,19 @@ def _decode_run(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, w
                               cache_dtype, windowed_cache)
         forward = lambda tok, pos, cache: forward_one(model, params, tok, pos, cache)  # noqa: E731
         return sample_loop(forward, last, cache, lengths, rng, sampling, max_new_tokens, eos_id,
-                           pad_id)
+                           pad_id, constraints, prompt_history(prompts, max_new_tokens,
+                                                               constraints))
 
     return run
 
 
 @functools.lru_cache(maxsize=64)
-def _decoder(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache):
+def _decoder(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache,
+             constraints=Constraints()):
     """The jitted decoder of these static settings: run(params, prompts, lengths, rng,
     sampling), compiled once per shape."""
     return decode_jit(_decode_run(cfg, max_new_tokens, eos_id, pad_id, cache_dtype,
-                                  windowed_cache))
+                                  windowed_cache, constraints))
 
 
 def _windowed(cfg: ModelConfig, windowed_cache: bool) -> bool:
@@ -117,7 +135,7 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
              top_p: float | None = None, min_p: float | None = None,
              sampling: Sampling | None = None, eos_id: int | None = None, pad_id: int = 0,
              cache_dtype=None, windowed_cache: bool = True, hooks=None, draft=None,
-             draft_len: int = 4) -> Generated:
+             draft_len: int = 4, constraints: Constraints | None = None) -> Generated:
     """Continue each row of `prompts` [batch, width] (right-padded; `prompt_lengths` [batch]
     gives the real lengths, None = all full) by `max_new_tokens` tokens.
 
@@ -143,14 +161,19 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     (jaxformer.speculative.PROPOSERS: prompt_lookup); each round it proposes `draft_len`
     tokens. The result's `drafted` / `accepted` count them (`acceptance_rate`); prompt
     width + max_new_tokens + draft_len must fit max_seq_len.
+
+    constraints: jaxformer.constraints.Constraints (min_new_tokens, no_repeat_ngram_size,
+    forced_bos_id, forced_eos_id), as transformers' generate applies them; None: none.
     """
     cfg = model.cfg
     keywords = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     cache = None if cache_dtype is None else jnp.dtype(cache_dtype).name
+    constraints = checked_constraints(constraints, cfg.vocab_size, eos_id)
     if draft is not None:
-        if hooks:
-            raise ValueError("generate cannot hook a speculative decode (the model runs on "
-                             "drafts it may refuse); pass draft=None to hook generation")
+        for refused, what in ((hooks, "hook"), (constraints != Constraints(), "constrain")):
+            if refused:  # the model runs on drafts it may refuse
+                raise ValueError(f"generate cannot {what} a speculative decode; pass "
+                                 f"draft=None to {what} generation")
         proposer, dcfg, dparams = checked_draft(cfg, draft, draft_len)
         prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens,
                                           room=draft_len)
@@ -162,38 +185,47 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
     args = (params, prompts, lengths, rng,
             _sampling_of(sampling, keywords, prompts.shape[0], cfg.vocab_size))
-    settings = (cfg, max_new_tokens, eos_id, pad_id, cache, _windowed(cfg, windowed_cache))
-    if not hooks:
-        return _decoder(*settings)(*args)
+    settings = (cfg, max_new_tokens, eos_id, pad_id, cache, _windowed(cfg, windowed_cache),
+                constraints)
+    return _decoder(*settings)(*args) if not hooks else _hooked(hooks, settings, args)
+
+
+def _hooked(hooks: dict, settings: tuple, args: tuple) -> Generated:
+    """generate's decode with `hooks` applied (traced inside, compiled afresh)."""
     patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))
     if patterns:
         raise ValueError(f"generate cannot hook {', '.join(patterns)}: the KV-cached path "
                          "computes no attention pattern; hook attn.hook_z or the residual "
                          "stream, or use jaxformer.inspect.run_with_hooks on the full sequence")
-    with session(hooks, lambda _: False):  # traced (and checked) inside, compiled afresh
+    with session(hooks, lambda _: False):
         return decode_jit(_decode_run(*settings))(*args)
 
 
 # ---- beam search --------------------------------------------------------------------
 
 def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, pad_id,
-              n_kv: int, normalise):
+              n_kv: int, normalise, constraints=Constraints(), history=None):
     """Beam search from `last` [B, V] and a cache of B rows (each n_kv K/V rows), each beam
     fed back through forward(tokens [B * k], positions [B * k], cache) -> (logits, cache)
     at positions pos [B], pos + 1, ...; the best beam per row by normalise(sum of
-    log-probs, length) -> Beams. A beam that emits eos_id stops (then pad only, at no cost)."""
+    log-probs, length) -> Beams. A beam that emits eos_id stops (then pad only, at no cost).
+    Each step's log-probs are constrained (jaxformer.constraints) before the choice;
+    history [B, L]: as sample_loop's."""
     b, v = last.shape
     k = beam_width
+    if history is not None:
+        history = jnp.repeat(history, k, axis=0)  # [B*k, L]
     # every beam starts as a copy of its row; only beam 0 is live at first
     state = dict(cache=take_rows(cache, jnp.repeat(jnp.arange(b), k), n_kv),  # B k rows
                  logits=jnp.repeat(last, k, axis=0),  # [B*k, V]
                  scores=jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1)),
                  tokens=jnp.full((b, k, max_new_tokens), pad_id, jnp.int32),
                  done=jnp.zeros((b, k), bool), length=jnp.zeros((b, k), jnp.int32),
-                 pos=jnp.repeat(pos, k))
+                 pos=jnp.repeat(pos, k), history=history)
 
     def step(state, t):
-        logp = jax.nn.log_softmax(state["logits"]).reshape(b, k, v)
+        logp = constrain(jax.nn.log_softmax(state["logits"]), constraints, t, max_new_tokens,
+                         eos_id, state["history"], state["pos"]).reshape(b, k, v)
         # a finished beam continues only with pad, at no cost
         pad_only = jnp.where(jnp.arange(v) == pad_id, 0.0, -jnp.inf)
         logp = jnp.where(state["done"][..., None], pad_only, logp)
@@ -209,9 +241,13 @@ def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, 
         flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
         cache = take_rows(state["cache"], flat_parent, n_kv)
         pos = jnp.take(state["pos"], flat_parent)
+        history = state["history"]
+        if history is not None:
+            history = jnp.take(history, flat_parent, axis=0).at[jnp.arange(b * k), pos].set(
+                tok.reshape(-1), mode="drop")
         logits, cache = forward(tok.reshape(-1), pos, cache)
         return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,
-                    length=length, pos=pos + 1), None
+                    length=length, pos=pos + 1, history=history), None
 
     state, _ = jax.lax.scan(step, state, jnp.arange(max_new_tokens))
     normed = normalise(state["scores"], state["length"])
@@ -222,7 +258,8 @@ def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, 
 
 
 @functools.lru_cache(maxsize=16)
-def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_id, pad_id):
+def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_id, pad_id,
+             constraints):
     model, unstack = looped(cfg)
 
     def run(params, prompts, lengths):
@@ -233,19 +270,23 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
         return beam_loop(forward, last, cache, lengths, beam_width=beam_width,
                          max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                          n_kv=cache_widths(cfg)[0],
-                         normalise=lambda s, n: s / jnp.maximum(n, 1) ** length_penalty)
+                         normalise=lambda s, n: s / jnp.maximum(n, 1) ** length_penalty,
+                         constraints=constraints,
+                         history=prompt_history(prompts, max_new_tokens, constraints))
 
     return decode_jit(run)
 
 
 def beam_search(model: Transformer, params, prompts, *, beam_width: int, max_new_tokens: int,
                 length_penalty: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
-                prompt_lengths=None) -> Beams:
+                prompt_lengths=None, constraints: Constraints | None = None) -> Beams:
     """The best of `beam_width` beams per row, by sum of log-probs / length**length_penalty
-    (length_penalty 0: the plain sum). Beams that emit `eos_id` stop and keep their score."""
+    (length_penalty 0: the plain sum). Beams that emit `eos_id` stop and keep their score.
+    constraints: as generate's."""
     cfg = model.cfg
     prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
     if beam_width < 1:
         raise ValueError(f"beam_width must be >= 1, got {beam_width}")
-    fn = _beam_fn(cfg, beam_width, max_new_tokens, float(length_penalty), eos_id, pad_id)
+    fn = _beam_fn(cfg, beam_width, max_new_tokens, float(length_penalty), eos_id, pad_id,
+                  checked_constraints(constraints, cfg.vocab_size, eos_id))
     return fn(params, prompts, lengths)

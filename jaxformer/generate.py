@@ -91,8 +91,13 @@ def main(argv=None) -> int:
     p.add_argument("--draft", default=None,
                    help="speculative decoding: prompt_lookup, or a draft run's directory")
     p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--no-repeat-ngram-size", type=int, default=0,
+                   help="n > 0: no n-gram twice in the prompt and its continuation")
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="no end-of-text before this many new tokens")
     a = p.parse_args(argv)
 
+    from jaxformer.constraints import Constraints
     from jaxformer.decoding import beam_search, generate
     from jaxformer.quantize import quantize
     from jaxformer.speculative import PROPOSERS
@@ -108,14 +113,16 @@ def main(argv=None) -> int:
         prompt = np.asarray(tok.encode(a.prompt), np.int32)[None]
         if prompt.shape[1] == 0:
             raise ValueError("the prompt is empty; give at least one character")
+        constraints = Constraints(a.min_new_tokens, a.no_repeat_ngram_size)
         if a.beam_width:
             out = beam_search(model, params, prompt, beam_width=a.beam_width,
-                              max_new_tokens=a.max_new_tokens, eos_id=tok.eot_id)
+                              max_new_tokens=a.max_new_tokens, eos_id=tok.eot_id,
+                              constraints=constraints)
         else:
             out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
                            rng=jax.random.key(a.seed), temperature=a.temperature,
                            top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, eos_id=tok.eot_id,
-                           draft=draft, draft_len=a.draft_len)
+                           draft=draft, draft_len=a.draft_len, constraints=constraints)
             if draft is not None:
                 print(f"draft acceptance rate: {out.acceptance_rate:.3f}", file=sys.stderr)
     except (FileNotFoundError, ValueError, CheckpointError) as e:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.cached_forward import Generated, checked_inputs, decode_jit
+from jaxformer.constraints import Constraints, checked_constraints
 from jaxformer.decoding import Beams, beam_loop, sample_loop
 from jaxformer.kv_cache import cache_widths, init_cache
 from jaxformer.sampling import Sampling, checked_sampling
@@ -59,15 +60,24 @@ def checked_source(cfg, source, source_lengths, max_new_tokens: int):
     return checked_inputs(cfg, source, source_lengths, 1)
 
 
+def bos_history(b: int, bos_id: int, max_new_tokens: int, constraints: Constraints):
+    """The target's tokens a constraint reads (BOS, then room for the new ones), or None."""
+    if not constraints.needs_history:
+        return None
+    return jnp.zeros((b, 1 + max_new_tokens), jnp.int32).at[:, 0].set(bos_id)
+
+
 @functools.lru_cache(maxsize=32)
-def _sampler(cfg, max_new_tokens, bos_id, eos_id, pad_id, cache_dtype):
+def _sampler(cfg, max_new_tokens, bos_id, eos_id, pad_id, cache_dtype, constraints):
     model = EncoderDecoder(cfg)
 
     def run(params, source, lengths, rng, sampling):
         last, cache, memory = start(model, params, source, lengths, bos_id, max_new_tokens,
                                     cache_dtype)
+        history = bos_history(source.shape[0], bos_id, max_new_tokens, constraints)
         return sample_loop(stepper(model, params, memory), last, cache,
-                           jnp.ones_like(lengths), rng, sampling, max_new_tokens, eos_id, pad_id)
+                           jnp.ones_like(lengths), rng, sampling, max_new_tokens, eos_id, pad_id,
+                           constraints, history)
 
     return decode_jit(run)
 
@@ -75,22 +85,26 @@ def _sampler(cfg, max_new_tokens, bos_id, eos_id, pad_id, cache_dtype):
 def seq2seq_generate(model: EncoderDecoder, params, source, *, bos_id: int,
                      max_new_tokens: int, rng=None, source_lengths=None,
                      temperature: float = 0.0, top_k=None, top_p=None, min_p=None,
-                     eos_id: int | None = None, pad_id: int = 0, cache_dtype=None) -> Generated:
+                     eos_id: int | None = None, pad_id: int = 0, cache_dtype=None,
+                     constraints: Constraints | None = None) -> Generated:
     """Targets for each row of `source` [B, S] (right-padded; source_lengths [B], None =
     all full): greedy by default (temperature 0), else sampled as jaxformer.decoding.generate
-    samples (temperature, top_k, top_p, min_p; rng needed). After eos_id a row emits pad_id."""
+    samples (temperature, top_k, top_p, min_p; rng needed). After eos_id a row emits pad_id.
+    constraints: jaxformer.constraints.Constraints, as transformers' generate applies them
+    (its min_length counts the BOS: min_length m is min_new_tokens m - 1)."""
     cfg = model.cfg
     source, lengths = checked_source(cfg, source, source_lengths, max_new_tokens)
     sampling = checked_sampling(Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
                                          min_p=min_p), source.shape[0], cfg.vocab_size)
     rng = jax.random.key(0) if rng is None else rng
     cache = None if cache_dtype is None else jnp.dtype(cache_dtype).name
-    run = _sampler(cfg, max_new_tokens, bos_id, eos_id, pad_id, cache)
+    run = _sampler(cfg, max_new_tokens, bos_id, eos_id, pad_id, cache,
+                   checked_constraints(constraints, cfg.vocab_size, eos_id))
     return run(params, source, lengths, rng, sampling)
 
 
 @functools.lru_cache(maxsize=16)
-def _beams(cfg, beam_width, max_new_tokens, alpha, bos_id, eos_id, pad_id):
+def _beams(cfg, beam_width, max_new_tokens, alpha, bos_id, eos_id, pad_id, constraints):
     model = EncoderDecoder(cfg)
 
     def run(params, source, lengths):
@@ -99,7 +113,10 @@ def _beams(cfg, beam_width, max_new_tokens, alpha, bos_id, eos_id, pad_id):
         return beam_loop(forward, last, cache, jnp.ones_like(lengths), beam_width=beam_width,
                          max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                          n_kv=cache_widths(cfg)[0],
-                         normalise=lambda s, n: s / gnmt_penalty(n, alpha))
+                         normalise=lambda s, n: s / gnmt_penalty(n, alpha),
+                         constraints=constraints,
+                         history=bos_history(source.shape[0], bos_id, max_new_tokens,
+                                             constraints))
 
     return decode_jit(run)
 
@@ -107,13 +124,15 @@ def _beams(cfg, beam_width, max_new_tokens, alpha, bos_id, eos_id, pad_id):
 def seq2seq_beam_search(model: EncoderDecoder, params, source, *, bos_id: int,
                         max_new_tokens: int, beam_width: int = 4, alpha: float = 0.6,
                         eos_id: int | None = None, pad_id: int = 0,
-                        source_lengths=None) -> Beams:
+                        source_lengths=None, constraints: Constraints | None = None) -> Beams:
     """The best of `beam_width` beams per row by sum of log-probs / gnmt_penalty(length,
     alpha) (the paper's beam 4, alpha 0.6 by default); a beam that emits eos_id stops, its
-    length counting the EOS. scores: the normalised score."""
+    length counting the EOS. scores: the normalised score. constraints: as
+    seq2seq_generate's."""
     cfg = model.cfg
     source, lengths = checked_source(cfg, source, source_lengths, max_new_tokens)
     if beam_width < 1:
         raise ValueError(f"beam_width must be >= 1, got {beam_width}")
-    fn = _beams(cfg, beam_width, max_new_tokens, float(alpha), bos_id, eos_id, pad_id)
+    fn = _beams(cfg, beam_width, max_new_tokens, float(alpha), bos_id, eos_id, pad_id,
+                checked_constraints(constraints, cfg.vocab_size, eos_id))
     return fn(params, source, lengths)

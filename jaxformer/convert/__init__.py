@@ -21,7 +21,7 @@ and reads training runs, so it sits above training.
 from jaxformer.convert.hf import to_hf
 from jaxformer.convert.hf_config import config_to_hf
 from jaxformer.hf import (MODEL_TYPES, SafetensorsReader, config_from_hf, from_hf,
-                          read_hf_config, read_hf_json)
+                          generation_constraints, read_hf_config, read_hf_json)
 from jaxformer.hf.tensors import permute_half_to_interleaved, permute_interleaved_to_half
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "from_hf",
+    "generation_constraints",
     "permute_half_to_interleaved",
     "permute_interleaved_to_half",
     "read_hf_config",

@@ -8,6 +8,7 @@ and the converter CLI are jaxformer.convert, which sits above training.
 from jaxformer.hf.config_json import config_from_hf
 from jaxformer.hf.families import MODEL_TYPES
 from jaxformer.hf.folder import SafetensorsReader, from_hf, read_hf_config, read_hf_json
+from jaxformer.hf.generation import generation_constraints
 
-__all__ = ["MODEL_TYPES", "SafetensorsReader", "config_from_hf", "from_hf", "read_hf_config",
-           "read_hf_json"]
+__all__ = ["MODEL_TYPES", "SafetensorsReader", "config_from_hf", "from_hf",
+           "generation_constraints", "read_hf_config", "read_hf_json"]

@@ -33,7 +33,7 @@ Path = tuple[str, ...]
 # ---- reading ----------------------------------------------------------------------
 
 
-def _folder(path) -> pathlib.Path:
+def model_folder(path) -> pathlib.Path:
     folder = pathlib.Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder; expected a local Hugging Face model "
@@ -44,7 +44,7 @@ def _folder(path) -> pathlib.Path:
 
 def read_hf_json(path) -> dict[str, Any]:
     """The parsed config.json of a Hugging Face model folder."""
-    file = _folder(path) / "config.json"
+    file = model_folder(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist; a Hugging Face model folder holds "
                                 "config.json beside its weights")
@@ -200,7 +200,7 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
     rope_layout: "interleaved" if the checkpoint's q/k weights rotate interleaved pairs
       (Meta's original format); they are permuted to the half-rotation layout.
     """
-    folder = _folder(path)
+    folder = model_folder(path)
     hf = read_hf_json(folder)
     cfg = config_from_hf(hf).replace(param_dtype=jnp.dtype(dtype or "float32").name,
                                      scan_layers=scan_layers)

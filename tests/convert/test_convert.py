@@ -26,6 +26,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noqa: E402
+from jaxformer.constraints import Constraints  # noqa: E402
 from jaxformer.convert import (from_hf, permute_half_to_interleaved,  # noqa: E402
                                permute_interleaved_to_half, read_hf_config, to_hf)
 from jaxformer.decoding import generate  # noqa: E402
@@ -133,20 +134,32 @@ def test_logits_match_transformers_on_512_tokens(name, tmp_path):
         assert rel_err(our_logits(cfg.replace(ffn=other), params, tokens), ref) > 10 * err
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-llama3"])
-def test_greedy_decoding_matches_hf_generate(name, tmp_path):
+@pytest.mark.parametrize("name, constrained", [("gpt2", False), ("llama-gqa-llama3", False),
+                                               ("gpt2", True)])
+def test_greedy_decoding_matches_hf_generate(name, constrained, tmp_path):
+    """Greedy tokens as transformers' generate's; constrained: with no bigram repeated
+    (the prompt's included) and no EOS before the 8th new token (EOS: the token the model
+    as drawn ranks highest after the prompt, so that the ban bites)."""
     # init std 0.3: peaked, varied next-token distributions rather than a near-uniform
     # one that repeats a token
     model = hf_model(name, initializer_range=0.3)
     model.save_pretrained(tmp_path)
     cfg, params = from_hf(tmp_path)
     prompts = rng.integers(0, 256, (2, 16))
+    kw, theirs_kw = {}, {}
+    if constrained:
+        eos = int(np.argmax(our_logits(cfg, params, prompts)[0, -1]))
+        kw = dict(eos_id=eos, pad_id=eos, constraints=Constraints(min_new_tokens=8,
+                                                                  no_repeat_ngram_size=2))
+        theirs_kw = dict(eos_token_id=eos, min_new_tokens=8, no_repeat_ngram_size=2)
     ours = np.asarray(generate(Transformer(cfg), params, prompts, max_new_tokens=32,
-                               rng=jax.random.key(0), temperature=0).tokens)
+                               rng=jax.random.key(0), temperature=0, **kw).tokens)
     with torch.no_grad():
         theirs = model.generate(torch.tensor(prompts), attention_mask=torch.ones(2, 16, dtype=int),
-                                do_sample=False, max_new_tokens=32, pad_token_id=0)
-    theirs = theirs.numpy()[:, 16:]
+                                do_sample=False, max_new_tokens=32,
+                                pad_token_id=kw.get("pad_id", 0), **theirs_kw)
+    theirs = np.pad(theirs.numpy()[:, 16:], ((0, 0), (0, 16 + 32 - theirs.shape[1])),
+                    constant_values=kw.get("pad_id", 0))
     assert len(set(ours.ravel().tolist())) >= 4, ours  # not one repeated token
     # the top-2 logit gap at each step: a difference is allowed only at a near-tie, where
     # float32 rounding may legitimately pick the other token (then the rest is moot)

@@ -11,6 +11,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
 transformers = pytest.importorskip("transformers", reason="the interop extra")
 
+from jaxformer.constraints import Constraints  # noqa: E402
+from jaxformer.convert import from_hf, generation_constraints  # noqa: E402
+from jaxformer.seq2seq_decoding import seq2seq_generate  # noqa: E402
+from jaxformer.seq2seq_model import EncoderDecoder  # noqa: E402
 from tests.hf.seq2seq_parity import check_family, padded_batch  # noqa: E402
 from tests.hf.test_families import redraw  # noqa: E402
 
@@ -73,3 +77,35 @@ def test_stacks_of_differing_widths_or_heads_are_refused_in_one_line(key, other)
     with pytest.raises(ConfigError, match=f"{key}=.*{other}") as e:
         config_from_hf(hf)
     assert "\n" not in str(e.value)
+
+
+def test_constrained_greedy_matches_transformers_generate(tmp_path):
+    """BART's summarisers decode under the constraints of their generation_config.json (a
+    forced first and last token, no repeated bigram, a minimum length): seq2seq_generate
+    under generation_constraints of the folder gives transformers' greedy tokens, with the
+    model as drawn (long targets: the bigram ban and the last token) and with EOS's bias
+    raised (short ones: the minimum length)."""
+    model = random_bart("untied")
+    model.generation_config.update(forced_bos_token_id=0, forced_eos_token_id=EOS,
+                                   no_repeat_ngram_size=2, min_length=6)
+    batches = [padded_batch(rng, V, S, T, pad=PAD, start=START, low=3) for _ in range(4)]
+    source, mask = (np.concatenate([b[i] for b in batches]) for i in (0, 1))
+    new = 12
+    for eos_bias in (0.0, 3.0):
+        with torch.no_grad():
+            model.final_logits_bias[0, EOS] += eos_bias
+            theirs = model.generate(input_ids=torch.tensor(source), do_sample=False,
+                                    attention_mask=torch.tensor(mask), num_beams=1,
+                                    max_new_tokens=new).numpy()
+        theirs = np.pad(theirs[:, 1:], ((0, 0), (0, new + 1 - theirs.shape[1])),
+                        constant_values=PAD)
+        folder = tmp_path / str(eos_bias)
+        model.save_pretrained(folder)
+        cfg, params = from_hf(folder)
+        c = generation_constraints(folder, cfg)
+        assert c == Constraints(min_new_tokens=5, no_repeat_ngram_size=2, forced_bos_id=0,
+                                forced_eos_id=EOS)
+        ours = seq2seq_generate(EncoderDecoder(cfg), params, source, bos_id=START, eos_id=EOS,
+                                pad_id=PAD, max_new_tokens=new, source_lengths=mask.sum(1),
+                                constraints=c)
+        np.testing.assert_array_equal(np.asarray(ours.tokens), theirs)

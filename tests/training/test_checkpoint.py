@@ -274,6 +274,11 @@ def test_readers_pass_over_a_damaged_newest_step_and_move_nothing(run9, tmp_path
     assert generate_main(["--run", str(run), "--prompt", "def", "--max-new-tokens", "3",
                           "--weights", "int8", "--draft", "prompt_lookup", "--draft-len", "2"]) == 0
     assert "draft acceptance rate: " in capsys.readouterr().err
+    # a constraint from the command line: beams that repeat no token (the prompt's included)
+    assert generate_main(["--run", str(run), "--prompt", "etaoin shrdlu", "--max-new-tokens",
+                          "6", "--beam-width", "2", "--no-repeat-ngram-size", "1"]) == 0
+    text = capsys.readouterr().out.rstrip("\n")
+    assert text.startswith("etaoin shrdlu") and len(set(text)) == len(text), text
 
     handed = []  # the converter gets the params to-hf loaded (recorded, not written)
     monkeypatch.setattr(jaxformer.convert, "to_hf", lambda cfg, params, hf_dir, **kw: (
