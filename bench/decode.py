@@ -14,6 +14,8 @@ acceptance rate (bench/decode_limit.py says how each is measured).
 --shapes: the KV-cached lax.scan decoder, a jitted loop that recomputes the whole
 sequence for every token, and (with torch and transformers installed) HF transformers'
 generate() on a GPT-2 of the same shape in PyTorch, random weights; tokens/s and ratios.
+With --no-repeat-ngram-size N both decode under that constraint (jaxformer.constraints;
+HF's NoRepeatNGramLogitsProcessor), and the first row is the plain decoder for its cost.
 
     python bench/decode.py --windowed [--layers 6 --window 64 --new-tokens 1024 ...]
 
@@ -50,6 +52,7 @@ import numpy as np
 
 from jaxformer import ModelConfig, Transformer, count_params
 from jaxformer.config import PRESETS
+from jaxformer.constraints import Constraints
 from jaxformer.decoding import generate, kv_cache_bytes
 
 
@@ -204,6 +207,7 @@ def main():
     p.add_argument("--shapes", action="store_true",
                    help="random GPT-2 shapes: cached against recompute and HF generate")
     p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--no-repeat-ngram-size", type=int, default=0, help="--shapes: decode so")
     p.add_argument("--steps", type=int, default=300, help="training steps of target and draft")
     p.add_argument("--runs", default="runs/bench_decode", help="where they are trained")
     a = p.parse_args()
@@ -240,19 +244,25 @@ def main():
         except ImportError:
             pass
 
+    ngram = a.no_repeat_ngram_size
     print(f"device: {jax.devices()[0].device_kind}; GPT-2 shape: {a.layers} layers, d_model "
           f"{a.d_model}, {a.heads} heads, vocab {a.vocab}, float32; prompt {a.prompt}, "
-          f"{a.new_tokens} new tokens, greedy")
+          f"{a.new_tokens} new tokens, greedy" + (f", no {ngram}-gram twice" if ngram else ""))
     header = f"{'decoder':<36} {'batch':>5} {'seconds':>9} {'tokens/s':>10} {'vs cached':>10}"
     print(header)
     print("-" * len(header))
     for batch in a.batches:
         prompts = np.random.default_rng(0).integers(0, a.vocab, (batch, a.prompt)).astype(np.int32)
-        fns = {"jaxformer scan + KV cache": lambda: generate(
+        ours = lambda c: lambda: generate(  # noqa: E731
             model, params, prompts, max_new_tokens=a.new_tokens, rng=jax.random.key(0),
-            temperature=0.0).tokens.block_until_ready(),
-            "jitted recompute-everything loop":
-                lambda: recompute(params, prompts).block_until_ready()}
+            temperature=0.0, constraints=c).tokens.block_until_ready()
+        fns = {"jaxformer scan + KV cache": ours(None)}
+        if ngram:
+            fns[f"jaxformer, no repeated {ngram}-gram"] = \
+                ours(Constraints(no_repeat_ngram_size=ngram))
+        else:
+            fns["jitted recompute-everything loop"] = \
+                lambda: recompute(params, prompts).block_until_ready()
         if hf is not None:
             x = torch.from_numpy(prompts.astype(np.int64))
 
@@ -260,7 +270,8 @@ def main():
                 torch.set_num_threads(threads)
                 with torch.no_grad():
                     hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens)
+                                max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
+                                no_repeat_ngram_size=ngram)
             for n in a.torch_threads:
                 fns[f"HF generate, PyTorch ({n} thr)"] = functools.partial(hf_generate, n)
         rows = list(median_times(fns, a.repeats).items())
