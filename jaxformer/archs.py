@@ -20,15 +20,19 @@ ENCODER_DECODER = "encoder_decoder"
 def check_encoder_decoder(cfg) -> None:
     """One ConfigError line for a setting an encoder-decoder cannot run (or encoder_layers
     on a model without an encoder stack of its own)."""
-    if cfg.arch != ENCODER_DECODER:
-        if cfg.encoder_layers is not None:
-            raise ConfigError(f"model.encoder_layers={cfg.encoder_layers} needs model.arch="
+    for key in ("encoder_layers", "tie_source_embed"):
+        if cfg.arch != ENCODER_DECODER and getattr(cfg, key) not in (None, False):
+            raise ConfigError(f"model.{key}={getattr(cfg, key)} needs model.arch="
                               f"{ENCODER_DECODER}; drop it for arch={cfg.arch}")
+    if cfg.arch != ENCODER_DECODER:
         return
     with_cross = [n for n, f in BLOCKS.items() if f.cross is not None]
     refusals = (
         (BLOCKS[cfg.block].cross is None, f"model.block={cfg.block} has no place for the "
          f"cross-attention sublayer; use one of {', '.join(with_cross)}"),
+        (cfg.tie_embeddings and cfg.tie_source_embed, "model.tie_source_embed=true unties "
+         "nothing with tie_embeddings=true (source, target and head are one table already); "
+         "drop it"),
         (cfg.scan_layers, "model.scan_layers=true is not supported with model.arch="
          f"{ENCODER_DECODER} yet; set scan_layers=false"),
         (cfg.mla.on, f"model.mla (latent attention) is not supported with model.arch="

@@ -89,6 +89,7 @@ class ModelConfig(Section):
 
     arch: str = "decoder"
     encoder_layers: int | None = None  # arch=encoder_decoder: the encoder's (None: n_layers)
+    tie_source_embed: bool = False  # encoder_decoder, untied head: one table in (T5 v1.1)
     vocab_size: int = 256
     d_model: int = 256
     n_layers: int = 4
@@ -176,8 +177,8 @@ class ModelConfig(Section):
         check_number(o, "rope_theta", self.rope_theta, float, low=1, low_open=True)
         check_number(o, "norm_eps", self.norm_eps, float, low=0, low_open=True)
         check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
-        for name in ("use_bias", "qkv_bias", "tie_embeddings", "scan_layers", "attn_sinks",
-                     "embed_norm", "head_transform", "head_bias"):
+        for name in ("use_bias", "qkv_bias", "tie_embeddings", "tie_source_embed", "scan_layers",
+                     "attn_sinks", "embed_norm", "head_transform", "head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         check_choice(o, "arch", self.arch, ARCHS)
@@ -360,7 +361,8 @@ class ModelConfig(Section):
     def encoder_stack(self) -> "ModelConfig":
         """arch=encoder_decoder: the encoder stack's own config, an encoder of
         encoder_n_layers layers (the model builds it; flops_per_token counts it)."""
-        return self.replace(n_layers=self.encoder_n_layers, encoder_layers=None, arch="encoder")
+        return self.replace(n_layers=self.encoder_n_layers, encoder_layers=None, arch="encoder",
+                            tie_source_embed=False)
 
     @property
     def causal(self) -> bool:

@@ -7,7 +7,8 @@ Blocks, each with cross-attention over the encoder's output (jaxformer.cross_att
 after its self-attention, then the final norm and the LM head. Self-attention takes the
 position scheme as the decoder-only model does, in each stack with params of its own (a
 learned table, a bias scheme's params); cross-attention takes none. tie_embeddings: one
-table for the source, the target and the output; else three.
+table for the source, the target and the output; else three, or two with
+tie_source_embed (the source reads the target's table; the head is its own: T5 v1.1's).
 
     logits = model.apply({"params": p}, source_tokens, target_tokens,
                          source_segment_ids=..., target_segment_ids=...,
@@ -102,7 +103,7 @@ class EncoderDecoder(nn.Module):
             embedding_init=init_with_names(dense_init(), "vocab", "embed"))
         self.embed = table()
         source = self.embed
-        if not c.tie_embeddings:
+        if not (c.tie_embeddings or c.tie_source_embed):
             self.source_embed = source = table()
         # the encoder stack is an encoder (no causal rule; T5's bidirectional buckets)
         self.encoder = Stack(c.encoder_stack(), embed=source)

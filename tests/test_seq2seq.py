@@ -154,7 +154,10 @@ def test_encoder_decoder_settings_it_cannot_run_are_one_line():
     for overrides, words in (({"block": "parallel"}, "model.block=parallel"),
                              ({"scan_layers": True}, "model.scan_layers"),
                              ({"sliding_window": 4}, "sliding window"),
-                             ({"arch": "decoder"}, "model.encoder_layers=1")):
+                             ({"arch": "decoder"}, "model.encoder_layers=1"),
+                             ({"tie_source_embed": True}, "unties nothing with tie_embeddings"),
+                             ({"arch": "decoder", "encoder_layers": None,
+                               "tie_source_embed": True}, "tie_source_embed=True needs")):
         with pytest.raises(ConfigError, match=words) as e:
             config(**overrides)
         assert "\n" not in str(e.value)

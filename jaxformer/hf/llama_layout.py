@@ -170,7 +170,7 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
     checkpoint's q/k weights (and biases, QK-norm weights) rotate interleaved pairs; they
     are permuted to half rotation on load and back on save (a model type whose own layout
     is interleaved, row.rope_layout, always is)."""
-    d, n, h, f, v = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    d, n, h, v = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.vocab_size
     rope = rope_permutation(rope_layout if row.rope_layout == "half" else row.rope_layout)
     t = row.tensor_prefix
     rules = [copied(("embed", "embedding"), f"{t}embed_tokens.weight", (v, d))]

@@ -6,7 +6,8 @@ mean (T5LayerNorm, no bias), no biases anywhere, T5's relative-position bias (po
 computed in each stack's first layer and shared by its layers (bidirectional buckets in
 the encoder, causal ones in the decoder, none on cross-attention), no 1/sqrt(head_dim)
 scaling of the attention logits (model.attn_scale 1), one input table shared by the
-encoder and the decoder (shared.weight), and the FFN of feed_forward_proj: relu (v1.0),
+encoder and the decoder (shared.weight; with v1.1's head of its own, jaxformer's
+model.tie_source_embed), and the FFN of feed_forward_proj: relu (v1.0),
 gated-gelu (v1.1: the tanh GELU, jaxformer's geglu), gated-silu, gelu, gelu_new.
 
 The output scale: T5 v1.0 multiplies the decoder's output by d_model ** -0.5 before its
@@ -20,7 +21,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 
 from jaxformer.archs import ENCODER_DECODER
 from jaxformer.config import ModelConfig
@@ -62,6 +62,7 @@ def read_config(hf, get, row) -> ModelConfig:
         norm_eps=float(get("layer_norm_epsilon")), block="pre_ln", ffn=FFN_PROJ[proj],
         use_bias=False, qkv_bias=False, attn_scale=1.0,
         tie_embeddings=get("tie_word_embeddings") is not False,
+        tie_source_embed=get("tie_word_embeddings") is False,  # one input table, always
         logits_multiplier=d ** -0.5 if scales_output(hf, get) else 1.0)
 
 
@@ -90,7 +91,9 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
     if rope_layout != "half":
         raise ValueError("rope_layout applies to RoPE models; T5 has a relative bias")
     d, v = cfg.d_model, cfg.vocab_size
-    rules = [shared_rule(cfg, v, d)]
+    # the one input table (untied: model.tie_source_embed; a config with source and target
+    # tables of their own is not T5's, refused before any tensor)
+    rules = [copied(("embed", "embedding"), "shared.weight", (v, d))]
     for stack, layers in (("encoder", cfg.encoder_n_layers),
                           ("decoder", cfg.n_layers)):
         rules.append(copied((stack, "position_bias", "relative_bias"),
@@ -103,22 +106,6 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
     if not cfg.tie_embeddings:
         rules.append(linear(("decoder", "lm_head", "kernel"), row.head_tensor, (v, d), (d, v)))
     return rules
-
-
-def shared_rule(cfg: ModelConfig, v: int, d: int) -> Rule:
-    """shared.weight: the one input table; untied, jaxformer's source and target tables
-    both (written only where they are equal)."""
-    if cfg.tie_embeddings:
-        return copied(("embed", "embedding"), "shared.weight", (v, d))
-
-    def to_hf(target, source):
-        if not np.array_equal(target, source):
-            raise cannot("tie_embeddings", False, "T5 has one input table for the encoder and "
-                         "the decoder (shared.weight), but params embed and source_embed differ")
-        return (target,)
-
-    return Rule((("embed", "embedding"), ("source_embed", "embedding")), ("shared.weight",),
-                ((v, d),), lambda w: (w, w), to_hf)
 
 
 def block_rules(cfg: ModelConfig, stack: str, i: int) -> list[Rule]:

@@ -54,12 +54,40 @@ def test_t5_matches_transformers_and_round_trips(version, tmp_path):
     # transformers' generate: use_cache=False (its cache holds 2 layers here, not 3)
     cfg = check_family(model, tmp_path, batch, pad=0, start=0, eos=1, use_cache=False)
     assert cfg.arch == "encoder_decoder" and cfg.ffn == {"v1.0": "relu", "v1.1": "geglu"}[version]
-    assert cfg.tie_embeddings == (version == "v1.0")
+    assert cfg.tie_embeddings == (version == "v1.0") != cfg.tie_source_embed
 
 
-def test_differing_source_and_target_tables_are_refused_in_one_line(tmp_path):
-    """T5 has one input table: an untied model whose source_embed and embed differ cannot
-    be written as T5, and says so in one line."""
+def test_the_one_input_table_gets_both_stacks_gradients(tmp_path):
+    """T5 v1.1 (FLAN-T5's shape: one input table, a head of its own) read by from_hf has one
+    input table, as transformers': the gradient of a loss on the logits of a padded batch
+    reaches it from the encoder and the decoder, equal to transformers' gradient of
+    shared.weight within 1e-5 relative (a second source table would take the encoder's
+    part: fine-tuned, the two would drift apart)."""
+    import jax.numpy as jnp
+
+    from jaxformer.convert import from_hf
+    model = random_t5("v1.1")
+    source, mask, target = padded_batch(rng, V, S, T, pad=0, start=0, low=2)
+    w = rng.normal(size=(2, T, V)).astype(np.float32)
+    out = model(input_ids=torch.tensor(source), attention_mask=torch.tensor(mask),
+                decoder_input_ids=torch.tensor(target)).logits
+    (out * torch.tensor(w)).sum().backward()
+    want = model.shared.weight.grad.numpy()
+    model.save_pretrained(tmp_path)
+    cfg, params = from_hf(tmp_path)
+    assert "source_embed" not in params
+
+    def loss(p):
+        logits = EncoderDecoder(cfg).apply({"params": p}, source, target,
+                                           source_segment_ids=mask)
+        return jnp.sum(w * logits)
+    got = np.asarray(jax.grad(loss)(params)["embed"]["embedding"])
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+def test_source_and_target_tables_of_their_own_are_refused_in_one_line(tmp_path):
+    """T5 has one input table: an untied model with source and target tables of its own
+    (tie_source_embed false) cannot be written as T5, and says so in one line."""
     from jaxformer import ConfigError, ModelConfig
     cfg = ModelConfig(arch="encoder_decoder", encoder_layers=1, n_layers=1, vocab_size=V,
                       d_model=16, n_heads=2, d_ff=24, position="t5", t5_num_buckets=8,
@@ -67,6 +95,6 @@ def test_differing_source_and_target_tables_are_refused_in_one_line(tmp_path):
                       use_bias=False, attn_scale=1.0, tie_embeddings=False, max_seq_len=32)
     tokens = np.zeros((1, 4), np.int32)
     params = EncoderDecoder(cfg).init(jax.random.key(int(rng.integers(1 << 31))), tokens)
-    with pytest.raises(ConfigError, match="tie_embeddings.*shared.weight") as e:
+    with pytest.raises(ConfigError, match="tie_source_embed=False cannot be written") as e:
         to_hf(cfg, params["params"], tmp_path)
     assert "\n" not in str(e.value)
