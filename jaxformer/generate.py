@@ -8,6 +8,7 @@ Loads the run's config, tokenizer and latest checkpoint (or the best, with --bes
 --weights int8 / bfloat16 reads the weights in that format (jaxformer.quantize); --draft
 decodes speculatively (a proposer's name, such as prompt_lookup, or another run's
 directory: a draft model with the same tokenizer) and prints the acceptance rate to stderr.
+--min-new-tokens and --no-repeat-ngram-size constrain it (jaxformer.constraints).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import types
 
 import jax
 import numpy as np
@@ -131,6 +133,17 @@ def main(argv=None) -> int:
     print(continuation_text(tok, prompt[0], out.tokens[0], out.lengths[0]))
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """Importing this module rebinds the package's `jaxformer.generate` (the function) to
+    the module; calling it still generates, as jaxformer.decoding.generate."""
+
+    def __call__(self, *args, **kwargs):
+        from jaxformer.decoding import generate
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -58,6 +58,18 @@ def ragged_prompts(batch, width, vocab):
     return prompts, lengths.astype(np.int32)
 
 
+def test_jaxformer_generate_is_still_the_function_after_its_cli_module_is_imported(
+        monkeypatch):
+    """`import jaxformer.generate` (the CLI, whose load_run the notebooks use) rebinds the
+    package's `generate` to that module; calling it still generates."""
+    import jaxformer.decoding
+    import jaxformer.generate  # noqa: F401
+    calls = []
+    monkeypatch.setattr(jaxformer.decoding, "generate", lambda *a, **k: calls.append((a, k)))
+    jaxformer.generate("model", "params", max_new_tokens=3)
+    assert calls == [(("model", "params"), {"max_new_tokens": 3})]
+
+
 @pytest.mark.parametrize("kv, scan, block", COMBOS)
 @pytest.mark.parametrize("position", SCHEMES)
 def test_cached_logits_equal_full_forward(position, kv, scan, block):
