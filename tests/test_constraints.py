@@ -63,15 +63,17 @@ def ngrams(row, n):
 
 
 def check_tokens(prefix, tokens, c: Constraints, eos, pad):
-    """prefix (the prompt, or an encoder-decoder's BOS) + each row's tokens up to its EOS:
-    no n-gram twice, no EOS before min_new_tokens, the forced first and last tokens."""
+    """prefix (the prompt, or an encoder-decoder's BOS), then each row's tokens up to its
+    EOS: the forced first token; no EOS before min_new_tokens, the forced EOS last at the
+    latest; every later new token completes no n-gram that the tokens before it hold."""
+    n = c.no_repeat_ngram_size
     for before, row in zip(prefix, np.asarray(tokens)):
         ended = np.flatnonzero(row == eos)
-        n_new = ended[0] + 1 if ended.size else len(row)
-        assert n_new > c.min_new_tokens and row[0] == c.forced_bos_id
-        assert ended.size and (row[n_new:] == pad).all()
-        grams = ngrams([*before, *row[:n_new]], c.no_repeat_ngram_size)
-        assert len(grams) == len(set(grams)), row
+        assert ended.size and (row[ended[0] + 1:] == pad).all()
+        assert ended[0] >= c.min_new_tokens and row[0] == c.forced_bos_id
+        seq = [*before, *row[:ended[0] + 1]]
+        for i in range(len(before) + 1, len(seq)):
+            assert tuple(seq[i - n + 1:i + 1]) not in ngrams(seq[:i], n), (i, seq)
 
 
 @pytest.fixture(scope="module")
