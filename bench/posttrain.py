@@ -23,14 +23,17 @@ import argparse
 import json
 import pathlib
 import statistics
+import sys
 import tempfile
 
 import numpy as np
 
-from jaxformer.data.tokenizer import train_bpe
-from jaxformer.experiments.grpo_addition import COMMON, records
-from jaxformer.training import load_config, train
-from jaxformer.training.metrics import read_metrics
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # a checkout's own
+
+from jaxformer.data.tokenizer import train_bpe  # noqa: E402
+from jaxformer.experiments.grpo_addition import COMMON, records  # noqa: E402
+from jaxformer.training import load_config, train  # noqa: E402
+from jaxformer.training.metrics import read_metrics  # noqa: E402
 
 SEQ_LEN = 32  # train.seq_len in COMMON: the loop's tokens/s counts batch_size x SEQ_LEN
 
