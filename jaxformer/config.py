@@ -358,10 +358,12 @@ class ModelConfig(Section):
         n_layers."""
         return self.encoder_layers or self.n_layers
 
-    def encoder_stack(self) -> "ModelConfig":
-        """arch=encoder_decoder: the encoder stack's own config, an encoder of
-        encoder_n_layers layers (the model builds it; flops_per_token counts it)."""
-        return self.replace(n_layers=self.encoder_n_layers, encoder_layers=None, arch="encoder",
+    def stack(self, arch: str) -> "ModelConfig":
+        """arch=encoder_decoder: one stack as a model of its own, without the fields only an
+        encoder-decoder has: "encoder" (encoder_n_layers layers; the model builds it) or
+        "decoder" (flops_per_token counts each)."""
+        layers = self.encoder_n_layers if arch == "encoder" else self.n_layers
+        return self.replace(arch=arch, n_layers=layers, encoder_layers=None,
                             tie_source_embed=False)
 
     @property

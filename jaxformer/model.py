@@ -253,8 +253,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     c, m = cfg, cfg.mla
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
     if c.arch == ENCODER_DECODER:
-        encoder = flops_per_token(c.encoder_stack(), seq_len) - 6.0 * c.d_model * c.vocab_size
-        decoder = flops_per_token(c.replace(arch="decoder", encoder_layers=None), seq_len)
+        encoder = flops_per_token(c.stack("encoder"), seq_len) - 6.0 * c.d_model * c.vocab_size
+        decoder = flops_per_token(c.stack("decoder"), seq_len)
         return encoder + decoder + c.n_layers * (6.0 * attn + 12.0 * c.n_heads * c.head_dim
                                                  * seq_len)
     pair = c.n_heads * c.head_dim  # the attention's FLOPs per query-key pair, / 4

@@ -106,7 +106,7 @@ class EncoderDecoder(nn.Module):
         if not (c.tie_embeddings or c.tie_source_embed):
             self.source_embed = source = table()
         # the encoder stack is an encoder (no causal rule; T5's bidirectional buckets)
-        self.encoder = Stack(c.encoder_stack(), embed=source)
+        self.encoder = Stack(c.stack("encoder"), embed=source)
         self.decoder = Stack(c, embed=self.embed, cross=True)
 
     def __call__(self, source_tokens, target_tokens=None, source_segment_ids=None,

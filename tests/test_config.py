@@ -131,17 +131,20 @@ def test_an_encoders_queries_see_keys_on_both_sides(window):
                                                                rel=2e-3)
 
 
-def test_an_encoder_decoders_flops_count_both_stacks_and_the_cross_attention():
+@pytest.mark.parametrize("tie_source_embed", [False, True])
+def test_an_encoder_decoders_flops_count_both_stacks_and_the_cross_attention(tie_source_embed):
     """Per target token (the source row as long as the target row, as data.seq2seq packs
     them): 6 FLOPs for each weight of a kernel in the param tree (both stacks, the
     cross-attention, the head; the embedding tables are gathered), and 12 * n_heads *
     head_dim per query-key pair, counted on the masks: the encoder's queries see all T
-    keys, the decoder's the causal half, its cross-attention all T source keys. The
-    params counted without allocating are those an init allocates."""
+    keys, the decoder's the causal half, its cross-attention all T source keys; with three
+    token tables or two (tie_source_embed). The params counted without allocating are
+    those an init allocates."""
     T, d, H = 128, 32, 4
     cfg = ModelConfig(vocab_size=50, d_model=d, n_layers=2, encoder_layers=3, n_heads=H,
                       n_kv_heads=2, d_ff=64, ffn="swiglu", max_seq_len=T,
-                      arch="encoder_decoder", tie_embeddings=False)
+                      arch="encoder_decoder", tie_embeddings=False,
+                      tie_source_embed=tie_source_embed)
     leaves = jax.tree_util.tree_leaves_with_path(jaxformer.param_shapes(cfg))
     kernels = sum(np.prod(x.shape) for path, x in leaves if path[-1].key == "kernel")
     i = np.arange(T)
