@@ -129,3 +129,6 @@ def test_a_folders_generation_config_and_what_it_cannot_say(tmp_path):
     file.write_text('{"forced_eos_token_id": [1, 2]}')
     with pytest.raises(ValueError, match=r"forced_eos_token_id=\[1, 2\] names 2 tokens"):
         generation_constraints(tmp_path, cfg)
+    file.write_text('{"min_length": 20,')
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        generation_constraints(tmp_path, cfg)

@@ -48,6 +48,11 @@ def read_hf_json(path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist; a Hugging Face model folder holds "
                                 "config.json beside its weights")
+    return json_object(file)
+
+
+def json_object(file: pathlib.Path) -> dict[str, Any]:
+    """The JSON object a folder's file holds (one ValueError line naming it otherwise)."""
     try:
         hf = json.loads(file.read_text())
     except json.JSONDecodeError as e:

@@ -10,12 +10,10 @@ Sampling and beam settings (num_beams, length_penalty, temperature) stay the cal
 
 from __future__ import annotations
 
-import json
-
 from jaxformer.archs import ENCODER_DECODER
 from jaxformer.config import ModelConfig
 from jaxformer.constraints import Constraints
-from jaxformer.hf.folder import model_folder
+from jaxformer.hf.folder import json_object, model_folder
 
 
 def _one_id(value, name: str, file) -> int | None:
@@ -37,7 +35,7 @@ def generation_constraints(path, cfg: ModelConfig) -> Constraints:
     file = model_folder(path) / "generation_config.json"
     if not file.is_file():
         return Constraints()
-    g = json.loads(file.read_text())
+    g = json_object(file)
     min_new = int(g.get("min_new_tokens") or 0)
     if not min_new and (g.get("min_length") or 0) > 0:
         if cfg.arch != ENCODER_DECODER:
