@@ -51,6 +51,13 @@ def checked_constraints(constraints: Constraints | None, vocab_size: int,
     return c
 
 
+def recorded(history, position, tokens):
+    """history [B, L] (None: none kept) with tokens [B] written at position [B]."""
+    if history is None:
+        return None
+    return history.at[jnp.arange(history.shape[0]), position].set(tokens, mode="drop")
+
+
 def ngram_bans(history, position, n: int, vocab_size: int):
     """bool [B, V]: the tokens that would complete, at `position` [B], an n-gram that
     history [B, L] (each row's tokens at positions 0 .. position - 1) already holds."""

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxformer.cached_forward import (Generated, checked_inputs, decode_jit, forward_one, looped,
                                       prefill)
 from jaxformer.config import ModelConfig
-from jaxformer.constraints import Constraints, checked_constraints, constrain
+from jaxformer.constraints import Constraints, checked_constraints, constrain, recorded
 from jaxformer.hooks import session
 from jaxformer.kv_cache import cache_widths, init_cache, kv_cache_bytes, take_rows  # noqa: F401
 from jaxformer.logprobs import target_logprobs
@@ -49,7 +49,6 @@ def sample_loop(forward, last, cache, pos, rng, sampling, max_new_tokens, eos_id
     under `constraints` (jaxformer.constraints); history [B, L]: each row's tokens before
     pos (what constraints.needs_history asks for), the new ones written after them."""
     b = last.shape[0]
-    rows = jnp.arange(b)
 
     def emit(logits, rng, done, step, pos, history):
         allowed = constrain(logits, constraints, step, max_new_tokens, eos_id, history, pos)
@@ -58,9 +57,7 @@ def sample_loop(forward, last, cache, pos, rng, sampling, max_new_tokens, eos_id
         tok = jnp.where(done, pad_id, tok)
         logp = jnp.where(done, 0.0, logp)
         now_done = done | (tok == eos_id) if eos_id is not None else done
-        if history is not None:
-            history = history.at[rows, pos].set(tok, mode="drop")
-        return tok, logp, now_done, history
+        return tok, logp, now_done, recorded(history, pos, tok)
 
     rng, first = jax.random.split(rng)
     tok, logp, done, history = emit(last, first, jnp.zeros((b,), bool), 0, pos, history)
@@ -213,8 +210,7 @@ def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, 
     history [B, L]: as sample_loop's."""
     b, v = last.shape
     k = beam_width
-    if history is not None:
-        history = jnp.repeat(history, k, axis=0)  # [B*k, L]
+    history = jax.tree.map(lambda h: jnp.repeat(h, k, axis=0), history)  # [B*k, L] or None
     # every beam starts as a copy of its row; only beam 0 is live at first
     state = dict(cache=take_rows(cache, jnp.repeat(jnp.arange(b), k), n_kv),  # B k rows
                  logits=jnp.repeat(last, k, axis=0),  # [B*k, V]
@@ -241,10 +237,8 @@ def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, 
         flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
         cache = take_rows(state["cache"], flat_parent, n_kv)
         pos = jnp.take(state["pos"], flat_parent)
-        history = state["history"]
-        if history is not None:
-            history = jnp.take(history, flat_parent, axis=0).at[jnp.arange(b * k), pos].set(
-                tok.reshape(-1), mode="drop")
+        history = recorded(jax.tree.map(lambda h: jnp.take(h, flat_parent, axis=0),
+                                        state["history"]), pos, tok.reshape(-1))
         logits, cache = forward(tok.reshape(-1), pos, cache)
         return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,
                     length=length, pos=pos + 1, history=history), None

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
 from jaxformer.archs import ENCODER_DECODER
 from jaxformer.config import ModelConfig
 from jaxformer.hf.rope import cannot, unsupported
