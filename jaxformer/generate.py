@@ -62,13 +62,12 @@ def load_run(run_dir: str, *, best: bool = False, member: int | None = None):
     """(model, params, tokenizer) of a training run directory (a sweep's: adapter
     `member`'s)."""
     from jaxformer import lora
+    from jaxformer.archs import ENCODER_DECODER
     from jaxformer.data import load_tokenizer
     from jaxformer.model import Transformer
-    from jaxformer.models import model_for
-    from jaxformer.seq2seq_model import EncoderDecoder
 
     cfg, params = load_run_params(run_dir, best=best)
-    if isinstance(model_for(cfg.model), EncoderDecoder):
+    if cfg.model.arch == ENCODER_DECODER:
         raise ValueError(f"{run_dir} is an encoder-decoder (model.arch={cfg.model.arch}), which "
                          "continues no prompt; decode its sources with python -m "
                          f"jaxformer.experiments.translate --run {run_dir}")

@@ -7,10 +7,12 @@ import importlib.util
 import json
 
 import numpy as np
+import pytest
 import yaml
 
 from jaxformer import ModelConfig
 from jaxformer.data import DataConfig, load_dataset
+from jaxformer.generate import load_run
 from jaxformer.training import load_config, train
 from jaxformer.training.seq2seq import smoothed_cross_entropy
 from tests.conftest import REPO
@@ -96,6 +98,8 @@ def test_a_run_learns_to_translate(tmp_path):
         "optim.schedule=constant", "optim.warmup_steps=5", "optim.label_smoothing=0.1",
         "data.val_fraction=0.3", f"train.run_dir={tmp_path / 'r'}"]), log=lambda *a: None)
     assert summary["val_loss"] < 1.0, summary
+    with pytest.raises(ValueError, match="is an encoder-decoder .*experiments.translate --run"):
+        load_run(str(tmp_path / "r"))  # python -m jaxformer.generate's: it continues prompts
 
 
 def decoder_run(tmp_path):
