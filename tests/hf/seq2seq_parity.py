@@ -28,6 +28,17 @@ def hf_logits(model, source, mask, target):
                      decoder_input_ids=torch.tensor(target)).logits.numpy()
 
 
+def hf_greedy(model, source, mask, new, pad, **generate):
+    """transformers' greedy generate on a padded batch: (its first tokens [B], the new
+    tokens after them [B, new], padded after every row's EOS as ours)."""
+    with torch.no_grad():
+        theirs = model.generate(input_ids=torch.tensor(source),
+                                attention_mask=torch.tensor(mask), do_sample=False,
+                                num_beams=1, max_new_tokens=new, **generate).numpy()
+    return theirs[:, 0], np.pad(theirs[:, 1:], ((0, 0), (0, new + 1 - theirs.shape[1])),
+                                constant_values=pad)
+
+
 def check_family(model, folder, batch, *, pad, start, eos, new=6, **generate):
     """The transformers `model` saved and read by from_hf: its logits on `batch` within
     1e-5 relative of transformers'; its greedy tokens (seq2seq_generate) equal
@@ -43,14 +54,8 @@ def check_family(model, folder, batch, *, pad, start, eos, new=6, **generate):
                                         source_segment_ids=mask))
     assert np.abs(got - want).max() / scale < 1e-5
 
-    with torch.no_grad():
-        theirs = model.generate(input_ids=torch.tensor(source),
-                                attention_mask=torch.tensor(mask), do_sample=False,
-                                num_beams=1, max_new_tokens=new, min_new_tokens=0,
-                                **generate).numpy()
-    assert (theirs[:, 0] == start).all()
-    theirs = np.pad(theirs[:, 1:], ((0, 0), (0, new + 1 - theirs.shape[1])),
-                    constant_values=pad)  # pad after both EOS, as ours
+    first, theirs = hf_greedy(model, source, mask, new, pad, min_new_tokens=0, **generate)
+    assert (first == start).all()
     ours = seq2seq_generate(s2s, params, source, bos_id=start, eos_id=eos, pad_id=pad,
                             max_new_tokens=new, source_lengths=mask.sum(1))
     np.testing.assert_array_equal(np.asarray(ours.tokens), theirs)

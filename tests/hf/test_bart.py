@@ -15,7 +15,7 @@ from jaxformer.constraints import Constraints  # noqa: E402
 from jaxformer.convert import from_hf, generation_constraints  # noqa: E402
 from jaxformer.seq2seq_decoding import seq2seq_generate  # noqa: E402
 from jaxformer.seq2seq_model import EncoderDecoder  # noqa: E402
-from tests.hf.seq2seq_parity import check_family, padded_batch  # noqa: E402
+from tests.hf.seq2seq_parity import check_family, hf_greedy, padded_batch  # noqa: E402
 from tests.hf.test_families import redraw  # noqa: E402
 
 torch.set_num_threads(2)
@@ -94,11 +94,7 @@ def test_constrained_greedy_matches_transformers_generate(tmp_path):
     for eos_bias in (0.0, 3.0):
         with torch.no_grad():
             model.final_logits_bias[0, EOS] += eos_bias
-            theirs = model.generate(input_ids=torch.tensor(source), do_sample=False,
-                                    attention_mask=torch.tensor(mask), num_beams=1,
-                                    max_new_tokens=new).numpy()
-        theirs = np.pad(theirs[:, 1:], ((0, 0), (0, new + 1 - theirs.shape[1])),
-                        constant_values=PAD)
+        _, theirs = hf_greedy(model, source, mask, new, PAD)
         folder = tmp_path / str(eos_bias)
         model.save_pretrained(folder)
         cfg, params = from_hf(folder)
