@@ -131,7 +131,7 @@ def test_a_dpo_run_learns_the_chosen_answers(tmp_path):
     """An SFT run of two steps on the chosen answers, then DPO from it: the reward margin
     and the chosen-answer accuracy rise from 0 (the policy is the reference at step 1)
     on the train pairs and the held-out ones."""
-    records = sums(200)
+    records = sums(400)
     write_jsonl(tmp_path / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]}
                                         for r in records])
     write_jsonl(tmp_path / "pairs.jsonl", records)
@@ -142,11 +142,11 @@ def test_a_dpo_run_learns_the_chosen_answers(tmp_path):
     dpo = [a for a in RUN if not a.startswith("model.") or a.startswith("model.max_seq_len")]
     summary = train(load_config(None, [
         *dpo, cache, f"data.path={tmp_path / 'pairs.jsonl'}", "data.format=preference",
-        "objective.name=dpo", f"train.init_from={tmp_path / 'sft'}", "train.steps=20",
+        "objective.name=dpo", f"train.init_from={tmp_path / 'sft'}", "train.steps=40",
         "train.eval_every=100", "optim.lr=1e-2", "optim.schedule=constant",
         f"train.run_dir={tmp_path / 'dpo'}"]), log=lambda *a: None)
     steps = [r for r in read_metrics(tmp_path / "dpo") if "reward_margin" in r]
-    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert [r["step"] for r in steps] == list(range(1, 41))
     assert steps[0]["reward_margin"] == 0 and steps[0]["reward_accuracy"] == 0
     late = steps[-5:]
     assert np.mean([r["reward_margin"] for r in late]) > 0.1
