@@ -17,6 +17,7 @@ from jaxformer.quantize import CONTRACTED_AXES, EXPERTS
 from jaxformer.training.config import OptimConfig
 
 LATENT_UPS = ("key_up", "value_up")  # MLA's up-projections: [latent, heads, head_dim]
+STACKS = ("encoder", "decoder")  # an encoder-decoder's stacks: each holds blocks of its own
 
 
 def inverse_sqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):
@@ -55,9 +56,17 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(is_kernel, params)
 
 
+def block_key(names):
+    """The layer key (block_i, or a stacked run's) a param's path names sit under, or None
+    outside the blocks: at the top, or under an encoder-decoder's encoder/ or decoder/."""
+    key = names[1] if names[0] in STACKS and len(names) > 1 else names[0]
+    return key if key.startswith("block_") or is_stacked(key) else None
+
+
 def muon_dimensions(tree):
     """Muon's view of each param (or of each update, where optax.partition has masked the
-    others): MuonDimensionNumbers for a block's matrix, [(layers,) (experts,) in..., out...]
+    others): MuonDimensionNumbers for a block's matrix (a decoder's; an encoder-decoder's
+    encoder and decoder blocks', cross-attention too), [(layers,) (experts,) in..., out...]
     (a kernel, an expert stack, MLA's key_up / value_up; the attention output reads heads x
     head_dim), None for the rest (AdamW): embeddings, the LM head, norms, biases, position
     tables, sinks and LoRA's adapters."""
@@ -65,12 +74,11 @@ def muon_dimensions(tree):
         if isinstance(x, optax.MaskedNode):
             return x
         names = [str(getattr(k, "key", k)) for k in path]
-        leaf = names[-1]
-        in_block = names[0].startswith("block_") or is_stacked(names[0])
-        if not in_block or any("lora" in n for n in names) or \
+        leaf, layer = names[-1], block_key(names)
+        if layer is None or any("lora" in n for n in names) or \
                 leaf not in ("kernel", *EXPERTS, *LATENT_UPS):
             return None
-        lead = int(is_stacked(names[0])) + int(leaf in EXPERTS)  # batch axes: each its own
+        lead = int(is_stacked(layer)) + int(leaf in EXPERTS)  # batch axes: each its own
         contracted = CONTRACTED_AXES.get(names[-2], 1) if leaf == "kernel" else 1
         return MuonDimensionNumbers(tuple(range(lead, lead + contracted)),
                                     tuple(range(lead + contracted, x.ndim)))

@@ -136,3 +136,55 @@ def test_unknown_optimizer_is_one_line():
         OptimConfig(name="sgd")
     assert "optim.name='sgd'" in str(err.value) and "muon" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+SEQ2SEQ = {  # T5 v1.1's shape (untied head, one input table) and BART's (biases, post-LN)
+    "t5": dict(position="t5", norm="rmsnorm", ffn="geglu", use_bias=False, qkv_bias=False,
+               tie_embeddings=False, tie_source_embed=True),
+    "bart": dict(position="learned", norm="layernorm", block="post_ln", use_bias=True,
+                 qkv_bias=True, embed_norm=True, head_bias=True),
+}
+
+
+def muon_rule(names):
+    """Muon's matrices written from a param's path alone: a kernel of a layer (block_i, or a
+    stacked run) at the top or under encoder/ or decoder/ -> (lead axes, contracted axes):
+    the layer axis when stacked, the attention output's two input axes; else None."""
+    layer = names[1] if names[0] in ("encoder", "decoder") else names[0]
+    stacked = layer == "blocks"
+    if not (stacked or layer.startswith("block_")) or names[-1] != "kernel":
+        return None
+    return int(stacked), 2 if names[-2] == "out" else 1
+
+
+@pytest.mark.parametrize("model", list(SEQ2SEQ))
+def test_muon_updates_every_encoder_decoder_block_matrix(model):
+    """model.arch=encoder_decoder: one Muon step on random params and gradients equals the
+    float64 Newton-Schulz step on exactly the matrices of the encoder's and the decoder's
+    blocks (self- and cross-attention, FFN, by muon_rule from the paths) and float64 AdamW
+    on the rest (embeddings, head, norms, biases, position params)."""
+    cfg = ModelConfig(arch="encoder_decoder", vocab_size=32, d_model=16, d_ff=24, n_heads=2,
+                      n_layers=2, encoder_layers=1, max_seq_len=16, **SEQ2SEQ[model])
+    params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), jnp.float32),
+                          param_shapes(cfg))
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
+                         params)
+    tx, _ = make_optimizer(OptimConfig(name="muon", lr=LR, schedule="constant", warmup_steps=0,
+                                       weight_decay=WD, clip_norm=None), cfg, 10)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    matrices = set()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(new):
+        names = [k.key for k in path]
+        dims = muon_rule(names)
+        want = np_steps(leaf_of(params, names), [leaf_of(grads, names)], dims,
+                        decayed=names[-1] == "kernel")
+        np.testing.assert_allclose(np.asarray(leaf), want, rtol=2e-4, atol=2e-5,
+                                   err_msg="/".join(names))
+        if dims is not None:
+            matrices.add((names[0], names[-3], names[-2], dims))
+    for stack in ("encoder", "decoder"):  # the rule found every kind of matrix
+        assert {(stack, "attn", "query", (0, 1)), (stack, "attn", "out", (0, 2)),
+                (stack, "ffn", "wo", (0, 1))} <= matrices, matrices
+    assert {("decoder", "cross_attn", "key", (0, 1)),
+            ("decoder", "cross_attn", "out", (0, 2))} <= matrices, matrices
