@@ -71,6 +71,42 @@ def test_route_matches_the_definition(name):
     np.testing.assert_allclose(np.asarray(weights), want_w, rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("router", ["sigmoid", "softmax_topk"])
+def test_groups_exclude_experts_when_every_allowed_choice_is_negative(router):
+    """A selection bias below -1 makes every expert's choice score (a score in (0, 1) plus
+    the bias) negative: an expert outside a token's topk_groups best groups is still never
+    chosen (it is excluded at -inf; at 0 it would beat every allowed score), and the
+    experts and weights (from the unbiased scores) are the float64 definition's: groups
+    ranked by the sum of their best two biased scores (DeepSeek-V3), or by their best one
+    (the softmax router, its bias the balancing one)."""
+    m = MoEConfig(experts=16, top_k=4, router=router, groups=4, topk_groups=2, norm_topk=True,
+                  routed_scale=2.5, bias_update_rate=0.0 if router == "sigmoid" else 0.01)
+    assert m.has_score_bias
+    n = 40
+    logits = rng.normal(0, 2, (n, 16)).astype(np.float32)
+    bias = rng.uniform(-2.0, -1.05, 16).astype(np.float32)  # every choice score below 0
+    weights, experts, _ = route(jnp.asarray(logits), m, jnp.asarray(bias))
+    want_w, want_e = np_route(logits, m, bias)
+    np.testing.assert_array_equal(np.asarray(experts), want_e)
+    np.testing.assert_allclose(np.asarray(weights), want_w, rtol=2e-6, atol=1e-7)
+    choice = np_route_scores(logits, router) + bias  # [N, E], all negative
+    assert choice.max() < 0
+    grouped = np.sort(choice.reshape(n, 4, 4), -1)  # [N, G, E / G], ascending
+    group_score = grouped[..., -2:].sum(-1) if router == "sigmoid" else grouped[..., -1]
+    best = np.argsort(-group_score, -1)[:, :2]  # [N, topk_groups]
+    in_best = (np.asarray(experts)[:, :, None] // 4 == best[:, None, :]).any(-1)  # [N, k]
+    assert in_best.all(), np.argwhere(~in_best)
+
+
+def np_route_scores(logits, router: str):
+    """The router's per-expert scores in float64: sigmoid, or softmax over the experts."""
+    logits = logits.astype(np.float64)
+    if router == "sigmoid":
+        return 1 / (1 + np.exp(-logits))
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
 def test_the_score_bias_moves_the_choice_not_the_weights():
     m = MoEConfig(experts=8, top_k=2, router="sigmoid")
     logits = jnp.asarray(rng.normal(0, 1, (16, 8)).astype(np.float32))
@@ -179,14 +215,39 @@ def test_capacity_drops_exactly_the_overflow(factor):
     n, d, f, n_experts, k = 32, 8, 8, 4, 2
     x = rng.normal(0, 1, (n, d)).astype(np.float32)
     weights, experts = routing(n, n_experts, k)
-    experts[: n // 2, 0] = 1  # a popular expert, so its first choices overflow too
-    experts[: n // 2, 1] = np.where(experts[: n // 2, 1] == 1, 2, experts[: n // 2, 1])
+    popular = 3 * n // 4  # first choices on expert 1: more than its slots at every factor
+    experts[:popular, 0] = 1  # a popular expert, so its first choices overflow too
+    experts[:popular, 1] = np.where(experts[:popular, 1] == 1, 2, experts[:popular, 1])
     w = expert_weights(n_experts, d, f, True, False)
     y, dropped = capacity_dispatch(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
                                    jax.tree.map(jnp.asarray, w), FFNS["swiglu"],
                                    capacity_factor=factor)
     kept = np_kept(experts, n_experts, math.ceil(factor * n * k / n_experts))
     assert not kept.all()
+    np.testing.assert_allclose(np.asarray(y), np_moe(x, weights, experts, w, "swiglu", kept),
+                               rtol=1e-5, atol=1e-5)
+    assert float(dropped) == pytest.approx(1 - kept.mean())
+
+
+def test_capacity_rounds_a_fractional_share_up():
+    """factor x N x k / E not whole: each expert holds its ceiling in slots (not the
+    floor), so exactly the assignments past ceil(...) are dropped. Every token's first
+    choice is expert 1, which overflows; the kept ones are the rule's (np_kept)."""
+    k, n_experts, d, f = 2, 4, 8, 8
+    while True:  # a fresh size and factor whose share is at least 0.1 from a whole number
+        n, factor = int(rng.integers(20, 41)), float(rng.uniform(0.6, 1.4))
+        share = factor * n * k / n_experts
+        if 0.1 < share - math.floor(share) < 0.9:
+            break
+    x = rng.normal(0, 1, (n, d)).astype(np.float32)
+    weights = rng.uniform(0.1, 1, (n, k)).astype(np.float32)
+    experts = np.stack([np.ones(n), rng.choice([0, 2, 3], n)], 1).astype(np.int32)
+    w = expert_weights(n_experts, d, f, True, False)
+    y, dropped = capacity_dispatch(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
+                                   jax.tree.map(jnp.asarray, w), FFNS["swiglu"],
+                                   capacity_factor=factor)
+    kept = np_kept(experts, n_experts, math.ceil(share))
+    assert kept[:, 0].sum() == math.ceil(share) < n  # the overflow: ceil's slots exactly
     np.testing.assert_allclose(np.asarray(y), np_moe(x, weights, experts, w, "swiglu", kept),
                                rtol=1e-5, atol=1e-5)
     assert float(dropped) == pytest.approx(1 - kept.mean())
@@ -213,6 +274,30 @@ def test_balance_losses_match_their_formulas():
                              jnp.full((n_experts, n_experts), 1 / n_experts),
                              jnp.full(n_experts, 2.0))[0]
     assert float(uniform) == pytest.approx(1.0)  # 1 at perfect balance
+
+
+def test_balance_losses_under_the_sigmoid_router_normalise_each_tokens_scores():
+    """The sigmoid router's scores do not sum to 1 over the experts: the switch loss's p_e
+    is the mean over tokens of each token's scores divided by their sum (float64), with
+    DeepSeek-V3's groups and selection bias choosing the experts counted in f_e; and a
+    masked token (valid 0) counts in neither."""
+    n, n_experts, k = 48, 8, 2
+    m = MoEConfig(experts=n_experts, top_k=k, router="sigmoid", groups=2, topk_groups=1)
+    logits = rng.normal(0.5, 1.5, (n, n_experts)).astype(np.float32)
+    bias = rng.normal(0, 0.3, n_experts).astype(np.float32)
+    valid = (rng.random(n) < 0.75).astype(np.float32)
+    _, experts, scores = route(jnp.asarray(logits), m, jnp.asarray(bias))
+    load = expert_load(experts, n_experts, jnp.asarray(valid))
+    aux, z = balance_losses(jnp.asarray(logits), scores, load, jnp.asarray(valid))
+    sig = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    assert np.abs(sig.sum(-1) - 1).min() > 0.5  # far from a distribution
+    p = (sig / sig.sum(-1, keepdims=True))[valid > 0].mean(0)  # [E]
+    counts = np.bincount(np.asarray(experts)[valid > 0].ravel(), minlength=n_experts)
+    np.testing.assert_array_equal(np.asarray(load), counts)
+    want = n_experts * np.sum(counts / counts.sum() * p)
+    assert float(aux) == pytest.approx(want, rel=1e-5)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    assert float(z) == pytest.approx(np.mean(lse[valid > 0] ** 2), rel=1e-5)
 
 
 def test_balanced_bias_moves_toward_the_mean_load():
