@@ -6,16 +6,23 @@ errors for bad input."""
 import importlib.util
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import yaml
 
 from jaxformer import ModelConfig
 from jaxformer.data import DataConfig, load_dataset
+from jaxformer.data.completions import Records
+from jaxformer.data.seq2seq import pack_pairs, pairs_batch
 from jaxformer.generate import load_run
-from jaxformer.training import load_config, train
+from jaxformer.models import model_for
+from jaxformer.training import load_config, objectives, train
 from jaxformer.training.seq2seq import smoothed_cross_entropy
-from tests.conftest import REPO
+from jaxformer.training.step import init_state, make_train_step
+from tests.conftest import REPO, np_log_softmax
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
@@ -40,6 +47,67 @@ def test_label_smoothing_equals_float64_reference():
     q = (1 - e) * np.eye(v)[targets] + e / v
     want = -(q * logp).sum(-1)
     np.testing.assert_allclose(smoothed_cross_entropy(logits, targets, e), want, rtol=1e-5)
+
+
+def random_records(n, low, high, vocab):
+    """n records of random ids in [0, vocab), each of low to high tokens."""
+    lengths = rng.integers(low, high + 1, n)
+    tokens = rng.integers(0, vocab, int(lengths.sum())).astype(np.int32)
+    return Records(tokens, np.ones(len(tokens), np.uint8),
+                   np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+
+def test_the_step_follows_the_smoothed_loss_gradient():
+    """With plain SGD at lr 1000 the step moves each param by -1000 times its gradient: that
+    is jax.grad of a smoothed cross entropy written here from the model's logits (target
+    distribution (1 - e) one-hot + e / V, summed over the target tokens and divided by
+    their count), on packed pairs with padding, within float32 rounding of the params; the
+    unsmoothed gradient is far from it, and the loss logged is the plain cross entropy
+    (float64)."""
+    e, v = float(rng.uniform(0.1, 0.5)), 257
+    cfg = load_config(None, [*RUN, f"optim.label_smoothing={e}", "data.path=number_words",
+                              "model.max_seq_len=16"])
+    model, objective = model_for(cfg.model), objectives.build(cfg)
+    sources, targets = random_records(12, 1, 8, 256), random_records(12, 1, 7, 256)
+    bounds, _ = pack_pairs(sources, targets, 16)
+    batch = pairs_batch(sources, targets, bounds, np.arange(4), 16, end=256)
+    lr = 1000.0  # updates well above the params' float32 spacing
+    tx = optax.apply_if_finite(optax.sgd(lr), 10)
+    state = init_state(model, tx, int(rng.integers(1 << 30)))
+    params = jax.device_get(state.params)
+
+    def logits_of(p):
+        return model.apply({"params": p}, batch["sources"], batch["inputs"],
+                           source_segment_ids=batch["source_segment_ids"],
+                           target_segment_ids=batch["segment_ids"],
+                           source_positions=batch["source_positions"],
+                           target_positions=batch["positions"])
+
+    def reference_loss(p, smoothing):
+        logp = jax.nn.log_softmax(logits_of(p).astype(jnp.float32), -1)
+        q = (1 - smoothing) * jax.nn.one_hot(batch["targets"], v) + smoothing / v
+        mask = batch["loss_mask"]
+        return -jnp.sum(q * logp * mask[..., None]) / jnp.sum(mask)
+
+    grad = jax.jit(jax.grad(reference_loss))
+    want, plain = grad(params, e), grad(params, 0.0)
+    new, m = make_train_step(model, tx, lambda s: 1.0, objective=objective)(state, batch)
+    got = jax.tree.map(lambda a, b: (np.float64(a) - np.float64(b)) / lr,
+                       params, jax.device_get(new.params))
+    far, top = 0.0, max(np.abs(w).max() for w in jax.tree.leaves(want))
+    for (path, g), w, u, p in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                                  jax.tree.leaves(want), jax.tree.leaves(plain),
+                                  jax.tree.leaves(params)):
+        w, u, scale = np.asarray(w, np.float64), np.asarray(u, np.float64), np.abs(w).max()
+        rounding = np.spacing(np.float32(np.abs(p).max() + lr * scale)) / lr  # the new params'
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * scale + 1e-6 * top + rounding,
+                                   err_msg=jax.tree_util.keystr(path))
+        far = max(far, np.abs(u - w).max() / (scale + 1e-30))
+    assert far > 1e-2  # the smoothing moves the gradient: the check above can tell
+    logp = np_log_softmax(jax.jit(logits_of)(params))
+    nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    mask = batch["loss_mask"]
+    assert float(m["loss"]) == pytest.approx((nll * mask).sum() / mask.sum(), rel=1e-5)
 
 
 def words(n):
