@@ -87,6 +87,51 @@ def test_expanded_form_matches_float64_definition():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
+def test_absorbed_decode_scales_by_the_query_key_width_not_the_latents():
+    """With a latent wider than a head's query/key (kv_lora_rank 20 against nope + rope =
+    6 + 4), one MLA layer's cached steps (a chunk, then one token, both in the absorbed
+    form over the latent cache) and its expanded form give the float64 definition's
+    output, logits scaled by 1 / sqrt(nope + rope)."""
+    import flax.linen as nn
+    from jaxformer.kv_cache import EMPTY_SLOT
+    from jaxformer.masks import MaskRule
+    from jaxformer.mla_attention import MLAttention
+    wide = dict(q_lora_rank=16, kv_lora_rank=20, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                v_head_dim=8)
+    cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, position="rope",
+                      norm="rmsnorm", use_bias=False, max_seq_len=64, mla=wide)
+    m, t = cfg.mla, 9
+    assert m.kv_lora_rank not in (m.qk_head_dim, m.qk_head_dim - m.qk_rope_head_dim)
+    assert t < mla_attention.EXPANDED_PREFILL  # the chunk runs absorbed, as a step does
+    layer = MLAttention(cfg, impl="reference")
+    x = rng.standard_normal((2, t, cfg.d_model)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(t), (2, t)).astype(np.int32)
+    shapes = nn.unbox(jax.eval_shape(lambda: layer.init(
+        jax.random.key(0), x, jnp.asarray(pos), MaskRule(pos, pos))["params"]))
+    p = jax.tree_util.tree_map_with_path(  # fresh weights; the norms' scales in [0.5, 3]
+        lambda path, s: jnp.asarray(rng.uniform(0.5, 3, s.shape) if "scale" in str(path)
+                                    else rng.normal(0, 0.15, s.shape), jnp.float32), shapes)
+
+    @jax.jit
+    def run(p, x):
+        expanded = layer.apply({"params": p}, x, jnp.asarray(pos), MaskRule(pos, pos))
+        cache = {"k": jnp.zeros((2, t, m.qk_rope_head_dim)),
+                 "v": jnp.zeros((2, t, m.kv_lora_rank))}
+        slots = jnp.broadcast_to(jnp.where(jnp.arange(t) < t - 1, jnp.arange(t), EMPTY_SLOT),
+                                 (2, t))  # the last slot still empty
+        first, cache = layer.apply({"params": p}, x[:, :-1], pos[:, :-1],
+                                   MaskRule(pos[:, :-1], slots), cache=cache, cache_index=0)
+        last, _ = layer.apply({"params": p}, x[:, -1:], pos[:, -1:], MaskRule(pos[:, -1:], pos),
+                              cache=cache, cache_index=t - 1)
+        return expanded, jnp.concatenate([first, last], axis=1)
+
+    expanded, cached = run(p, x)
+    want = np_mla(cfg, p, x.astype(np.float64), pos, pos[:, None, :] <= pos[:, :, None])
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(expanded), want, rtol=1e-4, atol=1e-4 * scale)
+    np.testing.assert_allclose(np.asarray(cached), want, rtol=1e-4, atol=1e-4 * scale)
+
+
 @pytest.mark.parametrize("impl, scan, remat", [("chunked", False, "none"),
                                                ("blockwise", True, "full"),
                                                ("blockwise", True, "dots")])
