@@ -11,7 +11,7 @@ their row (jaxformer.hf.families).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from jaxformer.config import ModelConfig, RopeScaling
 from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
@@ -104,35 +104,38 @@ def layers_to_hf(cfg: ModelConfig, row) -> dict[str, Any]:
 
 def rope_per_type_from_hf(hf, get, max_len: int, defaults: dict, legacy: dict) -> dict:
     """layer type -> (theta, RopeScaling) for families whose rope_parameters are keyed by
-    layer type (Gemma 3, OLMo 3), with their legacy keys: a top-level theta per type (also
-    the theta of a keyed entry that has none, as the family's config class), and
-    rope_scaling (or a flat rope_parameters) for full-attention layers only."""
+    layer type (Gemma 3, OLMo 3), read as their transformers 5 config classes read it: each
+    type's entry of rope_parameters (missing or null: plain RoPE), a legacy rope_scaling
+    merged into the full-attention entry (its keys win), and a theta that an entry still
+    lacks from the type's top-level legacy key, else the type's default. Keys of
+    rope_parameters beside the types' entries (a flat rope_type, factor, rope_theta) are
+    not read: transformers builds these families' rotary embeddings from the entries alone."""
     params = hf.get("rope_parameters")
-    keyed = isinstance(params, dict) and params and all(isinstance(v, dict)
-                                                        for v in params.values())
+    if params is not None and not isinstance(params, Mapping):
+        raise unsupported("rope_parameters", params, "it must be a mapping")
+    params = params or {}
+    bad = sorted(k for k, v in params.items() if isinstance(v, Mapping) and k not in TYPES)
+    if bad:
+        raise unsupported("rope_parameters", bad, f"layer types are {', '.join(TYPES)}")
+    entries = {t: dict(params.get(t) or {"rope_type": "default"}) for t in TYPES}
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        if hf.get("rope_parameters") is not None and params.get("full_attention") is None:
+            raise unsupported("rope_scaling", scaling, "beside a rope_parameters without a "
+                              "full_attention entry (transformers cannot load it either)")
+        entries["full_attention"].update(scaling)
     thetas = dict(defaults)
     for key, kind_type in legacy.items():
         if key in hf:
             thetas[kind_type] = hf[key]
     out = {}
-    if keyed:
-        bad = sorted(set(params) - set(TYPES))
-        if bad:
-            raise unsupported("rope_parameters", bad, f"layer types are {', '.join(TYPES)}")
-        for kind_type in TYPES:
-            sub = params.get(kind_type) or {"rope_type": "default"}
-            if rotary_fraction({"rope_parameters": sub}, lambda k, d: d) != 1:
-                raise unsupported(f"rope_parameters.{kind_type}.partial_rotary_factor",
-                                  sub["partial_rotary_factor"], "RoPE per layer type rotates "
-                                  "every dimension of a head")
-            out[kind_type] = rope_from_hf({"rope_parameters": sub}, lambda k, t=kind_type:
-                                          thetas[t], max_len)
-        return out
-    flat = dict(hf.get("rope_scaling") or params or {})
-    full_theta = flat.pop("rope_theta", thetas["full_attention"])
-    out["full_attention"] = rope_from_hf({"rope_parameters": dict(flat, rope_theta=full_theta)},
-                                         get, max_len)
-    out["sliding_attention"] = (thetas["sliding_attention"], RopeScaling())
+    for kind_type, entry in entries.items():
+        entry.setdefault("rope_theta", thetas[kind_type])
+        if rotary_fraction({"rope_parameters": entry}, lambda k, d: d) != 1:
+            raise unsupported(f"rope_parameters.{kind_type}.partial_rotary_factor",
+                              entry["partial_rotary_factor"], "RoPE per layer type rotates "
+                              "every dimension of a head")
+        out[kind_type] = rope_from_hf({"rope_parameters": entry}, get, max_len)
     return out
 
 

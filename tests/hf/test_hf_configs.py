@@ -102,6 +102,34 @@ CASES = {
         sliding_window=w, rope_theta=theta(r),
         rope_parameters={"full_attention": dict(rope_type="default"),
                          "sliding_attention": dict(rope_type="default")})),
+    # rope_parameters flat (rope_type, factor, rope_theta at its top): transformers 5 builds
+    # Gemma 3's and OLMo 3's rotary embeddings from the per-type entries alone, which its
+    # config classes fill from the legacy keys and defaults, so the flat keys go unread
+    "gemma3-flat": ("gemma3_text", lambda r, n, w: dict(
+        head_dim=8, sliding_window=w, sliding_window_pattern=2,
+        rope_parameters=yarn(r, rope_type="yarn", rope_theta=theta(r)),
+        **({"rope_theta": theta(r), "rope_local_base_freq": theta(r)} if r.random() < 0.5
+           else {}))),
+    "olmo3-flat": ("olmo3", lambda r, n, w: dict(
+        sliding_window=w, rope_theta=theta(r),
+        rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=theta(r)))),
+    # flat keys beside the entries (what transformers' to_dict writes after reading a flat one)
+    "gemma3-flat-beside-keyed": ("gemma3_text", lambda r, n, w: dict(
+        head_dim=8, sliding_window=w, sliding_window_pattern=2, rope_parameters={
+            "rope_type": "linear", "factor": 8.0, "rope_theta": theta(r),
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=theta(r)),
+            "sliding_attention": None})),
+    # keyed rope_parameters beside a legacy rope_scaling: it updates the full-attention entry
+    "gemma3-keyed-beside-rope_scaling": ("gemma3_text", lambda r, n, w: dict(
+        head_dim=8, sliding_window=w, sliding_window_pattern=2, rope_local_base_freq=theta(r),
+        rope_scaling=yarn(r, rope_type="yarn"), rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=theta(r)),
+            "sliding_attention": dict(rope_type="linear", factor=3.0)})),
+    "olmo3-keyed-beside-rope_scaling": ("olmo3", lambda r, n, w: dict(
+        sliding_window=w, rope_theta=theta(r),
+        rope_scaling=dict(rope_type="linear", factor=float(r.uniform(2, 8))),
+        rope_parameters={"full_attention": dict(rope_type="default"),
+                         "sliding_attention": dict(rope_type="default", rope_theta=theta(r))})),
     # YaRN with mscale / mscale_all_dim: the attention factor is their ratio of
     # 0.1 mscale ln(factor) + 1 (both needed; an attention_factor wins over them)
     "llama-yarn-4.x": ("llama", lambda r, n, w: dict(
@@ -189,7 +217,8 @@ def hf_model(d, folder):
     return model
 
 
-@pytest.mark.parametrize("name", ["qwen2-max_window_layers", "gemma3-legacy-linear"])
+@pytest.mark.parametrize("name", ["qwen2-max_window_layers", "gemma3-legacy-linear",
+                                  "gemma3-keyed-beside-rope_scaling"])
 def test_hand_written_config_logits_match_transformers(name, tmp_path):
     """A model of a hand-written config.json (windows shorter than the 12 tokens) gives
     transformers' logits within 1e-5 relative."""
@@ -222,6 +251,24 @@ def test_gemma_norm_epsilon_placement_shows_in_the_logits(tmp_path):
         attn_implementation="eager").eval()
     small.load_state_dict(model.state_dict())
     assert rel_err(hf_logits(small, tokens), want) > 1e-2  # eps matters here
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo3"])
+def test_rope_scaling_beside_a_rope_parameters_without_a_full_attention_entry(model_type,
+                                                                              tmp_path):
+    """A legacy rope_scaling updates rope_parameters' full_attention entry; beside a
+    rope_parameters without one (flat, or keyed for sliding layers alone) transformers'
+    config class cannot load the file, and jaxformer refuses it in one line."""
+    scaling = dict(rope_type="linear", factor=float(rng.uniform(2, 8)))
+    for params in (dict(rope_type="linear", factor=2.0, rope_theta=theta(rng)),
+                   {"sliding_attention": dict(rope_type="default", rope_theta=theta(rng))}):
+        d = dict(BASE, model_type=model_type, num_hidden_layers=2, head_dim=8, sliding_window=4,
+                 rope_scaling=scaling, rope_parameters=params)
+        with pytest.raises(KeyError, match="full_attention"):
+            transformers.AutoConfig.from_pretrained(write(tmp_path / "hf", d))
+        with pytest.raises(ConfigError, match="rope_scaling=.* without a full_attention") as e:
+            config_from_hf(d)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("rope", [
