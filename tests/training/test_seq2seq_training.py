@@ -150,6 +150,39 @@ def test_batches_pack_pairs_on_both_sides(tmp_path):
     assert seen > 4  # rows hold several pairs
 
 
+def test_training_draws_every_packed_row(tmp_path):
+    """Pairs whose sources each fill more than half of seq_len pack one to a row, in
+    order: over 60 steps of 8 rows every train row is drawn (the last one included), each
+    at least a third of its expected 480 / n times; a batch is a pure function of (seed,
+    step), and a process's slice of rows is that slice of the whole batch."""
+    n = int(rng.integers(5, 10))
+    records = [{"source": f"{i:02d}" + words(1) * 4, "target": words(1)}
+               for i in range(n + 1)]
+    for r in records:
+        r["source"] = (r["source"] + "x" * 16)[:int(rng.integers(9, 17))]
+    data = load_dataset(DataConfig(path=str(write_pairs(tmp_path / "p.jsonl", records)),
+                                   format="seq2seq", val_fraction=1 / (n + 1),
+                                   cache_dir=str(tmp_path / "c")),
+                        vocab_size=257, log=lambda *a: None)
+    sources = [bytes(s.tolist()).decode() for s in np.split(data.train[0].tokens,
+                                                            data.train[0].offsets[1:-1])]
+    assert len(sources) == n and len(data.packed("train", 16)) == n + 1  # a pair a row
+    seed, drawn = int(rng.integers(1 << 30)), []
+    for step in range(60):
+        batch = data.train_batch(seed=seed, step=step, batch_size=8, seq_len=16)
+        assert (batch["source_segment_ids"].max(1) == 1).all()
+        drawn += [bytes(row[row > 0].tolist()).decode() for row in batch["sources"]]
+    counts = np.array([drawn.count(s) for s in sources])
+    assert counts.sum() == 480 and (counts >= 480 / n / 3).all(), (counts, sources)
+    step = int(rng.integers(1000))
+    batch = data.train_batch(seed=seed, step=step, batch_size=8, seq_len=16)
+    again = data.train_batch(seed=seed, step=step, batch_size=8, seq_len=16)
+    part = data.train_batch(seed=seed, step=step, batch_size=8, seq_len=16, rows=slice(2, 5))
+    for k in batch:
+        np.testing.assert_array_equal(again[k], batch[k])
+        np.testing.assert_array_equal(part[k], batch[k][2:5])
+
+
 def test_a_run_learns_to_translate(tmp_path):
     """60 steps on a letter cipher (abcd -> wxyz, 1 to 4 letters): the val cross entropy
     per target token falls well below what a model blind to the source can reach (its
