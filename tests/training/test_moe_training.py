@@ -130,6 +130,44 @@ def test_the_gradient_is_the_cross_entropys_plus_the_balancing_losses(rng):
         assert dropped > 0  # 128 assignments to 4 experts of 32 slots: unless all get 32
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_penalty_is_the_mean_over_several_sparse_layers(rng, scan):
+    """Three sparse layers of four (layers 0, 2, 3; scanned, as the runs [0], [1] dense,
+    [2, 3]): the train loss per token (loss_sums) is the mean cross entropy plus aux_loss x
+    the mean over the sparse layers of each one's switch loss E sum_e f_e p_e, plus z_loss x
+    the mean of their z-losses (not the sums), each layer's from its own router logits and
+    choices (the hooks) in float64."""
+    from jaxformer.training.step import loss_sums
+    aux_loss, z_loss = 0.5, 0.05
+    mcfg, model, _, _ = moe_setup("model.n_layers=4", "model.moe.layers=[0,2,3]",
+                                  f"model.moe.aux_loss={aux_loss}", f"model.moe.z_loss={z_loss}",
+                                  f"model.scan_layers={str(scan).lower()}")
+    assert model.cfg.sparse_layers == (True, False, True, True)
+    params = jax.device_get(init_state(model, optax.sgd(1.0), int(rng.integers(1 << 30))).params)
+    batch = jax.tree.map(jnp.asarray, random_batch(rng, mcfg.vocab_size, 2, keep=0.8))
+
+    @jax.jit
+    def ours(params):
+        total, count = loss_sums(model, params, batch)
+        return total / count, router_cache(model, params, batch["inputs"])
+
+    loss, (logits, routers) = ours(params)
+    mask = np.asarray(batch["loss_mask"], np.float64)
+    nll = np.sum(np_nll(logits, batch["targets"]) * mask) / mask.sum()
+    assert sorted(routers) == [0, 2, 3]
+    aux, z = [], []
+    for rl, idx in routers.values():
+        rl, idx = np.asarray(rl, np.float64), np.asarray(idx)
+        p = np.exp(rl - rl.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        f = np.bincount(idx.ravel(), minlength=E) / idx.size
+        aux.append(E * np.sum(f * p.mean(0)))
+        lse = np.log(np.exp(rl).sum(-1))
+        z.append(np.mean(lse ** 2))
+    want = nll + aux_loss * np.mean(aux) + z_loss * np.mean(z)
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+
+
 def skewed_state(model, tx, rng, favourite=2.0):
     """A fresh state whose routers send most tokens to expert 0: router kernels of std
     1 / sqrt(d) (varied choices) and a router bias of `favourite` on expert 0."""
