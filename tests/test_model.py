@@ -521,6 +521,31 @@ def test_scan_equals_loop(position):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, params))
 
 
+def test_stack_and_unstack_keep_the_order_of_more_than_ten_runs():
+    """Twelve layers, dense and sparse alternating, scan as twelve runs blocks_0 ..
+    blocks_11 (past ten, where names ordered as text put blocks_10 before blocks_2):
+    stack_layers gives the scanned model's params (names, structure, shapes, dtypes), each
+    run holding its own layer, and unstack_layers(stack_layers(p)) is p, every layer's
+    values back in its place."""
+    from jaxformer import param_shapes
+    cfg = small(n_layers=12, d_model=16, n_heads=2, ffn="swiglu",
+                moe=dict(experts=2, top_k=1, d_ff=8, layers=list(range(1, 12, 2))))
+    runs = cfg.layer_runs
+    assert [tuple(r) for r in runs] == [(f"blocks_{i}", i, i + 1) for i in range(12)]
+    params = jax.tree.map(lambda s: np.asarray(rng.standard_normal(s.shape), s.dtype),
+                          param_shapes(cfg))  # fresh values: every layer's its own
+    stacked = stack_layers(params, cfg.n_layers)
+    described = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+    assert described(stacked) == described(param_shapes(cfg.replace(scan_layers=True)))
+    for r in runs:
+        assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a[0], b),
+                                         stacked[r.name], params[f"block_{r.start}"]))
+    back = unstack_layers(stacked)
+    assert sorted(back) == sorted(params)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert jax.tree.all(jax.tree.map(np.array_equal, back, params))
+
+
 @pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_gives_equal_gradients(remat, scan):
