@@ -31,9 +31,13 @@ def main(argv: list[str]) -> int:
     from jaxformer.training import TrainingStopped, load_config, train
     from jaxformer.training.checkpoint import CheckpointError
     from jaxformer.training.lock import RunDirInUse
+    from jaxformer.training.supervise import supervised
 
     try:
         cfg = load_config(path, overrides)
+        status = supervised(cfg)  # several processes: training runs in a child
+        if status is not None:
+            return status
         train(cfg)
     except (ConfigError, DataError, TrainingStopped, CheckpointError, RunDirInUse) as e:
         print(f"error: {e}", file=sys.stderr)

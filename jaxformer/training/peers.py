@@ -11,10 +11,17 @@ a blocked collective cannot be unwound. Process 0 goes last: the coordination se
 lives in it, and the others' JAX clients abort the moment it is gone.
 
 A process that leaves training (done, or on its own error) says so in its key, and is
-no longer watched. Process 0 itself lost is not caught here: jaxlib's client ends the
-others at once with its own abort (exit 134), and in jax 0.10.2 its Python hook for that
-(missed_heartbeat_callback) cannot be used (it fails with std::bad_cast). Either way the
-checkpoints hold: a save in flight is still in orbax's temporary directory, no step.
+no longer watched. An error first waits for the watch (`linger`): with one device per
+process a collective does not hang when a peer dies, it fails at once ("Gloo all-reduce
+failed ... Connection reset by peer"), well before the peer's silence can be noticed;
+leaving then would stop the watch, and the process would hang in JAX's shutdown barrier
+until JAX's own heartbeat aborted it. The wait ends as soon as every peer has beaten
+since the error (the error is this process's own), or when the watch names a lost one.
+
+Process 0 itself lost is caught by the parent process that train.py runs a multi-process
+training under (training/supervise.py): jaxlib's client aborts the others at once, before
+this watch can speak. Either way the checkpoints hold: a save in flight is still in orbax's temporary
+directory, no step.
 """
 
 from __future__ import annotations
@@ -50,10 +57,11 @@ class PeerWatch:
     DistributedRuntimeClient (key_value_set / key_value_try_get / key_value_dir_get)."""
 
     def __init__(self, client, process: int, count: int, heartbeat_s: float,
-                 checkpoints: pathlib.Path, *, clock=time.monotonic, exit=os._exit):
+                 checkpoints: pathlib.Path, *, clock=time.monotonic, sleep=time.sleep,
+                 exit=os._exit):
         self.client, self.process, self.count = client, process, count
         self.heartbeat_s, self.checkpoints = heartbeat_s, pathlib.Path(checkpoints)
-        self.clock, self.exit = clock, exit
+        self.clock, self.sleep, self.exit = clock, sleep, exit
         self.beats = 0
         self.seen: dict[int, tuple[str | None, float]] = {}  # peer: (last value, since)
         self.stopping = threading.Event()
@@ -102,6 +110,26 @@ class PeerWatch:
                 return peer
         return None
 
+    def beats_of_peers(self) -> dict[str, str] | None:
+        """Every peer's key as it is now; None when the coordinator cannot be reached."""
+        try:
+            return dict(self.client.key_value_dir_get(PREFIX))
+        except Exception:
+            return None
+
+    def linger(self):
+        """On this process's own error, before it leaves: return once every peer still
+        training has beaten since (none is lost), or after 2 x heartbeat_s; meanwhile the
+        watch thread ends the process if it finds a lost peer (see the module's docstring)."""
+        before, deadline = self.beats_of_peers(), self.clock() + 2 * self.heartbeat_s
+        peers = [PREFIX + str(p) for p in range(self.count) if p != self.process]
+        while self.clock() < deadline:
+            self.sleep(self.heartbeat_s / 8)
+            now = self.beats_of_peers()
+            if before is not None and now is not None and all(
+                    now.get(k) == DONE or now.get(k) != before.get(k) for k in peers):
+                return
+
     def leave(self, missing: int):
         """Print the line and end this process; process 0 first gives the others a few
         beats to read LOST_KEY (they cannot once it, and the coordinator, are gone)."""
@@ -124,5 +152,8 @@ def watch_peers(run_dir, heartbeat_s: float):
     watch.start()
     try:
         yield watch
+    except Exception:
+        watch.linger()  # a collective failed: perhaps because a peer is gone
+        raise
     finally:
         watch.stop()

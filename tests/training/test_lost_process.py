@@ -1,7 +1,8 @@
-"""A lost process: of two processes on localhost, one is SIGKILLed mid-run; the other
-stops within 30 s with one line naming it and the newest intact checkpoint step (exit
-3), and the same command rerun on both resumes there with the uninterrupted run's
-losses. And the watch's own logic, with a fake key-value store and clock."""
+"""A lost process: of two processes on localhost, one is SIGKILLed mid-run (in a step or
+in a save; two devices per process or one; the coordinator too); the other stops within
+30 s with one line naming it and the newest intact checkpoint step (exit 3), and the same
+command rerun on both resumes there with the uninterrupted run's losses. And the watch's
+and the supervisor's own logic, with a fake key-value store and clock."""
 
 import contextlib
 import os
@@ -19,7 +20,8 @@ from jaxformer.config import ConfigError
 from jaxformer.training import load_config
 from jaxformer.training.checkpoint import damage, write_manifest
 from jaxformer.training.metrics import read_metrics
-from jaxformer.training.peers import DONE, EXIT_LOST, LOST_KEY, PREFIX, PeerWatch
+from jaxformer.training import supervise
+from jaxformer.training.peers import DONE, EXIT_LOST, LOST_KEY, PREFIX, PeerWatch, lost_line
 from tests.conftest import REPO, xla_flags
 
 STEPS, EVERY = 24, 2
@@ -41,8 +43,8 @@ def _free_port(rng):
     raise RuntimeError("no free port")
 
 
-def launch(tmp_path, run, port, seed):
-    """Both processes of a 2 x 2-device run, as every host would start it."""
+def launch(tmp_path, run, port, seed, devices=2):
+    """Both processes of a 2 x `devices`-device run, as every host would start it."""
     common = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
               "train.seq_len=32", "train.batch_size=4", f"train.steps={STEPS}",
               "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1",
@@ -51,7 +53,7 @@ def launch(tmp_path, run, port, seed):
               f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path / 'cache'}",
               f"train.run_dir={run}", f"distributed.coordinator_address=localhost:{port}",
               "distributed.num_processes=2", "distributed.heartbeat_s=3"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=xla_flags(devices=2))
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=xla_flags(devices=devices))
     return [subprocess.Popen([sys.executable, "train.py", *common, f"distributed.process_id={i}"],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True) for i in range(2)]
@@ -83,36 +85,53 @@ def logged_step(run):
         return 0
 
 
-def test_killed_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_path, rng):
+def saving(run) -> bool:
+    """Whether a checkpoint save is in flight (orbax writes it in a temporary directory)."""
+    with contextlib.suppress(FileNotFoundError):
+        return any("tmp" in p.name for p in (run / "checkpoints").iterdir())
+    return False
+
+
+def kill_one(tmp_path, rng, *, devices, victim, during):
+    """Start a 2 x `devices`-device run, SIGKILL process `victim` once step 3 x EVERY + 1
+    is logged ("step") or at the first save in flight after it ("save"), and check the
+    survivor: within 30 s, exit 3 and one last line naming the victim and the newest
+    intact step, no stack trace. Returns (seed, run dir, that step)."""
     words = ["def", "return", "self", "import", "class", "for", "in", "if", "None", "x"]
     (tmp_path / "corpus.txt").write_text(
         "\n".join(" ".join(rng.choice(words, size=6)) for _ in range(600)))
     seed, run = int(rng.integers(1000)), tmp_path / "run"
-    port = _free_port(rng)
-    procs = launch(tmp_path, run, port, seed)
+    procs = launch(tmp_path, run, _free_port(rng), seed, devices)
     deadline = time.time() + 240
     while logged_step(run) < 3 * EVERY + 1 and time.time() < deadline \
             and procs[0].poll() is None:
         time.sleep(0.05)
-    procs[1].send_signal(signal.SIGKILL)
+    while during == "save" and not saving(run) and time.time() < deadline:
+        time.sleep(0.001)
+    procs[victim].send_signal(signal.SIGKILL)
     killed_at = time.time()
-    (p0, _, err0), (p1, _, _) = finish(procs, timeout=30)
-    assert p1.returncode == -signal.SIGKILL
-    assert p0.returncode == EXIT_LOST, err0[-3000:]
+    outs = finish(procs, timeout=30)
+    (gone, _, _), (survivor, _, err) = outs[victim], outs[1 - victim]
+    assert gone.returncode == -signal.SIGKILL
+    assert survivor.returncode == EXIT_LOST, err[-3000:]
     assert time.time() - killed_at < 30
-    lines = err0.strip().splitlines()
-    found = LINE.fullmatch(lines[-1])  # the last line, and C++'s stack traces nowhere
-    assert found, err0[-3000:]
-    assert "stack trace" not in err0 and "Traceback" not in err0, err0[-3000:]
+    found = LINE.fullmatch(err.strip().splitlines()[-1])  # the last line, and C++'s
+    assert found, err[-3000:]                               # stack traces nowhere
+    assert "stack trace" not in err and "Traceback" not in err, err[-3000:]
     missing, step, where = int(found[1]), int(found[2]), found[3]
-    assert missing == 1 and pathlib.Path(where) == run
+    assert missing == victim and pathlib.Path(where) == run
     # the step named is the newest whole one: intact, and every newer directory not a step
     assert step % EVERY == 0 and step < STEPS and damage(run / "checkpoints" / str(step)) is None
     newer = [p for p in (run / "checkpoints").iterdir()
              if p.name.isdigit() and int(p.name) > step]
     assert all(damage(p) is not None for p in newer), newer
+    return seed, run, step
 
+
+def test_killed_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_path, rng):
+    seed, run, step = kill_one(tmp_path, rng, devices=2, victim=1, during="step")
     before = len(read_metrics(run))  # the killed run's records; the rerun's follow
+    port = _free_port(rng)
     (r0, out0, e0), (r1, _, e1) = finish(launch(tmp_path, run, port, seed), timeout=300)
     assert r0.returncode == 0 and r1.returncode == 0, (e0[-3000:], e1[-3000:])
     assert f"resumed from {run}/checkpoints/{step}" in out0
@@ -128,6 +147,15 @@ def test_killed_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
     assert {r["step"] for r in logged} == set(want)
     for r in logged:  # exactly: the same programs on the same devices
         assert r["loss"] == want[r["step"]], (r, want[r["step"]])
+
+
+@pytest.mark.parametrize("devices, victim, during", [(1, 1, "save"), (1, 0, "step")],
+                         ids=["one-device-each-killed-in-a-save", "the-coordinator-killed"])
+def test_a_lost_process_is_named_in_every_layout(tmp_path, rng, devices, victim, during):
+    """With one device per process a collective fails at once when a peer dies (it does
+    not hang), and process 0's death aborts the others inside jaxlib: both still end in
+    the one line."""
+    kill_one(tmp_path, rng, devices=devices, victim=victim, during=during)
 
 
 # ---- the watch's logic, without processes ------------------------------------------------
@@ -210,3 +238,59 @@ def test_the_line_names_the_newest_whole_step(tmp_path, capfd):
 def test_heartbeat_setting_is_checked():
     with pytest.raises(ConfigError, match=r"^distributed.heartbeat_s=0.5 must be >= 1$"):
         load_config(None, ["distributed.heartbeat_s=0.5"])
+
+
+def test_an_error_waits_for_the_watch_only_while_a_peer_is_silent(tmp_path, rng):
+    """linger: returns once every peer still training has beaten since the error (the
+    error is this process's own), and stays while one is silent, for the watch to name it."""
+    count, heartbeat = 3, float(rng.integers(2, 10))
+    store, clock = FakeStore(), Clock()
+    watch = PeerWatch(store, 1, count, heartbeat, tmp_path, clock=clock, exit=None)
+    store.kv.update({PREFIX + "0": "7", PREFIX + "2": "3"})
+    beating = [0, 2]
+
+    def sleep(seconds):  # the peers in `beating` beat as time passes
+        clock.now += seconds
+        for p in beating:
+            store.kv[PREFIX + str(p)] = str(int(store.kv[PREFIX + str(p)]) + 1)
+
+    watch.sleep = sleep
+    start = clock.now
+    watch.linger()
+    assert clock.now - start <= heartbeat / 8 + 1e-9  # one beat of each: at once
+    beating[:] = [0]  # process 2 silent: the whole wait, 2 x heartbeat
+    start = clock.now
+    watch.linger()
+    assert 2 * heartbeat <= clock.now - start <= 2 * heartbeat + heartbeat / 8 + 1e-9
+    store.kv[PREFIX + "2"] = DONE  # left training: not waited for
+    start = clock.now
+    watch.linger()
+    assert clock.now - start <= heartbeat / 8 + 1e-9
+
+
+NOISE = (b"W1128 21:40:03.158860    7815 preemption_sync_manager.cc:147] Failed to retrieve "
+         b"preemption notice from coordination service: UNAVAILABLE\n")
+
+
+@pytest.mark.parametrize("process", [1, 2])
+def test_jax_abort_becomes_the_line_naming_the_lost_process(tmp_path, process):
+    """supervise.verdict on what a child left held when it ended."""
+    def verdict(rc, held):
+        return supervise.verdict(rc, held, process, 3, 4.0, tmp_path)
+
+    abort = NOISE + b"F1128 client.h:80] " + supervise.ABORT + b". absl::Status: UNAVAILABLE: " \
+        b"Failed to send RPC to coordination service. Either the leader task died\n" \
+        b"*** Check failure stack trace: ***\n    @ 0x7f58 absl::LogMessage::SendToLog()\n"
+    line = lost_line(0, 3, 4.0, tmp_path.absolute() / "checkpoints")
+    assert verdict(-signal.SIGABRT, abort) == ((line + "\n").encode(), EXIT_LOST)
+    other = 2 if process == 1 else 1  # the service names a task that stopped beating
+    named = abort.replace(b"Either the leader task died",
+                          b"Task %d heartbeat timeout" % other)
+    line = lost_line(other, 3, 4.0, tmp_path.absolute() / "checkpoints")
+    assert verdict(-signal.SIGABRT, named) == ((line + "\n").encode(), EXIT_LOST)
+    own = NOISE + (line + "\n").encode()  # the child's own line (peers.py) after the noise
+    assert verdict(EXIT_LOST, own) == ((line + "\n").encode(), EXIT_LOST)
+    crash = b"Traceback (most recent call last):\nValueError: bad\n"  # not a lost process
+    assert verdict(1, crash) == (crash, 1)
+    assert verdict(-signal.SIGKILL, NOISE) == (NOISE, 128 + signal.SIGKILL)
+    assert verdict(-signal.SIGABRT, NOISE) == (NOISE, 128 + signal.SIGABRT)
