@@ -105,6 +105,30 @@ def test_a_request_longer_than_max_seq_len_loses_its_left_end_as_in_lm_evals_hf(
     assert [m[1] for m in mine] == [r[1] for r in ref]
 
 
+def test_generate_until_keeps_a_long_contexts_last_tokens_as_lm_evals_hf(exported, rng):
+    """Contexts longer than max_seq_len - max_gen_toks keep their last tokens (lm-eval's
+    `hf` model left-truncates to that room): the greedy continuations are the `hf` model's
+    of the export. The contexts are lines counting on from random words, the last one
+    unfinished, so a context cut elsewhere ends on another word, from which the model
+    (it learned to count) goes on."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from jaxformer.eval import JaxformerLM
+    run, hf = exported
+    ours, theirs = JaxformerLM(str(run), batch_size=4), HFLM(pretrained=str(hf),
+                                                            dtype="float32", device="cpu")
+    gen = int(rng.integers(4, 9))
+    texts = ["\n".join(" ".join(WORDS[(s + i) % 12] for i in range(int(rng.integers(3, 9))))
+                       for s in rng.integers(0, 12, 10)) for _ in range(6)]
+    assert all(len(ours.tok_encode(t)) > 32 - gen for t in texts)  # each one truncated
+    requests = [Instance("generate_until", {}, (t, {"until": ["zzz"], "max_gen_toks": gen}), i)
+                for i, t in enumerate(texts)]
+    mine = ours.generate_until(requests, disable_tqdm=True)
+    assert mine == theirs.generate_until(requests, disable_tqdm=True)
+    assert any(m.strip() for m in mine)  # the model goes on counting somewhere
+
+
 def test_an_unknown_run_dir_is_one_line_naming_what_it_wants(tmp_path, capsys, monkeypatch):
     from jaxformer.eval.__main__ import main
     assert main([str(tmp_path / "nothing"), "--tasks", "jaxformer_choice"]) == 2
