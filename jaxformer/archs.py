@@ -33,8 +33,6 @@ def check_encoder_decoder(cfg) -> None:
         (cfg.tie_embeddings and cfg.tie_source_embed, "model.tie_source_embed=true unties "
          "nothing with tie_embeddings=true (source, target and head are one table already); "
          "drop it"),
-        (cfg.scan_layers, "model.scan_layers=true is not supported with model.arch="
-         f"{ENCODER_DECODER} yet; set scan_layers=false"),
         (cfg.mla.on, f"model.mla (latent attention) is not supported with model.arch="
          f"{ENCODER_DECODER}; set model.mla.kv_lora_rank=0"),
         (any(k.window is not None for k in cfg.kinds), "a sliding window (model.sliding_window "

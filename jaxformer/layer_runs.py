@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 _STACKED = re.compile(r"blocks(_\d+)?")
+_LAYER = re.compile(r"block_\d+")
+_STACKS = ("encoder", "decoder")  # an encoder-decoder's stacks: each has layers of its own
 
 
 class Run(NamedTuple):
@@ -51,9 +53,21 @@ def locate(layer_runs: Sequence[Run], i: int) -> tuple[str, int]:
     raise IndexError(f"layer {i} is in none of the runs {[tuple(r) for r in layer_runs]}")
 
 
+def _has_stacks(params) -> bool:
+    """Whether params are an encoder-decoder's: its layers under encoder/ and decoder/."""
+    return all(n in params for n in _STACKS)
+
+
 def stack_layers(params, n_layers: int):
     """Per-layer params {block_0, ..., block_{L-1}} -> stacked runs {blocks: [L, ...]} (or
-    {blocks_0: [L0, ...], blocks_1: ...} where consecutive layers' structures differ)."""
+    {blocks_0: [L0, ...], blocks_1: ...} where consecutive layers' structures differ). An
+    encoder-decoder's are stacked in each of encoder/ and decoder/ (the decoder's n_layers
+    layers, and every block_i the encoder holds)."""
+    if _has_stacks(params):
+        encoder = params["encoder"]
+        n_encoder = sum(_LAYER.fullmatch(n) is not None for n in encoder)
+        return {**params, "encoder": stack_layers(encoder, n_encoder),
+                "decoder": stack_layers(params["decoder"], n_layers)}
     params = dict(params)
     missing = [f"block_{i}" for i in range(n_layers) if f"block_{i}" not in params]
     if missing:
@@ -68,7 +82,9 @@ def stack_layers(params, n_layers: int):
 
 def unstack_layers(params):
     """Stacked runs {blocks: [L, ...]} (or blocks_0, blocks_1, ...) -> per-layer
-    {block_0, ..., block_{L-1}}."""
+    {block_0, ..., block_{L-1}}; an encoder-decoder's in each of encoder/ and decoder/."""
+    if _has_stacks(params):
+        return {**params, **{n: unstack_layers(params[n]) for n in _STACKS}}
     params = dict(params)
     names = sorted((n for n in params if is_stacked(n)),
                    key=lambda n: -1 if n == "blocks" else int(n[7:]))

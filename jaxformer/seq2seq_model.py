@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxformer import kv_cache
+from jaxformer.archs import ENCODER_DECODER
 from jaxformer.attention import dense_init
 from jaxformer.cross_attention import Memory
 from jaxformer.kinds import BLOCKS, REMATS
@@ -40,6 +41,39 @@ def arange_like(tokens, start=0):
     """Positions start, start + 1, ... for each row of tokens [B, T]."""
     b, t = tokens.shape
     return jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def stack_blocks(cfg, deterministic: bool, impl: str, cross: bool):
+    """A stack's Blocks as the config runs them (rematerialised and/or scanned), each with
+    its params' name: one per layer (block_i), or with scan_layers one nn.scan per run of
+    alike layers (cfg.layer_runs: blocks, or blocks_0, blocks_1, ...) over the layers'
+    params and caches, the rest (positions, masks, bias, the memory and its mask)
+    broadcast to every layer. No layer kind is passed: every layer runs the first, as in
+    the per-layer loop."""
+    remat = REMATS[cfg.remat]
+    block = nn.remat(Block, policy=remat.policy, prevent_cse=not cfg.scan_layers) \
+        if remat.on else Block
+    if not cfg.scan_layers:
+        return [(f"block_{i}", block(cfg, deterministic, impl=impl, sparse=sparse, cross=cross,
+                                     name=f"block_{i}"))
+                for i, sparse in enumerate(cfg.sparse_layers)]
+    axes = (nn.broadcast,) * 3 + (0, nn.broadcast, 0, nn.broadcast, nn.broadcast)
+    return [(run.name, nn.scan(block, variable_axes={"params": 0, "moe": 0},
+                               split_rngs={"params": True, "dropout": True},
+                               metadata_params={nn.PARTITION_NAME: "layers"},
+                               in_axes=axes,  # positions, mask, bias, cache, index, kind id,
+                               length=run.length)  # memory, cross mask
+             (cfg, deterministic, scanned=True, impl=impl, sparse=cfg.sparse_layers[run.start],
+              cross=cross, name=run.name)) for run in cfg.layer_runs]
+
+
+def layer_stacks(cfg):
+    """Each stack of layers in a model's params: (its path's prefix, the config whose
+    layer_runs it scans); an encoder-decoder's encoder/ and decoder/, another model's
+    top level."""
+    if cfg.arch != ENCODER_DECODER:
+        return (((), cfg),)
+    return ((("encoder",), cfg.stack("encoder")), (("decoder",), cfg))
 
 
 class Stack(Transformer):
@@ -67,16 +101,14 @@ class Stack(Transformer):
         mask = MaskRule(positions, k_positions, segment_ids, k_segments, causal=c.causal,
                         is_causal=c.causal and cache is None)
         bias = self.position_bias(impl, t, cache, positions, k_positions)
-        block = nn.remat(Block, policy=REMATS[c.remat].policy) if REMATS[c.remat].on else Block
-        for i, sparse in enumerate(c.sparse_layers):
-            layer = block(c, deterministic, impl=impl, sparse=sparse, cross=self.cross,
-                          name=f"block_{i}")
+        for name, layer in stack_blocks(c, deterministic, impl, self.cross):
             if layers is None:
                 x = layer(x, positions, mask, bias, None, None, None, memory, cross_rule)
+                x = x[0] if c.scan_layers else x  # a scan's (carry, per-layer None)
             else:
-                x, new = layer(x, positions, mask, bias, layers[f"block_{i}"], index, None,
-                               memory, cross_rule)
-                layers = {**layers, f"block_{i}": new}
+                x, new = layer(x, positions, mask, bias, layers[name], index, None, memory,
+                               cross_rule)
+                layers = {**layers, name: new}
         if cache is not None:
             cache = kv_cache.advanced(cache, layers, k_positions, t)
         if not self.cross:

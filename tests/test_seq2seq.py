@@ -10,6 +10,9 @@ import pytest
 
 from jaxformer.config import ModelConfig
 from jaxformer.hooks import session
+from jaxformer.layer_runs import stack_layers, unstack_layers
+from jaxformer.models import param_shapes
+from jaxformer.seq2seq_decoding import seq2seq_generate
 from jaxformer.seq2seq_model import EncoderDecoder
 from jaxformer.validation import ConfigError
 
@@ -152,7 +155,6 @@ def test_a_target_position_depends_on_its_past_and_its_whole_source_segment(rng)
 
 def test_encoder_decoder_settings_it_cannot_run_are_one_line():
     for overrides, words in (({"block": "parallel"}, "model.block=parallel"),
-                             ({"scan_layers": True}, "model.scan_layers"),
                              ({"sliding_window": 4}, "sliding window"),
                              ({"arch": "decoder"}, "model.encoder_layers=1"),
                              ({"tie_source_embed": True}, "unties nothing with tie_embeddings"),
@@ -163,3 +165,86 @@ def test_encoder_decoder_settings_it_cannot_run_are_one_line():
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="model.arch='seq'"):
         config(arch="seq")
+
+
+# ---- scan_layers: each stack scanned ------------------------------------------------
+
+SHAPES = {  # T5 v1.1's (relative buckets, RMSNorm, GEGLU, untied head) and BART's (post-LN)
+    "t5": dict(position="t5", norm="rmsnorm", ffn="geglu", use_bias=False, qkv_bias=False,
+               tie_embeddings=False, tie_source_embed=True, attn_scale=1.0),
+    "bart": dict(position="learned", norm="layernorm", block="post_ln", embed_norm=True,
+                 head_bias=True),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_scanned_stacks_equal_the_layer_loop(shape, rng):
+    """scan_layers=true on stack_layers' params (3 encoder layers, 2 decoder layers): the
+    logits of a padded batch equal the per-layer model's, and the cached greedy decode (the
+    cross-attention's keys and values kept in the stacked cache) gives its tokens and
+    log-probs."""
+    cfg = config(n_layers=2, encoder_layers=3, **SHAPES[shape])
+    params = random_params(cfg, rng, std=0.3)
+    scanned, stacked = EncoderDecoder(cfg.replace(scan_layers=True)), stack_layers(params, 2)
+    src, tgt, src_seg, tgt_seg = padded_batch(rng)
+    want = EncoderDecoder(cfg).apply({"params": params}, src, tgt, source_segment_ids=src_seg,
+                                     target_segment_ids=tgt_seg)
+    got = scanned.apply({"params": stacked}, src, tgt, source_segment_ids=src_seg,
+                        target_segment_ids=tgt_seg)
+    real = tgt_seg > 0  # float32 sums of a few dozen terms of size ~1, taken in another order
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,
+                               atol=1e-5)
+    run = dict(bos_id=1, max_new_tokens=5, source_lengths=src_seg.sum(1))
+    loop = seq2seq_generate(EncoderDecoder(cfg), params, src, **run)
+    scan = seq2seq_generate(scanned, stacked, src, **run)
+    np.testing.assert_array_equal(np.asarray(scan.tokens), np.asarray(loop.tokens))
+    np.testing.assert_allclose(np.asarray(scan.logprobs), np.asarray(loop.logprobs), atol=1e-5)
+
+
+def count_equations(jaxpr, primitive: str) -> int:
+    """How many times `primitive` is written in a jaxpr, its inner jaxprs (a scan's body,
+    once) included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == primitive
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    n += count_equations(inner, primitive)
+    return n
+
+
+def test_scanned_forward_does_not_grow_with_depth():
+    """The scanned forward's program (its jaxpr: what XLA compiles) holds one scan per stack
+    and as many matmuls at 6 layers as at 2; the per-layer loop's grow 3-fold."""
+    def program(layers, scan):
+        cfg = config(n_layers=layers, encoder_layers=layers, scan_layers=scan,
+                     **SHAPES["t5"])
+        tokens = jnp.zeros((2, 5), jnp.int32)
+        apply = lambda p: EncoderDecoder(cfg).apply({"params": p}, tokens, tokens)  # noqa: E731
+        return jax.make_jaxpr(apply)(param_shapes(cfg)).jaxpr
+
+    dots = {(n, scan): count_equations(program(n, scan), "dot_general")
+            for n in (2, 6) for scan in (False, True)}
+    assert dots[2, True] == dots[6, True] < dots[2, False] < dots[6, False] / 2.5, dots
+    assert count_equations(program(6, True), "scan") == 2  # the encoder's, the decoder's
+
+
+def test_stack_layers_round_trips_an_encoder_decoder(rng):
+    """stack_layers puts each stack's layers on a leading axis in order (the scanned
+    model's param tree: encoder 3 layers, decoder 2) and unstack_layers gives the
+    per-layer params back exactly."""
+    cfg = config(n_layers=2, encoder_layers=3, **SHAPES["bart"])
+    params = random_params(cfg, rng)
+    stacked = stack_layers(params, cfg.n_layers)
+    shapes = param_shapes(cfg.replace(scan_layers=True))
+    assert jax.tree.structure(stacked) == jax.tree.structure(shapes)
+    assert jax.tree.all(jax.tree.map(lambda x, s: x.shape == s.shape, stacked, shapes))
+    for stack, n in (("encoder", 3), ("decoder", 2)):
+        for i in range(n):
+            layer = jax.tree.map(lambda x, i=i: x[i], stacked[stack]["blocks"])
+            assert jax.tree.all(jax.tree.map(np.array_equal, layer, params[stack][f"block_{i}"]))
+    back = unstack_layers(stacked)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert jax.tree.all(jax.tree.map(np.array_equal, back, params))

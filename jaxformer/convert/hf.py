@@ -23,6 +23,7 @@ from jaxformer.hf.folder import INDEX, WEIGHTS, Path, by_path
 from jaxformer.layer_runs import is_stacked, locate
 from jaxformer.lora import LoRAConfig
 from jaxformer.models import param_shapes
+from jaxformer.seq2seq_model import layer_stacks
 
 
 def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str = "half",
@@ -108,9 +109,10 @@ def param_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
     """path (per-layer form) -> the param as a NumPy array, after checking the tree against
     the config; a stacked param is sliced on its device, one layer at a time."""
     flat = by_path(params)
-    stacked = any(is_stacked(p[0]) for p in flat)
+    stacks = layer_stacks(cfg)  # (path prefix, its config): encoder/ and decoder/ or the top
+    stacked = any(is_stacked(p[len(prefix)]) for p in flat for prefix, _ in stacks
+                  if p[:len(prefix)] == prefix)
     expected = by_path(param_shapes(cfg.replace(scan_layers=stacked)))
-    runs = cfg.layer_runs
     show = lambda ps: ", ".join("/".join(p) for p in ps[:6])  # noqa: E731
     missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
     if missing or extra:
@@ -122,9 +124,11 @@ def param_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
                              f"implies {list(expected[p].shape)}")
 
     def get(path: Path) -> np.ndarray:
-        if stacked and path[0].startswith("block_"):
-            name, j = locate(runs, int(path[0][6:]))
-            return np.asarray(flat[(name,) + path[1:]][j])
+        for prefix, stack in stacks if stacked else ():
+            n = len(prefix)
+            if path[:n] == prefix and path[n].startswith("block_"):
+                name, j = locate(stack.layer_runs, int(path[n][6:]))
+                return np.asarray(flat[prefix + (name,) + path[n + 1:]][j])
         return np.asarray(flat[path])
 
     return get

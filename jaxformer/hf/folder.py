@@ -24,6 +24,7 @@ from safetensors import safe_open
 from jaxformer.config import ModelConfig
 from jaxformer.hf.config_json import config_from_hf, model_type_row
 from jaxformer.models import param_shapes
+from jaxformer.seq2seq_model import layer_stacks
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -216,7 +217,8 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
         names = _resolve(reader, rules, row, folder)
         loaders = _leaf_loaders(rules, reader, names)
         if scan_layers:
-            loaders = _stacked(loaders, cfg.layer_runs)
+            for prefix, stack in layer_stacks(cfg):  # the top level, or encoder/ and decoder/
+                loaders = _stacked(loaders, stack.layer_runs, prefix)
         expected = by_path(param_shapes(cfg))
         assert set(loaders) == set(expected), (sorted(loaders), sorted(expected))
         if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
@@ -247,15 +249,19 @@ def _leaf_loaders(rules, reader: SafetensorsReader, names) -> dict[Path, Callabl
             for i, rule in enumerate(rules) for j, path in enumerate(rule.ours)}
 
 
-def _stacked(loaders: dict[Path, Callable], runs) -> dict[Path, Callable]:
-    """block_i/... loaders -> blocks/... loaders stacking each run's layers (host memory:
-    one stacked param at a time)."""
-    out = {path: load for path, load in loaders.items() if not path[0].startswith("block_")}
+def _stacked(loaders: dict[Path, Callable], runs, prefix: Path = ()) -> dict[Path, Callable]:
+    """prefix/block_i/... loaders -> prefix/blocks/... loaders stacking each run's layers
+    (host memory: one stacked param at a time)."""
+    n = len(prefix)
+    layer = lambda path: path[n] if path[:n] == prefix else ""  # noqa: E731
+    out = {path: load for path, load in loaders.items() if not layer(path).startswith("block_")}
     for run in runs:
         for path in loaders:
-            if path[0] == f"block_{run.start}":
-                out[(run.name,) + path[1:]] = lambda rest=path[1:], run=run: np.stack(
-                    [loaders[(f"block_{i}",) + rest]() for i in range(run.start, run.stop)])
+            if layer(path) == f"block_{run.start}":
+                out[prefix + (run.name,) + path[n + 1:]] = \
+                    lambda rest=path[n + 1:], run=run: np.stack(
+                        [loaders[prefix + (f"block_{i}",) + rest]()
+                         for i in range(run.start, run.stop)])
     return out
 
 
