@@ -72,7 +72,7 @@ def evaluate(eval_step, params, tokens, docs, cfg: RunConfig, place=lambda b: b,
     docs, or of `data` (a loaded dataset) when given (this process reads its `rows` of
     each; `place` makes them global arrays). A mixture (data.mixture): each source's as
     val_loss/NAME, and val_loss their mean under the mixture's weights. An objective's
-    metrics (training/objectives.py) as val_NAME."""
+    metrics (training/objectives.py) as val_NAME; val_ppl where the loss has a perplexity."""
     extra = {}  # an objective's metrics' means
 
     def mean_loss(batches):
@@ -96,11 +96,19 @@ def evaluate(eval_step, params, tokens, docs, cfg: RunConfig, place=lambda b: b,
         each = {}
         loss = mean_loss(data.eval_batches if data is not None else
                          functools.partial(eval_batches, tokens, docs))
-    out = {"val_loss": float(np.mean(loss)), "val_ppl": math.exp(min(float(np.mean(loss)), 50.0))}
+    out = {"val_loss": float(np.mean(loss))}
+    if objectives.has_perplexity(cfg):  # not DPO's: a loss per pair of answers
+        out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
     out.update({k: float(np.mean(v)) for k, v in {**each, **extra}.items()})
     if np.ndim(loss):
         out["val_losses"] = [float(x) for x in loss]
     return out
+
+
+def val_text(ev) -> str:
+    """An evaluation's loss, and its perplexity where it has one, for the log."""
+    ppl = f", val_ppl {ev['val_ppl']:.2f}" if "val_ppl" in ev else ""
+    return f"val_loss {ev['val_loss']:.4f}{ppl}"
 
 
 def _progress(total, initial, enabled):
@@ -255,8 +263,7 @@ class _Run:
                 if self.can_eval and step % t.eval_every == 0 and step < t.steps:
                     eval_t0 = time.perf_counter()
                     ev = self.evaluate_and_keep_best(step)
-                    self.log(f"step {step}: val_loss {ev['val_loss']:.4f}, "
-                             f"val_ppl {ev['val_ppl']:.2f}")
+                    self.log(f"step {step}: {val_text(ev)}")
                     self.window["t0"] += time.perf_counter() - eval_t0  # tokens/s: training
                 if step % every == 0:
                     self.ckpt.save(step, self.state, self.cfg.model)
@@ -331,8 +338,7 @@ class _Run:
         elif self.can_eval:
             ev = self.evaluate_and_keep_best(end_step)
             summary.update(ev)
-            log(f"final: val_loss {ev['val_loss']:.4f} (val_ppl {ev['val_ppl']:.2f}) "
-                f"at step {end_step}")
+            log(f"final: {val_text(ev)} at step {end_step}")
         if not stopped_early and cfg.train.sample_tokens and len(cfg.model.lora.members()) == 1 \
                 and cfg.model.causal:  # an encoder generates nothing
             sample = translation_text if isinstance(self.model, EncoderDecoder) else sample_text

@@ -21,6 +21,9 @@ the init_from weights that the loop passes to each step (it is never trained).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,18 +129,36 @@ class Preference:
         return {k: sums[k] / count for k in METRICS}
 
 
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """One objective.name: build(cfg), its step hooks from the RunConfig (None: step.py's
+    LM loss), and perplexity, whether its validation loss is a mean per-token cross
+    entropy whose exp is a perplexity (the run logs val_ppl); DPO's is a loss per pair of
+    answers, and its validation logs that loss and the pairs' rewards (val_reward_*)."""
+    build: Callable
+    perplexity: bool
+
+
+OBJECTIVES = {  # objective.name -> its entry; grpo's checks its reward now, before the data
+    "lm": Objective(lambda cfg: None, perplexity=True),
+    "mlm": Objective(MaskedLM.of, perplexity=True),  # the masked tokens' cross entropy
+    "dpo": Objective(lambda cfg: Preference(cfg.objective), perplexity=False),
+    "grpo": Objective(GroupPolicy, perplexity=True),  # the val answers' cross entropy
+}
+
+
 def build(cfg):
-    """The objective for cfg.objective (a RunConfig's): None for lm (step.py's own loss);
-    grpo's (training/grpo_step.py) checks its reward now, before the data loads; an
-    encoder-decoder's (model.arch=encoder_decoder) is training/seq2seq.py's."""
-    name = cfg.objective.name
+    """The objective for cfg.objective (a RunConfig's): its OBJECTIVES entry's; an
+    encoder-decoder's (model.arch=encoder_decoder, objective.name=lm) is
+    training/seq2seq.py's."""
     if cfg.model.arch == ENCODER_DECODER:
         return Seq2Seq(cfg.optim.label_smoothing)
-    if name == "grpo":
-        return GroupPolicy(cfg)
-    if name == "mlm":
-        return MaskedLM.of(cfg)
-    return Preference(cfg.objective) if name == "dpo" else None
+    return OBJECTIVES[cfg.objective.name].build(cfg)
+
+
+def has_perplexity(cfg) -> bool:
+    """Whether the run's validation loss has a perplexity (Objective.perplexity)."""
+    return OBJECTIVES[cfg.objective.name].perplexity
 
 
 def needs_reference(cfg) -> bool:

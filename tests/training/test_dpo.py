@@ -130,7 +130,8 @@ RUN = ["model.preset=tiny", "model.d_model=32", "model.n_layers=2", "model.n_hea
 def test_a_dpo_run_learns_the_chosen_answers(tmp_path):
     """An SFT run of two steps on the chosen answers, then DPO from it: the reward margin
     and the chosen-answer accuracy rise from 0 (the policy is the reference at step 1)
-    on the train pairs and the held-out ones."""
+    on the train pairs and the held-out ones. Its evaluation logs the held-out pairs' DPO
+    loss and rewards, and no perplexity (the exp of a loss per pair is none)."""
     records = sums(400)
     write_jsonl(tmp_path / "sft.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]}
                                         for r in records])
@@ -140,11 +141,12 @@ def test_a_dpo_run_learns_the_chosen_answers(tmp_path):
                              "data.format=prompt_completion", "train.steps=2",
                              f"train.run_dir={tmp_path / 'sft'}"]), log=lambda *a: None)
     dpo = [a for a in RUN if not a.startswith("model.") or a.startswith("model.max_seq_len")]
+    lines = []
     summary = train(load_config(None, [
         *dpo, cache, f"data.path={tmp_path / 'pairs.jsonl'}", "data.format=preference",
         "objective.name=dpo", f"train.init_from={tmp_path / 'sft'}", "train.steps=40",
-        "train.eval_every=100", "optim.lr=1e-2", "optim.schedule=constant",
-        f"train.run_dir={tmp_path / 'dpo'}"]), log=lambda *a: None)
+        "train.eval_every=20", "optim.lr=1e-2", "optim.schedule=constant",
+        f"train.run_dir={tmp_path / 'dpo'}"]), log=lambda *a: lines.append(" ".join(a)))
     steps = [r for r in read_metrics(tmp_path / "dpo") if "reward_margin" in r]
     assert [r["step"] for r in steps] == list(range(1, 41))
     assert steps[0]["reward_margin"] == 0 and steps[0]["reward_accuracy"] == 0
@@ -153,6 +155,13 @@ def test_a_dpo_run_learns_the_chosen_answers(tmp_path):
     assert np.mean([r["reward_accuracy"] for r in late]) > 0.7
     assert np.mean([r["loss"] for r in late]) < np.log(2) - 0.03
     assert summary["val_reward_margin"] > 0.1 and summary["val_reward_accuracy"] > 0.7
+    evals = [r for r in read_metrics(tmp_path / "dpo") if "val_loss" in r]
+    assert [r["step"] for r in evals] == [20, 40]
+    assert evals[-1]["val_loss"] == summary["val_loss"]  # the held-out pairs' DPO loss
+    assert all("val_reward_accuracy" in r for r in evals)
+    assert not any("ppl" in k for r in read_metrics(tmp_path / "dpo") for k in r)
+    assert "val_ppl" not in summary and not any("val_ppl" in x for x in lines)
+    assert any(x.startswith("final: val_loss") for x in lines)
 
 
 def fake_run(tmp_path):
