@@ -32,6 +32,9 @@ class Tracker:
         # a resumed online run already holds the steps it logged before the resume; the
         # resumed run may log some again (those after its checkpoint): W&B refuses them
         self.first_step = run.step
+        # the exception the caller was handling when the run started (train() called in
+        # an except block), not one of the run's own
+        self.outer = sys.exc_info()[1]
 
     def log(self, record: dict) -> None:
         step = int(record["step"])
@@ -46,9 +49,10 @@ class Tracker:
         self.run.log(flat, step=step)
 
     def finish(self) -> None:
-        """Marks the W&B run failed when called while an exception is propagating (an
-        ExitStack callback sees it), finished otherwise."""
-        self.run.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
+        """Marks the W&B run failed when called while an exception raised since the run
+        started is propagating (an ExitStack callback sees it), finished otherwise."""
+        failing = sys.exc_info()[1]
+        self.run.finish(exit_code=1 if failing is not None and failing is not self.outer else 0)
 
 
 def start(cfg, run_dir, lead: bool = True) -> Tracker | None:

@@ -1,17 +1,20 @@
 """W&B tracking (train.wandb): an offline W&B run holds metrics.jsonl's records at their
 steps and the resolved config, a resumed run continues the same W&B run, and without the
-wandb package the run stops at once with one line naming the extra. The W&B files are
+wandb package the run stops at once with one line naming the extra, and a run that raises
+marks its W&B run failed (exit code 1; a fake wandb module records it). The W&B files are
 read by wandb's own transaction-log reader (`wandb leet inspect --json`)."""
 
+import importlib.machinery
 import json
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 
 from jaxformer.config import ConfigError
-from jaxformer.training import load_config, train, tracking
+from jaxformer.training import load_config, loop, train, tracking
 from jaxformer.training.metrics import read_metrics
 from tests.conftest import REPO
 from tests.training.test_loop import config, corpus  # noqa: F401 (a fixture)
@@ -145,3 +148,55 @@ def test_tracker_flattens_lists_and_skips_steps_the_run_holds(rng):
     tracker.log({"step": 5, "loss": float(np.mean(losses)), "losses": losses})
     assert run.logged == [(5, {"step": 5, "loss": float(np.mean(losses)),
                                **{f"losses/{i}": x for i, x in enumerate(losses)}})]
+
+
+class RecordingRun(FakeRun):
+    """A wandb Run that records finish()'s exit code (None: finish() without one)."""
+
+    id = "recorded"
+
+    def __init__(self):
+        super().__init__(step=0)
+        self.exit_codes = []
+
+    def finish(self, exit_code=None, **kwargs):
+        self.exit_codes.append(exit_code)
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A wandb module whose init() returns a RecordingRun; the runs it made, in order."""
+    runs = []
+    module = types.ModuleType("wandb")
+    module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec finds it
+    module.init = lambda **kwargs: runs.append(RecordingRun()) or runs[-1]
+    module.Settings = lambda **kwargs: kwargs
+    module.errors = types.SimpleNamespace(Error=type("Error", (Exception,), {}))
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return runs
+
+
+def test_a_failed_run_marks_its_wandb_run_failed(corpus, tmp_path, fake_wandb,  # noqa: F811
+                                                 monkeypatch, rng):
+    """An exception raised inside training (reading step k's batch) reaches the caller,
+    and the W&B run finishes with exit code 1; runs that end normally finish with 0, also
+    one started while the caller handles an exception of its own."""
+    steps, bad = 2, int(rng.integers(0, 2))
+    train(config(corpus, tmp_path / "ok", f"train.steps={steps}", *RUN), log=lambda *a: None)
+    read = loop._Run.batch_at
+
+    def failing(self, step):
+        if step == bad:
+            raise RuntimeError("the data went away")
+        return read(self, step)
+    with monkeypatch.context() as m:
+        m.setattr(loop._Run, "batch_at", failing)
+        with pytest.raises(RuntimeError, match="the data went away"):
+            train(config(corpus, tmp_path / "bad", f"train.steps={steps}", *RUN),
+                  log=lambda *a: None)
+    try:
+        raise KeyError("the caller's own")
+    except KeyError:
+        train(config(corpus, tmp_path / "inside", f"train.steps={steps}", *RUN),
+              log=lambda *a: None)
+    assert [r.exit_codes for r in fake_wandb] == [[0], [1], [0]]
