@@ -143,6 +143,9 @@ SEQ2SEQ = {  # T5 v1.1's shape (untied head, one input table) and BART's (biases
                tie_embeddings=False, tie_source_embed=True),
     "bart": dict(position="learned", norm="layernorm", block="post_ln", use_bias=True,
                  qkv_bias=True, embed_norm=True, head_bias=True),
+    "t5 scanned": dict(position="t5", norm="rmsnorm", ffn="geglu", use_bias=False,
+                       qkv_bias=False, tie_embeddings=False, tie_source_embed=True,
+                       scan_layers=True),
 }
 
 
@@ -161,8 +164,9 @@ def muon_rule(names):
 def test_muon_updates_every_encoder_decoder_block_matrix(model):
     """model.arch=encoder_decoder: one Muon step on random params and gradients equals the
     float64 Newton-Schulz step on exactly the matrices of the encoder's and the decoder's
-    blocks (self- and cross-attention, FFN, by muon_rule from the paths) and float64 AdamW
-    on the rest (embeddings, head, norms, biases, position params)."""
+    blocks (self- and cross-attention, FFN, by muon_rule from the paths; per layer where
+    scanned) and float64 AdamW on the rest (embeddings, head, norms, biases, position
+    params)."""
     cfg = ModelConfig(arch="encoder_decoder", vocab_size=32, d_model=16, d_ff=24, n_heads=2,
                       n_layers=2, encoder_layers=1, max_seq_len=16, **SEQ2SEQ[model])
     params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), jnp.float32),
@@ -183,8 +187,9 @@ def test_muon_updates_every_encoder_decoder_block_matrix(model):
                                    err_msg="/".join(names))
         if dims is not None:
             matrices.add((names[0], names[-3], names[-2], dims))
-    for stack in ("encoder", "decoder"):  # the rule found every kind of matrix
-        assert {(stack, "attn", "query", (0, 1)), (stack, "attn", "out", (0, 2)),
-                (stack, "ffn", "wo", (0, 1))} <= matrices, matrices
-    assert {("decoder", "cross_attn", "key", (0, 1)),
-            ("decoder", "cross_attn", "out", (0, 2))} <= matrices, matrices
+    lead = int(cfg.scan_layers)  # the rule found every kind of matrix
+    for stack in ("encoder", "decoder"):
+        assert {(stack, "attn", "query", (lead, 1)), (stack, "attn", "out", (lead, 2)),
+                (stack, "ffn", "wo", (lead, 1))} <= matrices, matrices
+    assert {("decoder", "cross_attn", "key", (lead, 1)),
+            ("decoder", "cross_attn", "out", (lead, 2))} <= matrices, matrices
