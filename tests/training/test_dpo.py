@@ -14,7 +14,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jaxformer import ModelConfig, Transformer, lora
 from jaxformer.data import DataConfig, load_dataset
 from jaxformer.training import load_config, train
-from jaxformer.training.config import ObjectiveConfig, OptimConfig
+from jaxformer.training import objectives
+from jaxformer.training.config import OBJECTIVES as OBJECTIVE_NAMES, ObjectiveConfig, OptimConfig
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.objectives import Preference
 from jaxformer.training.optim import make_optimizer
@@ -162,6 +163,10 @@ def test_a_dpo_run_learns_the_chosen_answers(tmp_path):
     assert not any("ppl" in k for r in read_metrics(tmp_path / "dpo") for k in r)
     assert "val_ppl" not in summary and not any("val_ppl" in x for x in lines)
     assert any(x.startswith("final: val_loss") for x in lines)
+
+
+def test_every_objective_name_has_an_entry_in_the_objectives_table():
+    assert set(objectives.OBJECTIVES) == set(OBJECTIVE_NAMES)
 
 
 def fake_run(tmp_path):
