@@ -165,8 +165,9 @@ class _Run:
     def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, lead: bool, log, cleanup):
         self.cfg, self.run_dir, self.lead, self.log = cfg, run_dir, lead, log
         t, mcfg = cfg.train, cfg.model
-        objective = objectives.build(cfg)  # None: the LM loss
+        objectives.build(cfg)  # a bad objective (grpo's reward) refused before the data loads
         self.data, self.can_eval = load_run_data(cfg, run_dir, lead, log)
+        objective = objectives.build(cfg, self.data.tokenizer)  # None: the LM loss
         self.model = model = model_for(mcfg)  # the Transformer, or the EncoderDecoder
         tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
         mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, context=cfg.mesh.context,

@@ -1,8 +1,10 @@
 """objective.name=mlm: the masked language model of BERT (Devlin et al. 2019), for
 model.arch=encoder.
 
-Each step chooses objective.mask_rate of a row's tokens (each non-padding token alone, with
-that probability, as Hugging Face's DataCollatorForLanguageModeling does); of the chosen,
+Each step chooses objective.mask_rate of a row's tokens (each token alone, with that
+probability, as Hugging Face's DataCollatorForLanguageModeling does), never padding nor the
+tokenizer's end-of-text id (the document separator: BERT never masks its special tokens,
+and the collator skips them too); of the chosen,
 80% become the mask id, 10% a random token (uniform over the vocabulary without the mask
 id) and 10% stay as they are. The loss is the cross entropy of the original token at the
 chosen positions only, their mean. The corruption is drawn inside the jitted step from the
@@ -35,6 +37,13 @@ def mask_id_of(objective_cfg, model_cfg) -> int:
     return model_cfg.vocab_size - 1 if objective_cfg.mask_id is None else objective_cfg.mask_id
 
 
+def eligible_positions(tokens, segment_ids, eot_id: int | None):
+    """bool [B, T]: the positions of tokens int32 [B, T] that may be chosen: not padding
+    (segment id 0) and not the end-of-text id (None: the tokenizer has none)."""
+    eligible = jnp.ones(tokens.shape, bool) if segment_ids is None else segment_ids > 0
+    return eligible if eot_id is None else eligible & (tokens != eot_id)
+
+
 def corrupt(key, tokens, eligible, *, rate: float, mask_id: int, vocab_size: int):
     """BERT's corruption of tokens int32 [B, T]: (the corrupted tokens, the chosen
     positions bool [B, T]). eligible bool [B, T]: the positions that may be chosen (not
@@ -57,18 +66,19 @@ class MaskedLM:
     rate: float
     mask_id: int
     vocab_size: int
+    eot_id: int | None = None  # the tokenizer's end-of-text, never chosen
 
     @classmethod
-    def of(cls, cfg) -> "MaskedLM":
-        """The objective of a RunConfig (its objective and model sections)."""
+    def of(cls, cfg, tokenizer=None) -> "MaskedLM":
+        """The objective of a RunConfig (its objective and model sections) and the data's
+        tokenizer (its eot_id; None: no end-of-text to skip)."""
         return cls(cfg.objective.mask_rate, mask_id_of(cfg.objective, cfg.model),
-                   cfg.model.vocab_size)
+                   cfg.model.vocab_size, getattr(tokenizer, "eot_id", None))
 
     def terms(self, model, params, batch, key, dropout_rng=None):
         """(summed cross entropy at the chosen positions, their count, {})."""
         tokens = batch["inputs"]
-        seg = batch.get("segment_ids")
-        eligible = jnp.ones(tokens.shape, bool) if seg is None else seg > 0
+        eligible = eligible_positions(tokens, batch.get("segment_ids"), self.eot_id)
         inputs, chosen = corrupt(key, tokens, eligible, rate=self.rate, mask_id=self.mask_id,
                                  vocab_size=self.vocab_size)
         # labels and weights ride in the batch: logits_of may reorder its rows' positions

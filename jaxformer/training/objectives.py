@@ -131,29 +131,32 @@ class Preference:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """One objective.name: build(cfg), its step hooks from the RunConfig (None: step.py's
-    LM loss), and perplexity, whether its validation loss is a mean per-token cross
-    entropy whose exp is a perplexity (the run logs val_ppl); DPO's is a loss per pair of
-    answers, and its validation logs that loss and the pairs' rewards (val_reward_*)."""
+    """One objective.name: build(cfg, tokenizer), its step hooks from the RunConfig and
+    the data's tokenizer (None: step.py's LM loss), and perplexity, whether its validation
+    loss is a mean per-token cross entropy whose exp is a perplexity (the run logs
+    val_ppl); DPO's is a loss per pair of answers, and its validation logs that loss and
+    the pairs' rewards (val_reward_*)."""
     build: Callable
     perplexity: bool
 
 
 OBJECTIVES = {  # objective.name -> its entry; grpo's checks its reward now, before the data
-    "lm": Objective(lambda cfg: None, perplexity=True),
+    "lm": Objective(lambda cfg, tokenizer: None, perplexity=True),
     "mlm": Objective(MaskedLM.of, perplexity=True),  # the masked tokens' cross entropy
-    "dpo": Objective(lambda cfg: Preference(cfg.objective), perplexity=False),
-    "grpo": Objective(GroupPolicy, perplexity=True),  # the val answers' cross entropy
+    "dpo": Objective(lambda cfg, tokenizer: Preference(cfg.objective), perplexity=False),
+    "grpo": Objective(lambda cfg, tokenizer: GroupPolicy(cfg),
+                      perplexity=True),  # the val answers' cross entropy
 }
 
 
-def build(cfg):
+def build(cfg, tokenizer=None):
     """The objective for cfg.objective (a RunConfig's): its OBJECTIVES entry's; an
     encoder-decoder's (model.arch=encoder_decoder, objective.name=lm) is
-    training/seq2seq.py's."""
+    training/seq2seq.py's. tokenizer: the data's (mlm never masks its eot_id); None
+    before the data loads."""
     if cfg.model.arch == ENCODER_DECODER:
         return Seq2Seq(cfg.optim.label_smoothing)
-    return OBJECTIVES[cfg.objective.name].build(cfg)
+    return OBJECTIVES[cfg.objective.name].build(cfg, tokenizer)
 
 
 def has_perplexity(cfg) -> bool:

@@ -2,6 +2,8 @@
 reference given the same corruption, BERT's 80/10/10 rule on a large batch, the one-line
 refusals, and a run of train() whose val loss is the masked one."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,8 @@ import pytest
 from jaxformer import Transformer
 from jaxformer.config import ConfigError
 from jaxformer.positions import segment_positions
-from jaxformer.training import load_config, train
+from jaxformer.data.tokenizer import ByteTokenizer, load_tokenizer
+from jaxformer.training import load_config, objectives, train
 from jaxformer.training.mlm import MaskedLM, corrupt
 from jaxformer.training.step import make_eval_step
 from tests.conftest import np_log_softmax
@@ -22,6 +25,13 @@ RUN = ["model.preset=tiny", "model.d_model=32", "model.n_layers=2", "model.n_hea
        "model.max_seq_len=32", "train.seq_len=32", "train.batch_size=4", "train.log_every=1",
        "train.eval_batches=2", "train.progress=false", "optim.warmup_steps=0",
        "model.arch=encoder", "objective.name=mlm"]
+
+
+class ByteTokenizerWithEot(ByteTokenizer):
+    """The byte tokenizer with one of its ids taken as the end-of-text."""
+
+    def __init__(self, eot_id):
+        self.eot_id = eot_id
 
 
 def np_masked_loss(cfg, params, tokens, corrupted, chosen, pos, seg):
@@ -98,6 +108,74 @@ def test_bert_rule_80_10_10_on_a_large_batch(vocab):
                                jnp.asarray(eligible), rate=rate, mask_id=mask_id,
                                vocab_size=vocab)[1])
     assert (again != chosen).any()  # another step, other positions
+
+
+def test_the_end_of_text_token_is_never_chosen_and_the_rest_at_the_rate():
+    """With the tokenizer's end-of-text id (objectives.build gives it to MaskedLM), the
+    train step chooses the positions a draw from its key chooses among the non-padding,
+    non-end-of-text tokens (its count and its loss, against a float64 reference at those
+    positions), so no end-of-text is ever chosen; over 12 random batches (about 1/5 of
+    their tokens the end-of-text) the chosen share of the others is mask_rate, within
+    6 sigma of its binomial spread."""
+    rate = float(rng.uniform(0.1, 0.5))
+    cfg = load_config(None, [*RUN, "model.d_model=16", "model.n_layers=1",
+                             f"objective.mask_rate={rate}"])
+    eot = int(rng.integers(0, 255))
+    obj = objectives.build(cfg, ByteTokenizerWithEot(eot))
+    assert obj == MaskedLM(rate, 255, 256, eot)
+    model = Transformer(cfg.model)
+    rows, width = 16, 32
+    params = model.init(jax.random.key(int(rng.integers(1 << 30))),
+                        np.zeros((rows, width), np.int32))["params"]
+    step = jax.jit(lambda p, b, r: obj.gradient_sums(model, p, {}, b, r))
+    chosen_total = others_total = 0
+    for i in range(12):
+        tokens = rng.integers(0, 255, (rows, width)).astype(np.int32)
+        tokens[rng.random(tokens.shape) < 0.2] = eot  # documents' ends
+        seg = np.ones(tokens.shape, np.int32)
+        for r in range(rows):  # a padded tail in some rows
+            seg[r, int(rng.integers(width // 2, width + 1)):] = 0
+        pos = np.asarray(segment_positions(jnp.asarray(seg)))
+        batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(tokens),
+                 "loss_mask": jnp.ones(seg.shape, jnp.float32),
+                 "positions": jnp.asarray(pos), "segment_ids": jnp.asarray(seg)}
+        step_rng = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+        total, count, _, _ = step(params, batch, step_rng)
+        others = (seg > 0) & (tokens != eot)
+        key = jax.random.split(step_rng)[0]  # the step's: the other half is dropout's
+        corrupted, chosen = (np.asarray(x) for x in corrupt(
+            key, jnp.asarray(tokens), jnp.asarray(others), rate=rate, mask_id=255,
+            vocab_size=256))
+        assert int(count) == chosen.sum() and not chosen[tokens == eot].any()
+        if i == 0:
+            want = np_masked_loss(cfg.model, params, tokens, corrupted, chosen, pos, seg)
+            np.testing.assert_allclose(float(total) / float(count), want, rtol=1e-4)
+        chosen_total += int(count)
+        others_total += int(others.sum())
+    spread = np.sqrt(others_total * rate * (1 - rate))
+    assert abs(chosen_total - rate * others_total) < 6 * spread, (chosen_total, others_total)
+
+
+def test_a_run_gives_the_masking_its_tokenizers_end_of_text(tmp_path, monkeypatch):
+    """train() with a BPE tokenizer (its <|endoftext|> after every document) builds the
+    step's MaskedLM with that id."""
+    built = []
+
+    def build(cfg, tokenizer=None):
+        built.append(real(cfg, tokenizer))
+        return built[-1]
+    real = objectives.build
+    monkeypatch.setattr(objectives, "build", build)
+    docs = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta"], 12)) for _ in range(200)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    train(load_config(None, [
+        *RUN, "model.d_model=16", "model.n_layers=1", "model.vocab_size=300",
+        f"data.path={tmp_path / 'docs.jsonl'}", "data.tokenizer=bpe",
+        f"data.cache_dir={tmp_path / 'c'}", "train.steps=1",
+        "train.eval_every=100", "train.sample_tokens=0", f"train.run_dir={tmp_path / 'run'}"]),
+        log=lambda *a: None)
+    eot = load_tokenizer(tmp_path / "run").eot_id
+    assert eot is not None and built[-1].eot_id == eot
 
 
 @pytest.mark.parametrize("args, match", [
