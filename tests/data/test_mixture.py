@@ -78,22 +78,25 @@ def test_yaml_list_is_the_same_mixture():
 
 
 def test_every_slice_of_a_batch_mixes_the_sources_in_their_weights(rng, tmp_path):
-    """The rows of a batch are shuffled: each process's rows (a half, read with `rows`) and
-    each micro-batch (a quarter) hold source A in the share the whole batch does. Given
-    the batch's n_A rows of A, a slice of h of its B rows holds a hypergeometric count
-    (mean n_A h / B, variance n_A (B - n_A) h (B - h) / (B^2 (B - 1))); summed over 100
-    steps, each slice's count is within 6 sigma of its mean. Rows in source order would
-    put A's rows first: the first half 2.4 rows a step or more over its mean at a weight of
-    A in [0.3, 0.7], over 20 sigma in 100 steps."""
+    """The rows of a batch are shuffled: each process's rows (a half, read with `rows`),
+    each device's (a quarter) and each micro-batch (rows i, i + 2, ... with grad_accum 2)
+    hold source A in the share the whole batch does. Given the batch's n_A rows of A, a
+    slice of h of its B rows holds a hypergeometric count (mean n_A h / B, variance
+    n_A (B - n_A) h (B - h) / (B^2 (B - 1))); summed over 100 steps, each slice's count is
+    within 6 sigma of its mean. Rows in source order would put A's rows first: the first
+    half 2.4 rows a step or more over its mean at a weight of A in [0.3, 0.7], over 20
+    sigma in 100 steps."""
     letters, digits = write_sources(rng, tmp_path)
     w = float(rng.uniform(0.3, 0.7))
     data = load_dataset(DataConfig(mixture=f"{letters}:{w},{digits}:{1 - w}",
                                    cache_dir=str(tmp_path / "cache"), val_fraction=0.1),
                         vocab_size=256, progress=False, log=lambda m: None)
     seed, b, steps = int(rng.integers(1 << 30)), 16, 100
-    counts = {k: np.zeros(k) for k in (2, 4)}  # slices of B / k rows: source A's rows
-    means = {k: np.zeros(k) for k in (2, 4)}
-    variances = {k: 0.0 for k in (2, 4)}
+    slices = {"halves": np.arange(b).reshape(2, -1), "quarters": np.arange(b).reshape(4, -1),
+              "micro-batches": np.arange(b).reshape(-1, 2).T}  # each row: a slice's rows
+    counts = {k: np.zeros(len(v)) for k, v in slices.items()}  # source A's rows
+    means = {k: 0.0 for k in slices}
+    variances = {k: 0.0 for k in slices}
     for step in range(steps):
         halves = [data.train_batch(seed=seed, step=step, batch_size=b, seq_len=8,
                                    rows=slice(p * b // 2, (p + 1) * b // 2)) for p in (0, 1)]
@@ -101,11 +104,11 @@ def test_every_slice_of_a_batch_mixes_the_sources_in_their_weights(rng, tmp_path
         is_a = np.all((rows >= ord("a")) | (rows == 32) | (rows == 10), axis=1)
         n_a = int(is_a.sum())
         assert abs(n_a - w * b) < 1  # the batch: floor or ceil of w B rows of A
-        for k in (2, 4):
-            h = b // k
-            counts[k] += is_a.reshape(k, h).sum(1)
+        for k, index in slices.items():
+            h = index.shape[1]
+            counts[k] += is_a[index].sum(1)
             means[k] += n_a * h / b
             variances[k] += n_a * (b - n_a) * h * (b - h) / (b * b * (b - 1))
-    for k in (2, 4):
+    for k in slices:
         bound = 6 * np.sqrt(variances[k])
         assert np.all(np.abs(counts[k] - means[k]) < bound), (k, counts[k], means[k], bound)

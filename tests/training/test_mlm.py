@@ -1,6 +1,7 @@
 """objective.name=mlm (jaxformer.training.mlm): the masked loss against a float64 NumPy
-reference given the same corruption, BERT's 80/10/10 rule on a large batch, the one-line
-refusals, and a run of train() whose val loss is the masked one."""
+reference given the same corruption, BERT's 80/10/10 rule on a large batch, the
+end-of-text token never chosen (the others at mask_rate), the one-line refusals, and a
+run of train() whose val loss is the masked one."""
 
 import json
 
