@@ -2,7 +2,8 @@
 Hub, hand-written) against transformers' own reading of the same file.
 
 Each case is a config.json written by hand (no layer_types; Gemma 3's legacy rope_theta /
-rope_local_base_freq / rope_scaling; YaRN with mscale / mscale_all_dim), its sizes and
+rope_local_base_freq / rope_scaling; Gemma 3's and OLMo 3's rope_parameters flat, or keyed
+by layer type beside a legacy rope_scaling; YaRN with mscale / mscale_all_dim), its sizes and
 values drawn afresh. jaxformer's read_hf_config and transformers' AutoConfig read the same
 folder, and per layer we compare what each derives: the sliding window (transformers: the
 attention module's, or the config's for Mistral), whether the layer is rotated (Cohere2's
