@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jaxformer import lora
 from jaxformer.config import ModelConfig
 from jaxformer.hf import from_hf
-from jaxformer.model import Transformer, stack_layers, unstack_layers
+from jaxformer.model import stack_layers, unstack_layers
+from jaxformer.models import model_for
 from jaxformer.training.adapter_checkpoint import run_checkpointer
 from jaxformer.training.config import load_config
 from jaxformer.training.init_from import Source, parse_source
@@ -56,7 +57,7 @@ def one_device_loader(cfg):
     def load(spec):
         mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
         rules = resolve_rules(cfg.mesh.rules)
-        base = Transformer(cfg.model.replace(lora=lora.LoRAConfig()))
+        base = model_for(cfg.model.replace(lora=lora.LoRAConfig()))
         return base_loader(cfg.model, param_shardings(base, mesh, rules), mesh, rules)(spec)
     return load
 
@@ -65,7 +66,7 @@ def _run_weights(src: Source, cfg: ModelConfig, base_shardings, mesh, rules):
     """A run's params at src.step (default latest), restored sharded, adapters merged,
     stacked or unstacked and cast as `cfg` wants, and placed in base_shardings."""
     run = load_config(str(src.path / "config.yaml"))
-    model = Transformer(run.model)
+    model = model_for(run.model)  # the Transformer, or the EncoderDecoder
     tx, _ = make_optimizer(run.optim, run.model, run.train.steps)
     shardings = state_shardings(model, tx, mesh, rules)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -225,3 +225,52 @@ def test_init_from_refuses_another_max_seq_len_for_a_learned_table_alone(positio
         assert "\n" not in msg
         assert msg.startswith(f"model.max_seq_len={n} differs from 32 in train.init_from="), msg
         assert "model.max_seq_len" not in msg.split("may set only")[1].split("(")[0], msg
+
+
+def test_an_encoder_decoder_run_starts_a_scanned_one_from_its_weights(tmp_path, rng):
+    """A run dir of an encoder-decoder (per-layer; random params, 3 encoder and 2 decoder
+    layers): a run from it with scan_layers=true starts from its weights, each stack's
+    layers stacked in order under encoder/blocks and decoder/blocks, the rest as they are."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxformer.models import model_for
+    from jaxformer.sharding import make_mesh, resolve_rules
+    from jaxformer.training.checkpoint import Checkpointer
+    from jaxformer.training.initial_weights import load_initial
+    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.step import abstract_state
+
+    model = ["model.arch=encoder_decoder", "model.vocab_size=64", "model.d_model=16",
+             "model.n_layers=2", "model.encoder_layers=3", "model.n_heads=2",
+             "model.max_seq_len=32", "model.position=t5", "data.format=seq2seq",
+             "data.path=pairs.jsonl"]
+    a = load_config(None, [*model, f"train.run_dir={tmp_path / 'a'}"])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/config.yaml").write_text(yaml.safe_dump(a.to_dict(), sort_keys=False))
+    tx, _ = make_optimizer(a.optim, a.model, a.train.steps)
+    state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                         abstract_state(model_for(a.model), tx))
+    params = {k: rng.standard_normal(v.shape).astype(np.float32)
+              for k, v in flatten_dict(state.params).items()}
+    ckpt = Checkpointer(tmp_path / "a", keep=1, async_save=False)
+    ckpt.save(3, state.replace(params=unflatten_dict(params)), a.model)
+    ckpt.close()
+
+    b = load_config(None, [f"train.init_from={tmp_path / 'a'}", "model.scan_layers=true",
+                           "data.format=seq2seq", "data.path=pairs.jsonl",
+                           f"train.run_dir={tmp_path / 'b'}"])
+    assert b.model.scan_layers and b.model.arch == "encoder_decoder"
+    mesh, rules = make_mesh(1, 1, 1), resolve_rules(b.mesh.rules)
+    fresh = jax.eval_shape(model_for(b.model).init, jax.random.key(0),
+                           jnp.zeros((1, 8), jnp.int32))["params"]
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), fresh)  # one device
+    got = flatten_dict(jax.device_get(load_initial(str(tmp_path / "a"), b.model, fresh,
+                                                   shardings, mesh, rules, log=lambda *m: None)))
+    want = {k: v for k, v in params.items() if not k[1].startswith("block_")}
+    for stack, n in (("encoder", 3), ("decoder", 2)):
+        for k in params:
+            if k[:2] == (stack, "block_0"):
+                want[(stack, "blocks") + k[2:]] = np.stack(
+                    [params[(stack, f"block_{i}") + k[2:]] for i in range(n)])
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
