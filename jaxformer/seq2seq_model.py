@@ -9,6 +9,9 @@ position scheme as the decoder-only model does, in each stack with params of its
 learned table, a bias scheme's params); cross-attention takes none. tie_embeddings: one
 table for the source, the target and the output; else three, or two with
 tie_source_embed (the source reads the target's table; the head is its own: T5 v1.1's).
+With scan_layers each stack scans its layers as the decoder-only model does (params and
+cache under encoder/blocks and decoder/blocks: jaxformer.layer_runs), so its program's
+size does not grow with depth.
 
     logits = model.apply({"params": p}, source_tokens, target_tokens,
                          source_segment_ids=..., target_segment_ids=...,
