@@ -1,7 +1,8 @@
 """The encoder-decoder's training (jaxformer.training.seq2seq, data.format=seq2seq:
-jaxformer.data.seq2seq): label smoothing against float64 NumPy, batches packed on both
-sides read back against the records, a run that learns to translate, and one-line
-errors for bad input."""
+jaxformer.data.seq2seq): label smoothing against float64 NumPy and the step's update
+against the smoothed loss's gradient, batches packed on both sides read back against the
+records, every packed row drawn, a run that learns to translate, and one-line errors for
+bad input."""
 
 import importlib.util
 import json
