@@ -134,10 +134,15 @@ class Checkpointer:
             tmp = list(directory.glob(f"{step}.orbax-checkpoint-tmp*"))
             write_manifest(tmp[0] if len(tmp) == 1 else directory / str(step))
 
+        # each manager's barriers carry its directory's name: the saves of one step under
+        # checkpoints/ and best/ run at once, and on several processes the second one's
+        # barrier was refused as already ongoing ("_async_write_complete.STEP")
+        processes = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=directory.name)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=record_checksums),
-            cleanup_tmp_directories=not read_only, create=True)
+            multiprocessing_options=processes, cleanup_tmp_directories=not read_only,
+            create=True)
         mngr = ocp.CheckpointManager(directory, options=options,
                                      item_names=("state", "model", "info"))
         mngr.saving = saving

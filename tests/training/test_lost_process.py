@@ -44,10 +44,12 @@ def _free_port(rng):
 
 
 def launch(tmp_path, run, port, seed, devices=2):
-    """Both processes of a 2 x `devices`-device run, as every host would start it."""
+    """Both processes of a 2 x `devices`-device run, as every host would start it. Every
+    other save is also a new best's (an evaluation every 2 x EVERY steps): the two saves of
+    a step in flight at once, whose barriers collided before they were named apart."""
     common = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
               "train.seq_len=32", "train.batch_size=4", f"train.steps={STEPS}",
-              "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1",
+              "train.log_every=1", f"train.eval_every={2 * EVERY}", "train.eval_batches=1",
               "train.sample_tokens=0", "train.progress=false", f"train.seed={seed}",
               "optim.warmup_steps=2", f"checkpoint.every={EVERY}", "checkpoint.keep=3",
               f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path / 'cache'}",
