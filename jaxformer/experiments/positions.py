@@ -64,9 +64,10 @@ def _evaluator(mcfg: ModelConfig, context: int = 1, objective=None):
                           param_shardings=param_shardings(model, mesh, rules))
 
 
-def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log):
+def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log, objective=None):
     """(params stacked over the seeds, each seed's mean train loss over the last log_every
-    steps) after train.steps steps: the seeds trained at once, as one vmapped program."""
+    steps) after train.steps steps: the seeds trained at once, as one vmapped program.
+    objective: the study's (StudyConfig.objective; None: the LM loss)."""
     t = cfg.run.train
 
     def batch(seed, step):
@@ -75,7 +76,7 @@ def train_models(cfg: StudyConfig, mcfg: ModelConfig, train_tokens, seeds, log):
         return randomize_batch(rows, t.random_positions, seed, step)  # Ruoss et al., or none
 
     return train_seeds(mcfg, cfg.run.optim, t.steps, seeds, batch, log_every=t.log_every,
-                       log=log, objective=cfg.objective)
+                       log=log, objective=objective)
 
 
 def perplexity(mcfg: ModelConfig, params, tokens, length: int,
@@ -132,6 +133,7 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
                         f"needs {n_eval + 1:,}: lower it, or raise data.val_fraction")
     val = np.asarray(ds.val[:n_eval + 1])
     seeds = [t.seed + i for i in range(s.seeds)]
+    objective = cfg.objective(ds.tokenizer)  # None: the LM loss
     log(f"data: {ds.source}; {len(s.schemes)} schemes x {len(seeds)} seed(s), each {t.steps} "
         f"steps of {t.batch_size} x {t.seq_len} tokens; evaluated on {n_eval:,} validation "
         f"tokens at lengths {', '.join(map(str, lengths))}")
@@ -148,7 +150,7 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
             f"{rows[scheme]['params']:,} params ({time.perf_counter() - started:.0f} s since "
             "the start)")
         t0 = time.perf_counter()
-        stacked, losses = train_models(cfg, mcfg, ds.train, seeds, log)
+        stacked, losses = train_models(cfg, mcfg, ds.train, seeds, log, objective)
         seconds = round(time.perf_counter() - t0, 1)
         for k, (seed, loss) in enumerate(zip(seeds, losses)):
             rows[scheme]["train_loss"].append(loss if math.isfinite(loss) else None)
@@ -156,7 +158,7 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
             params = seed_slice(stacked, k)
             for name, scaling in zip(names, scalings):
                 ppl = [perplexity(eval_config(mcfg, scaling, m, t.seq_len), params, val, n,
-                                  s.eval_batch_tokens, cfg.run.mesh.context, cfg.objective)
+                                  s.eval_batch_tokens, cfg.run.mesh.context, objective)
                        if n <= mcfg.max_seq_len else None
                        for m, n in zip(s.eval_multiples, lengths)]
                 rows[name]["ppl"].append(ppl)

@@ -134,10 +134,10 @@ class StudyConfig:
     def to_dict(self) -> dict[str, Any]:
         return study_dict(self.study, self.run, ("model", "data", "optim", "objective"))
 
-    @property
-    def objective(self):
-        """The training and scoring objective: None for lm, MLM's for an encoder."""
-        return MaskedLM.of(self.run) if self.run.objective.name == "mlm" else None
+    def objective(self, tokenizer=None):
+        """The training and scoring objective: None for lm, MLM's for an encoder (which
+        never masks the data's `tokenizer`'s end-of-text)."""
+        return MaskedLM.of(self.run, tokenizer) if self.run.objective.name == "mlm" else None
 
 
 def study_dict(study, run: RunConfig, sections) -> dict[str, Any]:

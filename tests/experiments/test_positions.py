@@ -12,7 +12,7 @@ import pytest
 from jaxformer import ModelConfig, Transformer
 from jaxformer.config import ConfigError
 from jaxformer.schemes import POSITION_SCHEMES
-from jaxformer.data import get_batch, load_dataset
+from jaxformer.data import DataConfig, get_batch, load_dataset
 from jaxformer.experiments import positions as study
 from jaxformer.experiments.report import markdown_table, row_title, summarize
 from tests.conftest import REPO
@@ -314,3 +314,26 @@ def test_an_encoders_perplexity_is_its_masked_tokens():
         loss = np_masked_loss(mcfg, params, windows[rows], corrupted, chosen, pos, seg[rows])
         total, count = total + loss * chosen.sum(), count + chosen.sum()
     np.testing.assert_allclose(got, np.exp(total / count), rtol=1e-4)
+
+
+def test_an_encoder_study_never_masks_its_tokenizers_end_of_text(corpus, tmp_path,
+                                                                 monkeypatch):
+    """The study trains and scores an encoder with the MLM objective of its data's
+    tokenizer: a BPE's <|endoftext|> (the document separator) is never masked, as in a run."""
+    seen = []
+
+    def train_seeds(*args, objective=None, **kwargs):  # stop at the first scheme's training
+        seen.append(objective)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "train_seeds", train_seeds)
+    bpe = load_dataset(DataConfig(path=str(corpus), cache_dir=str(tmp_path / "cache"),
+                                  tokenizer="bpe", bpe_vocab_size=300),
+                       run_dir=str(tmp_path / "bpe"), vocab_size=300).tokenizer
+    args = [*study.SMALL, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+            f"data.tokenizer={tmp_path / 'bpe' / 'tokenizer.json'}", "model.vocab_size=300",
+            "model.arch=encoder", "objective.name=mlm", "study.schemes=alibi",
+            "study.eval_tokens=512", "study.progress=false"]
+    with pytest.raises(KeyboardInterrupt):
+        study.run_study(study.load_study_config(str(study.DEFAULT_CONFIG), args))
+    assert bpe.eot_id is not None and seen[0].eot_id == bpe.eot_id
