@@ -60,7 +60,7 @@ def lost_process(held: bytes, process: int | None) -> int | None:
     return 0 if process != 0 else None
 
 
-def relay(source: int, held: list, until_eof: bool = False) -> bool:
+def relay(source: int, held: list) -> bool:
     """Move what the child wrote to `source` into `held` [(time, bytes)], and write what
     has been held HOLD_S to this process's stderr; False once the child closed it."""
     ready, _, _ = select.select([source], [], [], HOLD_S / 4)
