@@ -19,7 +19,7 @@ train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
 # The tests and the notebooks (run by nbmake at tiny sizes: JAXFORMER_SMALL=1);
-# e.g. `make test TEST_PATHS=tests/test_model.py` for one file.
+# e.g. `make test TEST_PATHS=tests/model/test_transformer.py` for one file.
 TEST_PATHS ?= tests notebooks
 
 # Most of the suite's time is XLA:CPU compiling small programs. For the tests LLVM runs at

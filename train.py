@@ -26,8 +26,8 @@ def main(argv: list[str]) -> int:
               "[configs/NAME.yaml] [section.key=value ...]", file=sys.stderr)
         return 2
 
-    from jaxformer.config import ConfigError
     from jaxformer.data import DataError
+    from jaxformer.model.config import ConfigError
     from jaxformer.training import TrainingStopped, load_config, train
     from jaxformer.training.checkpoint import CheckpointError
     from jaxformer.training.lock import RunDirInUse

@@ -1,7 +1,7 @@
 """Attention backends side by side: compile seconds, forward and forward+backward time,
 and temporary bytes, for causal self-attention in [batch, seq, heads, head_dim] layout,
-each handed the mask as the model hands it: a jaxformer.masks.MaskRule by index
-(jaxformer.backends.rule_attention), which blockwise and splash read a block at a time,
+each handed the mask as the model hands it: a jaxformer.attention.masks.MaskRule by index
+(jaxformer.attention.backends.rule_attention), which blockwise and splash read a block at a time,
 xla and cudnn as is_causal, and reference and chunked as the rule's mask array.
 
     python bench/attention.py [--batch 4] [--seq 512 1024] [--heads 8] [--kv-heads 8 2]
@@ -36,11 +36,10 @@ if "--devices" in sys.argv:  # before jax is imported
 import jax
 import jax.numpy as jnp
 
-from jaxformer import chunked
-from jaxformer.attention import resolve_impl, rule_attention
-from jaxformer.masks import MaskRule
-from jaxformer.ring import zigzag_order
-from jaxformer.sharding import make_mesh, resolve_rules, sharding_context
+from jaxformer.attention import chunked, resolve_impl, rule_attention
+from jaxformer.attention.masks import MaskRule
+from jaxformer.attention.ring import zigzag_order
+from jaxformer.core.sharding import make_mesh, resolve_rules, sharding_context
 
 
 def timed(fn, *args, repeats):

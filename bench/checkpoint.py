@@ -23,8 +23,8 @@ import time
 
 import jax
 
-from jaxformer.generate import load_run_params
-from jaxformer.model import Transformer
+from jaxformer.training.saved_run import load_run_params
+from jaxformer.model.transformer import Transformer
 from jaxformer.training import load_config, train
 from jaxformer.training.checkpoint import Checkpointer, damage
 from jaxformer.training.metrics import read_metrics

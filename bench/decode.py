@@ -14,7 +14,7 @@ acceptance rate (bench/decode_limit.py says how each is measured).
 --shapes: the KV-cached lax.scan decoder, a jitted loop that recomputes the whole
 sequence for every token, and (with torch and transformers installed) HF transformers'
 generate() on a GPT-2 of the same shape in PyTorch, random weights; tokens/s and ratios.
-With --no-repeat-ngram-size N both decode under that constraint (jaxformer.constraints;
+With --no-repeat-ngram-size N both decode under that constraint (jaxformer.decode.constraints;
 HF's NoRepeatNGramLogitsProcessor), and the first row is the plain decoder for its cost.
 
     python bench/decode.py --windowed [--layers 6 --window 64 --new-tokens 1024 ...]
@@ -51,9 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import ModelConfig, Transformer, count_params
-from jaxformer.config import PRESETS
-from jaxformer.constraints import Constraints
-from jaxformer.decoding import generate, kv_cache_bytes
+from jaxformer.decode import generate, kv_cache_bytes
+from jaxformer.decode.constraints import Constraints
+from jaxformer.model.config import PRESETS
 
 
 def median_times(fns, repeats):
@@ -158,8 +158,8 @@ def mla_table(a):
 def mla_prefill_table(a, cfg, params):
     """A prompt written into an empty latent cache (its length plus --new-tokens slots), in
     the absorbed form against the cache's latents expanded: ms per prefill."""
-    from jaxformer import mla_attention
-    from jaxformer.kv_cache import init_cache
+    from jaxformer.attention.kv_cache import init_cache
+    from jaxformer.model import latent_attention as mla_attention
     print(f"\nMLA prefill into the cache, ms (the absorbed form against the latents expanded; "
           f"chunks of >= {mla_attention.EXPANDED_PREFILL} tokens run expanded)")
     header = f"{'prompt':>6} {'batch':>5} {'absorbed':>9} {'expanded':>9} {'ratio':>6}"

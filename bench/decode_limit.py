@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.decoding import generate
-from jaxformer.quantize import quantize, weight_bytes
+from jaxformer.decode import generate
+from jaxformer.model.quantize import quantize, weight_bytes
 
 TARGET = ["model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.max_seq_len=1024"]
 DRAFT = ["model.d_model=512", "model.n_layers=2", "model.n_heads=8", "model.max_seq_len=1024"]
@@ -40,7 +40,7 @@ DRAFT = ["model.d_model=512", "model.n_layers=2", "model.n_heads=8", "model.max_
 def trained(run_dir: pathlib.Path, overrides, steps: int):
     """(model, params, tokenizer) of a run trained on the default corpus (trained now
     unless run_dir holds its last checkpoint)."""
-    from jaxformer.generate import load_run
+    from jaxformer.training.saved_run import load_run
     from jaxformer.training import train
     from jaxformer.training.config import load_config
     if not (run_dir / "checkpoints" / str(steps)).is_dir():

@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.config import PRESETS
-from jaxformer.lora import partition
+from jaxformer.model.config import PRESETS
+from jaxformer.model.lora import partition
 from jaxformer.training.adapter_checkpoint import AdapterCheckpointer, checksum
 from jaxformer.training.checkpoint import Checkpointer
 from jaxformer.training.config import OptimConfig

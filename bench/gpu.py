@@ -46,7 +46,7 @@ from attention import timed  # noqa: E402  (bench/attention.py: compile s, media
 
 from jaxformer import ModelConfig, Transformer, count_params, flops_per_token  # noqa: E402
 from jaxformer.attention import dot_product_attention, make_attention_mask  # noqa: E402
-from jaxformer.decoding import generate, kv_cache_bytes  # noqa: E402
+from jaxformer.decode import generate, kv_cache_bytes  # noqa: E402
 from jaxformer.positions import alibi_bias, alibi_slopes, segment_positions  # noqa: E402
 from jaxformer.training import load_config  # noqa: E402
 from jaxformer.training.config import OptimConfig  # noqa: E402

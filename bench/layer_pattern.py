@@ -62,7 +62,7 @@ def bench_row(cfg, params, data, steps: int, compiles: int):
     import jax.numpy as jnp
 
     from jaxformer import Transformer
-    from jaxformer.backends import dense_logits_bytes, resolve_impl
+    from jaxformer.attention.backends import dense_logits_bytes, resolve_impl
     from jaxformer.training.step import loss_sums
 
     model = Transformer(cfg)
@@ -124,8 +124,8 @@ def main(argv):
     import numpy as np
 
     from jaxformer import count_params
-    from jaxformer.backends import BACKENDS
-    from jaxformer.model import Transformer, unstack_layers
+    from jaxformer.attention.backends import BACKENDS
+    from jaxformer.model.transformer import Transformer, unstack_layers
     from jaxformer.training.config import parse_overrides
 
     overrides = parse_overrides(a.overrides)

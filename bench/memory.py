@@ -38,7 +38,8 @@ def main(argv):
     import jax.numpy as jnp
 
     from jaxformer import Transformer, count_params
-    from jaxformer.sharding import batch_sharding, check_context_split, make_mesh, resolve_rules
+    from jaxformer.core.sharding import (batch_sharding, check_context_split, make_mesh,
+                                         resolve_rules)
     from jaxformer.training import load_config
     from jaxformer.training.optim import make_optimizer
     from jaxformer.training.step import abstract_state, make_train_step, state_shardings

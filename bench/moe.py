@@ -1,5 +1,5 @@
 """Mixture-of-experts training and decoding: the jitted train step with dropless dispatch
-(sort + jaxformer.grouped_matmul: tiles on CPU, ragged_dot elsewhere), against the dense
+(sort + jaxformer.moe.grouped_matmul: tiles on CPU, ragged_dot elsewhere), against the dense
 reference dispatch (every expert on every token) and Hugging Face's eager PyTorch model of
 the same shape, in the same run.
 
@@ -10,7 +10,7 @@ the same shape, in the same run.
 Shapes: mixtral (8 experts, top-2, softmax over the chosen, expert width 1408) against
 MixtralForCausalLM, and qwen3_moe (32 experts, top-4 renormalised, width 352, QK-norm)
 against Qwen3MoeForCausalLM: the same total expert parameters per layer. MFU counts the
-active parameters (jaxformer.model.flops_per_token: the router, top_k experts) against the
+active parameters (jaxformer.model.transformer.flops_per_token: the router, top_k experts) against the
 matmul peak measured in the same run; "temp MiB" is the compiled step's temporary buffers
 (XLA's memory analysis). The implementations take turns step by step (bench/
 train_throughput.py's interleaving). Then greedy KV-cached decoding at batch 1 and 8.
@@ -29,11 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import (bench_jax, bench_torch, interleaved, print_table,  # noqa: E402
-                              timed)
+from train_throughput import bench_jax, bench_torch, interleaved, print_table, timed  # noqa: E402
 
 from jaxformer import Transformer, count_params, flops_per_token  # noqa: E402
-from jaxformer.decoding import generate  # noqa: E402
+from jaxformer.decode import generate  # noqa: E402
 from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides  # noqa: E402
 from jaxformer.training.metrics import measured_matmul_flops  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxformer import Transformer, count_params, flops_per_token
-from jaxformer.config import PRESETS
+from jaxformer.model.config import PRESETS
 from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides
 from jaxformer.training.metrics import measured_matmul_flops
 from jaxformer.training.optim import make_optimizer

@@ -1,13 +1,18 @@
-"""jaxformer: a decoder-only transformer in JAX, written as pure-function Flax modules."""
+"""jaxformer: transformers in JAX (decoders, encoders, encoder-decoders), written as
+pure-function Flax modules.
 
-from jaxformer.host_memory import keep_freed_memory
+The package is in wings, bottom up (tests/test_layout.py holds which may import which):
+core, positions, attention, moe, model, decode, hf, data, training, convert, eval,
+experiments. The names below are the public surface; each has one home in a wing."""
 
-keep_freed_memory()  # before jax starts its CPU backend: see jaxformer/host_memory.py
+from jaxformer.core.host_memory import keep_freed_memory
 
-from jaxformer.config import ConfigError, ModelConfig, RopeScaling
-from jaxformer.decoding import beam_search, generate, kv_cache_bytes
-from jaxformer.model import Transformer, flops_per_token, stack_layers, unstack_layers
-from jaxformer.models import count_params, model_for, param_shapes
+keep_freed_memory()  # before jax starts its CPU backend: see jaxformer/core/host_memory.py
+
+from jaxformer.decode.loops import beam_search, generate, kv_cache_bytes
+from jaxformer.model.build import count_params, model_for, param_shapes
+from jaxformer.model.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.model.transformer import Transformer, flops_per_token, stack_layers, unstack_layers
 
 __all__ = [
     "ConfigError",

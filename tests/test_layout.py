@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from jaxformer.backends import BACKENDS
+from jaxformer.attention.backends import BACKENDS
 from jaxformer.data.sources import SOURCES
-from jaxformer.schemes import POSITION_SCHEMES
+from jaxformer.positions.schemes import POSITION_SCHEMES
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxformer"
 MODULES = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
@@ -75,7 +75,7 @@ def test_no_import_circle():
 
 
 def package_of(module: str) -> str:
-    """jaxformer.training.loop -> training; a top module (jaxformer.model) is its own."""
+    """jaxformer.training.loop -> training; a top module (jaxformer.model.transformer) is its own."""
     return (module.split(".") + [""])[1]
 
 
@@ -88,6 +88,55 @@ def test_no_package_circle():
             package_of(d) for d in deps if package_of(d) != package_of(m))
     found = circle(graph)
     assert found is None, "package circle: " + " -> ".join(found)
+
+
+# The wings of jaxformer/, bottom up: a wing imports only wings before it in this list.
+WINGS = (
+    "core",         # validation, sharding, host memory, hooks, matmul, log-probs, reference math
+    "positions",    # positional math, the scheme table, RoPE scalings
+    "attention",    # backends and their rules, kernels, masks, the KV cache, MLA's math
+    "moe",          # routers, dispatches, grouped matmuls, expert parallelism, balancing
+    "model",        # ModelConfig, the kind tables, the Flax modules, presets, LoRA, quantize
+    "decode",       # sampling, constraints, the cached forward, loops, speculative, seq2seq
+    "hf",           # one row per Hugging Face model type: read and write folders
+    "data",         # tokenizers, sources, mixtures, batches
+    "training",     # the loop, objectives, optimizers, checkpoints, saved runs
+    "eval",         # the lm-evaluation-harness model
+    "convert",      # the import/export CLI
+    "experiments",  # the positional studies and the tasks they run
+)
+ENTRIES = ("generate",)  # the CLIs at the top level: they may import any wing, none imports them
+
+
+def wing_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """The imports that break the wings' order: a wing importing a later one (or an entry
+    module), or a module at the top level that is neither __init__ nor an entry."""
+    rank = {w: i for i, w in enumerate(WINGS)}
+    wrong = [f"{m}: a module at the top of jaxformer/ (put it in a wing)"
+             for m in graph if package_of(m) not in rank and package_of(m) not in ENTRIES]
+    for m, deps in graph.items():
+        for d in sorted(deps):
+            a, b = package_of(m), package_of(d)
+            if a != b and a in rank and (b not in rank or rank[b] > rank[a]):
+                wrong.append(f"{m} -> {d} ({a} sits below {b} in tests/test_layout.py WINGS)")
+    return wrong
+
+
+def test_each_wing_imports_only_the_wings_below_it():
+    """The layout list above is the rule: no wing imports a wing after it, nor a CLI, and
+    the top of jaxformer/ holds only the wings, __init__.py and the CLIs."""
+    assert not wing_arrows(module_graph()), "\n".join(wing_arrows(module_graph()))
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(WINGS), folders ^ set(WINGS)
+
+
+def test_the_wing_rule_catches_an_upward_import():
+    """A planted import of a higher wing (core importing model) is named by the rule."""
+    graph = module_graph()
+    planted = {**graph, "jaxformer.core.matmul": graph["jaxformer.core.matmul"] |
+               {"jaxformer.model.config"}}
+    assert any("jaxformer.core.matmul -> jaxformer.model.config" in w
+               for w in wing_arrows(planted))
 
 
 def test_training_reads_hf_folders_without_the_converter():
@@ -108,7 +157,7 @@ def test_model_types_are_named_in_their_rows_alone():
     name that is also a position scheme's (t5) may stand as a literal, where it names the
     scheme (model.position="t5")."""
     from jaxformer.hf.families import MODEL_TYPES, OTHER_MODEL_TYPES
-    from jaxformer.schemes import POSITION_SCHEMES
+    from jaxformer.positions.schemes import POSITION_SCHEMES
     names = set(MODEL_TYPES) | set(OTHER_MODEL_TYPES)
     literal_names = names - set(POSITION_SCHEMES)
     found = []
@@ -145,12 +194,12 @@ def test_files_and_functions_hold_one_idea():
 
 def literal_lines(name: str) -> list[str]:
     """The lines of jaxformer/ that hold `name` as a string literal; not hf/, convert/,
-    experiments/ or presets.py, which name schemes as data (HF families, the studies'
+    experiments/ or model/presets.py, which name schemes as data (HF families, the studies'
     choices, released configurations)."""
     pattern = re.compile(r"""(?<![\w.])(["'])%s\1""" % re.escape(name))
     return [f"{p.relative_to(PACKAGE)}:{i}: {line.strip()}"
             for p in MODULES.values() if p.relative_to(PACKAGE).parts[0] not in
-            ("hf", "convert", "experiments", "presets.py")
+            ("hf", "convert", "experiments") and p.relative_to(PACKAGE).as_posix() != "model/presets.py"
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
 
 
@@ -160,10 +209,10 @@ def test_each_variant_is_named_in_its_table_alone(name):
     """A positional scheme or attention backend is named as a string on at most two lines
     of the library (its table entry and at most one default): the rest of the code asks
     the table what the variant does. "sandwich" is also a block flow (Gemma's sandwich
-    norm), named in that table (jaxformer/kinds.py)."""
-    from jaxformer.kinds import BLOCKS
+    norm), named in that table (jaxformer/model/kinds.py)."""
+    from jaxformer.model.kinds import BLOCKS
     lines = [line for line in literal_lines(name) if name not in BLOCKS or
-             not line.startswith("kinds.py")]
+             not line.startswith("model/kinds.py")]
     assert 1 <= len(lines) <= 2, lines
 
 
@@ -180,9 +229,9 @@ def test_the_tables_list_what_the_tests_parametrise_over():
 
 def variant_tables() -> dict[str, dict]:
     """Every table of variants in the library, by the config field it answers."""
-    from jaxformer import kinds
-    from jaxformer.rope_scaling import ROPE_SCALINGS
-    from jaxformer.schemes import SINUSOIDAL_SCALES
+    from jaxformer.model import kinds
+    from jaxformer.positions.rope_scaling import ROPE_SCALINGS
+    from jaxformer.positions.schemes import SINUSOIDAL_SCALES
     return {"position": POSITION_SCHEMES, "attention_impl": BACKENDS,
             "rope_scaling.kind": ROPE_SCALINGS, "norm": kinds.NORMS, "ffn": kinds.FFNS,
             "block": kinds.BLOCKS, "qk_norm": kinds.QK_NORMS, "remat": kinds.REMATS,

@@ -11,8 +11,8 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 def test_readme_examples_run_and_print_what_they_claim():
     """Every ```python block, run in order in one namespace (the "Extending jaxformer"
     entries are taken out of the tables afterwards)."""
-    from jaxformer.backends import BACKENDS
-    from jaxformer.schemes import POSITION_SCHEMES
+    from jaxformer.attention.backends import BACKENDS
+    from jaxformer.positions.schemes import POSITION_SCHEMES
     text = README.read_text()
     code = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S))
     assert "Transformer(cfg)" in code and "POSITION_SCHEMES[" in code and "BACKENDS[" in code

@@ -30,9 +30,9 @@ RUNTIME_FIELDS = ("dtype", "scan_layers", "remat", "attention_impl", "dropout")
 def _run_config(cfg, run: pathlib.Path, has_tokenizer: bool, overrides):
     """The converted run's config: the model as converted, the overrides on top; an
     override that changes what the weights mean is refused."""
-    from jaxformer.config import ConfigError
+    from jaxformer.core.validation import merge
+    from jaxformer.model.config import ConfigError
     from jaxformer.training.config import RunConfig, parse_overrides
-    from jaxformer.validation import merge
 
     data = {"tokenizer": str(run / "tokenizer.json")} if has_tokenizer else {}
     base = {"model": cfg.to_dict(), "data": data,
@@ -53,11 +53,11 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     import jax
     import jax.numpy as jnp
 
-    from jaxformer.config import ConfigError
     from jaxformer.convert import from_hf, read_hf_json
     from jaxformer.data import ByteTokenizer
-    from jaxformer.model import stack_layers, unstack_layers
-    from jaxformer.models import count_params
+    from jaxformer.model.build import count_params
+    from jaxformer.model.config import ConfigError
+    from jaxformer.model.transformer import stack_layers, unstack_layers
     from jaxformer.training.checkpoint import Checkpointer
     from jaxformer.training.optim import make_optimizer
     from jaxformer.training.step import TrainState
@@ -107,7 +107,7 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
 def load_run_params(path: str, *, best: bool = False):
     """(RunConfig, params, run dir) of a run dir (latest or best checkpoint) or of one
     checkpoint step dir (RUN/checkpoints/STEP or RUN/best/STEP)."""
-    from jaxformer.generate import load_run_params as restore
+    from jaxformer.training.saved_run import load_run_params as restore
 
     src, step = pathlib.Path(path), None
     if not (src / "config.yaml").is_file() and src.name.isdigit() and \
@@ -121,8 +121,8 @@ def load_run_params(path: str, *, best: bool = False):
 
 
 def one_member(cfg, params, member: int | None):
-    """A run's config and params as one adapter's (jaxformer.lora.pick_member)."""
-    from jaxformer import lora
+    """A run's config and params as one adapter's (jaxformer.model.lora.pick_member)."""
+    from jaxformer.model import lora
 
     m, params = lora.pick_member(cfg.model.lora, params, member)
     return dataclasses.replace(cfg, model=cfg.model.replace(lora=m)), params
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                        help="q/k layout of the HF checkpoint (interleaved: Meta's original)")
     args = p.parse_args(argv)
 
-    from jaxformer.config import ConfigError
+    from jaxformer.model.config import ConfigError
     from jaxformer.training.checkpoint import CheckpointError
     try:
         if args.command == "from-hf":

@@ -15,15 +15,15 @@ import ml_dtypes  # noqa: F401  (lets NumPy, hence safetensors, write bfloat16)
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxformer import lora
-from jaxformer.config import ModelConfig
 from jaxformer.convert.hf_config import config_to_hf
 from jaxformer.hf.families import MODEL_TYPES
 from jaxformer.hf.folder import INDEX, WEIGHTS, Path, by_path
-from jaxformer.layer_runs import is_stacked, locate
-from jaxformer.lora import LoRAConfig
-from jaxformer.models import param_shapes
-from jaxformer.seq2seq_model import layer_stacks
+from jaxformer.model import lora
+from jaxformer.model.build import param_shapes
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.encoder_decoder import layer_stacks
+from jaxformer.model.layer_runs import is_stacked, locate
+from jaxformer.model.lora import LoRAConfig
 
 
 def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str = "half",
@@ -85,7 +85,7 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
 
 def merged_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
     """param_getter's arrays, each kernel with its LoRA adapter (if any) folded in:
-    W + (alpha / r) A B, computed in float64 (jaxformer.lora.delta)."""
+    W + (alpha / r) A B, computed in float64 (jaxformer.model.lora.delta)."""
     get, targets = param_getter(cfg, params), cfg.lora.projections()
 
     def merged(path: Path) -> np.ndarray:

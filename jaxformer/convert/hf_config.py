@@ -10,12 +10,12 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxformer.archs import ENCODER_DECODER
-from jaxformer.config import RUNTIME, ConfigError, ModelConfig
 from jaxformer.hf.config_json import config_from_hf
 from jaxformer.hf.families import MODEL_TYPES, HFModelType
-from jaxformer.moe import ROUTERS
-from jaxformer.schemes import POSITION_SCHEMES
+from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.config import RUNTIME, ConfigError, ModelConfig
+from jaxformer.moe.experts import ROUTERS
+from jaxformer.positions.schemes import POSITION_SCHEMES
 
 _PER_LAYER = ("layer_pattern", "layer_kinds", "sliding_window", "rope_theta", "rope_scaling")
 

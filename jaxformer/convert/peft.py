@@ -20,11 +20,11 @@ import pathlib
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxformer import lora
-from jaxformer.config import ModelConfig
 from jaxformer.convert.hf import adapter_update, param_getter
 from jaxformer.convert.hf_config import config_to_hf
 from jaxformer.hf.families import MODEL_TYPES
+from jaxformer.model import lora
+from jaxformer.model.config import ModelConfig
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 
+from jaxformer.core.validation import ConfigError, Section, check_choice, check_number
 from jaxformer.data.seq2seq_tasks import SEQ2SEQ_TASKS
-from jaxformer.validation import ConfigError, Section, check_choice, check_number
 
 TOKENIZERS = ("bytes", "bpe")
 BIN_DTYPES = ("uint16", "uint32")
@@ -156,4 +156,4 @@ class DataConfig(Section):
                 raise ConfigError(f"data.mixture reads text corpora with one given tokenizer, "
                                   f"not data.{name}={getattr(self, name)!r}; use {fix}")
 
-    SECTION = "data"  # from_dict, to_dict, replace: jaxformer.validation.Section
+    SECTION = "data"  # from_dict, to_dict, replace: jaxformer.core.validation.Section

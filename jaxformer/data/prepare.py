@@ -13,12 +13,12 @@ import os
 import sys
 from typing import Callable, Mapping
 
+from jaxformer.core.validation import (ConfigError, build_section, merge, parse_overrides,
+                                       read_config_file)
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import find_corpus
 from jaxformer.data.dataset import new_tokenizer
 from jaxformer.data.tokens import remove_stale_temporaries, to_stderr, write_tokens
-from jaxformer.validation import (ConfigError, build_section, merge, parse_overrides,
-                                  read_config_file)
 
 
 def prepare(cfg: DataConfig, out: str, *, progress: bool = True,

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         return 2
     from lm_eval.utils import handle_non_serializable, make_table
 
-    from jaxformer.config import ConfigError
+    from jaxformer.model.config import ConfigError
     from jaxformer.training.checkpoint import CheckpointError
     try:
         results = evaluate(args)

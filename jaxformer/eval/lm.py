@@ -18,9 +18,9 @@ from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from jaxformer.core.sharding import sharding_context
 from jaxformer.eval.loading import Loaded, load_model
 from jaxformer.eval.scoring import Scorer, bucket
-from jaxformer.sharding import sharding_context
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ BYTES_PREFIX = 10  # the byte tokenizer has no end-of-text: an empty context is 
 @register_model("jaxformer")
 class JaxformerLM(TemplateLM):
     """loglikelihood, loglikelihood_rolling and generate_until (greedy, KV-cached:
-    jaxformer.decoding.generate) for a jaxformer run dir (RUN or RUN@STEP) or an HF folder,
+    jaxformer.decode.loops.generate) for a jaxformer run dir (RUN or RUN@STEP) or an HF folder,
     batched `batch_size` rows at a time into a few bucketed, jitted shapes."""
 
     def __init__(self, path: str | None = None, batch_size: int | str = 8,
@@ -152,7 +152,7 @@ class JaxformerLM(TemplateLM):
     def _decode(self, prompts: list[list[int]], room: int, max_new: int):
         """generate's greedy tokens [rows, max_new] and lengths [rows] for these prompts,
         right-padded to a bucketed width; rows past the prompts are one-token dummies."""
-        from jaxformer.decoding import generate
+        from jaxformer.decode.loops import generate
 
         width = bucket(max(map(len, prompts)), room)
         rows = self.scorer.rows

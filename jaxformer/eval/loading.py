@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jaxformer.model import Transformer
+from jaxformer.model.transformer import Transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,14 +20,14 @@ class Loaded:
     params: Any             # placed by `shardings` on `mesh`
     tokenizer: Any          # jaxformer.data.Tokenizer
     mesh: jax.sharding.Mesh
-    rules: tuple            # logical axis -> mesh axes (jaxformer.sharding.resolve_rules)
+    rules: tuple            # logical axis -> mesh axes (jaxformer.core.sharding.resolve_rules)
 
 
 def _run(src, best: bool):
     """(ModelConfig, params, tokenizer, MeshConfig) of a run dir at src.step (or latest)."""
-    from jaxformer import lora
     from jaxformer.data import load_tokenizer
-    from jaxformer.generate import load_run_params
+    from jaxformer.training.saved_run import load_run_params
+    from jaxformer.model import lora
 
     cfg, params = load_run_params(src.path, step=src.step, best=best)
     m, params = lora.pick_member(cfg.model.lora, params, None)
@@ -55,7 +55,7 @@ def _hf(src):
 
 def load_model(spec: str | pathlib.Path, *, best: bool = False) -> Loaded:
     """The model, params, tokenizer and mesh of a run dir (RUN, RUN@STEP) or HF folder."""
-    from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
+    from jaxformer.core.sharding import make_mesh, param_shardings, resolve_rules
     from jaxformer.training.init_from import parse_source
 
     try:

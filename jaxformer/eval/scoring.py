@@ -13,9 +13,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxformer.sharding import batch_devices, batch_sharding, traced_under
+from jaxformer.core.sharding import batch_devices, batch_sharding, traced_under
 
 MIN_WIDTH = 16
 

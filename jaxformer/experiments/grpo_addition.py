@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from jaxformer.data.tokenizer import train_bpe
-from jaxformer.decoding import generate
-from jaxformer.generate import load_run
+from jaxformer.decode.loops import generate
+from jaxformer.training.saved_run import load_run
 from jaxformer.training import load_config, train
 from jaxformer.training.rewards import addition
 

@@ -34,18 +34,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.core.validation import check_choice, check_number
 from jaxformer.data.random_positions import randomize_batch
-from jaxformer.validation import check_choice, check_number
-from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.experiments import tasks
 from jaxformer.experiments.length_gen_report import summarize, write_outputs
-from jaxformer.experiments.positions_config import (check_run_sections, study_dict,
-                                                    check_settings, read_sections,
-                                                    settings_from_dict, study_main)
+from jaxformer.experiments.positions_config import (check_run_sections, check_settings,
+                                                    read_sections, settings_from_dict, study_dict,
+                                                    study_main)
 from jaxformer.experiments.seeds import train_seeds
-from jaxformer.model import Transformer
-from jaxformer.models import count_params
+from jaxformer.model.build import count_params
+from jaxformer.model.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.model.transformer import Transformer
+from jaxformer.positions.schemes import POSITION_SCHEMES
 from jaxformer.training.config import RunConfig
 
 __all__ = ["DEFAULT_CONFIG", "SMALL", "LengthGenConfig", "LengthGenSettings", "exact_match",
@@ -69,7 +69,7 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1  # the training and evaluation examples' random
 @dataclasses.dataclass(frozen=True)
 class LengthGenSettings:
     """tasks: from jaxformer.experiments.tasks.TASKS; one model each per scheme and seed.
-    schemes: the model.position values compared (default: every entry of jaxformer.schemes.POSITION_SCHEMES).
+    schemes: the model.position values compared (default: every entry of jaxformer.positions.schemes.POSITION_SCHEMES).
     train_max_len: training examples have 1..train_max_len input symbols, uniformly.
     eval_lengths: the input lengths scored (the same examples for every scheme and seed).
     eval_examples: examples scored at each length.

@@ -32,7 +32,7 @@ import time
 import jax
 import numpy as np
 
-from jaxformer.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.core.sharding import make_mesh, param_shardings, resolve_rules
 from jaxformer.data import DataError, get_batch, load_dataset
 from jaxformer.data.random_positions import randomize_batch
 from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, StudyConfig,
@@ -40,9 +40,9 @@ from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, Study
                                                     multiples_of_l, study_main)
 from jaxformer.experiments.report import summarize, write_outputs
 from jaxformer.experiments.seeds import seed_slice, train_seeds
-from jaxformer.model import Transformer
-from jaxformer.models import count_params
-from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
+from jaxformer.model.build import count_params
+from jaxformer.model.config import ConfigError, ModelConfig, RopeScaling
+from jaxformer.model.transformer import Transformer
 from jaxformer.training.step import make_eval_step
 
 __all__ = ["DEFAULT_CONFIG", "SMALL", "StudyConfig", "StudySettings", "eval_config",

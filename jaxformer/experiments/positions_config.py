@@ -12,13 +12,13 @@ import re
 import sys
 from typing import Any, Mapping
 
-from jaxformer.config import ConfigError, ModelConfig
-from jaxformer.rope_scaling import ROPE_SCALINGS, RopeScaling
-from jaxformer.schemes import POSITION_SCHEMES
-from jaxformer.validation import check_choice, check_keys, check_number
+from jaxformer.core.validation import (check_choice, check_keys, check_number, coerce,
+                                       read_config_file)
+from jaxformer.model.config import ConfigError, ModelConfig
+from jaxformer.positions.rope_scaling import ROPE_SCALINGS, RopeScaling
+from jaxformer.positions.schemes import POSITION_SCHEMES
 from jaxformer.training.config import RunConfig
 from jaxformer.training.mlm import MaskedLM
-from jaxformer.validation import coerce, read_config_file
 
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")

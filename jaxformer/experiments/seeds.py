@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.model import Transformer
+from jaxformer.model.transformer import Transformer
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import init_state, make_train_step
 

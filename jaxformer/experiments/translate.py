@@ -27,7 +27,7 @@ def val_pairs(data, limit: int | None = None):
 def decode_pairs(model, params, pairs, end: int, *, beam_width: int, alpha: float,
                  greedy: bool, batch_size: int, max_new_tokens: int):
     """Each pair's decoded target ids (up to its end id)."""
-    from jaxformer.seq2seq_decoding import seq2seq_beam_search, seq2seq_generate
+    from jaxformer.decode.seq2seq import seq2seq_beam_search, seq2seq_generate
 
     out = []
     width = max(len(s) for s, _ in pairs)
@@ -61,8 +61,8 @@ def main(argv=None) -> int:
 
     from jaxformer.data import load_dataset
     from jaxformer.data.seq2seq import end_id
-    from jaxformer.generate import load_run_params
-    from jaxformer.seq2seq_model import EncoderDecoder
+    from jaxformer.training.saved_run import load_run_params
+    from jaxformer.model.encoder_decoder import EncoderDecoder
 
     cfg, params = load_run_params(a.run)
     data = load_dataset(cfg.data, run_dir=a.run, vocab_size=cfg.model.vocab_size,

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.archs import ENCODER_DECODER
-from jaxformer.config import ModelConfig
 from jaxformer.hf.bert import ACTIVATIONS, norm_rules
 from jaxformer.hf.rope import cannot, unsupported
 from jaxformer.hf.tensors import Rule, copied, linear, reshaped
+from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.config import ModelConfig
 
 OFFSET = 2  # BartLearnedPositionalEmbedding: position p reads row p + 2
 EPS = 1e-5  # nn.LayerNorm's default, which every BART norm uses

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.config import ModelConfig
 from jaxformer.hf.rope import unsupported
 from jaxformer.hf.tensors import Rule, copied, linear, reshaped
+from jaxformer.model.config import ModelConfig
 
 # transformers' "gelu" is the exact (erf) GELU; gelu_new the tanh approximation
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "relu": "relu"}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from jaxformer.config import ConfigError, ModelConfig
 from jaxformer.hf.families import MODEL_TYPES, OTHER_MODEL_TYPES, HFModelType
+from jaxformer.model.config import ConfigError, ModelConfig
 
 _REQUIRED = object()  # a key without a default
 

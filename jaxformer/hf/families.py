@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from jaxformer.hf import bart, bert, gpt2, gpt_neox, llama_layout, scales, t5, twists
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.tensors import Rule
-from jaxformer.kinds import CLAMP_ALPHA, CLAMP_LIMIT
+from jaxformer.model.kinds import CLAMP_ALPHA, CLAMP_LIMIT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,10 @@ import ml_dtypes  # noqa: F401  (lets NumPy, hence safetensors, read bfloat16)
 import numpy as np
 from safetensors import safe_open
 
-from jaxformer.config import ModelConfig
 from jaxformer.hf.config_json import config_from_hf, model_type_row
-from jaxformer.models import param_shapes
-from jaxformer.seq2seq_model import layer_stacks
+from jaxformer.model.build import param_shapes
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.encoder_decoder import layer_stacks
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -1,5 +1,5 @@
 """What a Hugging Face folder's generation_config.json asks of decoding, as
-jaxformer.constraints.Constraints: BART's summarisers, for one, decode with
+jaxformer.decode.constraints.Constraints: BART's summarisers, for one, decode with
 no_repeat_ngram_size 3, a forced BOS and EOS and a minimum length.
 
     constraints = generation_constraints("path/to/hf_model", cfg)
@@ -10,10 +10,10 @@ Sampling and beam settings (num_beams, length_penalty, temperature) stay the cal
 
 from __future__ import annotations
 
-from jaxformer.archs import ENCODER_DECODER
-from jaxformer.config import ModelConfig
-from jaxformer.constraints import Constraints
+from jaxformer.decode.constraints import Constraints
 from jaxformer.hf.folder import json_object, model_folder
+from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.config import ModelConfig
 
 
 def _one_id(value, name: str, file) -> int | None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.config import ModelConfig
 from jaxformer.hf.rope import unsupported
 from jaxformer.hf.tensors import Rule, copied, linear, reshaped
+from jaxformer.model.config import ModelConfig
 
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
 BUFFERS = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",)  # older checkpoints' masks

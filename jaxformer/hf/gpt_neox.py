@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.config import ModelConfig
 from jaxformer.hf.rope import rope_from_hf, rope_to_hf, rotary_fraction, unsupported
 from jaxformer.hf.tensors import Rule, copied, linear, rope_permutation
+from jaxformer.model.config import ModelConfig
 
 # model.block -> use_parallel_residual (GPT-NeoX runs one of the two flows)
 PARALLEL_RESIDUAL = {"parallel": True, "pre_ln": False}

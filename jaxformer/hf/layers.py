@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from jaxformer.config import ModelConfig, RopeScaling
 from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
+from jaxformer.model.config import ModelConfig, RopeScaling
 
 TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 

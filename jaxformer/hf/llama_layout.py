@@ -12,15 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxformer.config import ConfigError, ModelConfig
-from jaxformer.kinds import NORMS, QK_NORMS
 from jaxformer.hf.layers import (layer_fields, layers_to_hf, rope_per_type_from_hf,
                                  rope_per_type_to_hf)
 from jaxformer.hf.mla_layout import mla_rope, mla_rules, read_mla, write_mla
 from jaxformer.hf.moe_layout import moe_rules, read_moe, write_moe
 from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
-from jaxformer.hf.tensors import (Path, Rule, copied, linear, reshaped, rope_permutation,
-                                       split_rows)
+from jaxformer.hf.tensors import Path, Rule, copied, linear, reshaped, rope_permutation, split_rows
+from jaxformer.model.config import ConfigError, ModelConfig
+from jaxformer.model.kinds import NORMS, QK_NORMS
 
 ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 # checkpoint buffers that are not params (RoPE tables, Gemma's embedding scale)

@@ -1,11 +1,11 @@
 """Multi-head latent attention in the DeepSeek families (a row with `mla`, jaxformer.hf.families):
-config.json keys <-> model.mla (jaxformer.mla.MLAConfig) and the softmax scale, and the
+config.json keys <-> model.mla (jaxformer.attention.mla.MLAConfig) and the softmax scale, and the
 tensor rules of an MLA layer's attention.
 
 Theirs, under model.layers.N.self_attn.: q_a_proj [q_lora_rank, D], q_a_layernorm, q_b_proj
 [N (nope + rope), q_lora_rank] (or q_proj [N (nope + rope), D]); kv_a_proj_with_mqa
 [kv_lora_rank + rope, D], kv_a_layernorm; kv_b_proj [N (nope + v), kv_lora_rank]; o_proj
-[D, N v]. Ours: jaxformer.mla_attention.MLAttention's params. DeepSeek stores the rotated
+[D, N v]. Ours: jaxformer.model.latent_attention.MLAttention's params. DeepSeek stores the rotated
 slices' pairs interleaved (rope_interleave; V2's complex rotation likewise): they are
 permuted to jaxformer's half rotation on the way in and back on the way out.
 """
@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.config import ModelConfig
+from jaxformer.attention.mla import MLAConfig
 from jaxformer.hf.rope import unsupported
 from jaxformer.hf.tensors import (Path, Rule, copied, linear, permute_half_to_interleaved,
                                   permute_interleaved_to_half)
-from jaxformer.mla import MLAConfig
+from jaxformer.model.config import ModelConfig
 
 KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 

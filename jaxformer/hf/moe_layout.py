@@ -1,5 +1,5 @@
 """The mixture of experts of a Llama-layout family (its row's `moe`, jaxformer.hf.families):
-config.json keys <-> model.moe (jaxformer.moe.MoEConfig), and the tensor rules of a sparse
+config.json keys <-> model.moe (jaxformer.moe.experts.MoEConfig), and the tensor rules of a sparse
 layer's feed-forward network.
 
 A family stores its experts one of two ways (transformers 5 fuses them in memory, but
@@ -12,7 +12,7 @@ save_pretrained writes, and the Hub holds, these):
   fused (gpt-oss): {block}.experts.gate_up_proj [E, D, 2F] (in, out: gate and up
     columns interleaved, gate first) and down_proj [E, F, D], with their biases
     gate_up_proj_bias [E, 2F] (interleaved) and down_proj_bias [E, D], and the router's.
-Ours (jaxformer.layers.MoEFeedForward): router/kernel [D, E], wi_gate / wi_up [E, D, F],
+Ours (jaxformer.model.blocks.MoEFeedForward): router/kernel [D, E], wi_gate / wi_up [E, D, F],
 wo [E, F, D] (and {name}_bias [E, out], router/bias [E] with model.moe.bias); the shared
 expert's shared/{wi_gate, wi_up, wo}/kernel and shared_gate/kernel [D, 1].
 """
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.config import ModelConfig
 from jaxformer.hf.rope import cannot, unsupported
 from jaxformer.hf.tensors import Path, Rule, copied, linear
-from jaxformer.moe import ROUTERS, MoEConfig
+from jaxformer.model.config import ModelConfig
+from jaxformer.moe.experts import ROUTERS, MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,7 @@ class MoEFormat:
     """A family's mixture of experts.
 
     config.json. experts_keys: the expert count's keys, the first written (the others are
-      aliases its config class maps onto it). router: the jaxformer.moe.ROUTERS row that
+      aliases its config class maps onto it). router: the jaxformer.moe.experts.ROUTERS row that
       routes as the family; norm_topk_key: the key that renormalises the chosen weights
       (None: the router row decides). expert_d_ff_key: each expert's width (None: it is
       intermediate_size, and every layer is sparse). sparse_layers: mlp_only_layers and
@@ -113,7 +113,7 @@ def read_moe(hf, get, row) -> MoEConfig:
     # transformers adds router_aux_loss_coef * load_balancing_loss_func to the loss only
     # with output_router_logits. Its loss is E sum_e f_e p_e with f_e the share of tokens
     # (not of assignments) reaching expert e, so top_k at balance: top_k times ours
-    # (jaxformer.moe.balance_losses, 1 at balance). The coefficient times top_k is the same
+    # (jaxformer.moe.experts.balance_losses, 1 at balance). The coefficient times top_k is the same
     # penalty per layer; transformers pools f and p over the layers before the product,
     # ours is per layer (equal when the layers route alike).
     aux = float(get("router_aux_loss_coef")) * top_k if get("output_router_logits") else 0.0

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from jaxformer.config import ConfigError, ModelConfig
-from jaxformer.rope_scaling import ROPE_SCALINGS, RopeScaling
+from jaxformer.model.config import ConfigError, ModelConfig
+from jaxformer.positions.rope_scaling import ROPE_SCALINGS, RopeScaling
 
 # rope_type in config.json -> the RopeScaling row that reads it
 HF_TYPES = {row.hf_type: kind for kind, row in ROPE_SCALINGS.items() if row.hf_type}

@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxformer.archs import ENCODER_DECODER
-from jaxformer.config import ModelConfig
 from jaxformer.hf.rope import cannot, unsupported
 from jaxformer.hf.tensors import Rule, copied, linear
+from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.config import ModelConfig
 
 # feed_forward_proj -> model.ffn ("gated-gelu" is the tanh GELU, as T5Config rewrites it)
 FFN_PROJ = {"relu": "relu", "gated-gelu": "geglu", "gated-gelu_new": "geglu",

@@ -7,7 +7,7 @@ module's ``tensor_rules`` (jaxformer.hf.gpt2, gpt_neox, llama_layout), named as 
 ``*ForCausalLM`` / ``GPT2LMHeadModel`` checkpoints name them; a bare-model checkpoint lacks
 the prefix (its row's tensor_prefix), which the reader allows. Here are the pieces they share.
 
-Our layout (jaxformer.model): embed/embedding [V, D]; per block attn/{query [D, N, H],
+Our layout (jaxformer.model.transformer): embed/embedding [V, D]; per block attn/{query [D, N, H],
 key/value [D, K, H], out [N, H, D]} kernels, q/k/v biases [N|K, H]; ffn/{wi | wi_gate,
 wi_up} [D, F], wo [F, D]; norms' scale (and LayerNorm bias) [D]; lm_head/kernel [D, V].
 HF Linear weights are [out, in].

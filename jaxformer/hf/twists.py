@@ -5,7 +5,7 @@ lists none, what a writer adds, DeepSeek's group routing keys."""
 from __future__ import annotations
 
 from jaxformer.hf.rope import cannot, unsupported
-from jaxformer.schemes import POSITION_SCHEMES
+from jaxformer.positions.schemes import POSITION_SCHEMES
 
 # ---- layer types, when config.json lists none -----------------------------------------
 

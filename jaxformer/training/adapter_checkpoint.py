@@ -25,9 +25,9 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.experimental.multihost_utils import process_allgather
 
-from jaxformer import lora
-from jaxformer.config import ConfigError
-from jaxformer.training.checkpoint import CheckpointError, Checkpointer
+from jaxformer.model import lora
+from jaxformer.model.config import ConfigError
+from jaxformer.training.checkpoint import Checkpointer, CheckpointError
 from jaxformer.training.init_from import parse_source
 
 

@@ -23,7 +23,7 @@ import zlib
 import jax
 import orbax.checkpoint as ocp
 
-from jaxformer.config import ConfigError, ModelConfig
+from jaxformer.model.config import ConfigError, ModelConfig
 
 MANIFEST = "checksums.json"
 

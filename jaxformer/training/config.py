@@ -15,15 +15,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jaxformer import validation
-from jaxformer.archs import ENCODER_DECODER
-from jaxformer.config import NESTED, PRESETS, ModelConfig
+from jaxformer.core import validation
+from jaxformer.core.sharding import check_expert_split, resolve_rules
+from jaxformer.core.validation import (ConfigError, build_section, check_choice, check_number,
+                                       merge, read_config_file)
 from jaxformer.data import DataConfig
-from jaxformer.schemes import POSITION_SCHEMES
-from jaxformer.sharding import check_expert_split, resolve_rules
+from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.config import NESTED, PRESETS, ModelConfig
+from jaxformer.positions.schemes import POSITION_SCHEMES
 from jaxformer.training.init_from import initial_sections
-from jaxformer.validation import (ConfigError, build_section, check_choice, check_number, merge,
-                                  read_config_file)
 
 SCHEDULES = ("cosine", "inverse_sqrt", "constant", "linear")
 OPTIMIZERS = ("adamw", "muon")
@@ -148,10 +148,10 @@ class MeshConfig:
     """The ('data', 'fsdp', 'tensor', 'context', 'expert') device mesh; one axis may be -1:
     the rest of the devices. data=None (the default) is the rest, or 1 when another axis is
     -1; so mesh.fsdp=-1 alone is FSDP over every device. context: the devices one sequence
-    is split over (context parallelism: jaxformer.ring). expert: the devices a mixture's
-    experts are split over (expert parallelism: jaxformer.expert_parallel; the batch is
+    is split over (context parallelism: jaxformer.attention.ring). expert: the devices a mixture's
+    experts are split over (expert parallelism: jaxformer.moe.expert_parallel; the batch is
     split over them too; model.moe.experts must be a multiple). rules: logical axis -> mesh
-    axes overrides of jaxformer.sharding.DEFAULT_RULES (e.g. {embed: null})."""
+    axes overrides of jaxformer.core.sharding.DEFAULT_RULES (e.g. {embed: null})."""
 
     data: int | None = None
     fsdp: int = 1
@@ -368,5 +368,5 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
     """['train.steps=10', 'model.rope_scaling.kind=yarn'] -> the nested mapping of value
-    strings, each key's section one of the run's (jaxformer.validation.parse_overrides)."""
+    strings, each key's section one of the run's (jaxformer.core.validation.parse_overrides)."""
     return validation.parse_overrides(items, SECTIONS)

@@ -11,8 +11,8 @@ its tokens t under the loss mask:
     kl_it     = exp(ref_it - new_it) - (ref_it - new_it) - 1       (Schulman's k3, >= 0)
     loss      = sum_it mask_it (beta kl_it - surrogate) / sum_it mask_it
 
-`old` are the rollout's own log-probs (jaxformer.decoding.generate's, which equal the
-training forward's: jaxformer.logprobs), so at the first inner step new == old, the ratio
+`old` are the rollout's own log-probs (jaxformer.decode.loops.generate's, which equal the
+training forward's: jaxformer.core.logprobs), so at the first inner step new == old, the ratio
 is 1 and the clip is inactive. The average runs over every completion token of the batch
 (DAPO's token-level loss; Dr. GRPO), not per sequence first. beta = 0 drops the KL term
 and the reference's log-probs are not read.

@@ -4,7 +4,7 @@ Each step (train.steps counts them) takes train.batch_size prompts of the run's
 prompt/completion records (drawn as a pure function of (train.seed, step); the record's
 completion is the reference answer task:exact compares with) and
 
-1. rollout (jaxformer.decoding.generate, the KV-cached sampler): group_size completions
+1. rollout (jaxformer.decode.loops.generate, the KV-cached sampler): group_size completions
    per prompt at objective.temperature, up to objective.max_new_tokens (stopping at the
    tokenizer's end of text), with their log-probs;
 2. reward: each completion scored (jaxformer.training.rewards);
@@ -30,18 +30,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxformer.config import ConfigError
-from jaxformer.lora import base_only
-from jaxformer.decoding import generate
-from jaxformer.logprobs import token_logprobs
+from jaxformer.core.logprobs import token_logprobs
+from jaxformer.core.sharding import traced_under
+from jaxformer.decode.loops import generate
+from jaxformer.model.config import ConfigError
+from jaxformer.model.lora import base_only
 from jaxformer.training.grpo import group_advantages, grpo_loss
 from jaxformer.training.match import byte_table, encode_targets, task_rewards, token_pieces
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.rewards import Reward
 from jaxformer.training.step import joined, loss_terms, trained_part
-from jaxformer.sharding import traced_under
 
 
 def record_prompts(records, eot_id):

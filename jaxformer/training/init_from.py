@@ -14,11 +14,13 @@ import dataclasses
 import pathlib
 from typing import Any, Mapping
 
-from jaxformer import lora
-from jaxformer.config import NESTED, RUNTIME as MODEL_RUNTIME, ConfigError, ModelConfig
+from jaxformer.core.validation import build_section, merge, read_config_file, type_names
 from jaxformer.hf import read_hf_config
-from jaxformer.schemes import POSITION_SCHEMES
-from jaxformer.validation import build_section, merge, read_config_file, type_names
+from jaxformer.model import lora
+from jaxformer.model.config import NESTED
+from jaxformer.model.config import RUNTIME as MODEL_RUNTIME
+from jaxformer.model.config import ConfigError, ModelConfig
+from jaxformer.positions.schemes import POSITION_SCHEMES
 
 # config.RUNTIME (how a model taken from weights may run), and its adapters and length
 RUNTIME = MODEL_RUNTIME + ("lora", "max_seq_len")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxformer import lora
-from jaxformer.config import ModelConfig
 from jaxformer.hf import from_hf
-from jaxformer.model import stack_layers, unstack_layers
-from jaxformer.models import model_for
+from jaxformer.model import lora
+from jaxformer.model.build import model_for
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.transformer import stack_layers, unstack_layers
 from jaxformer.training.adapter_checkpoint import run_checkpointer
 from jaxformer.training.config import load_config
 from jaxformer.training.init_from import Source, parse_source
@@ -52,7 +52,7 @@ def base_loader(cfg: ModelConfig, param_shardings, mesh, rules):
 def one_device_loader(cfg):
     """spec -> the base weights of train.init_from=spec on the first device, for a reader
     of a run (a RunConfig: generate, convert), which places them itself."""
-    from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
+    from jaxformer.core.sharding import make_mesh, param_shardings, resolve_rules
 
     def load(spec):
         mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])

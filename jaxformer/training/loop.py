@@ -12,17 +12,21 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.multihost_utils import process_allgather
 import yaml
+from jax.experimental.multihost_utils import process_allgather
 
-from jaxformer.config import ConfigError
+from jaxformer.core.sharding import (batch_devices, batch_sharding, check_context_split,
+                                     check_expert_split, initialize_distributed, make_mesh,
+                                     per_device_bytes, place_batch, process_rows, resolve_rules)
 from jaxformer.data import DataError, eval_batches, load_dataset
 from jaxformer.data.random_positions import randomize_batch
-from jaxformer.decoding import generate
-from jaxformer.model import flops_per_token
-from jaxformer.models import model_for
-from jaxformer.seq2seq_model import EncoderDecoder
-from jaxformer.training.balancing import layer_records, sparse_ids
+from jaxformer.decode.loops import generate
+from jaxformer.model.build import model_for
+from jaxformer.model.config import ConfigError
+from jaxformer.model.encoder_decoder import EncoderDecoder
+from jaxformer.model.transformer import flops_per_token
+from jaxformer.moe.balancing import layer_records, sparse_ids
+from jaxformer.training import objectives, tracking
 from jaxformer.training.adapter_checkpoint import keep_base, run_checkpointer
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
@@ -30,14 +34,10 @@ from jaxformer.training.initial_weights import base_loader, load_initial
 from jaxformer.training.lock import run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training import objectives, tracking
 from jaxformer.training.peers import watch_peers
 from jaxformer.training.seq2seq import translation_text
-from jaxformer.sharding import (batch_devices, batch_sharding, check_context_split,
-                                check_expert_split, initialize_distributed, make_mesh,
-                                per_device_bytes, place_batch, process_rows, resolve_rules)
-from jaxformer.training.step import (init_state, make_eval_step, make_train_step,
-                                     state_shardings, trained_part)
+from jaxformer.training.step import (init_state, make_eval_step, make_train_step, state_shardings,
+                                     trained_part)
 
 
 class TrainingStopped(RuntimeError):

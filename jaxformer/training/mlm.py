@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxformer.logprobs import target_logprobs
+from jaxformer.core.logprobs import target_logprobs
 from jaxformer.training.step import joined, logits_of
 
 # of the chosen tokens: the share masked, and (cumulated) that masked or made random

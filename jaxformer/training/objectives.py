@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import lora
-from jaxformer.archs import ENCODER_DECODER
-from jaxformer.logprobs import target_logprobs
+from jaxformer.core.logprobs import target_logprobs
+from jaxformer.model import lora
+from jaxformer.model.archs import ENCODER_DECODER
 from jaxformer.training.grpo_step import GroupPolicy
 from jaxformer.training.mlm import MaskedLM
 from jaxformer.training.seq2seq import Seq2Seq

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from jaxformer.config import ModelConfig
-from jaxformer.layer_runs import is_stacked
-from jaxformer.quantize import CONTRACTED_AXES, EXPERTS
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.layer_runs import is_stacked
+from jaxformer.model.quantize import CONTRACTED_AXES, EXPERTS
 from jaxformer.training.config import OptimConfig
 
 LATENT_UPS = ("key_up", "value_up")  # MLA's up-projections: [latent, heads, head_dim]

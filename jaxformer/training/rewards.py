@@ -28,7 +28,7 @@ import math
 import numbers
 import re
 
-from jaxformer.config import ConfigError
+from jaxformer.model.config import ConfigError
 
 WHITESPACE = " \t\r\x0b\x0c"  # stripped around the first line ("\n" ends it)
 _SUM = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)\s*=\s*$")

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.core.logprobs import target_logprobs
 from jaxformer.data.seq2seq import end_id
-from jaxformer.logprobs import target_logprobs
-from jaxformer.seq2seq_decoding import seq2seq_generate
+from jaxformer.decode.seq2seq import seq2seq_generate
 from jaxformer.training.step import joined
 
 

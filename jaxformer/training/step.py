@@ -9,16 +9,17 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxformer import lora
-from jaxformer.logprobs import target_logprobs
-from jaxformer.model import Transformer
-from jaxformer.ring import zigzag_batch
-from jaxformer.training import balancing
+from jaxformer.attention.ring import zigzag_batch
+from jaxformer.core.logprobs import target_logprobs
+from jaxformer.core.sharding import (batch_sharding, constrain, logical_axes, sequence_split,
+                                     shardings_for, traced_under)
+from jaxformer.model import lora
+from jaxformer.model.transformer import Transformer
+from jaxformer.moe import balancing
 from jaxformer.training.sweep import member_losses, members, sweep_params, sweep_specs
-from jaxformer.sharding import (batch_sharding, constrain, logical_axes, sequence_split,
-                                shardings_for, traced_under)
 
 
 @flax.struct.dataclass
@@ -46,7 +47,7 @@ def _init_fn(model: Transformer, tx: optax.GradientTransformation):
 
 def trained_part(params):
     """(trained, frozen): with LoRA adapters in the model, the adapters and the frozen
-    base (jaxformer.lora.partition); else all the params and nothing. The optimizer
+    base (jaxformer.model.lora.partition); else all the params and nothing. The optimizer
     holds state for the trained part only."""
     adapters, base = lora.partition(params)
     return (adapters, base) if adapters else (params, {})
@@ -92,7 +93,7 @@ def init_state(model: Transformer, tx: optax.GradientTransformation, seed: int, 
 def logits_of(model: Transformer, params, batch, dropout_rng=None, sown: bool = False):
     """(logits float32 [B, T, V], the batch they are of) and, with sown, the "moe"
     collection the sparse layers sow. With the sequence split over a mesh axis (context
-    parallelism) the rows are put in zigzag order first (jaxformer.ring.zigzag_batch):
+    parallelism) the rows are put in zigzag order first (jaxformer.attention.ring.zigzag_batch):
     the returned batch is in that order, so sums over a row are the same."""
     deterministic = dropout_rng is None
     split = sequence_split()

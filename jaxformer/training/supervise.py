@@ -125,7 +125,7 @@ def supervised(cfg) -> int | None:
     """Run this multi-process training under a supervising parent (see the module's
     docstring) and return its exit status; None when this process should train itself:
     one process, or the supervised child."""
-    from jaxformer.sharding import cluster_detected
+    from jaxformer.core.sharding import cluster_detected
     d = cfg.distributed
     if in_child() or (d.coordinator_address is None and not cluster_detected()):
         return None

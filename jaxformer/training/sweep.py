@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxformer import lora
-from jaxformer.layer_runs import is_stacked
-from jaxformer.validation import ConfigError
+from jaxformer.core.validation import ConfigError
+from jaxformer.model import lora
+from jaxformer.model.layer_runs import is_stacked
 
 
 def members(model) -> int:
@@ -38,7 +38,7 @@ def members(model) -> int:
 def sweep_params(model, key, tokens):
     """Fresh params of a sweep: the base once, each member's adapters (from its own
     rank and seed) padded to the largest rank and stacked on axis 0."""
-    from jaxformer.model import Transformer
+    from jaxformer.model.transformer import Transformer
     cfg, width = model.cfg, model.cfg.lora.rank
     inits = [Transformer(cfg.replace(lora=m)).init(key, tokens)["params"]
              for m in cfg.lora.members()]

@@ -12,7 +12,7 @@ import os
 import pathlib
 import sys
 
-from jaxformer.validation import ConfigError
+from jaxformer.core.validation import ConfigError
 
 INSTALL = "pip install 'jaxformer[wandb]'"
 ID_FILE = "wandb_id"

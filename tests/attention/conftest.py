@@ -2,14 +2,14 @@
 
 import pytest
 
-from jaxformer import chunked
+from jaxformer.attention import chunked
 
 
 @pytest.fixture(autouse=True)
 def small_blocks(rng, monkeypatch):
     """Blockwise attention in blocks of a few rows and keys, so that these small inputs
     span several blocks (padding, skipping and the online softmax's rescaling)."""
-    from jaxformer import blockwise
+    from jaxformer.attention import blockwise
     monkeypatch.setattr(blockwise, "BLOCK_Q", int(rng.integers(2, 9)))
     monkeypatch.setattr(blockwise, "BLOCK_K", int(rng.integers(2, 9)))
 

@@ -6,14 +6,11 @@
 
 import functools
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxformer import backends, blockwise, chunked
-from jaxformer.attention import dot_product_attention
-
+from jaxformer.attention import backends, blockwise, chunked, dot_product_attention
 
 # every backend that takes arrays and runs here (the table: a new entry is tested), but
 # cuDNN: it takes 16-bit inputs alone, and these tests are float32 (bf16: test_backends.py)

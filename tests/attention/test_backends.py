@@ -1,36 +1,16 @@
-"""Every backend (jaxformer.backends) against the float64 reference; dispatch; soft-capping."""
-
-import numpy as np
-import pytest
+"""Every backend (jaxformer.attention.backends) against the float64 reference; dispatch; soft-capping."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from jaxformer import backends
-from jaxformer.backends import rule_attention
-from jaxformer.attention import attention_weights, dot_product_attention, resolve_impl
-from tests.attention.reference import (
-    B,
-    BACKENDS,
-    CONFIGS,
-    H,
-    MASK_KINDS,
-    alibi_like_bias,
-    as_jnp,
-    attend,
-    attend_grads,
-    build_case,
-    np_attention,
-    np_attention_grads,
-    np_causal,
-    np_index_causal,
-    np_padding,
-    np_segment,
-    np_window,
-    random_positions,
-    random_qkv,
-)
-
+from jaxformer.attention import attention_weights, backends, dot_product_attention, resolve_impl
+from jaxformer.attention.backends import rule_attention
+from tests.attention.reference import (BACKENDS, CONFIGS, MASK_KINDS, B, H, alibi_like_bias, as_jnp,
+                                       attend, attend_grads, build_case, np_attention,
+                                       np_attention_grads, np_causal, np_index_causal, np_padding,
+                                       np_segment, np_window, random_positions, random_qkv)
 
 # ---- 2./3. every mask kind, GQA ratio and backend against the float64 reference -------
 
@@ -420,9 +400,9 @@ def test_softcap_through_rule_attention_matches_float64(rng, impl):
     """rule_attention(softcap=2), the model's path: a packed and padded causal rule and
     ALiBi as a LogitBias (where the backend adds a bias), GQA 4:2; output and gradients of
     q, k, v and the slopes against float64 NumPy."""
-    from jaxformer.masks import MaskRule
+    from jaxformer.attention.masks import MaskRule
     from jaxformer.positions import alibi_bias, alibi_slopes, segment_positions
-    from jaxformer.schemes import LogitBias
+    from jaxformer.positions.schemes import LogitBias
     n, kv, t = 4, 2, 8
     q, k, v = capped_qkv(rng, B, t, t, n, kv)
     seg = two_segments(rng, t)
@@ -458,7 +438,7 @@ def test_softcap_through_rule_attention_matches_float64(rng, impl):
 def test_cached_attention_softcap_matches_float64(rng):
     """A decode step over a KV cache (kv_cache.cached_attention, [B * K, S, H] rows) with
     softcap=2, a padding mask and a bias, GQA 4:2, against float64 NumPy."""
-    from jaxformer import kv_cache
+    from jaxformer.attention import kv_cache
     n, kv, tq, tk = 4, 2, 3, 8
     q, k, v = capped_qkv(rng, B, tq, tk, n, kv)
     k_seg = np.ones((B, tk), np.int32)
@@ -478,7 +458,7 @@ def test_cached_attention_softcap_matches_float64(rng):
 def test_softcap_on_a_backend_without_one_raises_naming_it(rng):
     """xla and cudnn (jax.nn.dot_product_attention) apply no cap: naming one with a
     softcap raises, naming it and the backends that do, whichever way in."""
-    from jaxformer.masks import MaskRule
+    from jaxformer.attention.masks import MaskRule
     without = [n for n, b in backends.BACKENDS.items() if not b.takes_softcap]
     assert "xla" in without
     q, k, v = random_qkv(rng, 1, 4, 4, 2, 1)
@@ -592,7 +572,7 @@ def test_sinks_through_rule_attention_match_float64(rng, impl):
     """rule_attention(sinks=...), the model's path (blockwise a block at a time, the ring
     and all-gather on one device): a packed, padded, windowed causal rule, GQA 4:2; output
     and the gradients of q, k, v and the sinks against float64 NumPy."""
-    from jaxformer.masks import MaskRule
+    from jaxformer.attention.masks import MaskRule
     from jaxformer.positions import segment_positions
     n, kv, t, window = 4, 2, 8, 3
     q, k, v = random_qkv(rng, B, t, t, n, kv)
@@ -622,7 +602,7 @@ def test_sinks_through_rule_attention_match_float64(rng, impl):
 def test_cached_attention_sinks_match_float64(rng):
     """A decode step over a KV cache (kv_cache.cached_attention) with sinks, a padding mask
     and a bias, GQA 4:2, against float64 NumPy."""
-    from jaxformer import kv_cache
+    from jaxformer.attention import kv_cache
     n, kv, tq, tk = 4, 2, 3, 8
     q, k, v = random_qkv(rng, B, tq, tk, n, kv)
     k_seg = np.ones((B, tk), np.int32)
@@ -644,8 +624,8 @@ def test_sinks_on_a_backend_without_them_raise_naming_it(rng):
     """xla, cudnn (jax.nn.dot_product_attention) and splash have no sinks: naming one with
     sinks raises, naming it and the backends that take them, whichever way in; a model
     config likewise, in one line."""
-    from jaxformer.config import ConfigError, ModelConfig
-    from jaxformer.masks import MaskRule
+    from jaxformer.attention.masks import MaskRule
+    from jaxformer.model.config import ConfigError, ModelConfig
     without = [n for n, b in backends.BACKENDS.items() if not b.takes_sinks]
     assert {"xla", "cudnn", "splash"} <= set(without)
     q, k, v = random_qkv(rng, 1, 4, 4, 2, 1)

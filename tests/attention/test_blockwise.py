@@ -1,23 +1,15 @@
-"""jaxformer.blockwise (and bf16 splash) against float64 NumPy, and its compiled skips."""
+"""jaxformer.attention.blockwise (and bf16 splash) against float64 NumPy, and its compiled skips."""
 
 import functools
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
-from tests.attention.reference import (
-    B,
-    np_attention,
-    np_attention_grads,
-    np_causal,
-    np_segment,
-    np_window,
-    random_qkv,
-)
+from tests.attention.reference import (B, np_attention, np_attention_grads, np_causal, np_segment,
+                                       np_window, random_qkv)
 from tests.conftest import DEFAULT_EMITTERS
 
 
@@ -26,8 +18,8 @@ def test_blockwise_skips_pass_only_block_sized_values_through_cond():
     every lax.cond that skips a masked block carries block-sized values only. Handed the
     whole dK/dV accumulators, XLA:CPU copied them in and out at every block, and the
     backward ran 1.8x slower (bench/attention.py, T 2048)."""
-    from jaxformer.blockwise import blockwise_attention
-    from jaxformer.masks import MaskRule
+    from jaxformer.attention.blockwise import blockwise_attention
+    from jaxformer.attention.masks import MaskRule
     from jaxformer.positions import alibi_bias, alibi_slopes
     b, t, n, h = 1, 96, 2, 8
     q = jnp.ones((b, t, n, h))
@@ -53,10 +45,10 @@ def test_blockwise_skips_pass_only_block_sized_values_through_cond():
 def test_structured_backends_in_bfloat16_output_and_gradients(rng, impl):
     """bf16 q/k/v through the rule backends (packed, padded, windowed; GQA): output and
     q/k/v gradients against float64 on the same bf16-rounded inputs, to bf16's precision."""
-    from jaxformer.blockwise import blockwise_attention
-    from jaxformer.masks import MaskRule
+    from jaxformer.attention.blockwise import blockwise_attention
+    from jaxformer.attention.masks import MaskRule
+    from jaxformer.attention.splash import splash_attention
     from jaxformer.positions import segment_positions
-    from jaxformer.splash import splash_attention
     t = int(rng.integers(130, 200)) if impl == "splash" else int(rng.integers(20, 40))
     q, k, v = random_qkv(rng, 2, t, t, 4, 2, h=32, dtype=jnp.bfloat16)
     seg = np.sort(rng.integers(1, 4, (2, t)), axis=1)
@@ -92,8 +84,8 @@ def test_blockwise_rule_matches_float64(rng, window, packed):
     causal) and ALiBi as (fn, slopes), over ragged T and several block shapes (so block
     edges fall everywhere, and some blocks are skipped): output and gradients of q, k, v
     and the slopes against float64 NumPy with the dense mask of the same positions."""
-    from jaxformer.blockwise import blockwise_attention
-    from jaxformer.masks import MaskRule
+    from jaxformer.attention.blockwise import blockwise_attention
+    from jaxformer.attention.masks import MaskRule
     from jaxformer.positions import alibi_bias, alibi_slopes, segment_positions
     n, kv = [(4, 2), (4, 1), (2, 2)][int(rng.integers(3))]
     t = int(rng.integers(9, 23))

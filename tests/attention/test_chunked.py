@@ -1,11 +1,10 @@
-"""The chunked backend (jaxformer.chunked): its gradient's reductions in XLA:CPU's HLO."""
+"""The chunked backend (jaxformer.attention.chunked): its gradient's reductions in XLA:CPU's HLO."""
 
 import re
 
-import pytest
-
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxformer.attention import dot_product_attention
 from tests.attention.reference import random_qkv

@@ -1,19 +1,12 @@
-"""The mask functions (jaxformer.masks) against their NumPy definitions and literals."""
+"""The mask functions (jaxformer.attention.masks) against their NumPy definitions and literals."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax.numpy as jnp
-
-from jaxformer.attention import (
-    causal_mask,
-    make_attention_mask,
-    padding_mask,
-    segment_mask,
-    sliding_window_mask,
-)
+from jaxformer.model.self_attention import (causal_mask, make_attention_mask, padding_mask,
+                                            segment_mask, sliding_window_mask)
 from tests.attention.reference import B, np_causal, np_padding, np_segment, np_window
-
 
 # ---- 7. mask functions ------------------------------------------------------------------
 

@@ -1,19 +1,12 @@
-"""Splash attention (jaxformer.splash, Pallas interpret mode) against float64 NumPy."""
-
-import numpy as np
-import pytest
+"""Splash attention (jaxformer.attention.splash, Pallas interpret mode) against float64 NumPy."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from tests.attention.reference import (
-    np_attention,
-    np_attention_grads,
-    np_causal,
-    np_segment,
-    np_window,
-    random_qkv,
-)
+from tests.attention.reference import (np_attention, np_attention_grads, np_causal, np_segment,
+                                       np_window, random_qkv)
 
 
 @pytest.mark.parametrize("t, n, kv, window, packed", [(128, 4, 4, None, False),
@@ -25,9 +18,9 @@ def test_splash_in_interpret_mode_matches_float64(rng, t, n, kv, window, packed)
     CausalMask/LocalMask and SegmentIds, GQA/MQA native: output and q/k/v gradients
     against float64 NumPy with the dense mask; ragged T is padded inside; padding rows
     get zeros, as on every backend."""
-    from jaxformer.masks import MaskRule
+    from jaxformer.attention.masks import MaskRule
+    from jaxformer.attention.splash import splash_attention
     from jaxformer.positions import segment_positions
-    from jaxformer.splash import splash_attention
     q, k, v = random_qkv(rng, 2, t, t, n, kv, h=64)
     seg = None
     if packed:

@@ -26,10 +26,10 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noqa: E402
-from jaxformer.constraints import Constraints  # noqa: E402
 from jaxformer.convert import (from_hf, permute_half_to_interleaved,  # noqa: E402
                                permute_interleaved_to_half, read_hf_config, to_hf)
-from jaxformer.decoding import generate  # noqa: E402
+from jaxformer.decode import generate  # noqa: E402
+from jaxformer.decode.constraints import Constraints  # noqa: E402
 from tests.conftest import REPO, xla_flags  # noqa: E402
 
 torch.set_num_threads(2)
@@ -312,7 +312,7 @@ SHARDED = textwrap.dedent("""
     import jax, numpy as np
     from jaxformer import ModelConfig, Transformer
     from jaxformer.convert import from_hf, to_hf
-    from jaxformer.sharding import make_mesh, param_shardings, resolve_rules
+    from jaxformer.core.sharding import make_mesh, param_shardings, resolve_rules
 
     assert jax.device_count() == 8, jax.devices()
     path = sys.argv[1]
@@ -358,7 +358,7 @@ def test_sharded_loading_puts_only_its_slice_on_each_device(tmp_path):
 
 def test_cli_from_hf_makes_a_run_and_to_hf_exports_it(tmp_path, capsys):
     from jaxformer.convert.__main__ import main
-    from jaxformer.generate import load_run
+    from jaxformer.training.saved_run import load_run
 
     model = hf_model("llama-gqa-llama3")
     model.save_pretrained(tmp_path / "hf")

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxformer import lora
+from jaxformer.model import lora
 from tests.convert.test_convert import init_params, our_logits
 
 torch = pytest.importorskip("torch")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.config import ConfigError
 from jaxformer.data import DataConfig, DataError, load_dataset
 from jaxformer.data.completions import pack, rows_batch
+from jaxformer.model.config import ConfigError
 from jaxformer.training.step import loss_sums
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture

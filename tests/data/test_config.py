@@ -2,9 +2,8 @@
 
 import pytest
 
-from jaxformer.config import ConfigError
 from jaxformer.data import DataConfig
-
+from jaxformer.model.config import ConfigError
 
 # ---- DataConfig ---------------------------------------------------------------------------
 

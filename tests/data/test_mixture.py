@@ -7,9 +7,9 @@ tests/training/test_mixture_training.py."""
 import numpy as np
 import pytest
 
+from jaxformer.core.validation import ConfigError
 from jaxformer.data import DataConfig, load_dataset
 from jaxformer.data.mixture import row_sources
-from jaxformer.validation import ConfigError
 
 
 def write_sources(rng, tmp_path, sizes=(3000, 2000)):

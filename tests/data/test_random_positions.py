@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxformer.config import ConfigError
 from jaxformer.data.random_positions import randomize_batch
+from jaxformer.model.config import ConfigError
 from jaxformer.positions import segment_positions
 from jaxformer.training.config import RunConfig
 

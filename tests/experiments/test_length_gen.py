@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.decoding import generate, init_cache
+from jaxformer.decode import generate, init_cache
 from jaxformer.experiments import length_gen, tasks
 from jaxformer.experiments.seeds import seed_slice, train_seeds
 from jaxformer.training.config import OptimConfig

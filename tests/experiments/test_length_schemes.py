@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from jaxformer import ModelConfig
-from jaxformer.backends import resolve_impl
-from jaxformer.config import ConfigError
-from jaxformer.cope import cope_logits
-from jaxformer.positions import (XPOS_MAX_POSITION, kerple_bias, rope_tables, rotate,
-                                 sandwich_bias, sandwich_slopes, xpos_scale)
-from jaxformer.schemes import _kerple_bias
+from jaxformer.attention.backends import resolve_impl
+from jaxformer.model.config import ConfigError
+from jaxformer.positions.cope import cope_logits
+from jaxformer.positions.formulas import (XPOS_MAX_POSITION, kerple_bias, rope_tables, rotate,
+                                          sandwich_bias, sandwich_slopes, xpos_scale)
+from jaxformer.positions.schemes import _kerple_bias
 
 
 def test_xpos_scores_are_rope_times_a_per_frequency_decay_in_the_offset(rng):

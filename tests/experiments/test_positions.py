@@ -10,11 +10,11 @@ import optax
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.config import ConfigError
-from jaxformer.schemes import POSITION_SCHEMES
 from jaxformer.data import DataConfig, get_batch, load_dataset
 from jaxformer.experiments import positions as study
 from jaxformer.experiments.report import markdown_table, row_title, summarize
+from jaxformer.model.config import ConfigError
+from jaxformer.positions.schemes import POSITION_SCHEMES
 from tests.conftest import REPO
 from tests.experiments.test_length_gen import assert_each_seed_trained_alone, separate_runs
 
@@ -128,7 +128,8 @@ def test_perplexity_is_the_mean_over_windows_of_each_length():
 def test_long_windows_are_scored_blockwise_as_dense(position, monkeypatch, capsys):
     """Past the dense budget (made small here) auto scores a window with blockwise
     attention, the bias a block at a time, and the perplexity is the reference backend's."""
-    from jaxformer import backend_rules, backends, blockwise
+    from jaxformer.attention import backends, blockwise
+    from jaxformer.attention import rules as backend_rules
     monkeypatch.setattr(backends, "_EXPLAINED", set())
     monkeypatch.setattr(backend_rules, "DENSE_LOGITS_BYTES", 4 * 2 * 2 * 40 * 40 - 1)
     monkeypatch.setattr(blockwise, "BLOCK_Q", 16)

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from jaxformer.convert import from_hf, to_hf
-from jaxformer.seq2seq_decoding import seq2seq_generate
-from jaxformer.seq2seq_model import EncoderDecoder
+from jaxformer.decode.seq2seq import seq2seq_generate
+from jaxformer.model.encoder_decoder import EncoderDecoder
 
 
 def padded_batch(rng, vocab, source_len, target_len, *, pad, start, low):

@@ -12,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
 transformers = pytest.importorskip("transformers", reason="the interop extra")
 
-from jaxformer.constraints import Constraints  # noqa: E402
 from jaxformer.convert import from_hf, generation_constraints, to_hf  # noqa: E402
-from jaxformer.seq2seq_decoding import seq2seq_generate  # noqa: E402
-from jaxformer.seq2seq_model import EncoderDecoder  # noqa: E402
+from jaxformer.decode.constraints import Constraints  # noqa: E402
+from jaxformer.decode.seq2seq import seq2seq_generate  # noqa: E402
+from jaxformer.model.encoder_decoder import EncoderDecoder  # noqa: E402
 from tests.hf.seq2seq_parity import check_family, hf_greedy, hf_logits, padded_batch  # noqa: E402
 from tests.hf.test_families import redraw  # noqa: E402
 

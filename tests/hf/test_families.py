@@ -21,12 +21,12 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 
 import jax  # noqa: E402
 
-from jaxformer import ConfigError, ModelConfig, Transformer, count_params  # noqa: E402
 from jaxformer import param_shapes  # noqa: E402
-from jaxformer.convert import (config_from_hf, config_to_hf, from_hf,  # noqa: E402
-                               read_hf_config, to_hf)
+from jaxformer import ConfigError, ModelConfig, Transformer, count_params  # noqa: E402
+from jaxformer.convert import (config_from_hf, config_to_hf, from_hf, read_hf_config,  # noqa: E402
+                               to_hf)
 from jaxformer.convert.hf_config import differences  # noqa: E402
-from jaxformer.decoding import generate  # noqa: E402
+from jaxformer.decode import generate  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture

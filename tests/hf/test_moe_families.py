@@ -25,7 +25,7 @@ import jax  # noqa: E402
 
 from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noqa: E402
 from jaxformer.convert import config_from_hf, config_to_hf, from_hf, to_hf  # noqa: E402
-from jaxformer.decoding import generate  # noqa: E402
+from jaxformer.decode import generate  # noqa: E402
 from jaxformer.hf import MODEL_TYPES  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 import jax  # noqa: E402
 
 from jaxformer.convert import from_hf, to_hf  # noqa: E402
-from jaxformer.seq2seq_model import EncoderDecoder  # noqa: E402
+from jaxformer.model.encoder_decoder import EncoderDecoder  # noqa: E402
 from tests.hf.seq2seq_parity import check_family, hf_logits, padded_batch  # noqa: E402
 from tests.hf.test_families import redraw  # noqa: E402
 

@@ -114,7 +114,7 @@ def test_convert_and_generate_read_the_base_beside_the_adapters(lora_run, tmp_pa
     (float64 NumPy, from the checkpoint's adapters); to-peft's A and B give that update by
     PEFT's formula; generate's model (load_run) gives the merged export's logits in transformers."""
     from jaxformer.convert.__main__ import main as convert
-    from jaxformer.generate import load_run
+    from jaxformer.training.saved_run import load_run
 
     base, merged = adapters_by_hand(lora_run)
     assert convert(["to-hf", str(lora_run.run), str(tmp_path / "hf")]) == 0
@@ -149,7 +149,8 @@ def test_a_moved_or_changed_base_is_refused_in_one_line(lora_run, tmp_path, caps
     found; pointed at the new place (train.init_from in config.yaml) the run reads as
     before. One tensor of that folder overwritten: generate, and resuming, stop with one
     line naming the recorded base and the changed one."""
-    from jaxformer.generate import load_run_params, main as generate
+    from jaxformer.generate import main as generate
+    from jaxformer.training.saved_run import load_run_params
 
     copy, moved, changed = tmp_path / "run", tmp_path / "moved", tmp_path / "changed"
     shutil.copytree(lora_run.run, copy)

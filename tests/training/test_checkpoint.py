@@ -21,8 +21,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxformer.convert.__main__ import main as convert_main
-from jaxformer.generate import load_run, load_run_params
 from jaxformer.generate import main as generate_main
+from jaxformer.training.saved_run import load_run, load_run_params
 from jaxformer.training import train
 from jaxformer.training.checkpoint import (MANIFEST, Checkpointer, CheckpointError, damage, seal,
                                            write_manifest)
@@ -365,7 +365,7 @@ def test_a_worse_evaluation_after_a_resume_leaves_the_best(run9, corpus, tmp_pat
 def test_a_config_saved_before_a_field_existed_compares_as_its_default():
     """A checkpoint's model config written before a field was added lacks that field (and
     nested ones: a lora key): it restores under the default, and only under the default."""
-    from jaxformer.config import ModelConfig
+    from jaxformer.model.config import ModelConfig
     from jaxformer.training.checkpoint import config_diff
     rng = np.random.default_rng()
     cfg = ModelConfig(vocab_size=int(rng.integers(32, 300)), d_model=32, n_layers=2, n_heads=4)

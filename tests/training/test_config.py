@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.config import ConfigError
+from jaxformer.model.config import ConfigError
 from jaxformer.training import load_config
 from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides
 from jaxformer.training.optim import decay_mask, learning_rate_schedule, make_optimizer

@@ -11,11 +11,12 @@ import pytest
 import yaml
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from jaxformer import ModelConfig, Transformer, lora
+from jaxformer import ModelConfig, Transformer
 from jaxformer.data import DataConfig, load_dataset
-from jaxformer.training import load_config, train
-from jaxformer.training import objectives
-from jaxformer.training.config import OBJECTIVES as OBJECTIVE_NAMES, ObjectiveConfig, OptimConfig
+from jaxformer.model import lora
+from jaxformer.training import load_config, objectives, train
+from jaxformer.training.config import OBJECTIVES as OBJECTIVE_NAMES
+from jaxformer.training.config import ObjectiveConfig, OptimConfig
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.objectives import Preference
 from jaxformer.training.optim import make_optimizer

@@ -7,7 +7,6 @@ task reward's one-program step against the same reward run on the host and again
 itself on an 8-device mesh, and one-line errors for bad input."""
 
 import functools
-
 import importlib.util
 import json
 import math
@@ -22,9 +21,9 @@ import optax
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.config import ConfigError
 from jaxformer.data import DataConfig
-from jaxformer.generate import load_run_params
+from jaxformer.training.saved_run import load_run_params
+from jaxformer.model.config import ConfigError
 from jaxformer.training import load_config, train
 from jaxformer.training.config import ObjectiveConfig, RunConfig, TrainConfig
 from jaxformer.training.grpo_step import GroupPolicy
@@ -320,7 +319,7 @@ def test_the_one_program_step_on_a_mesh_equals_one_device(sft, one_program, tmp_
             "mesh.fsdp=2", "mesh.tensor=2", f"train.run_dir={tmp_path / 'mesh'}"]
     env = dict(os.environ, PYTHONPATH=str(REPO), GRPO_ARGS=json.dumps(args),
                XLA_FLAGS=xla_flags(8))
-    proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", "grpo",
+    proc = subprocess.run([sys.executable, "-m", "tests.core.mesh_worker", "grpo",
                            str(tmp_path / "out.json")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxformer import ModelConfig, Transformer
-from jaxformer.logprobs import token_logprobs
+from jaxformer.core.logprobs import token_logprobs
 from jaxformer.training.grpo import group_advantages, grpo_loss
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture

@@ -10,8 +10,8 @@ import yaml
 from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors.numpy import load_file
 
-from jaxformer import lora
-from jaxformer.config import ConfigError
+from jaxformer.model import lora
+from jaxformer.model.config import ConfigError
 from jaxformer.training import load_config, train
 from tests.training.test_loop import corpus, restored_state  # noqa: F401 (a fixture)
 
@@ -152,9 +152,11 @@ def test_a_run_from_a_run_with_adapters_starts_from_its_merged_weights(tmp_path,
     a run from it, unscanned and without adapters, starts from W + (alpha / r) A B for each
     target kernel, written out in float64 NumPy, and from the source's other params as
     they are."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from jaxformer import Transformer
-    from jaxformer.sharding import make_mesh, resolve_rules
+    from jaxformer.core.sharding import make_mesh, resolve_rules
     from jaxformer.training.checkpoint import Checkpointer
     from jaxformer.training.initial_weights import load_initial
     from jaxformer.training.optim import make_optimizer
@@ -231,9 +233,11 @@ def test_an_encoder_decoder_run_starts_a_scanned_one_from_its_weights(tmp_path, 
     """A run dir of an encoder-decoder (per-layer; random params, 3 encoder and 2 decoder
     layers): a run from it with scan_layers=true starts from its weights, each stack's
     layers stacked in order under encoder/blocks and decoder/blocks, the rest as they are."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxformer.models import model_for
-    from jaxformer.sharding import make_mesh, resolve_rules
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxformer.core.sharding import make_mesh, resolve_rules
+    from jaxformer.model.build import model_for
     from jaxformer.training.checkpoint import Checkpointer
     from jaxformer.training.initial_weights import load_initial
     from jaxformer.training.optim import make_optimizer

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.config import ConfigError
 from jaxformer.data import Dataset
+from jaxformer.model.config import ConfigError
+from jaxformer.model.transformer import Transformer, flops_per_token
 from jaxformer.training import TrainingStopped, load_config, loop, train
 from jaxformer.training.config import OptimConfig
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import init_state, make_eval_step, make_train_step
-from jaxformer.model import Transformer, flops_per_token
 from tests.conftest import REPO, np_global_norm, np_log_softmax
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",

@@ -16,11 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from jaxformer.config import ConfigError
-from jaxformer.training import load_config
+from jaxformer.model.config import ConfigError
+from jaxformer.training import load_config, supervise
 from jaxformer.training.checkpoint import damage, write_manifest
 from jaxformer.training.metrics import read_metrics
-from jaxformer.training import supervise
 from jaxformer.training.peers import DONE, EXIT_LOST, LOST_KEY, PREFIX, PeerWatch, lost_line
 from tests.conftest import REPO, xla_flags
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from jaxformer.data import load_dataset
+from jaxformer.model.transformer import Transformer
 from jaxformer.training import load_config, train
 from jaxformer.training.loop import evaluate
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.step import make_eval_step
-from jaxformer.model import Transformer
 from tests.conftest import REPO
 from tests.data.test_mixture import write_sources
 from tests.training.test_loop import TINY, losses, restored_state

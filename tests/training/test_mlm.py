@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from jaxformer import Transformer
-from jaxformer.config import ConfigError
-from jaxformer.positions import segment_positions
 from jaxformer.data.tokenizer import ByteTokenizer, load_tokenizer
+from jaxformer.model.config import ConfigError
+from jaxformer.positions import segment_positions
 from jaxformer.training import load_config, objectives, train
 from jaxformer.training.mlm import MaskedLM, corrupt
 from jaxformer.training.step import make_eval_step
 from tests.conftest import np_log_softmax
-from tests.test_model import np_forward
+from tests.model.test_transformer import np_forward
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 

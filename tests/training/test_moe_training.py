@@ -1,7 +1,7 @@
 """Mixture-of-experts training: the balancing losses enter the gradient, the step's MoE
 metrics are the routing's own counts, DeepSeek-V3's bias update balances a skewed router
 and survives a resume bit for bit, and evaluation reports the cross entropy alone.
-The references read the router from the hook points (jaxformer.inspect) and count by hand."""
+The references read the router from the hook points (jaxformer.model.inspect) and count by hand."""
 
 import math
 import shutil
@@ -12,16 +12,16 @@ import numpy as np
 import optax
 import pytest
 
-from jaxformer.config import ConfigError
-from jaxformer.inspect import run_with_cache
-from jaxformer.model import Transformer
+from jaxformer.model.config import ConfigError
+from jaxformer.model.inspect import run_with_cache
+from jaxformer.model.transformer import Transformer
 from jaxformer.training import load_config, loop, train
-from jaxformer.training.optim import make_optimizer
 from jaxformer.training.metrics import read_metrics
+from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import init_state, make_train_step
 from tests.conftest import REPO
-from tests.training.test_loop import (TINY, config, corpus, hand_val_loss,  # noqa: F401
-                                      losses, np_nll, random_batch, restored_state)
+from tests.training.test_loop import (TINY, config, corpus, hand_val_loss, losses,  # noqa: F401
+                                      np_nll, random_batch, restored_state)
 
 E, K = 4, 2  # experts, and how many each token reaches
 MOE = [f"model.moe.experts={E}", f"model.moe.top_k={K}"]

@@ -2,7 +2,7 @@
 float64 NumPy reference (every kind of matrix: a 3-D attention kernel, the attention output
 with two input axes, a stacked layer axis, an expert stack, MLA's up-projections), AdamW on
 the rest against its own float64 formula; a tiny run that learns and resumes bitwise. On a
-mesh: tests/test_sharding.py (test_muon_on_a_mesh_updates_like_one_device)."""
+mesh: tests/core/test_sharding.py (test_muon_on_a_mesh_updates_like_one_device)."""
 
 import shutil
 
@@ -12,8 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxformer import ModelConfig
-from jaxformer import param_shapes
+from jaxformer import ModelConfig, param_shapes
 from jaxformer.training.config import OptimConfig
 from jaxformer.training.optim import make_optimizer, muon_dimensions
 from tests.training.test_loop import config, corpus, losses, restored_state  # noqa: F401
@@ -131,7 +130,7 @@ def test_muon_trains_and_resumes_bitwise(corpus, tmp_path):  # noqa: F811
 
 
 def test_unknown_optimizer_is_one_line():
-    from jaxformer.validation import ConfigError
+    from jaxformer.core.validation import ConfigError
     with pytest.raises(ConfigError) as err:
         OptimConfig(name="sgd")
     assert "optim.name='sgd'" in str(err.value) and "muon" in str(err.value)

@@ -18,8 +18,8 @@ from jaxformer import ModelConfig
 from jaxformer.data import DataConfig, load_dataset
 from jaxformer.data.completions import Records
 from jaxformer.data.seq2seq import pack_pairs, pairs_batch
-from jaxformer.generate import load_run
-from jaxformer.models import model_for
+from jaxformer.training.saved_run import load_run
+from jaxformer.model.build import model_for
 from jaxformer.training import load_config, objectives, train
 from jaxformer.training.seq2seq import smoothed_cross_entropy
 from jaxformer.training.step import init_state, make_train_step

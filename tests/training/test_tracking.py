@@ -13,8 +13,8 @@ import types
 import numpy as np
 import pytest
 
-from jaxformer.config import ConfigError
-from jaxformer.training import load_config, loop, train, tracking
+from jaxformer.model.config import ConfigError
+from jaxformer.training import load_config, loop, tracking, train
 from jaxformer.training.metrics import read_metrics
 from tests.conftest import REPO
 from tests.training.test_loop import config, corpus  # noqa: F401 (a fixture)

@@ -1,0 +1,224 @@
+"""The KV cache: its layout, made, written and read in this one module.
+
+A cache is a pytree: ``layers`` laid out like the params, per layer (``block_i``) or
+stacked along a leading layer axis (``blocks``, or each of cfg.layer_runs, with
+scan_layers), each holding ``k`` and ``v`` [batch * n_kv_heads, max_len, head_dim] (row
+b * n_kv_heads + h: batch row b's head h); ``positions`` [batch, max_len], the position
+of the token in each slot (EMPTY_SLOT for none, e.g. a prompt's padding); and ``index``,
+the next slot to write. Every row writes its next token into the same slot, so rows with
+prompts of different lengths decode together, each at its own positions, and the cache is
+updated in place.
+
+A layer with a sliding window w shorter than the cache (a windowed cache, `windowed=True`;
+unscanned layers, as generate runs them) keeps a ring of w slots instead: the token at
+position p sits in slot p % w, and the layer's own ``positions`` [batch, w] say which
+position each slot holds. A query at p sees positions p - w + 1 .. p, one per slot, so
+nothing it can see is overwritten while the positions of a row only grow (as in decoding;
+a rollback to an earlier position needs the full-length cache). Its bytes are w / max_len
+of a full layer's.
+
+An MLA layer (jaxformer.attention.mla) caches its latent as ``v`` [batch, max_len, kv_lora_rank] and
+its rotated key as ``k`` [batch, max_len, qk_rope_head_dim]: one row per batch row
+(cache_widths), kv_lora_rank + qk_rope_head_dim numbers per token.
+
+One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
+matmuls, and the reshape that then sits between the in-place cache update and the matmul
+made XLA:CPU copy each layer's K four times and transpose V on every decode step
+(bench/decode.py, batch 1: ~0.45 -> ~0.2 ms per token). B * K == 1 (MQA at batch 1) still
+collapses, and still copies. [B, S, K, H] transposes the cache at every batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.core.reference import group_sinks, scale_and_mask, softmax
+from jaxformer.core.sharding import constrain
+from jaxformer.core.validation import ConfigError
+
+EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
+
+
+def layer_slots(cfg, max_len: int, windowed: bool = False, spare: int = 0) -> tuple[int, ...]:
+    """Each layer's slots: max_len, or in a windowed cache its window (+ spare) where that
+    is shorter (a ring)."""
+    if not windowed:
+        return (max_len,) * cfg.n_layers
+    windows = [cfg.kinds[i].window for i in cfg.layer_kind_ids]
+    return tuple(max_len if w is None else min(w + spare, max_len) for w in windows)
+
+
+def cache_widths(cfg) -> tuple[int, int, int]:
+    """(rows per batch row, k's width, v's width) of a layer's cache: (kv_heads, head_dim,
+    head_dim), or for MLA (1, qk_rope_head_dim, kv_lora_rank): the rotated key and the
+    latent."""
+    if cfg.mla.on:
+        return 1, cfg.mla.qk_rope_head_dim, cfg.mla.kv_lora_rank
+    return cfg.n_kv_heads, cfg.head_dim, cfg.head_dim
+
+
+def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = False) -> int:
+    """(k's width + v's width) * rows (kv_heads, or 1 for MLA) * bytes per value * batch *
+    the layers' slots (seq_len each, or a windowed layer's window: layer_slots)."""
+    itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
+    slots = sum(layer_slots(cfg, seq_len, windowed))
+    rows, k_width, v_width = cache_widths(cfg)
+    return (k_width + v_width) * rows * slots * itemsize * batch
+
+
+def check_generates(cfg) -> None:
+    """Refuses generation (a KV cache: generate, beam search, speculative decoding) for a
+    model without the causal rule, in one line."""
+    if not cfg.causal:
+        raise ConfigError(f"model.arch={cfg.arch} has no generation (each token attends to the "
+                          "whole row, after it too); use model.arch=decoder to generate")
+
+
+def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False,
+               spare: int = 0):
+    """An empty cache for `batch` rows of up to `max_len` tokens. windowed: layers with a
+    window shorter than max_len keep a ring of window + spare slots (unscanned layers
+    only; spare >= T - 1 lets a chunk of T tokens be written and then taken back)."""
+    check_generates(cfg)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    per_row, k_width, v_width = cache_widths(cfg)
+    rows = batch * per_row
+    if cfg.scan_layers:
+        if windowed:
+            raise ValueError("a windowed KV cache needs unscanned layers (its layers differ in "
+                             "size); use scan_layers=false, or windowed=False")
+        layers = {r.name: {"k": jnp.zeros((r.length, rows, max_len, k_width), dtype),
+                           "v": jnp.zeros((r.length, rows, max_len, v_width), dtype)}
+                  for r in cfg.layer_runs}
+    else:
+        layers = {}
+        for i, s in enumerate(layer_slots(cfg, max_len, windowed, spare)):
+            layers[f"block_{i}"] = {"k": jnp.zeros((rows, s, k_width), dtype),
+                                    "v": jnp.zeros((rows, s, v_width), dtype)}
+            if s < max_len:  # a ring: its slots' positions
+                layers[f"block_{i}"]["positions"] = jnp.full((batch, s), EMPTY_SLOT, jnp.int32)
+    return {"layers": layers, "positions": jnp.full((batch, max_len), EMPTY_SLOT, jnp.int32),
+            "index": jnp.zeros([], jnp.int32)}
+
+
+def has_rings(cache) -> bool:
+    """Whether any layer of the cache is a ring (a windowed layer's)."""
+    return cache is not None and any("positions" in layer for layer in cache["layers"].values())
+
+
+def rolled_back(cache, end):
+    """The cache as it was after its first `end` positions, for a cache whose slot is its
+    position (each row decoded alone, as speculative decoding does): every slot holding
+    position >= end emptied, in every layer's ring too, and `end` the next slot. What the
+    emptied slots hold is overwritten before it is read again."""
+    empty = lambda p: jnp.where(p >= end, EMPTY_SLOT, p)  # noqa: E731
+    layers = {n: dict(layer, positions=empty(layer["positions"])) if "positions" in layer
+              else layer for n, layer in cache["layers"].items()}
+    return {"layers": layers, "positions": empty(cache["positions"]),
+            "index": jnp.asarray(end, jnp.int32)}
+
+
+def take_rows(cache, rows, n_kv_heads: int):
+    """The cache of batch rows `rows` [R] (each owns n_kv_heads consecutive K/V rows; a
+    ring's positions one row)."""
+    kv_rows = (rows[:, None] * n_kv_heads + jnp.arange(n_kv_heads)).reshape(-1)
+
+    def take(layer):
+        return {name: jnp.take(x, rows if name == "positions" else kv_rows,
+                               axis=0 if name == "positions" else -3)  # [(L,) R * K, S, H]
+                for name, x in layer.items()}
+
+    return dict(cache, layers={n: take(layer) for n, layer in cache["layers"].items()},
+                positions=jnp.take(cache["positions"], rows, axis=0))
+
+
+def key_positions(cache, positions, segment_ids):
+    """The cache's slot positions [B, S] with the new tokens' written at its index
+    (padding, segment id 0, as EMPTY_SLOT: never attended to)."""
+    new = positions if segment_ids is None else jnp.where(segment_ids != 0, positions,
+                                                          EMPTY_SLOT)
+    return jax.lax.dynamic_update_slice(cache["positions"], new, (0, cache["index"]))
+
+
+def advanced(cache, layers, k_positions, t: int):
+    """The cache after t tokens: their layers' keys/values and slot positions written."""
+    return {"layers": layers, "positions": k_positions, "index": cache["index"] + t}
+
+
+def write_layer(layer, k, v, index):
+    """A layer's cache with k, v [B, T, K, H] written at slots [index, index + T) (the
+    caller keeps that within S: dynamic_update_slice clamps, it does not grow); sharded as
+    [B, K, S, H], rows over batch, then heads."""
+    b, t, n_kv, _ = k.shape
+
+    def update(cache, new):  # k's and v's widths may differ (MLA)
+        h = new.shape[-1]
+        cache = jax.lax.dynamic_update_slice(
+            cache, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, h).astype(cache.dtype),
+            (0, index, 0))
+        return constrain(cache.reshape(b, n_kv, -1, h), "act_batch", "act_kv_heads",
+                         "act_seq", "head_dim").reshape(cache.shape)
+
+    return {"k": update(layer["k"], k), "v": update(layer["v"], v)}
+
+
+def write_ring(layer, k, v, k_positions):
+    """A ring layer's cache with k, v [B, T, K, H] at positions k_positions [B, T]
+    (EMPTY_SLOT: padding, not written) put in slots position % S; of several new tokens
+    for one slot (T > S) the latest position is kept."""
+    b, t, n_kv, _ = k.shape
+    s = layer["positions"].shape[1]
+    real = k_positions != EMPTY_SLOT
+    slot = jnp.where(real, k_positions % s, s)  # slot s: out of range, dropped
+    row = jnp.arange(b)[:, None]
+    if t > 1:  # only each slot's latest position (a scatter-max has no order to depend on)
+        latest = jnp.full((b, s + 1), -1, jnp.int32).at[row, slot].max(k_positions)
+        slot = jnp.where(jnp.take_along_axis(latest, slot, 1) == k_positions, slot, s)
+
+    def put(cache, new):  # cache [B * K, S, H] seen as [B, K, S, H]; new [B, T, K, H]
+        c = cache.reshape(b, n_kv, s, -1).at[row, :, slot].set(new.astype(cache.dtype),
+                                                              mode="drop")
+        return c.reshape(cache.shape)
+
+    return {"k": put(layer["k"], k), "v": put(layer["v"], v),
+            "positions": layer["positions"].at[row, slot].set(k_positions, mode="drop")}
+
+
+def ring_keys(layer, k, v, k_positions):
+    """A ring's keys and values [B * K, S + T, H] followed by the new tokens' (k, v
+    [B, T, K, H]), and their positions [B, S + T]: what a chunk of T > 1 tokens attends
+    over before it is written (its first queries may see keys the write replaces)."""
+    b, t, n_kv, _ = k.shape
+    rows = lambda x, new: jnp.concatenate(  # noqa: E731
+        [x, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, -1).astype(x.dtype)], axis=1)
+    return (rows(layer["k"], k), rows(layer["v"], v),
+            jnp.concatenate([layer["positions"], k_positions], axis=1))
+
+
+def as_keys(x, batch: int):
+    """A layer's k or v [B * K, S, H] as [B, S, K, H], the layout every backend reads."""
+    rows, s, h = x.shape
+    return x.reshape(batch, rows // batch, s, h).swapaxes(1, 2)
+
+
+def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None, sinks=None):
+    """Attention of q [B, T, N, H] over a layer's cache k, v [B * K, S, H] (a decode
+    step): one row of slots per (batch row, K/V head), batch-major. softcap: the scaled
+    logits s become softcap * tanh(s / softcap) before the bias and the mask; sinks [N]:
+    attention sinks (jaxformer.core.reference)."""
+    b, t, n, h = q.shape
+    rows, s, _ = k.shape
+    n_kv = rows // b
+    g = n // n_kv
+    q = q.reshape(b, t, n_kv, g, h).transpose(0, 2, 3, 1, 4).reshape(rows, g * t, h)
+    logits = jnp.einsum("rqh,rsh->rqs", q, k, preferred_element_type=jnp.float32)
+    logits = scale_and_mask(logits.reshape(b, n_kv, g, t, s), mask=mask, bias=bias,
+                            scale=1.0 / math.sqrt(h), softcap=softcap)
+    w = softmax(logits, group_sinks(sinks, n_kv)).reshape(rows, g * t, s)
+    out = jnp.einsum("rqs,rsh->rqh", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    hv = v.shape[-1]
+    out = out.reshape(b, n_kv, g, t, hv).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Hv]
+    return out.reshape(b, t, n, hv).astype(q.dtype)

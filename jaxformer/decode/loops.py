@@ -1,0 +1,287 @@
+"""KV-cached decoding: one prefill forward over the prompt batch, then a fixed-length
+jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p, min-p and beam
+search; with a draft, speculative decoding (jaxformer.decode.speculative).
+
+The sampling settings are values (jaxformer.decode.sampling.Sampling, traced): one compiled
+decoder serves every temperature and filter, per row if need be. What changes shapes
+(max_new_tokens, the cache's length and dtype) and eos_id / pad_id compile their own.
+
+The cache (its layout, writes and reads: jaxformer.attention.kv_cache) is an explicit pytree
+updated in place; every row writes its next token into the same slot, so rows with
+prompts of different lengths decode together, each at its own positions.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.attention.kv_cache import (cache_widths, init_cache, kv_cache_bytes,  # noqa: F401
+                                          take_rows)
+from jaxformer.core.hooks import session
+from jaxformer.core.logprobs import target_logprobs
+from jaxformer.decode.cached_forward import (Generated, checked_inputs, decode_jit, forward_one,
+                                             looped, prefill)
+from jaxformer.decode.constraints import Constraints, checked_constraints, constrain, recorded
+from jaxformer.decode.sampling import (Sampling, checked_sampling, filter_logits,  # noqa: F401
+                                       sample_logits)
+from jaxformer.decode.speculative import checked_draft, speculative_fn
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.transformer import Transformer
+from jaxformer.positions.schemes import POSITION_SCHEMES
+
+
+class Beams(NamedTuple):
+    tokens: jax.Array    # int32 [batch, max_new_tokens], the best beam of each row
+    scores: jax.Array    # float32 [batch]: sum of log-probs / length ** length_penalty
+    lengths: jax.Array   # int32 [batch]
+
+
+# ---- generate -----------------------------------------------------------------------
+
+def sample_loop(forward, last, cache, pos, rng, sampling, max_new_tokens, eos_id, pad_id,
+                constraints=Constraints(), history=None):
+    """Tokens sampled from `last` [B, V] on, each fed back through forward(tokens [B],
+    positions [B], cache) -> (logits [B, V], cache) at positions pos, pos + 1, ... [B]:
+    the decoding loop of generate, for any model with a KV cache -> Generated. Sampled
+    under `constraints` (jaxformer.decode.constraints); history [B, L]: each row's tokens before
+    pos (what constraints.needs_history asks for), the new ones written after them."""
+    b = last.shape[0]
+
+    def emit(logits, rng, done, step, pos, history):
+        allowed = constrain(logits, constraints, step, max_new_tokens, eos_id, history, pos)
+        tok = sample_logits(rng, allowed, sampling)
+        logp = target_logprobs(logits, tok)  # the training loss's log-softmax
+        tok = jnp.where(done, pad_id, tok)
+        logp = jnp.where(done, 0.0, logp)
+        now_done = done | (tok == eos_id) if eos_id is not None else done
+        return tok, logp, now_done, recorded(history, pos, tok)
+
+    rng, first = jax.random.split(rng)
+    tok, logp, done, history = emit(last, first, jnp.zeros((b,), bool), 0, pos, history)
+    count = jnp.ones((b,), jnp.int32)
+
+    def step(carry, xs):
+        cache, tok, pos, done, count, history = carry
+        key, t = xs
+        logits, cache = forward(tok, pos, cache)
+        new_tok, new_logp, new_done, history = emit(logits, key, done, t, pos + 1, history)
+        count = count + (~done).astype(jnp.int32)
+        return (cache, new_tok, pos + 1, new_done, count, history), (new_tok, new_logp)
+
+    xs = (jax.random.split(rng, max_new_tokens - 1), jnp.arange(1, max_new_tokens))
+    carry, (toks, logps) = jax.lax.scan(step, (cache, tok, pos, done, count, history), xs)
+    tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
+    logprobs = jnp.concatenate([logp[:, None], logps.T], axis=1)
+    return Generated(tokens, logprobs, carry[4])
+
+
+def prompt_history(prompts, max_new_tokens: int, constraints: Constraints):
+    """The tokens a constraint reads (each row's prompt, room for the new ones), or None."""
+    return jnp.pad(prompts, ((0, 0), (0, max_new_tokens))) if constraints.needs_history \
+        else None
+
+
+def _decode_run(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache,
+                constraints=Constraints()):
+    """run(params, prompts, lengths, rng, sampling) -> Generated, to be jitted; sampling: a
+    Sampling of [batch] arrays."""
+    model, unstack = looped(cfg)
+
+    def run(params, prompts, lengths, rng, sampling):
+        params = unstack(params)
+        last, cache = prefill(model, params, prompts, lengths, prompts.shape[1] + max_new_tokens,
+                              cache_dtype, windowed_cache)
+        forward = lambda tok, pos, cache: forward_one(model, params, tok, pos, cache)  # noqa: E731
+        return sample_loop(forward, last, cache, lengths, rng, sampling, max_new_tokens, eos_id,
+                           pad_id, constraints, prompt_history(prompts, max_new_tokens,
+                                                               constraints))
+
+    return run
+
+
+@functools.lru_cache(maxsize=64)
+def _decoder(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache,
+             constraints=Constraints()):
+    """The jitted decoder of these static settings: run(params, prompts, lengths, rng,
+    sampling), compiled once per shape."""
+    return decode_jit(_decode_run(cfg, max_new_tokens, eos_id, pad_id, cache_dtype,
+                                  windowed_cache, constraints))
+
+
+def _windowed(cfg: ModelConfig, windowed_cache: bool) -> bool:
+    """Whether cfg's windowed layers keep rings: never for a contextual scheme (CoPE
+    counts keys in row order, which a ring does not keep)."""
+    return bool(windowed_cache) and POSITION_SCHEMES[cfg.position].logits is None
+
+
+def _sampling_of(sampling: Sampling | None, keywords: dict, batch: int, vocab_size: int):
+    """generate's Sampling, [batch] arrays: `sampling`, or one of the keywords."""
+    if sampling is None:
+        return checked_sampling(Sampling(**keywords), batch, vocab_size)
+    if keywords != {"temperature": 1.0, **{n: None for n in keywords if n != "temperature"}}:
+        raise ValueError("pass sampling=Sampling(...) or temperature / top_k / top_p / "
+                         f"min_p, not both (got {keywords})")
+    return checked_sampling(sampling, batch, vocab_size)
+
+
+def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
+             max_new_tokens: int, rng, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None,
+             sampling: Sampling | None = None, eos_id: int | None = None, pad_id: int = 0,
+             cache_dtype=None, windowed_cache: bool = True, hooks=None, draft=None,
+             draft_len: int = 4, constraints: Constraints | None = None) -> Generated:
+    """Continue each row of `prompts` [batch, width] (right-padded; `prompt_lengths` [batch]
+    gives the real lengths, None = all full) by `max_new_tokens` tokens.
+
+    temperature=0 is greedy; top_k / top_p / min_p / temperature combine (None: off), each
+    one value or one per row [batch]; or pass them together as `sampling=Sampling(...)`
+    (jaxformer.decode.sampling). They are values: a new setting runs the same compiled decoder.
+    After `eos_id` a row emits `pad_id` and its length stops growing. `logprobs` are log
+    p(token) under the model's unmodified distribution. Compiles once per (config, shapes,
+    eos_id, pad_id); jittable and vmappable. cache_dtype: the KV cache's dtype (default the
+    compute dtype; bf16 halves its memory). windowed_cache: a layer whose sliding window is
+    shorter than the sequence keeps only a window of slots (a ring: jaxformer.attention.kv_cache),
+    e.g. Gemma 3's local layers; False keeps every layer at full length (always, for a
+    contextual scheme: CoPE counts keys in row order, which a ring does not keep). hooks:
+    {name: fn} as jaxformer.model.inspect.run_with_hooks takes them, applied through the
+    KV-cached path: to the prompt's values in the prefill, then to each new token's (e.g.
+    a steering vector added to `blocks.1.hook_resid_post` at every step). Attention
+    patterns and scores are not computed there, so they cannot be hooked. A mixture of
+    experts decodes dropless (capacity_factor trains: cached_forward.decoding_config).
+
+    draft: speculative decoding (jaxformer.decode.speculative), the same output distribution
+    (greedy: the same tokens) in fewer forwards of the model: `(draft_model,
+    draft_params)`, a smaller model with the same vocabulary, or a proposer's name
+    (jaxformer.decode.speculative.PROPOSERS: prompt_lookup); each round it proposes `draft_len`
+    tokens. The result's `drafted` / `accepted` count them (`acceptance_rate`); prompt
+    width + max_new_tokens + draft_len must fit max_seq_len.
+
+    constraints: jaxformer.decode.constraints.Constraints (min_new_tokens, no_repeat_ngram_size,
+    forced_bos_id, forced_eos_id), as transformers' generate applies them; None: none.
+    """
+    cfg = model.cfg
+    keywords = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    cache = None if cache_dtype is None else jnp.dtype(cache_dtype).name
+    constraints = checked_constraints(constraints, cfg.vocab_size, eos_id)
+    if draft is not None:
+        for refused, what in ((hooks, "hook"), (constraints != Constraints(), "constrain")):
+            if refused:  # the model runs on drafts it may refuse
+                raise ValueError(f"generate cannot {what} a speculative decode; pass "
+                                 f"draft=None to {what} generation")
+        proposer, dcfg, dparams = checked_draft(cfg, draft, draft_len)
+        prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens,
+                                          room=draft_len)
+        windowed = (_windowed(cfg, windowed_cache), dcfg and _windowed(dcfg, windowed_cache))
+        fn = speculative_fn(cfg, proposer, dcfg, draft_len, max_new_tokens, eos_id, pad_id,
+                            cache, windowed)
+        return fn(params, dparams, prompts, lengths, rng,
+                  _sampling_of(sampling, keywords, prompts.shape[0], cfg.vocab_size))
+    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
+    args = (params, prompts, lengths, rng,
+            _sampling_of(sampling, keywords, prompts.shape[0], cfg.vocab_size))
+    settings = (cfg, max_new_tokens, eos_id, pad_id, cache, _windowed(cfg, windowed_cache),
+                constraints)
+    return _decoder(*settings)(*args) if not hooks else _hooked(hooks, settings, args)
+
+
+def _hooked(hooks: dict, settings: tuple, args: tuple) -> Generated:
+    """generate's decode with `hooks` applied (traced inside, compiled afresh)."""
+    patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))
+    if patterns:
+        raise ValueError(f"generate cannot hook {', '.join(patterns)}: the KV-cached path "
+                         "computes no attention pattern; hook attn.hook_z or the residual "
+                         "stream, or use jaxformer.model.inspect.run_with_hooks on the full sequence")
+    with session(hooks, lambda _: False):
+        return decode_jit(_decode_run(*settings))(*args)
+
+
+# ---- beam search --------------------------------------------------------------------
+
+def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, pad_id,
+              n_kv: int, normalise, constraints=Constraints(), history=None):
+    """Beam search from `last` [B, V] and a cache of B rows (each n_kv K/V rows), each beam
+    fed back through forward(tokens [B * k], positions [B * k], cache) -> (logits, cache)
+    at positions pos [B], pos + 1, ...; the best beam per row by normalise(sum of
+    log-probs, length) -> Beams. A beam that emits eos_id stops (then pad only, at no cost).
+    Each step's log-probs are constrained (jaxformer.decode.constraints) before the choice;
+    history [B, L]: as sample_loop's."""
+    b, v = last.shape
+    k = beam_width
+    history = jax.tree.map(lambda h: jnp.repeat(h, k, axis=0), history)  # [B*k, L] or None
+    # every beam starts as a copy of its row; only beam 0 is live at first
+    state = dict(cache=take_rows(cache, jnp.repeat(jnp.arange(b), k), n_kv),  # B k rows
+                 logits=jnp.repeat(last, k, axis=0),  # [B*k, V]
+                 scores=jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1)),
+                 tokens=jnp.full((b, k, max_new_tokens), pad_id, jnp.int32),
+                 done=jnp.zeros((b, k), bool), length=jnp.zeros((b, k), jnp.int32),
+                 pos=jnp.repeat(pos, k), history=history)
+
+    def step(state, t):
+        logp = constrain(jax.nn.log_softmax(state["logits"]), constraints, t, max_new_tokens,
+                         eos_id, state["history"], state["pos"]).reshape(b, k, v)
+        # a finished beam continues only with pad, at no cost
+        pad_only = jnp.where(jnp.arange(v) == pad_id, 0.0, -jnp.inf)
+        logp = jnp.where(state["done"][..., None], pad_only, logp)
+        cand = (state["scores"][..., None] + logp).reshape(b, k * v)
+        scores, idx = jax.lax.top_k(cand, k)  # [B, k]
+        parent, tok = idx // v, (idx % v).astype(jnp.int32)
+        take = lambda x: jnp.take_along_axis(x, parent.reshape(b, k, *([1] * (x.ndim - 2))),  # noqa: E731
+                                             axis=1)
+        was_done = take(state["done"])
+        tokens = take(state["tokens"]).at[:, :, t].set(tok)
+        length = take(state["length"]) + (~was_done).astype(jnp.int32)
+        done = was_done | (tok == eos_id) if eos_id is not None else was_done
+        flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
+        cache = take_rows(state["cache"], flat_parent, n_kv)
+        pos = jnp.take(state["pos"], flat_parent)
+        history = recorded(jax.tree.map(lambda h: jnp.take(h, flat_parent, axis=0),
+                                        state["history"]), pos, tok.reshape(-1))
+        logits, cache = forward(tok.reshape(-1), pos, cache)
+        return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,
+                    length=length, pos=pos + 1, history=history), None
+
+    state, _ = jax.lax.scan(step, state, jnp.arange(max_new_tokens))
+    normed = normalise(state["scores"], state["length"])
+    best = jnp.argmax(normed, axis=1)  # [B]
+    pick = lambda x: jnp.take_along_axis(x, best.reshape(b, 1, *([1] * (x.ndim - 2))),  # noqa: E731
+                                         axis=1)[:, 0]
+    return Beams(pick(state["tokens"]), pick(normed), pick(state["length"]))
+
+
+@functools.lru_cache(maxsize=16)
+def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_id, pad_id,
+             constraints):
+    model, unstack = looped(cfg)
+
+    def run(params, prompts, lengths):
+        params = unstack(params)
+        last, cache = prefill(model, params, prompts, lengths, prompts.shape[1] + max_new_tokens,
+                              None, True)
+        forward = lambda tok, pos, cache: forward_one(model, params, tok, pos, cache)  # noqa: E731
+        return beam_loop(forward, last, cache, lengths, beam_width=beam_width,
+                         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                         n_kv=cache_widths(cfg)[0],
+                         normalise=lambda s, n: s / jnp.maximum(n, 1) ** length_penalty,
+                         constraints=constraints,
+                         history=prompt_history(prompts, max_new_tokens, constraints))
+
+    return decode_jit(run)
+
+
+def beam_search(model: Transformer, params, prompts, *, beam_width: int, max_new_tokens: int,
+                length_penalty: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
+                prompt_lengths=None, constraints: Constraints | None = None) -> Beams:
+    """The best of `beam_width` beams per row, by sum of log-probs / length**length_penalty
+    (length_penalty 0: the plain sum). Beams that emit `eos_id` stop and keep their score.
+    constraints: as generate's."""
+    cfg = model.cfg
+    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
+    if beam_width < 1:
+        raise ValueError(f"beam_width must be >= 1, got {beam_width}")
+    fn = _beam_fn(cfg, beam_width, max_new_tokens, float(length_penalty), eos_id, pad_id,
+                  checked_constraints(constraints, cfg.vocab_size, eos_id))
+    return fn(params, prompts, lengths)

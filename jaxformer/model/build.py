@@ -1,0 +1,37 @@
+"""The module of each model.arch (a table), and what is counted from it without
+allocating: the param tree's shapes and the number of params.
+
+    model = model_for(cfg)        # the Transformer (decoder, encoder) or the EncoderDecoder
+    shapes = param_shapes(cfg)    # jax.ShapeDtypeStructs, via jax.eval_shape
+    n = count_params(cfg)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.config import ARCHS
+from jaxformer.model.encoder_decoder import EncoderDecoder
+from jaxformer.model.transformer import Transformer
+
+MODELS = {"decoder": Transformer, "encoder": Transformer, ENCODER_DECODER: EncoderDecoder}
+assert set(MODELS) == set(ARCHS)
+
+
+def model_for(cfg):
+    """The flax module of cfg.arch (a ModelConfig's)."""
+    return MODELS[cfg.arch](cfg)
+
+
+def param_shapes(cfg):
+    """The param tree of model_for(cfg) as jax.ShapeDtypeStructs (allocates nothing)."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(model_for(cfg).init, jax.random.key(0), tokens)["params"]
+
+
+def count_params(cfg) -> int:
+    """The exact number of parameters of model_for(cfg), without allocating them."""
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(param_shapes(cfg))))

@@ -1,0 +1,400 @@
+"""ModelConfig: the one switchboard of the model, validated when it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from jaxformer.attention.backends import AUTO, BACKENDS, check_model
+from jaxformer.attention.mla import MLAConfig
+from jaxformer.core.validation import (ConfigError, Section, check_choice,  # noqa: F401
+                                       check_number, coerce, type_names)
+from jaxformer.model.archs import check_encoder_decoder
+from jaxformer.model.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
+from jaxformer.model.layer_pattern import LayerKind
+from jaxformer.model.layer_runs import Run, runs
+from jaxformer.model.lora import LoRAConfig, check_expert_targets
+from jaxformer.model.presets import PRESETS
+from jaxformer.moe.experts import MoEConfig
+from jaxformer.positions.rope_scaling import RopeScaling
+from jaxformer.positions.schemes import POSITION_SCHEMES, SINUSOIDAL_SCALES, schemes_of
+
+DTYPES = ("float32", "bfloat16", "float16")
+ARCHS = ("decoder", "encoder", "encoder_decoder")  # model.arch: the textbooks' three shapes
+# the fields that change how a model runs, not what it computes: a converted or
+# initialised-from model may set them freely
+RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Section):
+    """Every architectural choice of a transformer. arch (ARCHS): decoder, encoder (no causal
+    rule: padding and packing masks as ever, a window symmetric; no generation), encoder_decoder.
+
+    None fields are resolved at construction: n_kv_heads -> n_heads, qkv_bias -> use_bias,
+    head_dim -> d_model // n_heads, d_ff -> 4 * d_model (gelu/relu) or
+    8/3 * d_model rounded up to a multiple of 64 (swiglu/geglu).
+
+    position (jaxformer.positions.formulas): rope, alibi, t5 (T5's learned bias per head and
+    relative-position bucket; t5_num_buckets and t5_max_distance as in T5), fire (Li et
+    al. 2023's MLP of the normalised log distance), sinusoidal, learned (a table of
+    max_seq_len rows), none (NoPE), and the length-generalisation schemes xpos (Sun et al.
+    2022), kerple (Chi et al. 2022, log), sandwich (Chi et al. 2023), cope (Golovneva et
+    al. 2024). The bias schemes' biases are computed once per forward and shared by every
+    layer (jaxformer.positions.schemes.POSITION_SCHEMES).
+    sinusoidal_scale: how the unit-amplitude sinusoidal table meets token embeddings
+    initialised at std 0.02. table: the table / sqrt(d_model), the token-to-position ratio
+    of Vaswani et al.'s embeddings * sqrt(d_model) with the embeddings left as they are;
+    tokens: Vaswani et al.'s form, embeddings * sqrt(d_model) + table; unit: table as is
+    (its RMS of 0.71 per dimension swamps the tokens ~35:1).
+    rope_fraction: the share of each head's dimensions RoPE rotates (GPT-NeoX's rotary_pct,
+    HF's partial_rotary_factor): the first head_dim * rope_fraction, paired half with
+    half among themselves, with frequencies over those dimensions; the rest pass through.
+    p_rope: p-RoPE's p (Barbero et al. 2024): the share of the rotated pairs' frequencies
+    kept, the highest; the lowest ones are set to 0 (those pairs pass through unrotated).
+    1 is RoPE, 0 NoPE. With rope_fraction < 1, a share of the frequencies of the rotated
+    dimensions. cope_positions: CoPE's number of position embeddings (npos_max).
+
+    norm: layernorm, rmsnorm, or rmsnorm_offset (x / rms(x) * (1 + scale), the scale
+    initialised at 0: Gemma). block (jaxformer.model.kinds.BLOCKS): pre_ln, post_ln,
+    sandwich (a norm before and after each sublayer, inside the residual: Gemma 2/3),
+    res_post_ln (a norm after each sublayer only, inside the residual: OLMo 2), parallel
+    (x + attn(norm1 x) + ffn(norm2 x): GPT-NeoX), parallel_shared_ln (one norm for both:
+    Cohere, GPT-J). qk_norm: the model's norm on queries and keys before RoPE, per head
+    over head_dim (head: Qwen3, Gemma 3) or over the whole projection (projection: OLMo 2).
+
+    attn_scale: the logits' scale (None: 1 / sqrt(head_dim)). attn_softcap, final_softcap:
+    cap * tanh(x / cap) on the scaled attention logits (before any position bias and the
+    mask) and on the output logits (Gemma 2). attn_sinks: a learned logit per query head
+    (param attn/sinks [N]) in every row's softmax, a key with a zero value (gpt-oss).
+    embed_multiplier (Gemma: sqrt(d_model),
+    rounded to the compute dtype; Granite), residual_multiplier (each sublayer's output
+    before it joins the residual: Granite), logits_multiplier (Cohere's logit_scale,
+    Granite's 1 / logits_scaling).
+
+    embed_norm: the model's norm on the input embeddings (positions added): BERT.
+    head_transform: before the LM head, a dense d_model -> d_model, the FFN's activation and
+    the model's norm (BERT's MLM head transform); head_bias: a bias [vocab] on the logits.
+
+    lora (jaxformer.model.lora.LoRAConfig): low-rank adapters on the projections; rank 0: none.
+    moe (jaxformer.moe.experts.MoEConfig): mixture-of-experts feed-forward layers; experts 0: none.
+    mla (jaxformer.attention.mla.MLAConfig): multi-head latent attention; kv_lora_rank 0: none.
+
+    layer_pattern, layer_kinds: a list of kind names repeated over the layers (layer i is
+    layer_pattern[i % len]), each a LayerKind in layer_kinds (its window, its RoPE or
+    none): Gemma 3's five local layers to one global. Empty: every layer alike, with
+    sliding_window.
+    """
+
+    arch: str = "decoder"
+    encoder_layers: int | None = None  # arch=encoder_decoder: the encoder's (None: n_layers)
+    tie_source_embed: bool = False  # encoder_decoder, untied head: one table in (T5 v1.1)
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    max_seq_len: int = 256
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    sinusoidal_scale: str = "table"
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    block: str = "pre_ln"
+    ffn: str = "gelu"
+    use_bias: bool = True
+    qkv_bias: bool | None = None  # biases on query/key/value only (Qwen2); None = use_bias
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"
+    sliding_window: int | None = None
+    attention_impl: str = "auto"
+    rope_fraction: float = 1.0
+    p_rope: float = 1.0
+    cope_positions: int = 64
+    qk_norm: str = "none"
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    attn_sinks: bool = False
+    final_softcap: float | None = None
+    embed_norm: bool = False
+    head_transform: bool = False
+    head_bias: bool = False
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_multiplier: float = 1.0
+    layer_pattern: tuple[str, ...] = ()
+    layer_kinds: Mapping[str, LayerKind] = dataclasses.field(default_factory=dict)
+    lora: LoRAConfig = LoRAConfig()
+    moe: MoEConfig = MoEConfig()
+    mla: MLAConfig = MLAConfig()
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if isinstance(self.lora, Mapping):
+            set_("lora", LoRAConfig.from_dict(self.lora))
+        if isinstance(self.moe, Mapping):
+            set_("moe", MoEConfig.from_dict(self.moe))
+        if isinstance(self.mla, Mapping):
+            set_("mla", MLAConfig.from_dict(self.mla))
+        if isinstance(self.rope_scaling, Mapping):
+            set_("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        elif isinstance(self.rope_scaling, str):
+            set_("rope_scaling", RopeScaling(kind=self.rope_scaling))
+        elif not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} must be a RopeScaling, "
+                              "a mapping of its fields, or a kind name")
+        if self.qkv_bias is None:
+            set_("qkv_bias", self.use_bias)
+        self._read_pattern(set_)
+        self._check_fields()
+        self._resolve_sizes(set_)
+        self._check_together(set_)
+        absent = ("wi",) if self.gated_ffn else ("wi_gate", "wi_up")
+        if set(absent) & set(self.lora.targets):
+            raise ConfigError(f"model.lora.targets names {', '.join(absent)}, which a model with "
+                              f"ffn={self.ffn} does not have; its MLP projections are "
+                              f"{'wi_gate, wi_up, wo' if self.gated_ffn else 'wi, wo'} (or: mlp)")
+        check_expert_targets(self)
+
+    def _check_fields(self):
+        """Each field alone: its type, range, or one of its choices (a table's names)."""
+        o = "model"
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len",
+                     "t5_max_distance"):
+            check_number(o, name, getattr(self, name), int, low=1)
+        for name in ("n_kv_heads", "head_dim", "d_ff", "sliding_window"):
+            check_number(o, name, getattr(self, name), int, low=1, optional=True)
+        check_number(o, "rope_theta", self.rope_theta, float, low=1, low_open=True)
+        check_number(o, "norm_eps", self.norm_eps, float, low=0, low_open=True)
+        check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
+        for name in ("use_bias", "qkv_bias", "tie_embeddings", "tie_source_embed", "scan_layers",
+                     "attn_sinks", "embed_norm", "head_transform", "head_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        check_choice(o, "arch", self.arch, ARCHS)
+        check_number(o, "encoder_layers", self.encoder_layers, int, low=1, optional=True)
+        check_choice(o, "position", self.position, POSITION_SCHEMES)
+        check_choice(o, "sinusoidal_scale", self.sinusoidal_scale, SINUSOIDAL_SCALES)
+        check_number(o, "t5_num_buckets", self.t5_num_buckets, int, low=4)
+        check_choice(o, "norm", self.norm, NORMS)
+        check_choice(o, "block", self.block, BLOCKS)
+        check_choice(o, "ffn", self.ffn, FFNS)
+        check_choice(o, "remat", self.remat, REMATS)
+        check_choice(o, "attention_impl", self.attention_impl, (AUTO, *BACKENDS))
+        check_choice(o, "dtype", self.dtype, DTYPES)
+        check_choice(o, "param_dtype", self.param_dtype, DTYPES)
+        check_choice(o, "qk_norm", self.qk_norm, QK_NORMS)
+        check_number(o, "rope_fraction", self.rope_fraction, float, low=0, low_open=True, high=1)
+        check_number(o, "p_rope", self.p_rope, float, low=0, high=1)
+        check_number(o, "cope_positions", self.cope_positions, int, low=2)
+        for name in ("attn_scale", "attn_softcap", "final_softcap"):
+            check_number(o, name, getattr(self, name), float, low=0, low_open=True, optional=True)
+        for name in ("embed_multiplier", "residual_multiplier", "logits_multiplier"):
+            check_number(o, name, getattr(self, name), float, low=0, low_open=True)
+
+    def _read_pattern(self, set_):
+        """layer_pattern as a tuple of names ('local,global' from the command line) and
+        layer_kinds as a hashable tuple of (name, LayerKind), from mappings of values."""
+        pattern = self.layer_pattern
+        if isinstance(pattern, str):
+            pattern = [p.strip() for p in pattern.split(",") if p.strip()]
+        set_("layer_pattern", tuple(pattern or ()))
+        kinds = self.layer_kinds
+        if isinstance(kinds, Mapping):
+            kinds = kinds.items()
+        fields = type_names(LayerKind)
+        read = []
+        for name, kind in kinds or ():
+            if isinstance(kind, Mapping):
+                bad = sorted(set(kind) - set(fields))
+                if bad:
+                    raise ConfigError(f"unknown key(s) {', '.join(f'model.layer_kinds.{name}.{b}' for b in bad)}; "
+                                      f"valid keys are: {', '.join(fields)}")
+                kind = LayerKind(**{k: v if k == "rope_scaling" else
+                                    coerce(v, fields[k], f"model.layer_kinds.{name}.{k}")
+                                    for k, v in kind.items()})
+            elif not isinstance(kind, LayerKind):
+                raise ConfigError(f"model.layer_kinds.{name}={kind!r} must be a mapping of "
+                                  f"{', '.join(fields)}")
+            read.append((str(name), kind))
+        set_("layer_kinds", tuple(read))
+
+    def _resolve_sizes(self, set_):
+        """n_kv_heads, head_dim and d_ff where they are None."""
+        if self.n_kv_heads is None:
+            set_("n_kv_heads", self.n_heads)
+        if self.head_dim is None and self.mla.on:
+            set_("head_dim", self.mla.qk_head_dim)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of "
+                              f"model.n_kv_heads={self.n_kv_heads} (1 = MQA, n_heads = MHA)")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(f"model.d_model={self.d_model} is not divisible by "
+                                  f"model.n_heads={self.n_heads}; change one, or set model.head_dim")
+            set_("head_dim", self.d_model // self.n_heads)
+        if self.d_ff is None:
+            set_("d_ff", 64 * math.ceil(8 * self.d_model / 3 / 64) if self.gated_ffn
+                 else 4 * self.d_model)
+
+    def _check_together(self, set_):
+        """Fields that must agree: the scheme's own checks, a bias scheme's backend, the
+        T5 buckets, RoPE scaling."""
+        scheme = POSITION_SCHEMES[self.position]
+        check_model(self)  # what the named attention backend cannot run
+        check_encoder_decoder(self)  # model.arch=encoder_decoder: jaxformer.model.archs
+        if self.mla.on:
+            self.mla.check_model(self)
+        for name in ("rope_fraction", "p_rope"):
+            if getattr(self, name) != 1 and scheme.kind != "rotary":
+                raise ConfigError(f"model.{name}={getattr(self, name)} needs a rotary position "
+                                  f"scheme, not position={self.position!r}")
+        scheme.checked(self)  # its own check, and an encoder's refusals
+        if self.t5_max_distance <= self.t5_num_buckets // 2:
+            raise ConfigError(f"model.t5_max_distance={self.t5_max_distance} must exceed "
+                              f"half of model.t5_num_buckets={self.t5_num_buckets}: the first "
+                              "half of the buckets are exact distances, the rest log-spaced up "
+                              "to t5_max_distance")
+        set_("rope_scaling", self._with_original(self.rope_scaling))
+        self._check_pattern(scheme)
+        self.moe.sparse(self.n_layers)  # model.moe.layers within 0..n_layers - 1, or one line
+        if self.rope_scaling.row.scales and scheme.kind != "rotary":
+            rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
+            raise ConfigError(f"model.rope_scaling.kind={self.rope_scaling.kind!r} needs "
+                              f"{rotary} (got {self.position!r})")
+
+    def _check_pattern(self, scheme):
+        """The layer pattern names kinds that exist, each used; windows per kind replace
+        sliding_window; RoPE settings per kind need a rotary scheme."""
+        names = [n for n, _ in self.layer_kinds]
+        if not self.layer_pattern:
+            if names:
+                raise ConfigError(f"model.layer_kinds ({', '.join(names)}) needs model."
+                                  "layer_pattern, the kinds' order over the layers")
+            return
+        unknown = sorted(set(self.layer_pattern) - set(names))
+        if unknown:
+            raise ConfigError(f"model.layer_pattern names {', '.join(map(repr, unknown))}, not in "
+                              f"model.layer_kinds ({', '.join(names) or 'none defined'})")
+        unused = [n for n in names if n not in self.layer_pattern]
+        if unused:
+            raise ConfigError(f"model.layer_kinds {', '.join(map(repr, unused))} not used by "
+                              f"model.layer_pattern={list(self.layer_pattern)}")
+        if len(self.layer_pattern) > self.n_layers:
+            raise ConfigError(f"model.layer_pattern has {len(self.layer_pattern)} entries, more "
+                              f"than model.n_layers={self.n_layers}")
+        if self.sliding_window is not None:
+            raise ConfigError(f"model.sliding_window={self.sliding_window} with a layer_pattern: "
+                              "set each kind's window in model.layer_kinds instead")
+        for name, kind in self.layer_kinds:
+            rope_set = not kind.rope or kind.rope_theta is not None or kind.rope_scaling is not None
+            if rope_set and scheme.kind != "rotary":
+                raise ConfigError(f"model.layer_kinds.{name} sets RoPE (rope, rope_theta or "
+                                  f"rope_scaling), which needs a rotary position scheme, not "
+                                  f"position={self.position!r}")
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """The layer kinds, resolved (window, RoPE base and scaling filled in from the model's
+        fields), indexed by kind id; one kind when there is no layer pattern."""
+        if not self.layer_pattern:
+            return (LayerKind(window=self.sliding_window, rope_theta=self.rope_theta,
+                              rope_scaling=self.rope_scaling),)
+        return tuple(dataclasses.replace(
+            k, rope_theta=self.rope_theta if k.rope_theta is None else k.rope_theta,
+            rope_scaling=self.rope_scaling if k.rope_scaling is None
+            else self._with_original(k.rope_scaling)) for _, k in self.layer_kinds)
+
+    def _with_original(self, s: RopeScaling) -> RopeScaling:
+        """s with original_max_seq_len filled from max_seq_len where its kind reads it."""
+        if s.row.needs_original and s.original_max_seq_len is None:
+            return dataclasses.replace(s, original_max_seq_len=self.max_seq_len)
+        return s
+
+    @property
+    def layer_kind_ids(self) -> tuple[int, ...]:
+        """Each layer's kind id (an index into `kinds`)."""
+        if not self.layer_pattern:
+            return (0,) * self.n_layers
+        ids = {name: i for i, (name, _) in enumerate(self.layer_kinds)}
+        p = self.layer_pattern
+        return tuple(ids[p[i % len(p)]] for i in range(self.n_layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["layer_pattern"] = list(self.layer_pattern)
+        out["layer_kinds"] = {n: dataclasses.asdict(k) for n, k in self.layer_kinds}
+        out["lora"] = self.lora.to_dict()
+        out["moe"] = self.moe.to_dict()
+        out["mla"] = self.mla.to_dict()
+        return out
+
+    SECTION = "model"  # from_dict, to_dict, replace: jaxformer.core.validation.Section
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A named architecture, e.g. ``ModelConfig.preset("gpt2-small", dropout=0.1)``."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; presets are: {', '.join(PRESETS)}")
+        values = {**PRESETS[name], **overrides}
+        if isinstance(overrides.get("rope_scaling"), Mapping) and \
+                isinstance(PRESETS[name].get("rope_scaling"), Mapping):
+            values["rope_scaling"] = {**PRESETS[name]["rope_scaling"], **overrides["rope_scaling"]}
+        return cls.from_dict(values)
+
+    @property
+    def encoder_n_layers(self) -> int:
+        """The encoder stack's layers (arch=encoder_decoder): encoder_layers, None meaning
+        n_layers."""
+        return self.encoder_layers or self.n_layers
+
+    def stack(self, arch: str) -> "ModelConfig":
+        """arch=encoder_decoder: one stack as a model of its own, without the fields only an
+        encoder-decoder has: "encoder" (encoder_n_layers layers; the model builds it) or
+        "decoder" (flops_per_token counts each)."""
+        layers = self.encoder_n_layers if arch == "encoder" else self.n_layers
+        return self.replace(arch=arch, n_layers=layers, encoder_layers=None,
+                            tie_source_embed=False)
+
+    @property
+    def causal(self) -> bool:
+        """Self-attention has the causal rule (all but an encoder); the masks read it."""
+        return self.arch != "encoder"
+
+    @property
+    def gated_ffn(self) -> bool:
+        return FFNS[self.ffn].gated
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's feed-forward network is the mixture of experts (model.moe)."""
+        return self.moe.sparse(self.n_layers)
+
+    @property
+    def layer_runs(self) -> tuple[Run, ...]:
+        """The runs of consecutive layers alike (dense or sparse) that scan_layers stacks."""
+        return runs(self.sparse_layers)
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Each routed expert's width (model.moe.d_ff, else d_ff)."""
+        return self.moe.d_ff or self.d_ff
+
+    @property
+    def shared_d_ff(self) -> int:
+        """The shared experts' width together (0: none)."""
+        return self.moe.shared_d_ff or self.moe.shared_experts * self.expert_d_ff
+
+
+# the model's fields that are sections of their own (model.rope_scaling.kind=yarn)
+NESTED = {"rope_scaling": RopeScaling, "lora": LoRAConfig, "moe": MoEConfig, "mla": MLAConfig}

@@ -1,0 +1,37 @@
+"""model.layer_kinds' rows: LayerKind, one kind of layer in a model's layer pattern (read
+by jaxformer.model.config.ModelConfig, which resolves each kind's RoPE from the model's)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from jaxformer.core.validation import ConfigError, Section, check_number
+from jaxformer.positions.rope_scaling import RopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind(Section):
+    """One kind of layer in a model's layer pattern (model.layer_kinds): what its
+    attention sees and how its queries and keys are rotated.
+
+    window: the sliding window of its attention (None: every earlier key).
+    rope: False makes it a NoPE layer (nothing rotated; a rotary position scheme only).
+    rope_theta, rope_scaling: this kind's RoPE base and scaling; None: the model's.
+    """
+
+    window: int | None = None
+    rope: bool = True
+    rope_theta: float | None = None
+    rope_scaling: RopeScaling | None = None
+
+    SECTION = "layer_kinds.<kind>"
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        check_number(self.SECTION, "window", self.window, int, low=1, optional=True)
+        if not isinstance(self.rope, bool):
+            raise ConfigError(f"{self.SECTION}.rope={self.rope!r} must be true or false")
+        check_number(self.SECTION, "rope_theta", self.rope_theta, float, low=1, low_open=True,
+                     optional=True)
