@@ -33,8 +33,7 @@ from jaxformer.model.config import PRESETS
 from jaxformer.model.lora import partition
 from jaxformer.training.adapter_checkpoint import AdapterCheckpointer, checksum
 from jaxformer.training.checkpoint import Checkpointer
-from jaxformer.training.config import OptimConfig
-from jaxformer.training.optim import make_optimizer
+from jaxformer.training.optim import OptimConfig, make_optimizer
 from jaxformer.training.step import init_state, make_train_step, trained_part
 
 SHAPES = {

@@ -49,8 +49,8 @@ from jaxformer.attention import dot_product_attention, make_attention_mask  # no
 from jaxformer.decode import generate, kv_cache_bytes  # noqa: E402
 from jaxformer.positions import alibi_bias, alibi_slopes, segment_positions  # noqa: E402
 from jaxformer.training import load_config  # noqa: E402
-from jaxformer.training.config import OptimConfig  # noqa: E402
 from jaxformer.training.metrics import PEAK_BF16_FLOPS, measured_matmul_flops  # noqa: E402
+from jaxformer.training.optim import OptimConfig  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
 from jaxformer.training.step import init_state, make_train_step  # noqa: E402
 

@@ -33,8 +33,9 @@ from train_throughput import bench_jax, bench_torch, interleaved, print_table, t
 
 from jaxformer import Transformer, count_params, flops_per_token  # noqa: E402
 from jaxformer.decode import generate  # noqa: E402
-from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides  # noqa: E402
+from jaxformer.training.config import RunConfig, parse_overrides  # noqa: E402
 from jaxformer.training.metrics import measured_matmul_flops  # noqa: E402
+from jaxformer.training.optim import OptimConfig  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
 from jaxformer.training.step import abstract_state, make_train_step  # noqa: E402
 

@@ -26,9 +26,9 @@ import numpy as np
 
 from jaxformer import Transformer, count_params, flops_per_token
 from jaxformer.model.config import PRESETS
-from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides
+from jaxformer.training.config import RunConfig, parse_overrides
 from jaxformer.training.metrics import measured_matmul_flops
-from jaxformer.training.optim import make_optimizer
+from jaxformer.training.optim import OptimConfig, make_optimizer
 from jaxformer.training.step import init_state, loss_sums, make_train_step
 
 SHAPES = {  # model fields of each shape beyond the command line's sizes

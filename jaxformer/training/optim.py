@@ -4,6 +4,7 @@ skipping of non-finite steps, all from optax."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -11,13 +12,67 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
+from jaxformer.core.validation import ConfigError, check_choice, check_number
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_runs import is_stacked
 from jaxformer.model.quantize import CONTRACTED_AXES, EXPERTS
-from jaxformer.training.config import OptimConfig
 
 LATENT_UPS = ("key_up", "value_up")  # MLA's up-projections: [latent, heads, head_dim]
 STACKS = ("encoder", "decoder")  # an encoder-decoder's stacks: each holds blocks of its own
+SCHEDULES = ("cosine", "inverse_sqrt", "constant", "linear")
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer (name: adamw, or muon on the blocks' matrices with AdamW on the rest:
+    jaxformer.training.optim) with a learning-rate schedule, global-norm clipping and
+    gradient accumulation. muon_beta: Muon's momentum; muon_rms: its updates' RMS per
+    sqrt(max(fan_in, fan_out)) (0.2 matches AdamW's, so lr and weight_decay serve both).
+
+    schedule: cosine (linear warmup, cosine decay to lr * min_lr_ratio), linear (warmup,
+    linear decay to lr * min_lr_ratio), constant (warmup, then lr), inverse_sqrt
+    (lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5): Vaswani et al. with lr = 1).
+    label_smoothing: the target distribution (1 - e) one-hot + e / vocab (optax's
+    smooth_labels; Vaswani et al.'s 0.1), in the encoder-decoder's loss.
+    """
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+    grad_accum: int = 1
+    max_skips: int = 5  # consecutive non-finite steps before the run stops
+    muon_beta: float = 0.95
+    muon_rms: float = 0.2
+    label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        o = "optim"
+        check_number(o, "label_smoothing", self.label_smoothing, float, low=0, high=1,
+                     high_open=True)
+        check_choice(o, "name", self.name, OPTIMIZERS)
+        check_number(o, "muon_beta", self.muon_beta, float, low=0, high=1, high_open=True)
+        check_number(o, "muon_rms", self.muon_rms, float, low=0, low_open=True)
+        check_number(o, "lr", self.lr, float, low=0, low_open=True)
+        check_choice(o, "schedule", self.schedule, SCHEDULES)
+        check_number(o, "warmup_steps", self.warmup_steps, int, low=0)
+        if self.schedule == "inverse_sqrt" and self.warmup_steps < 1:
+            raise ConfigError("optim.warmup_steps must be >= 1 for schedule=inverse_sqrt")
+        check_number(o, "min_lr_ratio", self.min_lr_ratio, float, low=0, high=1)
+        check_number(o, "b1", self.b1, float, low=0, high=1, high_open=True)
+        check_number(o, "b2", self.b2, float, low=0, high=1, high_open=True)
+        check_number(o, "eps", self.eps, float, low=0)
+        check_number(o, "weight_decay", self.weight_decay, float, low=0)
+        check_number(o, "clip_norm", self.clip_norm, float, low=0, low_open=True, optional=True)
+        check_number(o, "grad_accum", self.grad_accum, int, low=1)
+        check_number(o, "max_skips", self.max_skips, int, low=1)
 
 
 def inverse_sqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):

@@ -17,7 +17,7 @@ from jaxformer import ModelConfig, Transformer, generate  # noqa: E402
 from jaxformer.core.sharding import (batch_sharding, make_mesh, param_shardings,  # noqa: E402
                                      per_device_bytes, place_batch, process_rows, resolve_rules)
 from jaxformer.training.checkpoint import Checkpointer, abstract_like  # noqa: E402
-from jaxformer.training.config import OptimConfig  # noqa: E402
+from jaxformer.training.optim import OptimConfig  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
 from jaxformer.training.step import init_state, make_train_step, state_shardings  # noqa: E402
 from tests.conftest import DEFAULT_EMITTERS  # noqa: E402

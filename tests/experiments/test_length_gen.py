@@ -13,8 +13,7 @@ from jaxformer import ModelConfig, Transformer
 from jaxformer.decode import generate, init_cache
 from jaxformer.experiments import length_gen, tasks
 from jaxformer.experiments.seeds import seed_slice, train_seeds
-from jaxformer.training.config import OptimConfig
-from jaxformer.training.optim import make_optimizer
+from jaxformer.training.optim import OptimConfig, make_optimizer
 from jaxformer.training.step import init_state, make_train_step
 
 DIGITS = "0123456789"

@@ -140,8 +140,7 @@ def test_a_vmapped_sweep_equals_separate_runs_adapter_by_adapter():
     """Ranks 1 and 3 times seeds 0 and 1 (four adapters) trained as one vmapped step equal
     separate runs over the same batches: losses and adapters, step by step. Clipping
     at a norm the first step exceeds checks that each member is clipped by its own norm."""
-    from jaxformer.training.config import OptimConfig
-    from jaxformer.training.optim import make_optimizer
+    from jaxformer.training.optim import OptimConfig, make_optimizer
     from jaxformer.training.step import init_state
 
     cfg = small(lora={"sweep_rank": "1,3", "sweep_seeds": 2, "alpha": 4.0}, scan_layers=True,

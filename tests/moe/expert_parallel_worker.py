@@ -21,7 +21,7 @@ from jaxformer import ModelConfig, Transformer  # noqa: E402
 from jaxformer.attention.ring import zigzag_order  # noqa: E402
 from jaxformer.core.sharding import (batch_sharding, make_mesh, param_shardings,  # noqa: E402
                                      place_batch, process_rows, resolve_rules, sharding_context)
-from jaxformer.training.config import OptimConfig  # noqa: E402
+from jaxformer.training.optim import OptimConfig  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
 from jaxformer.training.step import init_state, make_train_step, state_shardings  # noqa: E402
 

@@ -12,8 +12,8 @@ import pytest
 from jaxformer import ModelConfig, Transformer
 from jaxformer.model.config import ConfigError
 from jaxformer.training import load_config
-from jaxformer.training.config import OptimConfig, RunConfig, parse_overrides
-from jaxformer.training.optim import decay_mask, learning_rate_schedule, make_optimizer
+from jaxformer.training.config import RunConfig, parse_overrides
+from jaxformer.training.optim import OptimConfig, decay_mask, learning_rate_schedule, make_optimizer
 from tests.conftest import REPO, np_global_norm
 
 

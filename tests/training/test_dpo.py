@@ -16,10 +16,10 @@ from jaxformer.data import DataConfig, load_dataset
 from jaxformer.model import lora
 from jaxformer.training import load_config, objectives, train
 from jaxformer.training.config import OBJECTIVES as OBJECTIVE_NAMES
-from jaxformer.training.config import ObjectiveConfig, OptimConfig
+from jaxformer.training.config import ObjectiveConfig
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.objectives import Preference
-from jaxformer.training.optim import make_optimizer
+from jaxformer.training.optim import OptimConfig, make_optimizer
 from jaxformer.training.step import init_state, make_eval_step, make_train_step
 from tests.conftest import REPO, np_log_softmax
 

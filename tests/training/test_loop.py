@@ -16,9 +16,8 @@ from jaxformer.data import Dataset
 from jaxformer.model.config import ConfigError
 from jaxformer.model.transformer import Transformer, flops_per_token
 from jaxformer.training import TrainingStopped, load_config, loop, train
-from jaxformer.training.config import OptimConfig
 from jaxformer.training.metrics import read_metrics
-from jaxformer.training.optim import make_optimizer
+from jaxformer.training.optim import OptimConfig, make_optimizer
 from jaxformer.training.step import init_state, make_eval_step, make_train_step
 from tests.conftest import REPO, np_global_norm, np_log_softmax
 

@@ -13,8 +13,7 @@ import optax
 import pytest
 
 from jaxformer import ModelConfig, param_shapes
-from jaxformer.training.config import OptimConfig
-from jaxformer.training.optim import make_optimizer, muon_dimensions
+from jaxformer.training.optim import OptimConfig, make_optimizer, muon_dimensions
 from tests.training.test_loop import config, corpus, losses, restored_state  # noqa: F401
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
