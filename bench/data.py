@@ -70,11 +70,12 @@ def stage(name: str, file: str, tokenizer: str, work: str, bare_mb: float) -> di
     from jaxformer.data import DataConfig
     from jaxformer.data.corpus import find_corpus, read_pieces
     from jaxformer.data.dataset import new_tokenizer
+    from jaxformer.data.tokenizer_kinds import tokenizer_kind
     from jaxformer.data.tokens import _batches, write_tokens
 
     corpus = find_corpus(file)
     cfg = DataConfig(path=file, tokenizer=tokenizer, cache_dir=os.path.join(work, "cache"))
-    out = {"stage": name, "tokenizer": "bpe" if "bpe" in os.path.basename(tokenizer) else tokenizer}
+    out = {"stage": name, "tokenizer": tokenizer_kind(tokenizer)}  # main names a trained one
     started = time.perf_counter()
     if name == "bpe-train":
         new_tokenizer(cfg, corpus, cfg.cache_dir, progress=False, log=lambda m: None)
@@ -167,15 +168,18 @@ def main() -> None:
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     print(f"{a.mb:g} MB of text; {os.cpu_count()} cores ({cpu}); BATCH/PIECE chars from "
           "jaxformer.data.tokens")
+    from jaxformer.data.tokenizer_kinds import TOKENIZERS, tokenizer_kind
+
     rows = []
     with tempfile.TemporaryDirectory(dir=a.dir) as work:
-        for tok in a.tokenizers.split(","):
-            if tok == "bpe":
-                rows.append(run_stage("bpe-train", file, "bpe", work, a.bare_mb))
+        for label in a.tokenizers.split(","):
+            tok = label
+            if TOKENIZERS[tokenizer_kind(label)].trains:  # then tokenise with what it trained
+                rows.append(run_stage("bpe-train", file, label, work, a.bare_mb))
                 tok = next(os.path.join(work, "cache", n)
                            for n in os.listdir(os.path.join(work, "cache")) if n.startswith("bpe-"))
-            rows.append(run_stage("tokenise", file, tok, work, a.bare_mb))
-            rows.append(run_stage("bare", file, tok, work, a.bare_mb))
+            rows += [{**run_stage(stage, file, tok, work, a.bare_mb), "tokenizer": label}
+                     for stage in ("tokenise", "bare")]
     print(_table(rows))
 
 

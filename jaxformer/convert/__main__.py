@@ -54,7 +54,6 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     import jax.numpy as jnp
 
     from jaxformer.convert import from_hf, read_hf_json
-    from jaxformer.data import ByteTokenizer
     from jaxformer.model.build import count_params
     from jaxformer.model.config import ConfigError
     from jaxformer.model.transformer import stack_layers, unstack_layers
@@ -77,9 +76,10 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     if run_cfg.model.scan_layers != cfg.scan_layers:
         params = stack_layers(params, cfg.n_layers) if run_cfg.model.scan_layers \
             else unstack_layers(params)
-    if not tokenizer.is_file() and run_cfg.data.tokenizer == "bytes" and cfg.vocab_size < 256:
-        log(f"note: {hf_dir} has no tokenizer.json and the byte tokenizer needs vocab_size >= "
-            "256; set data.tokenizer before training")
+    fixed = run_cfg.data.tokenizer_entry.fixed  # the byte tokenizer: needs no file
+    if not tokenizer.is_file() and fixed is not None and cfg.vocab_size < fixed.vocab_size:
+        log(f"note: {hf_dir} has no tokenizer.json and {fixed!r} needs vocab_size >= "
+            f"{fixed.vocab_size}; set data.tokenizer before training")
 
     tx, _ = make_optimizer(run_cfg.optim, run_cfg.model, run_cfg.train.steps)
     rng = jax.random.split(jax.random.PRNGKey(run_cfg.train.seed))[1]  # as init_state's
@@ -88,8 +88,8 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     run.mkdir(parents=True, exist_ok=True)
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, run / "tokenizer.json")
-    elif run_cfg.data.tokenizer == "bytes":  # as train.py would save it (generate reads it)
-        ByteTokenizer().save(run)
+    elif fixed is not None:  # as train.py would save it (generate reads it)
+        fixed.save(run)
     ckpt = Checkpointer(run, keep=run_cfg.checkpoint.keep, async_save=False)
     try:
         ckpt.save(0, state, run_cfg.model)

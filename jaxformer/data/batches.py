@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-from jaxformer.data.config import DataError
+from jaxformer.data.errors import DataError
 
 
 def get_batch(tokens: np.ndarray, docs: np.ndarray | None, *, seed: int, step: int,

@@ -22,7 +22,19 @@ from typing import Iterator
 
 import numpy as np
 
-from jaxformer.data.config import DataConfig, DataError
+from jaxformer.data.errors import DataError
+from jaxformer.data.settings import Settings, check_field_names
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionSettings(Settings):
+    """data.format=prompt_completion: the record fields of the prompt and the completion."""
+
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+
+    def __post_init__(self):
+        check_field_names(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +58,10 @@ class Records:
                        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
 
 
-def read_records(path: str, prompt_field: str, completion_field: str
-                 ) -> Iterator[tuple[str, str, str]]:
+def read_records(path: str, fields: CompletionSettings) -> Iterator[tuple[str, str, str]]:
     """(record name, prompt, completion) of each JSONL line or Parquet row; a missing or
     non-text field, or an empty completion, is a DataError naming the record."""
-    fields = {"prompt_field": prompt_field, "completion_field": completion_field}
-    for name, (prompt, completion) in read_fields(path, fields):
+    for name, (prompt, completion) in read_fields(path, dict(fields.by_key())):
         if not completion:
             raise DataError(f"{name}: the completion is empty, so the record has nothing to "
                             "learn; remove it or give it a completion")
@@ -183,6 +193,11 @@ class CompletionData:
     def token_counts(self) -> tuple[int, int]:
         return len(self.train.tokens), len(self.val.tokens)
 
+    @property
+    def max_id(self) -> int:
+        """The largest token id of both splits (0 when empty)."""
+        return int(max(self.train.tokens.max(initial=0), self.val.tokens.max(initial=0)))
+
     def packed(self, split: str, seq_len: int) -> np.ndarray:
         """The row bounds of a split packed into rows of seq_len (computed once)."""
         if (split, seq_len) not in self._bounds:
@@ -218,12 +233,13 @@ class CompletionData:
                            seq_len, self.group) for b in range(n))
 
 
-def load_completions(cfg: DataConfig, tokenizer, log=print) -> CompletionData:
-    """The prompt/completion file cfg.path, tokenised and split."""
-    records = tokenize(read_records(cfg.path, cfg.prompt_field, cfg.completion_field), tokenizer)
+def load_completions(cfg, tokenizer, vocab_size=None, log=print) -> CompletionData:
+    """The prompt/completion file cfg.path (cfg: a DataConfig), tokenised and split."""
+    fields = cfg.format_settings
+    records = tokenize(read_records(cfg.path, fields), tokenizer)
     if not records.weights.any():
         raise DataError(f"{cfg.path} holds no completion tokens; each record needs a non-empty "
-                        f"{cfg.completion_field!r}")
+                        f"{fields.completion_field!r}")
     i = np.arange(len(records))
     val = np.floor((i + 1) * cfg.val_fraction) > np.floor(i * cfg.val_fraction)
     return CompletionData(records.subset(~val), records.subset(val), tokenizer,

@@ -8,12 +8,12 @@ import os
 import numpy as np
 
 from jaxformer.core.validation import ConfigError, Section, check_choice, check_number
-from jaxformer.data.seq2seq_tasks import SEQ2SEQ_TASKS
+from jaxformer.data.errors import DataError  # noqa: F401 (its home before errors.py)
+from jaxformer.data.formats import FORMATS, RECORD_SUFFIXES, Format
+from jaxformer.data.settings import Settings, check_foreign
+from jaxformer.data.tokenizer_kinds import TOKENIZERS, TokenizerKind, tokenizer_kind
 
-TOKENIZERS = ("bytes", "bpe")
 BIN_DTYPES = ("uint16", "uint32")
-FORMATS = ("text", "prompt_completion", "preference", "seq2seq")
-RECORDS = ("prompt_completion", "preference", "seq2seq")  # the formats of records, not a corpus
 
 
 def parse_mixture(spec) -> tuple[tuple[str, str, float], ...]:
@@ -45,13 +45,16 @@ def parse_mixture(spec) -> tuple[tuple[str, str, float], ...]:
     return tuple(out)
 
 
-class DataError(ValueError):
-    """The data cannot be used as configured; the message names the problem and the fix."""
-
-
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Section):
     """Every choice of the data pipeline.
+
+    The entries of two tables own their settings, which are keys of this section too
+    (one flat section, as YAML files write it): data.tokenizer chooses a kind of
+    jaxformer.data.tokenizer_kinds.TOKENIZERS, data.format a format of
+    jaxformer.data.formats.FORMATS. Each entry's settings class checks its keys; a key of
+    another format than data.format must keep its default (a saved config.yaml names
+    every key), while bpe_* may stay set when a config's tokenizer is overridden.
 
     path: None = the default corpus (the Python standard library's own .py source);
       a text file; a folder of .txt/.md/.py files (recursive); a .jsonl file (one JSON
@@ -62,12 +65,13 @@ class DataConfig(Section):
     tokenizer: "bytes" (vocab 256, no separator token) | "bpe" (byte-level BPE trained on
       the train split, saved into the run dir) | a path to a tokenizer.json (or to a
       folder holding one).
-    bpe_vocab_size: vocabulary size for tokenizer="bpe" (>= 257: 256 bytes + <|endoftext|>).
-    bpe_train_bytes: how much of the train split BPE is trained on, about: a sample
-      spread over all of it (100 MB: ~20 s and ~0.6 GB on 2 cores).
+    bpe_vocab_size, bpe_train_bytes: bpe's settings (tokenizer_kinds.BpeSettings): its
+      vocabulary size (>= 257: 256 bytes + <|endoftext|>), and about how much of the
+      train split it is trained on, a sample spread over all of it (100 MB: ~20 s and
+      ~0.6 GB on 2 cores).
     val_fraction: fraction of the documents (files, JSONL records, Parquet rows) held out for
       validation; of the tokens for a single text file or a single .bin file.
-    text_field: the JSONL field or Parquet column that holds the text.
+    text_field: text's setting: the JSONL field or Parquet column that holds the text.
     bin_dtype: the dtype of .bin token files: uint16 | uint32.
     pack: batches carry segment_ids and positions that restart at document boundaries.
     cache_dir: where tokenized corpora are cached; None = ~/.cache/jaxformer.
@@ -103,7 +107,6 @@ class DataConfig(Section):
 
     def __post_init__(self):
         o = "data"
-        self._check_mixture()
         for name in ("path", "cache_dir"):
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
@@ -112,34 +115,51 @@ class DataConfig(Section):
                 raise ConfigError(f"data.{name}={value!r} must be a non-empty path or None")
         if isinstance(self.tokenizer, os.PathLike):
             object.__setattr__(self, "tokenizer", os.fspath(self.tokenizer))
-        if not isinstance(self.tokenizer, str) or not (
-                self.tokenizer in TOKENIZERS or self.tokenizer.endswith(".json")
-                or os.path.isdir(self.tokenizer)):
-            raise ConfigError(f"data.tokenizer={self.tokenizer!r} is not one of "
-                              f"{', '.join(TOKENIZERS)}, a path to a tokenizer.json, "
-                              "or a folder holding one")
-        check_number(o, "bpe_vocab_size", self.bpe_vocab_size, int, low=257, high=2**32)
-        check_number(o, "bpe_train_bytes", self.bpe_train_bytes, int, low=1)
+        tokenizer_kind(self.tokenizer)
+        for kind in TOKENIZERS.values():  # a preset's bpe_* stay when the kind is overridden
+            kind.settings.of(self)
         check_number(o, "val_fraction", self.val_fraction, float, low=0, high=1, high_open=True)
-        if not isinstance(self.text_field, str) or not self.text_field:
-            raise ConfigError(f"data.text_field={self.text_field!r} must be a non-empty string")
         check_choice(o, "bin_dtype", self.bin_dtype, BIN_DTYPES)
         check_choice(o, "format", self.format, FORMATS)
-        for name in ("prompt_field", "completion_field", "chosen_field", "rejected_field",
-                     "source_field", "target_field"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"data.{name}={getattr(self, name)!r} must be a field name")
-        if self.format in RECORDS and not str(self.path).endswith(
-                (".jsonl", ".json", ".parquet")) and not (
-                self.format == "seq2seq" and self.path in SEQ2SEQ_TASKS):
+        check_foreign(self, FORMATS, self.format, "format")
+        self.format_settings  # noqa: B018 (checked by its class)
+        self._check_mixture()
+        self._check_records()
+        if not isinstance(self.pack, bool):
+            raise ConfigError(f"data.pack={self.pack!r} must be true or false")
+
+    @property
+    def format_entry(self) -> Format:
+        """data.format's entry of jaxformer.data.formats.FORMATS."""
+        return FORMATS[self.format]
+
+    @property
+    def format_settings(self) -> Settings:
+        """data.format's settings (its keys' values)."""
+        return self.format_entry.settings.of(self)
+
+    @property
+    def tokenizer_entry(self) -> TokenizerKind:
+        """data.tokenizer's entry of jaxformer.data.tokenizer_kinds.TOKENIZERS."""
+        return TOKENIZERS[tokenizer_kind(self.tokenizer)]
+
+    @property
+    def tokenizer_settings(self) -> Settings:
+        """data.tokenizer's settings (its keys' values)."""
+        return self.tokenizer_entry.settings.of(self)
+
+    def _check_records(self):
+        """A format of records reads a file of them (or a generated task), with a
+        tokenizer it does not train."""
+        fmt = self.format_entry
+        if fmt.records and not str(self.path).endswith(RECORD_SUFFIXES) and \
+                self.path not in fmt.tasks:
             raise ConfigError(f"data.format={self.format} reads a .jsonl or .parquet file "
                               f"of records, not data.path={self.path!r}")
-        if self.format in RECORDS and self.tokenizer == "bpe":
+        if fmt.records and self.tokenizer_entry.trains:
             raise ConfigError(f"data.format={self.format} needs a tokenizer it does not "
                               "train: data.tokenizer=bytes or a tokenizer.json (e.g. the one "
                               "of the model it fine-tunes, the default with train.init_from)")
-        if not isinstance(self.pack, bool):
-            raise ConfigError(f"data.pack={self.pack!r} must be true or false")
 
     def _check_mixture(self):
         """data.mixture held as 'PATH:WEIGHT,...' (a list is joined), checked in one line."""
@@ -147,9 +167,10 @@ class DataConfig(Section):
             return
         sources = parse_mixture(self.mixture)
         object.__setattr__(self, "mixture", ",".join(f"{p}:{w!r}" for _, p, w in sources))
+        corpora = "|".join(n for n, f in FORMATS.items() if not f.records)
         for name, bad, fix in (("path", self.path is not None, "unset data.path"),
-                               ("format", self.format != "text", "data.format=text"),
-                               ("tokenizer", self.tokenizer == "bpe",
+                               ("format", self.format_entry.records, f"data.format={corpora}"),
+                               ("tokenizer", self.tokenizer_entry.trains,
                                 "a tokenizer.json (e.g. from python -m jaxformer.data.prepare "
                                 "on one source) or bytes")):
             if bad:

@@ -19,7 +19,7 @@ import re
 import sysconfig
 from typing import Iterator, NamedTuple
 
-from jaxformer.data.config import DataError
+from jaxformer.data.errors import DataError
 from jaxformer.data.sources import SOURCES, TEXT_SUFFIXES, Source, in_order, walk
 
 PIECE_CHARS = 1 << 19  # what one piece of a long document holds, about

@@ -9,35 +9,27 @@ token files, are mapped in place (as their entries in ``jaxformer.data.sources``
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
-import shutil
-import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
 from jaxformer.data.batches import eval_batches, get_batch
-from jaxformer.data.completions import CompletionData, load_completions
+from jaxformer.data.completions import CompletionData
 from jaxformer.data.config import DataConfig, DataError
-from jaxformer.data.corpus import Corpus, find_corpus, read_pieces
+from jaxformer.data.corpus import Corpus, find_corpus
 from jaxformer.data.mixture import MixtureData, load_mixture
-from jaxformer.data.preferences import load_preferences
-from jaxformer.data.seq2seq import load_pairs
-from jaxformer.data.seq2seq_tasks import SEQ2SEQ_TASKS, task_file
+from jaxformer.data.seq2seq import Seq2SeqData
+from jaxformer.data.seq2seq_tasks import task_file
 from jaxformer.data.token_files import open_tokens
-from jaxformer.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from jaxformer.data.tokenizer import Tokenizer, load_tokenizer
 from jaxformer.data.tokens import (
-    progress_bar,
+    CACHE_VERSION,
+    cache_key,
     remove_stale_temporaries,
-    split_plan,
-    temporary_path,
     to_stderr,
     write_tokens,
 )
-
-CACHE_VERSION = 2
 
 
 @dataclasses.dataclass
@@ -73,7 +65,7 @@ class Dataset:
 def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
                  vocab_size: int | None = None, progress: bool = True,
                  log: Callable[[str], None] | None = None
-                 ) -> Dataset | CompletionData | MixtureData:
+                 ) -> Dataset | CompletionData | Seq2SeqData | MixtureData:
     """The train/val token streams that ``cfg`` describes.
 
     run_dir: where the tokenizer is saved as tokenizer.json (required for "bpe"; a
@@ -90,24 +82,18 @@ def load_dataset(cfg: DataConfig, *, run_dir: str | None = None,
         return load_mixture(cfg, load_dataset, run_dir=run_dir, vocab_size=vocab_size,
                             progress=progress, log=log)
     cache_dir = os.path.expanduser(cfg.cache_dir or "~/.cache/jaxformer")
-    if cfg.format == "seq2seq" and cfg.path in SEQ2SEQ_TASKS:  # generated, written once
+    fmt = cfg.format_entry
+    if cfg.path in fmt.tasks:  # generated, written once, with the format's default fields
         cfg = cfg.replace(path=task_file(cfg.path, cache_dir),
-                          source_field="source", target_field="target")
+                          **dict(fmt.settings().by_key()))
     corpus = find_corpus(cfg.path)
     for name, pid in remove_stale_temporaries(cache_dir):
         log(f"data: removed {os.path.join(cache_dir, name)}, left by process {pid}, which "
             "is gone")
     tokenizer = _choose_tokenizer(cfg, corpus, run_dir, cache_dir, progress, log)
-    if cfg.format == "seq2seq":  # (source, target) pairs
-        data = load_pairs(cfg, tokenizer, vocab_size, log)
-        _check_ids(cfg, data, int(max(r.tokens.max(initial=0) for r in (*data.train, *data.val))),
-                   vocab_size)
-        return data
-    if cfg.format in ("prompt_completion", "preference"):  # records, not a corpus
-        load = load_completions if cfg.format == "prompt_completion" else load_preferences
-        data = load(cfg, tokenizer, log)
-        _check_ids(cfg, data, int(max(data.train.tokens.max(initial=0),
-                                      data.val.tokens.max(initial=0))), vocab_size)
+    if fmt.records:  # read by the format, not a corpus
+        data = fmt.load(cfg, tokenizer, vocab_size, log)
+        _check_ids(cfg, data, data.max_id, vocab_size)
         return data
     if corpus.source.holds_text:
         ds, max_id = _tokenized_text(cfg, corpus, tokenizer, cache_dir, progress, log)
@@ -125,11 +111,11 @@ def _choose_tokenizer(cfg: DataConfig, corpus: Corpus, run_dir: str | None, cach
     """The run's tokenizer, saved into run_dir; a resumed run's saved one must match."""
     saved_path = os.path.join(run_dir, "tokenizer.json") if run_dir is not None else None
     saved = load_tokenizer(saved_path) if saved_path and os.path.isfile(saved_path) else None
-    trains = cfg.tokenizer == "bpe" and corpus.source.tokenizer is None
+    trains = cfg.tokenizer_entry.trains and corpus.source.tokenizer is None
     if trains and run_dir is None:
-        raise DataError("data.tokenizer='bpe' trains a tokenizer that the run must keep, "
-                        "but no run_dir was given; pass run_dir to load_dataset, or set "
-                        "data.tokenizer to an existing tokenizer.json")
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r} trains a tokenizer that the run "
+                        "must keep, but no run_dir was given; pass run_dir to load_dataset, "
+                        "or set data.tokenizer to an existing tokenizer.json")
     if trains and saved is not None:
         tokenizer = saved
     else:
@@ -145,87 +131,19 @@ def _choose_tokenizer(cfg: DataConfig, corpus: Corpus, run_dir: str | None, cach
 
 def new_tokenizer(cfg: DataConfig, corpus: Corpus, cache_dir: str, progress: bool = True,
                   log=None) -> Tokenizer:
-    """What data.tokenizer names: bytes, a BPE trained on the corpus (or found in the
-    cache), or a tokenizer.json; the tokenizer a token source comes with (a prepared
-    folder's own)."""
+    """What data.tokenizer names (its kind's make: bytes, a BPE trained on the corpus or
+    found in the cache, a tokenizer.json); the tokenizer a token source comes with (a
+    prepared folder's own)."""
     if corpus.source.tokenizer is not None:
         return corpus.source.tokenizer(cfg, corpus)
-    if cfg.tokenizer == "bytes":
-        return ByteTokenizer()
-    if cfg.tokenizer != "bpe":
-        return load_tokenizer(cfg.tokenizer)
-    if not corpus.source.holds_text:
-        raise DataError(f"data.tokenizer='bpe' trains on text, but {corpus.describe()} holds "
-                        "token ids; set data.tokenizer to the tokenizer.json that made them")
-    return _trained_bpe(cfg, corpus, cache_dir, progress, log or to_stderr)
-
-
-def _trained_bpe(cfg: DataConfig, corpus: Corpus, cache_dir: str, progress: bool,
-                 log) -> Tokenizer:
-    """Byte-level BPE trained on a sample of the train split; cached by corpus and
-    settings."""
-    import tokenizers
-
-    key = _hash(["bpe", CACHE_VERSION, tokenizers.__version__, corpus.kind,
-                 corpus.fingerprint(), cfg.text_field, cfg.val_fraction, cfg.bpe_vocab_size,
-                 cfg.bpe_train_bytes])
-    path = os.path.join(cache_dir, f"bpe-{key}.json")
-    if os.path.isfile(path):
-        log(f"data: BPE tokenizer from the cache, {path}")
-        return load_tokenizer(path)
-    started, sample = time.perf_counter(), _BpeSample(cfg, corpus)
-    with progress_bar(progress, sample.target, "BPE sample") as bar:
-        tokenizer = train_bpe(sample.texts(bar), cfg.bpe_vocab_size)
-    log(f"data: trained a {tokenizer.vocab_size}-token BPE on {sample.taken / 1e6:.1f} MB of "
-        f"text sampled from the {sample.train / 1e6:.1f} MB train split "
-        f"({sample.taken / max(sample.train, 1):.0%}; data.bpe_train_bytes="
-        f"{cfg.bpe_train_bytes:,}) in {time.perf_counter() - started:.1f} s")
-    tmp = temporary_path(os.path.join(cache_dir, f"bpe-{key}"))
-    try:
-        tokenizer.save(tmp)
-        os.replace(os.path.join(tmp, "tokenizer.json"), path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
-
-
-class _BpeSample:
-    """About data.bpe_train_bytes of the train split's text, spread evenly over all of
-    it: a piece is taken while the text taken stays within that budget times the share
-    of the split read so far (a single document's train split: its first 1 - val_fraction)."""
-
-    def __init__(self, cfg: DataConfig, corpus: Corpus):
-        self.cfg, self.corpus, self.val = cfg, corpus, split_plan(cfg, corpus)
-        self.train = int(corpus.text_bytes(cfg.text_field) * (1 - cfg.val_fraction))
-        self.target = min(cfg.bpe_train_bytes, self.train)
-        self.taken = 0
-
-    def texts(self, bar) -> Iterator[str]:
-        read = 0  # bytes of the train split read, up to or past the piece's end
-        for piece in read_pieces(self.corpus, self.cfg.text_field):
-            if self.val is not None and piece.key in self.val:
-                continue
-            read += piece.size
-            text, last = piece.text, self.val is None and read > self.train
-            if last:  # one document: its train split ends inside this piece; keep that part
-                keep = max(piece.size - (read - self.train), 0)
-                text = text.encode("utf-8")[:keep].decode("utf-8", errors="ignore")
-            n = len(text)
-            if n and self.taken + n <= self.target * min(read / max(self.train, 1), 1.0):
-                self.taken += n
-                bar.update(n)
-                yield text
-                if self.taken >= self.target:
-                    return
-            if last:
-                return
+    return cfg.tokenizer_entry.make(cfg, corpus, cache_dir, progress, log or to_stderr)
 
 
 # ---- text corpora: tokenise once into the cache ----------------------------------------
 
 def _tokenized_text(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer, cache_dir: str,
                     progress: bool, log) -> tuple[Dataset, int]:
-    key = _hash(["tokens", CACHE_VERSION, corpus.kind, corpus.fingerprint(), cfg.text_field,
+    key = cache_key(["tokens", CACHE_VERSION, corpus.kind, corpus.fingerprint(), cfg.text_field,
                  cfg.val_fraction, tokenizer.fingerprint])
     final = os.path.join(cache_dir, f"tokens-{key}")
     if os.path.isdir(final):
@@ -257,10 +175,7 @@ def _check_ids(cfg: DataConfig, ds: Dataset, max_id: int, vocab_size: int | None
                         "data.tokenizer to the tokenizer.json that made the file (and check "
                         f"data.bin_dtype={cfg.bin_dtype!r})")
     if vocab_size is not None and tokenizer.vocab_size > vocab_size:
-        hint = f" or data.bpe_vocab_size <= {vocab_size}" if cfg.tokenizer == "bpe" else ""
+        key = cfg.tokenizer_entry.vocab_key
+        hint = f" or data.{key} <= {vocab_size}" if key else ""
         raise DataError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
                         f"{vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}{hint}")
-
-
-def _hash(parts) -> str:
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]

@@ -14,21 +14,34 @@ data.val_fraction-th pair (spread evenly) is held out.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxformer.data.completions import CompletionData, read_fields, tokenize
-from jaxformer.data.config import DataConfig, DataError
+from jaxformer.data.errors import DataError
+from jaxformer.data.settings import Settings, check_field_names
 
 CHOSEN, REJECTED = 1, 2  # a pair's segments in a row are 2k - 1 (chosen) and 2k (rejected)
 
 
-def read_pairs(cfg: DataConfig):
+@dataclasses.dataclass(frozen=True)
+class PreferenceSettings(Settings):
+    """data.format=preference: the record fields of the prompt and of the two answers."""
+
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+
+    def __post_init__(self):
+        check_field_names(self)
+
+
+def read_pairs(path: str, fields: PreferenceSettings):
     """(record name, prompt, answer) twice per pair, the chosen answer first; an empty
     answer is a DataError naming the record."""
-    fields = {"prompt_field": cfg.prompt_field, "chosen_field": cfg.chosen_field,
-              "rejected_field": cfg.rejected_field}
-    for name, (prompt, chosen, rejected) in read_fields(cfg.path, fields):
-        for field, answer in ((cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
+    for name, (prompt, chosen, rejected) in read_fields(path, dict(fields.by_key())):
+        for field, answer in ((fields.chosen_field, chosen), (fields.rejected_field, rejected)):
             if not answer:
                 raise DataError(f"{name}: field {field!r} is empty; a pair needs two "
                                 "non-empty answers to compare")
@@ -36,13 +49,16 @@ def read_pairs(cfg: DataConfig):
         yield name, prompt, rejected
 
 
-def load_preferences(cfg: DataConfig, tokenizer, log=print) -> CompletionData:
-    """The preference file cfg.path, tokenised, split by pair and packed in pairs."""
-    records = tokenize(read_pairs(cfg), tokenizer)
+def load_preferences(cfg, tokenizer, vocab_size=None, log=print) -> CompletionData:
+    """The preference file cfg.path (cfg: a DataConfig), tokenised, split by pair and
+    packed in pairs."""
+    fields = cfg.format_settings
+    records = tokenize(read_pairs(cfg.path, fields), tokenizer)
     pairs = len(records) // 2
     if not pairs:
         raise DataError(f"{cfg.path} holds no preference pairs; each line needs the fields "
-                        f"{cfg.prompt_field!r}, {cfg.chosen_field!r} and {cfg.rejected_field!r}")
+                        f"{fields.prompt_field!r}, {fields.chosen_field!r} and "
+                        f"{fields.rejected_field!r}")
     i = np.arange(pairs)
     val = np.floor((i + 1) * cfg.val_fraction) > np.floor(i * cfg.val_fraction)
     val2 = np.repeat(val, 2)  # both records of a pair on the same side

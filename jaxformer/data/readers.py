@@ -17,7 +17,7 @@ import codecs
 import json
 from typing import Iterable, Iterator
 
-from jaxformer.data.config import DataError
+from jaxformer.data.errors import DataError
 
 Chunks = Iterable[tuple[str, int]]  # (text, source bytes read) parts of one document
 

@@ -26,7 +26,20 @@ import dataclasses
 import numpy as np
 
 from jaxformer.data.completions import Records, read_fields
-from jaxformer.data.config import DataConfig, DataError
+from jaxformer.data.errors import DataError
+from jaxformer.data.settings import Settings, check_field_names
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqSettings(Settings):
+    """data.format=seq2seq: the record fields of the source and the target (a generated
+    task of jaxformer.data.seq2seq_tasks writes these defaults)."""
+
+    source_field: str = "source"
+    target_field: str = "target"
+
+    def __post_init__(self):
+        check_field_names(self)
 
 
 def end_id(tokenizer) -> int:
@@ -107,6 +120,11 @@ class Seq2SeqData:
     def token_counts(self) -> tuple[int, int]:
         return tuple(sum(len(r.tokens) for r in split) for split in (self.train, self.val))
 
+    @property
+    def max_id(self) -> int:
+        """The largest token id of every source and target (0 when empty)."""
+        return int(max(r.tokens.max(initial=0) for r in (*self.train, *self.val)))
+
     def packed(self, split: str, seq_len: int) -> np.ndarray:
         if (split, seq_len) not in self._bounds:
             bounds, cut = pack_pairs(*getattr(self, split), seq_len)
@@ -137,13 +155,14 @@ class Seq2SeqData:
                             seq_len, self.end) for b in range(n))
 
 
-def load_pairs(cfg: DataConfig, tokenizer, vocab_size: int | None, log=print) -> Seq2SeqData:
-    """The pairs file cfg.path, tokenised and split; the end id checked against the model."""
-    fields = {"source_field": cfg.source_field, "target_field": cfg.target_field}
-    pairs = [values for _, values in read_fields(cfg.path, fields)]
+def load_pairs(cfg, tokenizer, vocab_size: int | None, log=print) -> Seq2SeqData:
+    """The pairs file cfg.path (cfg: a DataConfig), tokenised and split; the end id
+    checked against the model."""
+    fields = cfg.format_settings
+    pairs = [values for _, values in read_fields(cfg.path, dict(fields.by_key()))]
     if not pairs:
         raise DataError(f"{cfg.path} holds no pairs; each line needs the fields "
-                        f"{cfg.source_field!r} and {cfg.target_field!r}")
+                        f"{fields.source_field!r} and {fields.target_field!r}")
     end = end_id(tokenizer)
     if vocab_size is not None and end >= vocab_size:
         raise DataError(f"data.format=seq2seq marks a target's start and end with id {end} "

@@ -29,7 +29,7 @@ import os
 from typing import Callable
 
 from jaxformer.data import readers, token_files
-from jaxformer.data.config import DataError
+from jaxformer.data.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from jaxformer.data.config import DataConfig, DataError
+from jaxformer.data.errors import DataError
 from jaxformer.data.splits import n_val
 from jaxformer.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -43,14 +43,14 @@ def open_tokens(folder: str) -> tuple[dict, dict[str, np.ndarray]]:
 
 # ---- the token sources' maps ----------------------------------------------------------
 
-def split_one_file(cfg: DataConfig, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
+def split_one_file(cfg, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
     """One .bin file, used in place: the last val_fraction of its tokens is val."""
     tokens = memmap(corpus.path_of(corpus.files[0]), np.dtype(cfg.bin_dtype))
     cut = len(tokens) - n_val(len(tokens), cfg.val_fraction)
     return _bin_splits(corpus, tokens[:cut], tokens[cut:], tokenizer)
 
 
-def train_and_val_files(cfg: DataConfig, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
+def train_and_val_files(cfg, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
     """A folder's train.bin and val.bin, used in place."""
     train, val = (memmap(corpus.path_of(rel), np.dtype(cfg.bin_dtype)) for rel in corpus.files)
     return _bin_splits(corpus, train, val, tokenizer)
@@ -76,13 +76,13 @@ def doc_starts(tokens: np.ndarray, eot_id: int | None) -> np.ndarray:
     return np.concatenate([[0], after[after < len(tokens)]]).astype(np.int64)
 
 
-def prepared_folder(cfg: DataConfig, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
+def prepared_folder(cfg, corpus, tokenizer: Tokenizer) -> tuple[dict, int]:
     """A folder that ``python -m jaxformer.data.prepare`` wrote, mapped in place."""
     meta, arrays = open_tokens(corpus.root)
     return arrays, meta["max_id"]
 
 
-def prepared_tokenizer(cfg: DataConfig, corpus) -> Tokenizer:
+def prepared_tokenizer(cfg, corpus) -> Tokenizer:
     """A prepared folder's own tokenizer.json: the one its tokens were made with."""
     tokenizer = load_tokenizer(corpus.root)
     with open(os.path.join(corpus.root, "meta.json")) as f:
@@ -90,7 +90,7 @@ def prepared_tokenizer(cfg: DataConfig, corpus) -> Tokenizer:
     if tokenizer.fingerprint != made_with:
         raise DataError(f"{corpus.root}/tokenizer.json is not the tokenizer its tokens were "
                         "made with (meta.json names another); prepare the folder again")
-    if cfg.tokenizer not in ("bytes", "bpe") and \
+    if cfg.tokenizer_entry.is_path and \
             load_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
         raise DataError(f"{corpus.root} was prepared with {tokenizer!r}, not with "
                         f"data.tokenizer={cfg.tokenizer!r}; leave data.tokenizer unset to use "

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 
-from jaxformer.data.config import DataError
+from jaxformer.data.errors import DataError
 
 EOT = "<|endoftext|>"
 _EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")  # looked up in loaded tokenizers

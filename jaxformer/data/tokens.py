@@ -18,6 +18,7 @@ are written in corpus order; empty documents are skipped; with a tokenizer that 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from jaxformer.data.config import DataConfig, DataError
+from jaxformer.data.errors import DataError
 from jaxformer.data.corpus import PIECE_CHARS, Corpus, Piece, document_keys, read_pieces
 from jaxformer.data.splits import n_val, val_keys
 from jaxformer.data.tokenizer import Tokenizer
@@ -41,11 +42,17 @@ from jaxformer.data.tokenizer import Tokenizer
 BATCH_CHARS = min(32 << 20, max(4 << 20, 2 * (os.cpu_count() or 1) * PIECE_CHARS))
 BAR_DELAY = 1.0  # seconds before a progress bar shows
 _BATCH_PIECES = 4096  # many short records: fewer Python calls, same memory bound
+CACHE_VERSION = 2  # in every cache key: raise it when what a key names is made differently
+
+
+def cache_key(parts) -> str:
+    """The cache's name for what `parts` (JSON values) describe."""
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
 # ---- splits ---------------------------------------------------------------------------
 
-def split_plan(cfg: DataConfig, corpus: Corpus) -> set[str] | None:
+def split_plan(cfg, corpus: Corpus) -> set[str] | None:
     """The val document keys, or None when the corpus splits by tokens (< 2 documents)."""
     keys = document_keys(corpus)
     return val_keys(keys, cfg.val_fraction) if len(keys) >= 2 else None
@@ -93,7 +100,7 @@ class _SplitWriter:
         to._append(tail)
 
 
-def write_tokens(final: str, cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer, *,
+def write_tokens(final: str, cfg, corpus: Corpus, tokenizer: Tokenizer, *,
                  progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
     """Tokenises `corpus` into the token folder `final` (which must not exist yet);
     returns its meta.json. Raises DataError before writing much when the disk is too
@@ -157,7 +164,7 @@ def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
 
 
 def _finish(tmp: str, out: dict[str, _SplitWriter], corpus: Corpus, tokenizer: Tokenizer,
-            cfg: DataConfig) -> dict:
+            cfg) -> dict:
     for split, w in out.items():
         w.file.close()
         np.save(os.path.join(tmp, f"{split}_docs.npy"), np.asarray(w.docs, np.int64))

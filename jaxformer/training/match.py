@@ -15,6 +15,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.data.tokenizer import ByteTokenizer
 from jaxformer.training.rewards import WHITESPACE
 
 
@@ -35,7 +36,7 @@ def _byte_of_char() -> dict[str, int]:
 def token_pieces(tokenizer) -> list[bytes] | None:
     """Each id's bytes, such that decoding ids is decoding their concatenation; None when
     the tokenizer is not byte-level (its decode is more than concatenation)."""
-    if getattr(tokenizer, "fingerprint", None) == "bytes":
+    if getattr(tokenizer, "fingerprint", None) == ByteTokenizer.fingerprint:
         return [bytes([i]) for i in range(256)]
     hf = getattr(tokenizer, "hf", None)
     if hf is None or (json.loads(hf.to_str()).get("decoder") or {}).get("type") != "ByteLevel":

@@ -8,6 +8,7 @@ import pytest
 
 from jaxformer.data import DataConfig, load_dataset, stdlib_corpus, train_bpe
 from jaxformer.data import dataset as dataset_module
+from jaxformer.data import tokenizer_kinds
 from jaxformer.data.corpus import find_corpus, read_pieces
 from tests.data.helpers import random_lines, random_text, reference_val, small_pieces, utf8
 
@@ -55,7 +56,7 @@ def test_warm_stdlib_load_reads_only_the_cache(stdlib_cache, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a warm load read or tokenised the corpus")
 
-    monkeypatch.setattr(dataset_module, "read_pieces", forbidden)
+    monkeypatch.setattr(tokenizer_kinds, "read_pieces", forbidden)  # the BPE sample's reads
     monkeypatch.setattr(dataset_module, "write_tokens", forbidden)
     warm = load_dataset(DataConfig(cache_dir=stdlib_cache))
     for split in ("train", "val", "train_docs", "val_docs"):

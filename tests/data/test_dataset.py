@@ -114,7 +114,7 @@ def test_bpe_trains_on_a_bounded_sample_spread_over_the_train_split(rng, tmp_pat
     """data.bpe_train_bytes bounds the text BPE is trained on; the sample is drawn from
     the whole train split (its start, middle and end), never from val, and the run log
     says how much it used. A single document's sample stops before its val tail."""
-    from jaxformer.data.dataset import _BpeSample
+    from jaxformer.data.tokenizer_kinds import _BpeSample
     n = int(rng.integers(60, 120))
     docs = [f"doc{i:03d} " + random_text(rng, int(rng.integers(200, 400))) for i in range(n)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
