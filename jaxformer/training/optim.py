@@ -1,7 +1,7 @@
 """The optimizers (optim.name) and learning-rate schedules (optim.schedule), one entry
-each in OPTIMIZERS and SCHEDULES: AdamW (no decay on norms, biases and embeddings), or Muon
-on the blocks' matrices beside AdamW on the rest; clipping and skipping of non-finite
-steps around them, all from optax.
+each in OPTIMIZERS and SCHEDULES: AdamW (no decay on norms, biases and embeddings), Muon
+on the blocks' matrices beside AdamW on the rest, or Lion; clipping and skipping of
+non-finite steps around them, all from optax.
 
 An optimizer's own settings are a frozen dataclass its entry declares (fields, defaults,
 checks); in the optim section they sit flat beside the common ones (optim.b2=0.99,
@@ -39,8 +39,8 @@ STACKS = ("encoder", "decoder")  # an encoder-decoder's stacks: each holds block
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """The optimizer (name: an entry of OPTIMIZERS: adamw, or muon on the blocks' matrices
-    with AdamW on the rest) with a learning-rate schedule (an entry of SCHEDULES),
+    """The optimizer (name: an entry of OPTIMIZERS: adamw; muon on the blocks' matrices
+    with AdamW on the rest; lion) with a learning-rate schedule (an entry of SCHEDULES),
     global-norm clipping and gradient accumulation.
 
     schedule: cosine (linear warmup, cosine decay to lr * min_lr_ratio), linear (warmup,
@@ -52,10 +52,10 @@ class OptimConfig:
     The rest are the optimizers' own settings, each read by the optimizers whose settings
     class declares it (None: that class's default; after construction, the value used, and
     None where the chosen optimizer has no such setting): b1, b2, eps, weight_decay
-    (AdamW's, and Muon's for the rest); muon_beta (Muon's momentum) and muon_rms (its
-    updates' RMS per sqrt(max(fan_in, fan_out)): 0.2 matches AdamW's, so lr and
-    weight_decay serve both). Another optimizer's setting is refused, unless it holds that
-    optimizer's default (a run's saved config.yaml lists every field).
+    (AdamW's, and Muon's for the rest; Lion's b1, b2, weight_decay); muon_beta (Muon's
+    momentum) and muon_rms (its updates' RMS per sqrt(max(fan_in, fan_out)): 0.2 matches
+    AdamW's, so lr and weight_decay serve both). Another optimizer's setting is refused,
+    unless it holds that optimizer's default (a run's saved config.yaml lists every field).
     """
 
     name: str = "adamw"
@@ -270,6 +270,27 @@ def muon(s: Muon, schedule):
 
 
 @dataclasses.dataclass(frozen=True)
+class Lion:
+    """optax.lion's settings (Chen et al. 2023, optax's defaults): the update is the sign of
+    b1's blend of momentum and gradient, b2 the momentum's own decay; weight decay
+    (decoupled) on matmul kernels only. Each entry of its update is +-lr, so its lr is
+    usually 3-10x below AdamW's and its weight_decay as much above."""
+
+    b1: float = 0.9
+    b2: float = 0.99
+    weight_decay: float = 1e-3
+
+    def __post_init__(self):
+        check_number("optim", "b1", self.b1, float, low=0, high=1, high_open=True)
+        check_number("optim", "b2", self.b2, float, low=0, high=1, high_open=True)
+        check_number("optim", "weight_decay", self.weight_decay, float, low=0)
+
+
+def lion(s: Lion, schedule):
+    return optax.lion(schedule, b1=s.b1, b2=s.b2, weight_decay=s.weight_decay, mask=decay_mask)
+
+
+@dataclasses.dataclass(frozen=True)
 class Optimizer:
     """One optimizer (optim.name). settings: its frozen settings class (each field an
     optim.<field> key, with its default and checks); build(settings, schedule) -> the
@@ -300,6 +321,7 @@ class Optimizer:
 OPTIMIZERS: dict[str, Optimizer] = {
     "adamw": Optimizer(AdamW, adamw),
     "muon": Optimizer(Muon, muon),
+    "lion": Optimizer(Lion, lion),
 }
 
 
