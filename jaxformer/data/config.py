@@ -122,7 +122,7 @@ class DataConfig(Section):
         check_choice(o, "bin_dtype", self.bin_dtype, BIN_DTYPES)
         check_choice(o, "format", self.format, FORMATS)
         check_foreign(self, FORMATS, self.format, "format")
-        self.format_settings  # noqa: B018 (checked by its class)
+        self.format_entry.settings.of(self)  # its class checks its keys
         self._check_mixture()
         self._check_records()
         if not isinstance(self.pack, bool):

@@ -74,12 +74,12 @@ class TokenizerKind:
 
 def tokenizer_kind(value) -> str:
     """The name of the TOKENIZERS entry that the data.tokenizer value chooses."""
-    entry = TOKENIZERS.get(value) if isinstance(value, str) else None
-    if entry is not None and entry.claims is None:
-        return value
-    for name, kind in TOKENIZERS.items():
-        if isinstance(value, str) and kind.claims is not None and kind.claims(value):
-            return name
+    if isinstance(value, str):
+        if value in TOKENIZERS and TOKENIZERS[value].claims is None:
+            return value
+        for name, kind in TOKENIZERS.items():
+            if kind.claims is not None and kind.claims(value):
+                return name
     raise ConfigError(f"data.tokenizer={value!r} is not one of "
                       f"{', '.join(k.label or n for n, k in TOKENIZERS.items())}")
 
