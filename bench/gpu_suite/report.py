@@ -1,0 +1,74 @@
+"""bench/gpu.py's results as Markdown: the device's peaks, then one table per section
+(a row that did not run says why)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def fmt(x, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def table(title: str, header: list[str], rows: list[dict], cells: Callable) -> str:
+    lines = [f"## {title}", "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for r in rows:
+        if r.get("status", "ok") == "ok":
+            lines.append("| " + " | ".join(cells(r)) + " |")
+        else:
+            keys = [str(r.get(k, "")) for k in ("mask", "model", "seq", "impl", "remat", "batch")
+                    if k in r]
+            lines.append("| " + " | ".join(keys) + " | " + r["status"] + " |")
+    return "\n".join(lines) + "\n"
+
+
+def device_lines(res: dict) -> list[str]:
+    d = res["device"]
+    return [f"# bench/gpu.py{' --smoke' if res['smoke'] else ''}: {d['device_kind']} x"
+            f"{d['device_count']} ({d['backend']}), jax {d['jax']}", "",
+            f"- bf16 matmul, measured: {d['matmul_bf16_flops_measured'] / 1e12:,.2f} TFLOP/s; "
+            f"data sheet: " + (f"{d['peak_bf16_flops_datasheet'] / 1e12:,.0f} TFLOP/s"
+                               if d["peak_bf16_flops_datasheet"] else "unknown"),
+            f"- copy bandwidth, measured: {d['copy_bytes_per_s_measured'] / 1e9:,.1f} GB/s", ""]
+
+
+def attention_table(rows: list[dict]) -> str:
+    return table("Attention (bf16; error against the float32 reference)",
+                 ["mask", "T", "impl", "max err", "fwd ms", "fwd+bwd ms"], rows, lambda r: [
+                     r["mask"], str(r["seq"]), r["impl"], f"{r['max_err']:.2e}",
+                     f"{r['fwd_ms']:.2f}", f"{r['fwd_bwd_ms']:.2f}"])
+
+
+def tests_section(t: dict) -> str:
+    return f"## cuDNN tests\n\n{t['status']}{': ' + t['summary'] if 'summary' in t else ''}\n"
+
+
+def train_table(rows: list[dict]) -> str:
+    return table("Train step (bf16 compute, float32 params, scan)",
+                 ["model", "T", "remat", "batch", "step ms", "tokens/s", "TFLOP/s",
+                  "MFU (data sheet)", "MFU (measured matmul)", "step GiB (compiled)",
+                  "compile s"], rows, lambda r: [
+                     r["model"], str(r["seq"]), r["remat"], str(r["batch"]),
+                     f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                     f"{r['model_tflops']:.2f}", fmt(r["mfu_datasheet"], ".1%"),
+                     fmt(r["mfu_measured"], ".1%"), f"{r['step_gib_compiled']:.2f}",
+                     f"{r['compile_s']:.1f}"])
+
+
+def decode_table(rows: list[dict]) -> str:
+    return table("Decode (greedy, bf16 params and cache)",
+                 ["model", "batch", "prompt + new", "tokens/s", "roofline tokens/s",
+                  "of roofline", "compile s"], rows, lambda r: [
+                     r["model"], str(r["batch"]), f"{r['prompt']} + {r['new_tokens']}",
+                     f"{r['tokens_per_s']:,.0f}", f"{r['roofline_tokens_per_s']:,.0f}",
+                     f"{r['of_roofline']:.1%}", f"{r['compile_s']:.1f}"])
+
+
+SECTION_TABLES = {"attention": attention_table, "tests": tests_section, "train": train_table,
+                  "decode": decode_table}  # each section's results -> its Markdown
+
+
+def markdown(res: dict) -> str:
+    return "\n".join(device_lines(res) + [SECTION_TABLES[s](res[s]) for s in SECTION_TABLES
+                                          if s in res])
