@@ -42,6 +42,10 @@ from jaxformer.attention.ring import zigzag_order
 from jaxformer.core.sharding import make_mesh, resolve_rules, sharding_context
 
 
+# the backends whose block size --chunk sweeps: (module, attribute), read when traced
+SWEPT = {"chunked": (chunked, "CHUNK")}
+
+
 def timed(fn, *args, repeats):
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
@@ -92,11 +96,11 @@ def main():
             if a.context > 1:  # positions carry causality in zigzag order
                 pos = jnp.broadcast_to(jnp.asarray(zigzag_order(seq, a.context)), pos.shape)
                 rule = MaskRule(pos, pos)
-            runs = [(impl, None) for impl in a.impls if impl != "chunked"]
-            runs += [("chunked", c) for c in a.chunk if "chunked" in a.impls]
+            runs = [(impl, c) for impl in a.impls for c in (a.chunk if impl in SWEPT else [None])]
             for impl, chunk in runs:
-                chunked.CHUNK = chunk or chunked.CHUNK  # read when traced
-                name = impl if chunk is None else f"chunked/{chunk}"
+                if chunk is not None:
+                    setattr(*SWEPT[impl], chunk)  # read when traced
+                name = impl if chunk is None else f"{impl}/{chunk}"
 
                 def fwd(q, k, v, rule, impl=impl):
                     with sharding_context(mesh, resolve_rules()):

@@ -186,7 +186,7 @@ def mla_prefill_table(a, cfg, params):
         mla_attention.EXPANDED_PREFILL = chosen
 
 
-def main():
+def arguments():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=None, help="default 4, or 6 with --windowed")
     p.add_argument("--d-model", type=int, default=256)
@@ -210,7 +210,84 @@ def main():
     p.add_argument("--no-repeat-ngram-size", type=int, default=0, help="--shapes: decode so")
     p.add_argument("--steps", type=int, default=300, help="training steps of target and draft")
     p.add_argument("--runs", default="runs/bench_decode", help="where they are trained")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def hf_gpt2(a, max_len: int):
+    """HF transformers' GPT-2 of --shapes' shape in PyTorch, random weights; None without
+    torch and transformers (or with --no-torch)."""
+    if a.no_torch:
+        return None
+    try:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(
+        vocab_size=a.vocab, n_positions=max_len, n_embd=a.d_model, n_layer=a.layers,
+        n_head=a.heads, activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
+        pad_token_id=0)).eval()
+
+
+def shape_decoders(a, model, params, recompute, hf, prompts) -> dict:
+    """{name: fn()}: --shapes' decoders of `prompts`, the KV-cached one first."""
+    ngram = a.no_repeat_ngram_size
+    ours = lambda c: lambda: generate(  # noqa: E731
+        model, params, prompts, max_new_tokens=a.new_tokens, rng=jax.random.key(0),
+        temperature=0.0, constraints=c).tokens.block_until_ready()
+    fns = {"jaxformer scan + KV cache": ours(None)}
+    if ngram:
+        fns[f"jaxformer, no repeated {ngram}-gram"] = ours(Constraints(no_repeat_ngram_size=ngram))
+    else:
+        fns["jitted recompute-everything loop"] = \
+            lambda: recompute(params, prompts).block_until_ready()
+    if hf is None:
+        return fns
+    import torch
+    x = torch.from_numpy(prompts.astype(np.int64))
+
+    def hf_generate(threads):
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                        max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
+                        no_repeat_ngram_size=ngram)
+    for n in a.torch_threads:
+        fns[f"HF generate, PyTorch ({n} thr)"] = functools.partial(hf_generate, n)
+    return fns
+
+
+def shapes_table(a):
+    """--shapes: the KV-cached decoder against recomputing and HF generate, GPT-2 shapes."""
+    max_len = a.prompt + a.new_tokens
+    cfg = ModelConfig.from_dict({**PRESETS["gpt2-small"], "n_layers": a.layers,
+                                 "d_model": a.d_model, "n_heads": a.heads,
+                                 "vocab_size": a.vocab, "max_seq_len": max_len})
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    recompute = recompute_fn(model, a.new_tokens)
+    hf = hf_gpt2(a, max_len)
+    ngram = a.no_repeat_ngram_size
+    print(f"device: {jax.devices()[0].device_kind}; GPT-2 shape: {a.layers} layers, d_model "
+          f"{a.d_model}, {a.heads} heads, vocab {a.vocab}, float32; prompt {a.prompt}, "
+          f"{a.new_tokens} new tokens, greedy" + (f", no {ngram}-gram twice" if ngram else ""))
+    header = f"{'decoder':<36} {'batch':>5} {'seconds':>9} {'tokens/s':>10} {'vs cached':>10}"
+    print(header)
+    print("-" * len(header))
+    for batch in a.batches:
+        prompts = np.random.default_rng(0).integers(0, a.vocab, (batch, a.prompt)).astype(np.int32)
+        fns = shape_decoders(a, model, params, recompute, hf, prompts)
+        rows = list(median_times(fns, a.repeats).items())
+        for name, sec in rows:
+            tok_s = batch * a.new_tokens / sec
+            print(f"{name:<36} {batch:>5} {sec:>9.3f} {tok_s:>10,.0f} {sec / rows[0][1]:>9.1f}x")
+    if hf is None:
+        print("(HF comparison skipped: torch and transformers not installed)")
+
+
+def main():
+    a = arguments()
     a.layers = a.layers or (6 if a.windowed else 4)
     if a.windowed or a.shapes or a.mla:
         a.prompt = a.prompt or 16
@@ -223,63 +300,7 @@ def main():
         from decode_limit import limit_table
         a.prompt = a.prompt or 256
         return limit_table(a)
-
-    max_len = a.prompt + a.new_tokens
-    cfg = ModelConfig.from_dict({**PRESETS["gpt2-small"], "n_layers": a.layers,
-                                 "d_model": a.d_model, "n_heads": a.heads,
-                                 "vocab_size": a.vocab, "max_seq_len": max_len})
-    model = Transformer(cfg)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    recompute = recompute_fn(model, a.new_tokens)
-    hf = None
-    if not a.no_torch:
-        try:
-            import torch
-            from transformers import GPT2Config, GPT2LMHeadModel
-            torch.manual_seed(0)
-            hf = GPT2LMHeadModel(GPT2Config(
-                vocab_size=a.vocab, n_positions=max_len, n_embd=a.d_model, n_layer=a.layers,
-                n_head=a.heads, activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
-                pad_token_id=0)).eval()
-        except ImportError:
-            pass
-
-    ngram = a.no_repeat_ngram_size
-    print(f"device: {jax.devices()[0].device_kind}; GPT-2 shape: {a.layers} layers, d_model "
-          f"{a.d_model}, {a.heads} heads, vocab {a.vocab}, float32; prompt {a.prompt}, "
-          f"{a.new_tokens} new tokens, greedy" + (f", no {ngram}-gram twice" if ngram else ""))
-    header = f"{'decoder':<36} {'batch':>5} {'seconds':>9} {'tokens/s':>10} {'vs cached':>10}"
-    print(header)
-    print("-" * len(header))
-    for batch in a.batches:
-        prompts = np.random.default_rng(0).integers(0, a.vocab, (batch, a.prompt)).astype(np.int32)
-        ours = lambda c: lambda: generate(  # noqa: E731
-            model, params, prompts, max_new_tokens=a.new_tokens, rng=jax.random.key(0),
-            temperature=0.0, constraints=c).tokens.block_until_ready()
-        fns = {"jaxformer scan + KV cache": ours(None)}
-        if ngram:
-            fns[f"jaxformer, no repeated {ngram}-gram"] = \
-                ours(Constraints(no_repeat_ngram_size=ngram))
-        else:
-            fns["jitted recompute-everything loop"] = \
-                lambda: recompute(params, prompts).block_until_ready()
-        if hf is not None:
-            x = torch.from_numpy(prompts.astype(np.int64))
-
-            def hf_generate(threads):
-                torch.set_num_threads(threads)
-                with torch.no_grad():
-                    hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
-                                no_repeat_ngram_size=ngram)
-            for n in a.torch_threads:
-                fns[f"HF generate, PyTorch ({n} thr)"] = functools.partial(hf_generate, n)
-        rows = list(median_times(fns, a.repeats).items())
-        for name, sec in rows:
-            tok_s = batch * a.new_tokens / sec
-            print(f"{name:<36} {batch:>5} {sec:>9.3f} {tok_s:>10,.0f} {sec / rows[0][1]:>9.1f}x")
-    if hf is None:
-        print("(HF comparison skipped: torch and transformers not installed)")
+    return shapes_table(a)
 
 
 if __name__ == "__main__":

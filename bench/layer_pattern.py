@@ -97,7 +97,10 @@ def bench_row(cfg, params, data, steps: int, compiles: int):
             hlo_lines, float(value))
 
 
-def main(argv):
+def arguments(argv):
+    """(the arguments, the variants as (pattern, scanned, attention_impl) triples)."""
+    from jaxformer.attention.backends import AUTO, BACKENDS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--depths", default="6,12,24", help="comma-separated layer counts")
     p.add_argument("--d-model", type=int, default=256)
@@ -119,19 +122,8 @@ def main(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="model.key=value")
     a = p.parse_args(argv)
-
-    import jax
-    import numpy as np
-
-    from jaxformer import count_params
-    from jaxformer.attention.backends import BACKENDS
-    from jaxformer.model.transformer import Transformer, unstack_layers
-    from jaxformer.training.config import parse_overrides
-
-    overrides = parse_overrides(a.overrides)
-    depths = [int(d) for d in a.depths.split(",") if d.strip()]
     variants = []
-    impls = ("auto", *BACKENDS)
+    impls = (AUTO, *BACKENDS)
     for v in (v.strip() for v in a.variants.split(",") if v.strip()):
         parts = v.split("/")
         if len(parts) != 3 or parts[0] not in ("plain", "pattern") or \
@@ -139,11 +131,12 @@ def main(argv):
             p.error(f"variant {v!r} is not plain|pattern/scanned|unscanned/<attention>, "
                     f"attention one of {', '.join(impls)}")
         variants.append((parts[0] == "pattern", parts[1] == "scanned", parts[2]))
+    return a, variants
 
-    tokens = np.random.default_rng(a.seed).integers(0, a.vocab, (a.batch, a.seq + 1), np.int32)
-    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            "loss_mask": np.ones((a.batch, a.seq), np.float32)}
-    shape = model_config(a, overrides, depths[0], True, True, "auto")
+
+def print_header(a, shape) -> None:
+    """The device, the model's shape (`shape`: its config) and the table's head."""
+    import jax
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} "
           f"({jax.default_backend()}); XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
           f"jax {jax.__version__}")
@@ -156,28 +149,53 @@ def main(argv):
     print("| layers | params | pattern | layers run | attention | lower s | compile s | "
           "compile CPU s | step ms | HLO lines | loss |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def depth_rows(a, overrides, depth: int, variants, tokens, data) -> None:
+    """Print the table's rows of one depth, every variant from the same params."""
+    import jax
+
+    from jaxformer import count_params
+    from jaxformer.attention.backends import AUTO
+    from jaxformer.model.transformer import Transformer, unstack_layers
+
+    init_cfg = model_config(a, overrides, depth, True, True, AUTO)
+    stacked = jax.jit(Transformer(init_cfg).init)(jax.random.PRNGKey(a.seed),
+                                                  tokens[:, :8])["params"]
+    unrolled = unstack_layers(stacked)
+    for pattern, scanned, impl in variants:
+        cfg = model_config(a, overrides, depth, pattern, scanned, impl)
+        shape = f"{f'{a.local}:1' if pattern else 'none'} | {'scan' if scanned else 'unrolled'}"
+        try:  # counting the params traces the model: it may refuse the config too
+            size = f"{count_params(cfg) / 1e6:.2f}M"
+            used, lower_s, compile_s, cpu_s, step_ms, lines, loss = bench_row(
+                cfg, stacked if scanned else unrolled, data, a.steps, a.compiles)
+        except Exception as e:  # noqa: BLE001 -- a row's failure is reported, not fatal
+            print(f"| {depth} | | {shape} | {impl} | failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:120]} | | | | | |", flush=True)
+            continue
+        print(f"| {depth} | {size} | {shape} | "
+              f"{used if impl == AUTO else impl}{' (auto)' if impl == AUTO else ''} | "
+              f"{lower_s:.2f} | {compile_s:.2f} | {cpu_s:.2f} | {step_ms:.1f} | {lines:,} | "
+              f"{loss:.5f} |", flush=True)
+
+
+def main(argv):
+    a, variants = arguments(argv)
+
+    import numpy as np
+
+    from jaxformer.attention.backends import AUTO
+    from jaxformer.training.config import parse_overrides
+
+    overrides = parse_overrides(a.overrides)
+    depths = [int(d) for d in a.depths.split(",") if d.strip()]
+    tokens = np.random.default_rng(a.seed).integers(0, a.vocab, (a.batch, a.seq + 1), np.int32)
+    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "loss_mask": np.ones((a.batch, a.seq), np.float32)}
+    print_header(a, model_config(a, overrides, depths[0], True, True, AUTO))
     for depth in depths:
-        init_cfg = model_config(a, overrides, depth, True, True, "auto")
-        stacked = jax.jit(Transformer(init_cfg).init)(jax.random.PRNGKey(a.seed),
-                                                      tokens[:, :8])["params"]
-        unrolled = unstack_layers(stacked)
-        for pattern, scanned, impl in variants:
-            cfg = model_config(a, overrides, depth, pattern, scanned, impl)
-            try:
-                used, lower_s, compile_s, cpu_s, step_ms, lines, loss = bench_row(
-                    cfg, stacked if scanned else unrolled, data, a.steps, a.compiles)
-            except Exception as e:  # noqa: BLE001 -- a row's failure is reported, not fatal
-                print(f"| {depth} | {count_params(cfg) / 1e6:.2f}M | "
-                      f"{f'{a.local}:1' if pattern else 'none'} | "
-                      f"{'scan' if scanned else 'unrolled'} | {impl} | failed: "
-                      f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | |",
-                      flush=True)
-                continue
-            print(f"| {depth} | {count_params(cfg) / 1e6:.2f}M | "
-                  f"{f'{a.local}:1' if pattern else 'none'} | "
-                  f"{'scan' if scanned else 'unrolled'} | {used if impl == 'auto' else impl}"
-                  f"{' (auto)' if impl == 'auto' else ''} | {lower_s:.2f} | {compile_s:.2f} | "
-                  f"{cpu_s:.2f} | {step_ms:.1f} | {lines:,} | {loss:.5f} |", flush=True)
+        depth_rows(a, overrides, depth, variants, tokens, data)
 
 
 if __name__ == "__main__":
