@@ -23,6 +23,8 @@ from jaxformer.training.mlm import MaskedLM
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")
 # mesh: for evaluation; objective: lm, or mlm for model.arch=encoder
+# objective.name -> the study's objective of (RunConfig, tokenizer): None, the LM loss
+STUDY_OBJECTIVES = {"lm": lambda run, tokenizer: None, "mlm": MaskedLM.of}
 SECTIONS = ("study", "model", "data", "optim", "train", "mesh", "objective")
 TRAIN_KEYS = ("steps", "batch_size", "seq_len", "seed", "log_every", "random_positions")
 SET_BY_STUDY = {"position": "choose schemes with study.schemes",
@@ -99,7 +101,7 @@ class StudyConfig:
     run: RunConfig  # model (its position unused), data, optim, train, objective
 
     def __post_init__(self):
-        if self.run.objective.name not in ("lm", "mlm"):
+        if self.run.objective.name not in STUDY_OBJECTIVES:
             raise ConfigError(f"objective.name={self.run.objective.name} is not one the study "
                               "scores; use lm (a decoder) or mlm (model.arch=encoder)")
         if self.run.data.pack:
@@ -137,7 +139,7 @@ class StudyConfig:
     def objective(self, tokenizer=None):
         """The training and scoring objective: None for lm, MLM's for an encoder (which
         never masks the data's `tokenizer`'s end-of-text)."""
-        return MaskedLM.of(self.run, tokenizer) if self.run.objective.name == "mlm" else None
+        return STUDY_OBJECTIVES[self.run.objective.name](self.run, tokenizer)
 
 
 def study_dict(study, run: RunConfig, sections) -> dict[str, Any]:

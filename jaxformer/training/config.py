@@ -7,7 +7,8 @@
     checkpoint.*  CheckpointConfig
     mesh.*        MeshConfig (mesh.rules.NAME=AXES overrides a logical axis rule)
     distributed.* DistributedConfig
-    objective.*   ObjectiveConfig (what the loss is: lm, mlm, dpo)
+    objective.*   the objective's settings (objective.name picks the entry of
+                  jaxformer.training.objectives.OBJECTIVES; the other keys are its own)
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ from jaxformer.data import DataConfig
 from jaxformer.model.archs import ENCODER_DECODER
 from jaxformer.model.config import NESTED, PRESETS, ModelConfig
 from jaxformer.positions.schemes import POSITION_SCHEMES
+from jaxformer.training import objectives
 from jaxformer.training.init_from import initial_sections
 from jaxformer.training.optim import OptimConfig
 
 RESUME = ("auto", "never")
 WANDB_MODES = ("offline", "online")
-OBJECTIVES = ("lm", "mlm", "dpo", "grpo")
-
-PREFERENCE_LOSSES = ("sigmoid", "ipo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,62 +153,16 @@ class DistributedConfig:
                               f"distributed.num_processes={self.num_processes}")
 
 
-@dataclasses.dataclass(frozen=True)
-class ObjectiveConfig:
-    """What the step minimises (jaxformer.training.objectives). name: lm (next-token cross
-    entropy on the loss mask: pretraining, prompt/completion fine-tuning) | mlm (BERT's
-    masked tokens, for model.arch=encoder: jaxformer.training.mlm) | dpo (Rafailov et
-    al.: data.format=preference pairs against the frozen train.init_from model) | grpo
-    (jaxformer.training.grpo_step: sampled groups scored by `reward`). beta: DPO's KL
-    strength (IPO's tau); GRPO's k3 KL weight (0: no reference at all). loss: sigmoid
-    (DPO) | ipo (Azar et al.'s squared loss), both on the answers' summed log-probabilities.
-    GRPO: group_size completions per prompt (train.batch_size prompts a step), sampled at
-    temperature up to max_new_tokens (the ratio and KL read the model's own, temperature-1
-    log-probs: a temperature other than 1 samples off-policy); reward task:NAME
-    (training/rewards.py) or MODULE:FUNCTION of (prompt, completion) -> float;
-    inner_steps optimizer steps per rollout; clip / clip_high the ratio's range
-    [1 - clip, 1 + clip_high] (None: clip).
-    MLM: mask_rate the share of tokens chosen (80% masked, 10% random, 10% kept); mask_id
-    the id of its mask (None: model.vocab_size - 1, reserved for it)."""
+# ObjectiveConfig(name, **settings): objective `name`'s settings (its entry's frozen
+# settings class, jaxformer.training.objectives); the name of the flat class it replaced
+ObjectiveConfig = objectives.settings
+OBJECTIVES = objectives.OBJECTIVES  # objective.name -> its entry
 
-    name: str = "lm"
-    beta: float = 0.1
-    loss: str = "sigmoid"
-    group_size: int = 8
-    temperature: float = 1.0
-    max_new_tokens: int = 16
-    reward: str | None = None
-    inner_steps: int = 1
-    clip: float = 0.2
-    clip_high: float | None = None
-    mask_rate: float = 0.15
-    mask_id: int | None = None
-
-    def __post_init__(self):
-        check_choice("objective", "name", self.name, OBJECTIVES)
-        check_number("objective", "beta", self.beta, float, low=0, low_open=self.name != "grpo")
-        check_number("objective", "mask_rate", self.mask_rate, float, low=0, low_open=True,
-                     high=1, high_open=True)
-        check_number("objective", "mask_id", self.mask_id, int, low=0, optional=True)
-        check_choice("objective", "loss", self.loss, PREFERENCE_LOSSES)
-        check_number("objective", "group_size", self.group_size, int, low=2)
-        check_number("objective", "temperature", self.temperature, float, low=0, low_open=True)
-        check_number("objective", "max_new_tokens", self.max_new_tokens, int, low=1)
-        check_number("objective", "inner_steps", self.inner_steps, int, low=1)
-        check_number("objective", "clip", self.clip, float, low=0, low_open=True, high=1,
-                     high_open=True)
-        check_number("objective", "clip_high", self.clip_high, float, low=0, low_open=True,
-                     optional=True)
-        if self.name == "grpo" and (not isinstance(self.reward, str) or ":" not in self.reward):
-            raise ConfigError(f"objective.name=grpo needs objective.reward (got {self.reward!r}): "
-                              "task:NAME (task:addition, task:copy, task:exact) or "
-                              "MODULE:FUNCTION, a Python function of (prompt, completion) -> float")
-
-
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
+SECTIONS: dict[str, Any] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
                              "train": TrainConfig, "checkpoint": CheckpointConfig,
                              "mesh": MeshConfig, "distributed": DistributedConfig,
                              "objective": ObjectiveConfig}
+READERS = {"objective": objectives.settings_from}  # sections not read as one dataclass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +174,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     distributed: DistributedConfig = DistributedConfig()
-    objective: ObjectiveConfig = ObjectiveConfig()
+    objective: Any = ObjectiveConfig()  # the entry's settings class, name=lm by default
 
     def __post_init__(self):
         self._check_objective()
@@ -241,46 +194,13 @@ class RunConfig:
                               "table's rows; raise model.max_seq_len or lower random_positions")
 
     def _check_objective(self):
-        """The objective's data, starting weights and model, each refused in one line."""
-        name, fmt, arch = self.objective.name, self.data.format, self.model.arch
-        if (name == "mlm") != (arch == "encoder"):
-            raise ConfigError(f"objective.name={name} with model.arch={arch}: an encoder sees "
-                              "every token of the row and trains on masked ones; use "
-                              "objective.name=mlm with model.arch=encoder, or objective.name=lm")
-        mask_id = self.objective.mask_id
-        if name == "mlm" and mask_id is not None and mask_id >= self.model.vocab_size:
-            raise ConfigError(f"objective.mask_id={mask_id} must be below model.vocab_size="
-                              f"{self.model.vocab_size}")
-        if name != "grpo" and (name == "dpo") != (fmt == "preference"):
-            raise ConfigError(f"objective.name={name} with data.format={fmt}: DPO trains on "
-                              "preference pairs; use objective.name=dpo with "
-                              "data.format=preference, or another format with objective.name=lm")
-        seq2seq = (self.model.arch == ENCODER_DECODER, fmt == "seq2seq")
-        if seq2seq[0] != seq2seq[1] or (seq2seq[0] and name != "lm"):
-            raise ConfigError(f"model.arch={self.model.arch} with data.format={fmt} and "
-                              f"objective.name={name}: an encoder-decoder trains on (source, "
-                              "target) pairs; use model.arch=encoder_decoder with "
-                              "data.format=seq2seq and objective.name=lm, or neither")
-        if self.optim.label_smoothing and not seq2seq[0]:
+        """The objective's model, data and starting weights (objectives.check_run), and
+        the encoder-decoder's label smoothing, each refused in one line."""
+        objectives.check_run(self)
+        if self.optim.label_smoothing and self.model.arch != ENCODER_DECODER:
             raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} is applied "
                               "by the encoder-decoder's loss only (model.arch=encoder_decoder); "
                               "set it to 0")
-        if name == "grpo" and fmt != "prompt_completion":
-            raise ConfigError(f"objective.name=grpo with data.format={fmt}: GRPO samples answers "
-                              "to the prompts of data.format=prompt_completion records")
-        if name == "grpo" and (any(self.model.sparse_layers) or
-                               len(self.model.lora.members()) > 1 or self.optim.grad_accum > 1):
-            raise ConfigError("objective.name=grpo trains a dense model with one adapter or none "
-                              "and optim.grad_accum=1; drop model.lora.sweep_*, the MoE layers "
-                              "and optim.grad_accum")
-        if name in ("dpo", "grpo") and not self.train.init_from:
-            raise ConfigError(f"objective.name={name} needs train.init_from: the model it starts "
-                              "from is its frozen reference (e.g. a fine-tuned run dir)")
-        if name == "dpo" and (any(self.model.sparse_layers) or
-                              len(self.model.lora.members()) > 1):
-            raise ConfigError("objective.name=dpo trains a dense model with one adapter or "
-                              "none; drop model.lora.sweep_* and the MoE layers, or use "
-                              "objective.name=lm")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -302,7 +222,7 @@ class RunConfig:
                     raise ConfigError(f"unknown model.preset {preset!r}; presets are: "
                                       f"{', '.join(PRESETS)}")
                 raw = merge(PRESETS[preset], raw)  # keeps the preset's other rope_scaling keys
-            sections[name] = build_section(
+            sections[name] = READERS[name](raw) if name in READERS else build_section(
                 section_cls, raw, name, nested=NESTED,
                 extra=" (or preset)" if name == "model" else "")
         return cls(**sections)

@@ -167,7 +167,7 @@ class _Run:
         t, mcfg = cfg.train, cfg.model
         objectives.build(cfg)  # a bad objective (grpo's reward) refused before the data loads
         self.data, self.can_eval = load_run_data(cfg, run_dir, lead, log)
-        objective = objectives.build(cfg, self.data.tokenizer)  # None: the LM loss
+        objective = objectives.build(cfg, self.data.tokenizer)  # the step's hooks
         self.model = model = model_for(mcfg)  # the Transformer, or the EncoderDecoder
         tx, schedule = make_optimizer(cfg.optim, mcfg, t.steps)
         mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, context=cfg.mesh.context,
@@ -204,7 +204,7 @@ class _Run:
         self.peak, peak_source = peak_flops(mcfg.dtype)
         self.log_setup(mesh, peak_source)
         on = dict(mesh=mesh, rules=rules, objective=objective, reference=reference)
-        self.rollouts = hasattr(objective, "rollout_step")  # GRPO: step(state, step index)
+        self.rollouts = objectives.entry_of(cfg).rollout  # GRPO: step(state, step index)
         self.train_step = objective.rollout_step(model, self.data, reference, mesh, rules,
                                                  shardings) if self.rollouts else \
             make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
@@ -315,7 +315,7 @@ class _Run:
             if losses.ndim:
                 rec["losses"] = [float(x) for x in losses]
             rec.update(layer_records(self.moe_layers, m))  # this step's, as grad_norm is
-            rec.update(objectives.step_records(m))  # DPO's rewards: this step's too
+            rec.update(objectives.step_records(self.cfg, m))  # DPO's rewards: this step's too
             self.metrics.write(rec)
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}")

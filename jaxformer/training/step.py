@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -155,6 +156,29 @@ def gradient_sums(model: Transformer, trained, frozen, batch, rng):
     return total, count, grads, {}
 
 
+@dataclasses.dataclass(frozen=True)
+class LanguageModel:
+    """objective.name=lm: the step's hooks (gradient_sums, eval_sums, metrics: the
+    interface every objective's hooks share, training/objectives) for the next-token loss
+    above, with MoE balancing and LoRA sweeps; hashable by value. micro_batches: the
+    step's (optim.grad_accum), which moe_dropped is averaged over."""
+
+    micro_batches: int = 1
+
+    def gradient_sums(self, model, trained, frozen, batch, rng, reference=None):
+        return gradient_sums(model, trained, frozen, batch, rng)
+
+    def eval_sums(self, model, params, batch, reference=None):
+        """(summed cross entropy ([S] for a sweep), token count), without MoE penalties."""
+        if members(model) > 1:
+            return member_losses(lambda p: loss_sums(model, p, batch), *trained_part(params))
+        return loss_terms(model, params, batch)[:2]
+
+    def metrics(self, sums, count) -> dict:
+        """The MoE layers' metrics (balancing.step_metrics; {} for a dense model)."""
+        return balancing.step_metrics(sums, count, self.micro_batches)
+
+
 def batch_sums(sums, trained, frozen, batch, rng, grad_accum: int):
     """sums(trained, frozen, batch, rng) (gradient_sums, or an objective's) over the whole
     batch: with grad_accum > 1, of its micro-batches in a lax.scan, added up (micro-batch
@@ -194,18 +218,19 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
     bias_update_rate > 0, every sparse layer's score_bias then becomes balanced_bias(its
     value before the step, the load summed over the step's micro-batches, the rate).
 
-    objective: None (the language model's loss above) or one of training/objectives.py,
-    whose gradient_sums and metrics take the place of the LM's; reference: the frozen
-    params it compares with, or None (passed to every step as an argument, not baked
-    into the program as a constant).
+    objective: the step's hooks (training/objectives: an entry's build), whose
+    gradient_sums and metrics the step calls; None: LanguageModel(grad_accum), the
+    language model's loss above. reference: the frozen params it compares with, or None
+    (passed to every step as an argument, not baked into the program as a constant).
     """
     sweep, cfg = members(model) > 1, model.cfg
+    objective = LanguageModel(grad_accum) if objective is None else objective
 
     def step(state: TrainState, batch, *reference):
         rng = jax.random.fold_in(state.rng, state.step)
         trained, frozen = trained_part(state.params)
-        sums_of = functools.partial(gradient_sums, model) if objective is None else \
-            functools.partial(objective.gradient_sums, model, reference=(reference or [None])[0])
+        sums_of = functools.partial(objective.gradient_sums, model,
+                                    reference=(reference or [None])[0])
         total, count, grads, sums = batch_sums(sums_of, trained, frozen, batch, rng, grad_accum)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -222,8 +247,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
             "lr": schedule(state.step - opt_state.total_notfinite),
             "skipped": jnp.logical_not(opt_state.last_finite).astype(jnp.int32),
             "consecutive_skips": opt_state.notfinite_count,
-            **(balancing.step_metrics(sums, count, grad_accum) if objective is None
-               else objective.metrics(sums, count)),
+            **objective.metrics(sums, count),
         }
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new, metrics
@@ -241,15 +265,13 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
 
 def make_eval_step(model: Transformer, *, mesh=None, rules=None, param_shardings=None,
                    objective=None, reference=None):
-    """A jitted eval(params, batch) -> (summed cross entropy ([S] for a sweep), token count):
-    the language-model loss alone, without MoE balancing penalties. With an objective
-    (training/objectives.py): (its summed loss, its count, its metrics' sums)."""
+    """A jitted eval(params, batch) -> the objective's eval_sums: (its summed loss, its
+    count, and its metrics' sums where it has metrics). objective None: LanguageModel's,
+    (summed cross entropy ([S] for a sweep), token count) without MoE balancing penalties."""
+    objective = LanguageModel() if objective is None else objective
+
     def evaluate(params, batch, *reference):
-        if objective is not None:
-            return objective.eval_sums(model, params, batch, *reference)
-        if members(model) > 1:
-            return member_losses(lambda p: loss_sums(model, p, batch), *trained_part(params))
-        return loss_terms(model, params, batch)[:2]
+        return objective.eval_sums(model, params, batch, *reference)
 
     extra = () if reference is None else (reference,)
     if mesh is None:

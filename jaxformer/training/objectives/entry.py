@@ -1,0 +1,107 @@
+"""What an objective declares (one entry of jaxformer.training.objectives.OBJECTIVES): its
+settings, its step hooks, the model and batches it trains, what it logs, and whether it
+has a perplexity, a frozen reference, rollouts. The run config and the loop ask these;
+no code compares an objective's name.
+
+The step hooks an entry builds share one interface (Hooks; training/step.py calls it).
+An entry that rolls out (GRPO) builds hooks with rollout_step(model, data, reference,
+mesh, rules, shardings) -> its train step(state, step index), and eval_sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+from jaxformer.core.validation import ConfigError
+
+# What a data.format's batches hold, as an objective's `batches` names them (the formats
+# are jaxformer.data.config.FORMATS): tokens (a corpus), completions (prompt and completion
+# records, the loss on the completion; their prompts are what GRPO samples from), pairs
+# (a chosen and a rejected answer side by side), sources (source/target pairs of an
+# encoder-decoder).
+FORMAT_BATCHES = {"text": "tokens", "prompt_completion": "completions",
+                  "preference": "pairs", "seq2seq": "sources"}
+
+
+def batches_of(data_format: str) -> str:
+    """What the batches of data.format=data_format hold (FORMAT_BATCHES)."""
+    return FORMAT_BATCHES.get(data_format, data_format)  # a new format: no objective's yet
+
+
+def formats_for(batches) -> list[str]:
+    """The data.format names whose batches are one of `batches`."""
+    return [f for f, b in FORMAT_BATCHES.items() if b in batches]
+
+
+class Hooks(Protocol):
+    """What training/step.py calls on an objective's hooks."""
+
+    def gradient_sums(self, model, trained, frozen, batch, rng, reference=None):
+        """(summed loss, count, gradient of the summed loss w.r.t. trained, metric sums)."""
+
+    def eval_sums(self, model, params, batch, reference=None):
+        """(summed loss, count) or (summed loss, count, metric sums) of a val batch."""
+
+    def metrics(self, sums, count) -> dict:
+        """A step's metrics from its sums: the entry's `metrics` names."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """One objective.name's entry.
+
+    settings: its settings class, a frozen dataclass of the objective section's keys it
+      takes (a `name` field fixed to the entry's, the rest its own, each checked with a
+      one-line error); objective.KEY of another objective is refused (training/config).
+    build: (cfg, tokenizer) -> the step hooks (Hooks) for a RunConfig and
+      the data's tokenizer (None before the data loads: a bad setting is refused early).
+    archs: the model.arch values it trains; batches: what its batches hold (batches_of
+      each data.format), by arch: {arch: (batches, ...)}.
+    metrics: the names its train step logs beside loss (metrics.jsonl; val_NAME at
+      evaluation where eval_sums gives them).
+    perplexity: whether its validation loss is a mean per-token cross entropy whose exp
+      is a perplexity (the run logs val_ppl).
+    reference: settings -> whether its steps read the frozen train.init_from weights (a
+      copy, or with LoRA the base without its adapters).
+    starts_from: whether it needs train.init_from (the model it post-trains).
+    rollout: whether its hooks roll out (rollout_step is the train step; the loop hands
+      it the step index, not a batch).
+    check: (RunConfig) -> None, its own refusals across sections (one-line ConfigError).
+    """
+
+    settings: type
+    build: Callable[[Any, Any], Hooks]
+    batches: dict[str, tuple[str, ...]]
+    metrics: tuple[str, ...] = ()
+    perplexity: bool = True
+    reference: Callable[[Any], bool] = lambda settings: False
+    starts_from: bool = False
+    rollout: bool = False
+    check: Callable[[Any], None] = lambda cfg: None
+
+    @property
+    def name(self) -> str:
+        """objective.name: its settings' fixed `name`."""
+        return {f.name: f.default for f in dataclasses.fields(self.settings)}["name"]
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        return tuple(self.batches)
+
+
+def fixed_name(name: str):
+    """A settings class's `name` field: dumped with its settings, set by the entry alone."""
+    return dataclasses.field(default=name, init=False)
+
+
+def dense_only(name: str, cfg, *, grad_accum: bool = False) -> None:
+    """Refuse MoE layers and LoRA sweeps (and, with grad_accum, optim.grad_accum > 1) for
+    objective.name=name, in one line."""
+    m = cfg.model
+    if any(m.sparse_layers) or len(m.lora.members()) > 1 or (
+            grad_accum and cfg.optim.grad_accum > 1):
+        accum = (" and optim.grad_accum=1", " and optim.grad_accum") if grad_accum else ("", "")
+        raise ConfigError(f"objective.name={name} trains a dense model with one adapter or "
+                          f"none{accum[0]}; drop model.lora.sweep_*, the MoE layers{accum[1]}, "
+                          "or use objective.name=lm")
