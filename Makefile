@@ -1,18 +1,18 @@
-# `make train` and `make test` set everything up themselves: a .venv with the package
-# installed in editable mode, reinstalled whenever pyproject.toml changes.
+# `make train`, `make test` and `make docs` set everything up themselves: a .venv with the
+# package installed in editable mode, reinstalled whenever pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench clean
+.PHONY: train test docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,interop,wandb,eval]'
+	$(PY) -m pip install --quiet -e '.[dev,interop,wandb,eval,docs]'
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -40,8 +40,14 @@ test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -n 2 --dist worksteal -q --nbmake --reruns 2 \
 		--only-rerun "crashed while running" $(TEST_PATHS) $(PYTEST_ARGS)
 
+# The documentation site (mkdocs.yml, docs/) into site/: the notebooks are executed first
+# at their tiny sizes, so their pages show their outputs (the tests build it without).
+docs: $(STAMP)
+	JAXFORMER_SMALL=1 JAXFORMER_DOCS_EXECUTE=true NO_MKDOCS_2_WARNING=1 \
+		$(PY) -m mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(PY) bench/attention.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .jax_cache
+	rm -rf $(VENV) .pytest_cache .jax_cache site .cache
