@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import logging
 import pathlib
+import re
 
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
@@ -60,7 +61,8 @@ def first_sentence(path: pathlib.Path) -> str:
     """The first sentence of a module's docstring, on one line."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     text = " ".join(doc.split("\n\n")[0].split())
-    return text.split(". ")[0].rstrip(".") + "." if text else ""
+    first = re.split(r"(?<!e\.g)(?<!i\.e)(?<! al)(?<! vs)\.\s+(?=[A-Z])", text, maxsplit=1)[0]
+    return first.rstrip(".") + "." if first else ""
 
 
 def wing_page(wing: str) -> str:
