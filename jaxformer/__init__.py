@@ -9,7 +9,8 @@ from jaxformer.core.host_memory import keep_freed_memory
 
 keep_freed_memory()  # before jax starts its CPU backend: see jaxformer/core/host_memory.py
 
-from jaxformer.decode.loops import beam_search, generate, kv_cache_bytes
+from jaxformer.decode.beam import beam_search
+from jaxformer.decode.loops import generate, kv_cache_bytes
 from jaxformer.model.build import count_params, model_for, param_shapes
 from jaxformer.model.config import ConfigError, ModelConfig, RopeScaling
 from jaxformer.model.transformer import Transformer, flops_per_token, stack_layers, unstack_layers

@@ -1,6 +1,7 @@
 """KV-cached decoding: one prefill forward over the prompt batch, then a fixed-length
-jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p, min-p and beam
-search; with a draft, speculative decoding (jaxformer.decode.speculative).
+jax.lax.scan of single-token steps; greedy, temperature, top-k, top-p and min-p; with a
+draft, speculative decoding (jaxformer.decode.speculative). Beam search: jaxformer.decode.beam
+(its names are imported here too).
 
 The sampling settings are values (jaxformer.decode.sampling.Sampling, traced): one compiled
 decoder serves every temperature and filter, per row if need be. What changes shapes
@@ -14,15 +15,14 @@ prompts of different lengths decode together, each at its own positions.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxformer.attention.kv_cache import (cache_widths, init_cache, kv_cache_bytes,  # noqa: F401
-                                          take_rows)
+from jaxformer.attention.kv_cache import init_cache, kv_cache_bytes  # noqa: F401
 from jaxformer.core.hooks import session
 from jaxformer.core.logprobs import target_logprobs
+from jaxformer.decode.beam import Beams, beam_loop, beam_search  # noqa: F401 (their old home)
 from jaxformer.decode.cached_forward import (Generated, checked_inputs, decode_jit, forward_one,
                                              looped, prefill)
 from jaxformer.decode.constraints import Constraints, checked_constraints, constrain, recorded
@@ -33,14 +33,6 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.transformer import Transformer
 from jaxformer.positions.schemes import POSITION_SCHEMES
 
-
-class Beams(NamedTuple):
-    tokens: jax.Array    # int32 [batch, max_new_tokens], the best beam of each row
-    scores: jax.Array    # float32 [batch]: sum of log-probs / length ** length_penalty
-    lengths: jax.Array   # int32 [batch]
-
-
-# ---- generate -----------------------------------------------------------------------
 
 def sample_loop(forward, last, cache, pos, rng, sampling, max_new_tokens, eos_id, pad_id,
                 constraints=Constraints(), history=None):
@@ -197,91 +189,3 @@ def _hooked(hooks: dict, settings: tuple, args: tuple) -> Generated:
                          "stream, or use jaxformer.model.inspect.run_with_hooks on the full sequence")
     with session(hooks, lambda _: False):
         return decode_jit(_decode_run(*settings))(*args)
-
-
-# ---- beam search --------------------------------------------------------------------
-
-def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, pad_id,
-              n_kv: int, normalise, constraints=Constraints(), history=None):
-    """Beam search from `last` [B, V] and a cache of B rows (each n_kv K/V rows), each beam
-    fed back through forward(tokens [B * k], positions [B * k], cache) -> (logits, cache)
-    at positions pos [B], pos + 1, ...; the best beam per row by normalise(sum of
-    log-probs, length) -> Beams. A beam that emits eos_id stops (then pad only, at no cost).
-    Each step's log-probs are constrained (jaxformer.decode.constraints) before the choice;
-    history [B, L]: as sample_loop's."""
-    b, v = last.shape
-    k = beam_width
-    history = jax.tree.map(lambda h: jnp.repeat(h, k, axis=0), history)  # [B*k, L] or None
-    # every beam starts as a copy of its row; only beam 0 is live at first
-    state = dict(cache=take_rows(cache, jnp.repeat(jnp.arange(b), k), n_kv),  # B k rows
-                 logits=jnp.repeat(last, k, axis=0),  # [B*k, V]
-                 scores=jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1)),
-                 tokens=jnp.full((b, k, max_new_tokens), pad_id, jnp.int32),
-                 done=jnp.zeros((b, k), bool), length=jnp.zeros((b, k), jnp.int32),
-                 pos=jnp.repeat(pos, k), history=history)
-
-    def step(state, t):
-        logp = constrain(jax.nn.log_softmax(state["logits"]), constraints, t, max_new_tokens,
-                         eos_id, state["history"], state["pos"]).reshape(b, k, v)
-        # a finished beam continues only with pad, at no cost
-        pad_only = jnp.where(jnp.arange(v) == pad_id, 0.0, -jnp.inf)
-        logp = jnp.where(state["done"][..., None], pad_only, logp)
-        cand = (state["scores"][..., None] + logp).reshape(b, k * v)
-        scores, idx = jax.lax.top_k(cand, k)  # [B, k]
-        parent, tok = idx // v, (idx % v).astype(jnp.int32)
-        take = lambda x: jnp.take_along_axis(x, parent.reshape(b, k, *([1] * (x.ndim - 2))),  # noqa: E731
-                                             axis=1)
-        was_done = take(state["done"])
-        tokens = take(state["tokens"]).at[:, :, t].set(tok)
-        length = take(state["length"]) + (~was_done).astype(jnp.int32)
-        done = was_done | (tok == eos_id) if eos_id is not None else was_done
-        flat_parent = (parent + jnp.arange(b)[:, None] * k).reshape(-1)  # [B*k]
-        cache = take_rows(state["cache"], flat_parent, n_kv)
-        pos = jnp.take(state["pos"], flat_parent)
-        history = recorded(jax.tree.map(lambda h: jnp.take(h, flat_parent, axis=0),
-                                        state["history"]), pos, tok.reshape(-1))
-        logits, cache = forward(tok.reshape(-1), pos, cache)
-        return dict(cache=cache, logits=logits, scores=scores, tokens=tokens, done=done,
-                    length=length, pos=pos + 1, history=history), None
-
-    state, _ = jax.lax.scan(step, state, jnp.arange(max_new_tokens))
-    normed = normalise(state["scores"], state["length"])
-    best = jnp.argmax(normed, axis=1)  # [B]
-    pick = lambda x: jnp.take_along_axis(x, best.reshape(b, 1, *([1] * (x.ndim - 2))),  # noqa: E731
-                                         axis=1)[:, 0]
-    return Beams(pick(state["tokens"]), pick(normed), pick(state["length"]))
-
-
-@functools.lru_cache(maxsize=16)
-def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_id, pad_id,
-             constraints):
-    model, unstack = looped(cfg)
-
-    def run(params, prompts, lengths):
-        params = unstack(params)
-        last, cache = prefill(model, params, prompts, lengths, prompts.shape[1] + max_new_tokens,
-                              None, True)
-        forward = lambda tok, pos, cache: forward_one(model, params, tok, pos, cache)  # noqa: E731
-        return beam_loop(forward, last, cache, lengths, beam_width=beam_width,
-                         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                         n_kv=cache_widths(cfg)[0],
-                         normalise=lambda s, n: s / jnp.maximum(n, 1) ** length_penalty,
-                         constraints=constraints,
-                         history=prompt_history(prompts, max_new_tokens, constraints))
-
-    return decode_jit(run)
-
-
-def beam_search(model: Transformer, params, prompts, *, beam_width: int, max_new_tokens: int,
-                length_penalty: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
-                prompt_lengths=None, constraints: Constraints | None = None) -> Beams:
-    """The best of `beam_width` beams per row, by sum of log-probs / length**length_penalty
-    (length_penalty 0: the plain sum). Beams that emit `eos_id` stop and keep their score.
-    constraints: as generate's."""
-    cfg = model.cfg
-    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
-    if beam_width < 1:
-        raise ValueError(f"beam_width must be >= 1, got {beam_width}")
-    fn = _beam_fn(cfg, beam_width, max_new_tokens, float(length_penalty), eos_id, pad_id,
-                  checked_constraints(constraints, cfg.vocab_size, eos_id))
-    return fn(params, prompts, lengths)

@@ -690,3 +690,47 @@ def test_a_ring_keeps_each_slots_latest_position():
             for name, x in (("k", k), ("v", v)):
                 np.testing.assert_array_equal(ring[name][r * n_kv:(r + 1) * n_kv, slot],
                                               x[r, i])
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_reordered_beams_keep_every_fields_rows_together(scan):
+    """BeamState.reordered(parent) puts beam parent[b, j] of row b in beam j: every field,
+    the cache's K/V rows (n_kv per beam), its rings' and its own positions included, holds
+    at (b, j) what it held at (b, parent[b, j]); random fields and a random parent (a beam
+    may be taken twice, or dropped), against NumPy indexing beam by beam."""
+    from jaxformer.decode.beam import BeamState
+    b, k, v, n, kv = int(rng.integers(2, 5)), int(rng.integers(2, 5)), 11, 6, 2
+    cfg = ModelConfig(vocab_size=v, d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv,
+                      max_seq_len=16, sliding_window=None if scan else 5, scan_layers=scan)
+    draw = lambda x: jnp.asarray(rng.normal(size=x.shape) if x.dtype == jnp.float32  # noqa: E731
+                                 else rng.integers(0, 1000, x.shape), x.dtype)
+    cache = jax.tree.map(draw, init_cache(cfg, b * k, 16, jnp.float32, windowed=not scan))
+    assert scan or any("positions" in layer for layer in cache["layers"].values())  # rings
+    ints = lambda *shape: draw(jnp.zeros(shape, jnp.int32))  # noqa: E731
+    state = BeamState(cache=cache, logits=draw(jnp.zeros((b * k, v))),
+                      scores=draw(jnp.zeros((b, k))), tokens=ints(b, k, n),
+                      done=jnp.asarray(rng.random((b, k)) < 0.5), length=ints(b, k),
+                      pos=ints(b * k), history=ints(b * k, 9))
+    assert set(BeamState._fields) == {"cache", "scores", "tokens", "done", "length", "logits",
+                                      "pos", "history"}  # a new field: check it below
+    parent = rng.integers(0, k, (b, k))
+    out = jax.tree.map(np.asarray, state.reordered(jnp.asarray(parent), kv))
+    old = jax.tree.map(np.asarray, state)
+    for r, j in itertools.product(range(b), range(k)):
+        src, dst = r * k + parent[r, j], r * k + j  # the beams' rows of the flat fields
+        for name in ("scores", "tokens", "done", "length"):
+            np.testing.assert_array_equal(getattr(out, name)[r, j],
+                                          getattr(old, name)[r, parent[r, j]])
+        for name in ("logits", "pos", "history"):
+            np.testing.assert_array_equal(getattr(out, name)[dst], getattr(old, name)[src])
+        np.testing.assert_array_equal(out.cache["positions"][dst], old.cache["positions"][src])
+        for layer, got in out.cache["layers"].items():
+            for name, x in got.items():
+                was = old.cache["layers"][layer][name]
+                if name == "positions":  # a ring's: one row per beam
+                    np.testing.assert_array_equal(x[dst], was[src])
+                    continue
+                for h in range(kv):  # K/V rows beam * kv + h, behind a scanned stack's axis
+                    np.testing.assert_array_equal(x[..., dst * kv + h, :, :],
+                                                  was[..., src * kv + h, :, :])
+    assert int(out.cache["index"]) == int(old.cache["index"])
