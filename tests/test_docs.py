@@ -107,11 +107,22 @@ def resolves(name: str) -> bool:
     return False
 
 
+TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(\w+)|`(test_\w+)`")
+
+
+def test_exists(path: str | None, name: str) -> bool:
+    files = [ROOT / path] if path else (ROOT / "tests").rglob("test_*.py")
+    return any(f.exists() and f"def {name}(" in f.read_text() for f in files)
+
+
 def stale_names(text: str) -> list[str]:
-    """The module paths and dotted names in a text that no longer exist."""
+    """The module paths, dotted names and tests (`tests/x.py::test_y`, `test_y`) in a text
+    that no longer exist."""
     paths = {p for p in PATH.findall(text) if p not in NOT_FILES}
+    tests = {(path or None, name or bare) for path, name, bare in TEST_REF.findall(text)}
     return (sorted(p for p in paths if not (ROOT / p).exists())
-            + sorted(n for n in set(DOTTED.findall(text)) if not resolves(n)))
+            + sorted(n for n in set(DOTTED.findall(text)) if not resolves(n))
+            + sorted(f"{p}::{n}" if p else n for p, n in tests if not test_exists(p, n)))
 
 
 def test_every_module_path_and_name_the_docs_mention_exists():
@@ -120,10 +131,15 @@ def test_every_module_path_and_name_the_docs_mention_exists():
 
 
 def test_a_stale_path_or_name_is_found():
-    """A renamed module's old path and a missing attribute are both named."""
+    """A renamed module's old path, a missing attribute and tests that do not exist (one
+    by its file, one by its name alone) are each named."""
     text = ("`jaxformer/backends.py` and `jaxformer.attention.backends.BACKENDZ`, beside "
-            "`jaxformer/attention/backends.py` and `jaxformer.attention.backends.BACKENDS`")
-    assert stale_names(text) == ["jaxformer/backends.py", "jaxformer.attention.backends.BACKENDZ"]
+            "`jaxformer/attention/backends.py` and `jaxformer.attention.backends.BACKENDS`; "
+            "`tests/test_layout.py::test_no_import_circles` beside `test_no_import_circle`, "
+            "and `test_no_such_test`")
+    assert stale_names(text) == ["jaxformer/backends.py", "jaxformer.attention.backends.BACKENDZ",
+                                 "test_no_such_test",
+                                 "tests/test_layout.py::test_no_import_circles"]
 
 
 def mkdocs_build(config: pathlib.Path, site: pathlib.Path) -> subprocess.CompletedProcess:
