@@ -81,13 +81,18 @@ def wing_page(wing: str) -> str:
 
 
 def public_names() -> list[tuple[str, str]]:
-    """(name, module it comes from) for each name `jaxformer/__init__.py` exports."""
+    """(name, module it comes from) for each name `jaxformer/__init__.py` exports (its
+    __all__)."""
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    exported = next((ast.literal_eval(node.value) for node in tree.body
+                     if isinstance(node, ast.Assign)
+                     and any(getattr(t, "id", "") == "__all__" for t in node.targets)), None)
     names = []
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.count(".") >= 2:
-            names += [(a.asname or a.name, node.module) for a in node.names]
-    return names
+            names += [(a.asname or a.name, node.module) for a in node.names
+                      if exported is None or (a.asname or a.name) in exported]
+    return sorted(names)
 
 
 def defining_module(name: str, module: str) -> str:
