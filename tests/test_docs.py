@@ -173,11 +173,11 @@ def test_the_site_builds_strictly_with_every_module_and_notebook(tmp_path):
     wings = [p for p in sorted(PACKAGE.iterdir()) if (p / "__init__.py").exists()]
     assert len(wings) >= 12
     for wing in wings:
-        page = (tmp_path / "site" / "api" / wing.name / "index.html").read_text()
+        page = (tmp_path / "site" / "api" / f"{wing.name}.html").read_text()
         missing = [m for m in package_modules(wing) if f'id="{m}"' not in page]
         assert not missing, f"api/{wing.name}.md lacks {missing}"
     for notebook in (ROOT / "notebooks").glob("*.ipynb"):
-        page = tmp_path / "site" / "notebooks" / notebook.stem / "index.html"
+        page = tmp_path / "site" / "notebooks" / f"{notebook.stem}.html"
         assert "jupyter-wrapper" in page.read_text(), notebook.name
 
 
