@@ -171,3 +171,18 @@ def test_a_post_training_objective_needs_its_starting_weights(run):
             with pytest.raises(ConfigError, match=f"objective.name={name} needs "
                                "train.init_from"):
                 load_config(None, [*args, f"objective.name={name}"])
+
+
+@pytest.mark.parametrize("name,extra,needle", [
+    ("dpo", ["model.lora.sweep_rank=2,4"], "drop model.lora.sweep_*, the MoE layers, or"),
+    ("grpo", ["optim.grad_accum=2", "train.batch_size=4"],
+     "and optim.grad_accum=1; drop model.lora.sweep_*, the MoE layers and optim.grad_accum")])
+def test_the_pair_and_rollout_objectives_train_a_dense_model(run, name, extra, needle):
+    """A LoRA sweep (DPO) or gradient accumulation (GRPO) is refused in one line that
+    names the objective."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*needs(name, run), f"objective.name={name}", *extra])
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(
+        f"objective.name={name} trains a dense model with one adapter or none"), message
+    assert needle in message, message

@@ -95,10 +95,10 @@ def fixed_name(name: str):
     return dataclasses.field(default=name, init=False)
 
 
-def dense_only(name: str, cfg, *, grad_accum: bool = False) -> None:
+def dense_only(cfg, *, grad_accum: bool = False) -> None:
     """Refuse MoE layers and LoRA sweeps (and, with grad_accum, optim.grad_accum > 1) for
-    objective.name=name, in one line."""
-    m = cfg.model
+    cfg's objective, in one line."""
+    m, name = cfg.model, cfg.objective.name
     if any(m.sparse_layers) or len(m.lora.members()) > 1 or (
             grad_accum and cfg.optim.grad_accum > 1):
         accum = (" and optim.grad_accum=1", " and optim.grad_accum") if grad_accum else ("", "")

@@ -94,4 +94,4 @@ ENTRY = Objective(
     settings=ORPOSettings, build=lambda cfg, tokenizer: OddsRatio(cfg.objective),
     batches={"decoder": ("pairs",)}, metrics=METRICS,
     perplexity=False,  # a loss per pair; its evaluation logs val_odds_accuracy and the rest
-    check=lambda cfg: dense_only("orpo", cfg))
+    check=dense_only)

@@ -151,4 +151,4 @@ ENTRY = Objective(
     batches={"decoder": ("pairs",)}, metrics=METRICS,
     perplexity=False,  # a loss per pair of answers; its evaluation logs val_reward_*
     reference=lambda settings: True, starts_from=True,
-    check=lambda cfg: dense_only("dpo", cfg))
+    check=dense_only)
