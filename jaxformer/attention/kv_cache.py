@@ -71,8 +71,8 @@ def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = F
 
 def check_generates(cfg) -> None:
     """Refuses generation (a KV cache: generate, beam search, speculative decoding) for a
-    model without the causal rule, in one line."""
-    if not cfg.causal:
+    model whose arch does not generate (jaxformer.model.archs: an encoder), in one line."""
+    if not cfg.generates:
         raise ConfigError(f"model.arch={cfg.arch} has no generation (each token attends to the "
                           "whole row, after it too); use model.arch=decoder to generate")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from jaxformer.hf.config_json import config_from_hf
 from jaxformer.hf.families import MODEL_TYPES, HFModelType
-from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.archs import ARCHS
 from jaxformer.model.config import RUNTIME, ConfigError, ModelConfig
 from jaxformer.moe.experts import ROUTERS
 from jaxformer.positions.schemes import POSITION_SCHEMES
@@ -53,7 +53,7 @@ def _computed(cfg: ModelConfig, name: str):
     reads when every layer is sparse, as None then."""
     if name == "moe":
         return _moe(cfg)
-    if name == "encoder_layers" and cfg.arch == ENCODER_DECODER:  # None: n_layers
+    if name == "encoder_layers" and ARCHS[cfg.arch].cross_attention:  # None: n_layers
         return cfg.encoder_n_layers
     if name == "d_ff" and all(cfg.sparse_layers):
         return None

@@ -24,7 +24,7 @@ import numpy as np
 from jaxformer.hf.bert import ACTIVATIONS, norm_rules
 from jaxformer.hf.rope import cannot, unsupported
 from jaxformer.hf.tensors import Rule, copied, linear, reshaped
-from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.archs import ARCHS, ENCODER_DECODER
 from jaxformer.model.config import ModelConfig
 
 OFFSET = 2  # BartLearnedPositionalEmbedding: position p reads row p + 2
@@ -61,7 +61,7 @@ def read_config(hf, get, row) -> ModelConfig:
 
 def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
     """BART's keys; what BART lacks (RoPE, RMSNorm, pre-LN...) shows in the round trip."""
-    if cfg.arch != ENCODER_DECODER:
+    if not ARCHS[cfg.arch].cross_attention:
         raise cannot("arch", cfg.arch, f"{row.name} is an encoder-decoder")
     acts = {ours: theirs for theirs, ours in ACTIVATIONS.items()}
     if cfg.ffn not in acts:
@@ -86,12 +86,12 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
         raise ValueError("rope_layout applies to RoPE models; BART has learned positions")
     d, v, m = cfg.d_model, cfg.vocab_size, row.tensor_prefix
     rules = [embedding_rule(cfg, v, d, m)]
-    for stack, layers in (("encoder", cfg.encoder_n_layers),
-                          ("decoder", cfg.n_layers)):
+    for stack, layers, cross in (("encoder", cfg.encoder_n_layers, False),
+                                 ("decoder", cfg.n_layers, True)):
         rules += [positions_rule(cfg, stack, f"{m}{stack}.embed_positions.weight"),
                   *norm_rules((stack, "embed_norm"), f"{m}{stack}.layernorm_embedding", d)]
         for i in range(layers):
-            rules += block_rules(cfg, stack, i, f"{m}{stack}.layers.{i}.")
+            rules += block_rules(cfg, stack, i, f"{m}{stack}.layers.{i}.", cross)
     rules.append(reshaped(("decoder", "head_bias"), "final_logits_bias", (1, v), (v,)))
     if not cfg.tie_embeddings:
         rules.append(linear(("decoder", "lm_head", "kernel"), row.head_tensor, (v, d), (d, v)))
@@ -121,12 +121,12 @@ def positions_rule(cfg: ModelConfig, stack: str, name: str) -> Rule:
                 lambda p: (np.concatenate([np.zeros((OFFSET, d), p.dtype), p]),))
 
 
-def block_rules(cfg: ModelConfig, stack: str, i: int, p: str) -> list[Rule]:
-    """Layer i of a stack: self-attention, (the decoder's) cross-attention, the FFN, each
-    followed by its norm."""
+def block_rules(cfg: ModelConfig, stack: str, i: int, p: str, cross: bool) -> list[Rule]:
+    """Layer i of a stack: self-attention, (the decoder's: cross) cross-attention, the
+    FFN, each followed by its norm."""
     b, d, f = (stack, f"block_{i}"), cfg.d_model, cfg.d_ff
     sublayers = [("attn", "attn_norm", "self_attn")]
-    if stack == "decoder":
+    if cross:
         sublayers.append(("cross_attn", "cross_norm", "encoder_attn"))
     rules = []
     for ours, norm, theirs in sublayers:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jaxformer.decode.constraints import Constraints
 from jaxformer.hf.folder import json_object, model_folder
-from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.archs import ARCHS
 from jaxformer.model.config import ModelConfig
 
 
@@ -38,7 +38,7 @@ def generation_constraints(path, cfg: ModelConfig) -> Constraints:
     g = json_object(file)
     min_new = int(g.get("min_new_tokens") or 0)
     if not min_new and (g.get("min_length") or 0) > 0:
-        if cfg.arch != ENCODER_DECODER:
+        if not ARCHS[cfg.arch].cross_attention:
             raise ValueError(f"{file}: min_length={g['min_length']} counts the prompt; "
                              "give min_new_tokens in its place (Constraints.min_new_tokens)")
         min_new = max(int(g["min_length"]) - 1, 0)

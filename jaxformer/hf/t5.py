@@ -23,7 +23,7 @@ from typing import Any
 
 from jaxformer.hf.rope import cannot, unsupported
 from jaxformer.hf.tensors import Rule, copied, linear
-from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.archs import ARCHS, ENCODER_DECODER
 from jaxformer.model.config import ModelConfig
 
 # feed_forward_proj -> model.ffn ("gated-gelu" is the tanh GELU, as T5Config rewrites it)
@@ -56,8 +56,9 @@ def read_config(hf, get, row) -> ModelConfig:
         arch=ENCODER_DECODER, encoder_layers=encoder, n_layers=get("num_decoder_layers") or encoder,
         vocab_size=get("vocab_size"), d_model=d, n_heads=n_heads, n_kv_heads=n_heads,
         head_dim=get("d_kv"), d_ff=get("d_ff"), max_seq_len=get("n_positions"),
-        position="t5", t5_num_buckets=get("relative_attention_num_buckets"),
-        t5_max_distance=get("relative_attention_max_distance"), norm="rmsnorm",
+        position="t5", position_settings=dict(
+            num_buckets=get("relative_attention_num_buckets"),
+            max_distance=get("relative_attention_max_distance")), norm="rmsnorm",
         norm_eps=float(get("layer_norm_epsilon")), block="pre_ln", ffn=FFN_PROJ[proj],
         use_bias=False, qkv_bias=False, attn_scale=1.0,
         tie_embeddings=get("tie_word_embeddings") is not False,
@@ -67,7 +68,7 @@ def read_config(hf, get, row) -> ModelConfig:
 
 def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
     """T5's keys; what T5 lacks (RoPE, biases, another norm...) shows in the round trip."""
-    if cfg.arch != ENCODER_DECODER:
+    if not ARCHS[cfg.arch].cross_attention:
         raise cannot("arch", cfg.arch, f"{row.name} is an encoder-decoder")
     if cfg.ffn not in FFN_TO_HF:
         raise cannot("ffn", cfg.ffn, f"{row.name}'s feed_forward_proj has "
@@ -78,8 +79,8 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
                      "output by d_model ** -0.5 or not at all")
     return dict(d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff, num_heads=cfg.n_heads,
                 num_layers=cfg.encoder_n_layers, num_decoder_layers=cfg.n_layers,
-                relative_attention_num_buckets=cfg.t5_num_buckets,
-                relative_attention_max_distance=cfg.t5_max_distance,
+                relative_attention_num_buckets=cfg.position_settings.num_buckets,
+                relative_attention_max_distance=cfg.position_settings.max_distance,
                 layer_norm_epsilon=cfg.norm_eps, feed_forward_proj=FFN_TO_HF[cfg.ffn],
                 is_encoder_decoder=True, is_decoder=False, scale_decoder_outputs=scaled,
                 n_positions=cfg.max_seq_len, dropout_rate=cfg.dropout, initializer_factor=1.0,
@@ -93,13 +94,13 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
     # the one input table (untied: model.tie_source_embed; a config with source and target
     # tables of their own is not T5's, refused before any tensor)
     rules = [copied(("embed", "embedding"), "shared.weight", (v, d))]
-    for stack, layers in (("encoder", cfg.encoder_n_layers),
-                          ("decoder", cfg.n_layers)):
+    for stack, layers, cross in (("encoder", cfg.encoder_n_layers, False),
+                                 ("decoder", cfg.n_layers, True)):
         rules.append(copied((stack, "position_bias", "relative_bias"),
                             f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
-                            ".weight", (cfg.t5_num_buckets, cfg.n_heads)))
+                            ".weight", (cfg.position_settings.num_buckets, cfg.n_heads)))
         for i in range(layers):
-            rules += block_rules(cfg, stack, i)
+            rules += block_rules(cfg, stack, i, cross)
         rules.append(copied((stack, "final_norm", "scale"), f"{stack}.final_layer_norm.weight",
                             (d,)))
     if not cfg.tie_embeddings:
@@ -107,12 +108,12 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
     return rules
 
 
-def block_rules(cfg: ModelConfig, stack: str, i: int) -> list[Rule]:
-    """Layer i of a stack: self-attention, (the decoder's) cross-attention, the FFN, each
-    with its norm."""
+def block_rules(cfg: ModelConfig, stack: str, i: int, cross: bool) -> list[Rule]:
+    """Layer i of a stack: self-attention, (the decoder's: cross) cross-attention, the
+    FFN, each with its norm."""
     b, p = (stack, f"block_{i}"), f"{stack}.block.{i}.layer."
     sublayers = [("attn", "attn_norm", "SelfAttention")]
-    if stack == "decoder":
+    if cross:
         sublayers.append(("cross_attn", "cross_norm", "EncDecAttention"))
     rules = []
     for j, (ours, norm, theirs) in enumerate(sublayers):

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.model.archs import ENCODER_DECODER
-from jaxformer.model.config import ARCHS
+from jaxformer.model.archs import ARCHS
 from jaxformer.model.encoder_decoder import EncoderDecoder
 from jaxformer.model.transformer import Transformer
 
-MODELS = {"decoder": Transformer, "encoder": Transformer, ENCODER_DECODER: EncoderDecoder}
-assert set(MODELS) == set(ARCHS)
+# model.arch -> its module class (each Arch entry names its own)
+MODELS = {name: {c.__name__: c for c in (Transformer, EncoderDecoder)}[arch.module]
+          for name, arch in ARCHS.items()}
 
 
 def model_for(cfg):

@@ -10,18 +10,18 @@ from jaxformer.attention.backends import AUTO, BACKENDS, check_model
 from jaxformer.attention.mla import MLAConfig
 from jaxformer.core.validation import (ConfigError, Section, check_choice,  # noqa: F401
                                        check_number, coerce, type_names)
-from jaxformer.model.archs import check_encoder_decoder
+from jaxformer.model.archs import ARCHS
 from jaxformer.model.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
-from jaxformer.model.layer_pattern import LayerKind
+from jaxformer.model.layer_pattern import LayerKind, read_pattern
 from jaxformer.model.layer_runs import Run, runs
 from jaxformer.model.lora import LoRAConfig, check_expert_targets
 from jaxformer.model.presets import PRESETS
 from jaxformer.moe.experts import MoEConfig
 from jaxformer.positions.rope_scaling import RopeScaling
-from jaxformer.positions.schemes import POSITION_SCHEMES, SINUSOIDAL_SCALES, schemes_of
+from jaxformer.positions.schemes import (LEGACY_KEYS, POSITION_SCHEMES, check_position,
+                                         read_settings, schemes_of)
 
 DTYPES = ("float32", "bfloat16", "float16")
-ARCHS = ("decoder", "encoder", "encoder_decoder")  # model.arch: the textbooks' three shapes
 # the fields that change how a model runs, not what it computes: a converted or
 # initialised-from model may set them freely
 RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout")
@@ -29,32 +29,35 @@ RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dr
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Section):
-    """Every architectural choice of a transformer. arch (ARCHS): decoder, encoder (no causal
-    rule: padding and packing masks as ever, a window symmetric; no generation), encoder_decoder.
+    """Every architectural choice of a transformer. arch (jaxformer.model.archs.ARCHS):
+    decoder, encoder (no causal rule: padding and packing masks as ever, a window symmetric;
+    no generation), encoder_decoder.
 
     None fields are resolved at construction: n_kv_heads -> n_heads, qkv_bias -> use_bias,
     head_dim -> d_model // n_heads, d_ff -> 4 * d_model (gelu/relu) or
     8/3 * d_model rounded up to a multiple of 64 (swiglu/geglu).
 
-    position (jaxformer.positions.formulas): rope, alibi, t5 (T5's learned bias per head and
-    relative-position bucket; t5_num_buckets and t5_max_distance as in T5), fire (Li et
-    al. 2023's MLP of the normalised log distance), sinusoidal, learned (a table of
-    max_seq_len rows), none (NoPE), and the length-generalisation schemes xpos (Sun et al.
-    2022), kerple (Chi et al. 2022, log), sandwich (Chi et al. 2023), cope (Golovneva et
-    al. 2024). The bias schemes' biases are computed once per forward and shared by every
-    layer (jaxformer.positions.schemes.POSITION_SCHEMES).
-    sinusoidal_scale: how the unit-amplitude sinusoidal table meets token embeddings
-    initialised at std 0.02. table: the table / sqrt(d_model), the token-to-position ratio
-    of Vaswani et al.'s embeddings * sqrt(d_model) with the embeddings left as they are;
-    tokens: Vaswani et al.'s form, embeddings * sqrt(d_model) + table; unit: table as is
-    (its RMS of 0.71 per dimension swamps the tokens ~35:1).
+    position (jaxformer.positions.schemes.POSITION_SCHEMES): rope, alibi, t5 (T5's learned
+    bias per head and relative-position bucket), fire (Li et al. 2023's MLP of the
+    normalised log distance), sinusoidal, learned (a table of max_seq_len rows), none
+    (NoPE), and the length-generalisation schemes xpos (Sun et al. 2022), kerple (Chi et
+    al. 2022, log), sandwich (Chi et al. 2023), cope (Golovneva et al. 2024). The bias
+    schemes' biases are computed once per forward and shared by every layer.
+    position_settings: the scheme's own hyperparameters, an instance of its entry's
+    settings class (a mapping of its fields in YAML; None: its defaults): t5's
+    num_buckets and max_distance, sinusoidal's scale, cope's positions.
+    t5_num_buckets, t5_max_distance, sinusoidal_scale, cope_positions: the flat keys of
+    earlier versions, read into position_settings (None once built; LEGACY_KEYS): the
+    chosen scheme's own become its settings, another's is accepted at its default only.
+    The RoPE fields (rope_theta, rope_scaling, rope_fraction, p_rope) stay model fields:
+    rope and xpos share them, layer kinds override them, MLA's rope key reads them.
     rope_fraction: the share of each head's dimensions RoPE rotates (GPT-NeoX's rotary_pct,
     HF's partial_rotary_factor): the first head_dim * rope_fraction, paired half with
     half among themselves, with frequencies over those dimensions; the rest pass through.
     p_rope: p-RoPE's p (Barbero et al. 2024): the share of the rotated pairs' frequencies
     kept, the highest; the lowest ones are set to 0 (those pairs pass through unrotated).
     1 is RoPE, 0 NoPE. With rope_fraction < 1, a share of the frequencies of the rotated
-    dimensions. cope_positions: CoPE's number of position embeddings (npos_max).
+    dimensions.
 
     norm: layernorm, rmsnorm, or rmsnorm_offset (x / rms(x) * (1 + scale), the scale
     initialised at 0: Gemma). block (jaxformer.model.kinds.BLOCKS): pre_ln, post_ln,
@@ -101,9 +104,7 @@ class ModelConfig(Section):
     position: str = "rope"
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
-    sinusoidal_scale: str = "table"
-    t5_num_buckets: int = 32
-    t5_max_distance: int = 128
+    position_settings: Any = None
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     block: str = "pre_ln"
@@ -120,7 +121,6 @@ class ModelConfig(Section):
     attention_impl: str = "auto"
     rope_fraction: float = 1.0
     p_rope: float = 1.0
-    cope_positions: int = 64
     qk_norm: str = "none"
     attn_scale: float | None = None
     attn_softcap: float | None = None
@@ -137,6 +137,11 @@ class ModelConfig(Section):
     lora: LoRAConfig = LoRAConfig()
     moe: MoEConfig = MoEConfig()
     mla: MLAConfig = MLAConfig()
+    # earlier versions' flat keys of the schemes' settings (LEGACY_KEYS): None once built
+    t5_num_buckets: int | None = None
+    t5_max_distance: int | None = None
+    sinusoidal_scale: str | None = None
+    cope_positions: int | None = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -157,6 +162,7 @@ class ModelConfig(Section):
             set_("qkv_bias", self.use_bias)
         self._read_pattern(set_)
         self._check_fields()
+        self._read_position_settings(set_)
         self._resolve_sizes(set_)
         self._check_together(set_)
         absent = ("wi",) if self.gated_ffn else ("wi_gate", "wi_up")
@@ -169,8 +175,7 @@ class ModelConfig(Section):
     def _check_fields(self):
         """Each field alone: its type, range, or one of its choices (a table's names)."""
         o = "model"
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len",
-                     "t5_max_distance"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             check_number(o, name, getattr(self, name), int, low=1)
         for name in ("n_kv_heads", "head_dim", "d_ff", "sliding_window"):
             check_number(o, name, getattr(self, name), int, low=1, optional=True)
@@ -184,8 +189,6 @@ class ModelConfig(Section):
         check_choice(o, "arch", self.arch, ARCHS)
         check_number(o, "encoder_layers", self.encoder_layers, int, low=1, optional=True)
         check_choice(o, "position", self.position, POSITION_SCHEMES)
-        check_choice(o, "sinusoidal_scale", self.sinusoidal_scale, SINUSOIDAL_SCALES)
-        check_number(o, "t5_num_buckets", self.t5_num_buckets, int, low=4)
         check_choice(o, "norm", self.norm, NORMS)
         check_choice(o, "block", self.block, BLOCKS)
         check_choice(o, "ffn", self.ffn, FFNS)
@@ -196,38 +199,24 @@ class ModelConfig(Section):
         check_choice(o, "qk_norm", self.qk_norm, QK_NORMS)
         check_number(o, "rope_fraction", self.rope_fraction, float, low=0, low_open=True, high=1)
         check_number(o, "p_rope", self.p_rope, float, low=0, high=1)
-        check_number(o, "cope_positions", self.cope_positions, int, low=2)
         for name in ("attn_scale", "attn_softcap", "final_softcap"):
             check_number(o, name, getattr(self, name), float, low=0, low_open=True, optional=True)
         for name in ("embed_multiplier", "residual_multiplier", "logits_multiplier"):
             check_number(o, name, getattr(self, name), float, low=0, low_open=True)
 
+    def _read_position_settings(self, set_):
+        """position_settings as the scheme's settings class, the flat keys of earlier
+        versions read into it (jaxformer.positions.schemes.read_settings)."""
+        set_("position_settings", read_settings(
+            self.position, self.position_settings, {k: getattr(self, k) for k in LEGACY_KEYS}))
+        for old in LEGACY_KEYS:
+            set_(old, None)
+
     def _read_pattern(self, set_):
-        """layer_pattern as a tuple of names ('local,global' from the command line) and
-        layer_kinds as a hashable tuple of (name, LayerKind), from mappings of values."""
-        pattern = self.layer_pattern
-        if isinstance(pattern, str):
-            pattern = [p.strip() for p in pattern.split(",") if p.strip()]
-        set_("layer_pattern", tuple(pattern or ()))
-        kinds = self.layer_kinds
-        if isinstance(kinds, Mapping):
-            kinds = kinds.items()
-        fields = type_names(LayerKind)
-        read = []
-        for name, kind in kinds or ():
-            if isinstance(kind, Mapping):
-                bad = sorted(set(kind) - set(fields))
-                if bad:
-                    raise ConfigError(f"unknown key(s) {', '.join(f'model.layer_kinds.{name}.{b}' for b in bad)}; "
-                                      f"valid keys are: {', '.join(fields)}")
-                kind = LayerKind(**{k: v if k == "rope_scaling" else
-                                    coerce(v, fields[k], f"model.layer_kinds.{name}.{k}")
-                                    for k, v in kind.items()})
-            elif not isinstance(kind, LayerKind):
-                raise ConfigError(f"model.layer_kinds.{name}={kind!r} must be a mapping of "
-                                  f"{', '.join(fields)}")
-            read.append((str(name), kind))
-        set_("layer_kinds", tuple(read))
+        """layer_pattern and layer_kinds in their hashable forms (read_pattern)."""
+        pattern, kinds = read_pattern(self.layer_pattern, self.layer_kinds)
+        set_("layer_pattern", pattern)
+        set_("layer_kinds", kinds)
 
     def _resolve_sizes(self, set_):
         """n_kv_heads, head_dim and d_ff where they are None."""
@@ -249,22 +238,17 @@ class ModelConfig(Section):
 
     def _check_together(self, set_):
         """Fields that must agree: the scheme's own checks, a bias scheme's backend, the
-        T5 buckets, RoPE scaling."""
+        arch's checks, RoPE scaling."""
         scheme = POSITION_SCHEMES[self.position]
         check_model(self)  # what the named attention backend cannot run
-        check_encoder_decoder(self)  # model.arch=encoder_decoder: jaxformer.model.archs
+        ARCHS[self.arch].check(self)  # jaxformer.model.archs
         if self.mla.on:
             self.mla.check_model(self)
         for name in ("rope_fraction", "p_rope"):
             if getattr(self, name) != 1 and scheme.kind != "rotary":
                 raise ConfigError(f"model.{name}={getattr(self, name)} needs a rotary position "
                                   f"scheme, not position={self.position!r}")
-        scheme.checked(self)  # its own check, and an encoder's refusals
-        if self.t5_max_distance <= self.t5_num_buckets // 2:
-            raise ConfigError(f"model.t5_max_distance={self.t5_max_distance} must exceed "
-                              f"half of model.t5_num_buckets={self.t5_num_buckets}: the first "
-                              "half of the buckets are exact distances, the rest log-spaced up "
-                              "to t5_max_distance")
+        check_position(self)  # its own check, and an encoder's refusals
         set_("rope_scaling", self._with_original(self.rope_scaling))
         self._check_pattern(scheme)
         self.moe.sparse(self.n_layers)  # model.moe.layers within 0..n_layers - 1, or one line
@@ -360,16 +344,21 @@ class ModelConfig(Section):
 
     def stack(self, arch: str) -> "ModelConfig":
         """arch=encoder_decoder: one stack as a model of its own, without the fields only an
-        encoder-decoder has: "encoder" (encoder_n_layers layers; the model builds it) or
-        "decoder" (flops_per_token counts each)."""
-        layers = self.encoder_n_layers if arch == "encoder" else self.n_layers
+        encoder-decoder has: its encoder (an arch without the causal rule: encoder_n_layers
+        layers; the model builds it) or its decoder (flops_per_token counts each)."""
+        layers = self.n_layers if ARCHS[arch].causal else self.encoder_n_layers
         return self.replace(arch=arch, n_layers=layers, encoder_layers=None,
                             tie_source_embed=False)
 
     @property
     def causal(self) -> bool:
         """Self-attention has the causal rule (all but an encoder); the masks read it."""
-        return self.arch != "encoder"
+        return ARCHS[self.arch].causal
+
+    @property
+    def generates(self) -> bool:
+        """Decodes token by token with a KV cache (all but an encoder)."""
+        return ARCHS[self.arch].generates
 
     @property
     def gated_ffn(self) -> bool:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxformer.attention import kv_cache
 from jaxformer.attention.masks import MaskRule
 from jaxformer.core.sharding import init_with_names
-from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.archs import ARCHS
 from jaxformer.model.blocks import Block, apply_norm, make_norm
 from jaxformer.model.cross_attention import Memory
 from jaxformer.model.kinds import BLOCKS, REMATS
@@ -74,9 +74,10 @@ def layer_stacks(cfg):
     """Each stack of layers in a model's params: (its path's prefix, the config whose
     layer_runs it scans); an encoder-decoder's encoder/ and decoder/, another model's
     top level."""
-    if cfg.arch != ENCODER_DECODER:
+    encoder = ARCHS[cfg.arch].encoder
+    if encoder is None:
         return (((), cfg),)
-    return ((("encoder",), cfg.stack("encoder")), (("decoder",), cfg))
+    return ((("encoder",), cfg.stack(encoder)), (("decoder",), cfg))
 
 
 class Stack(Transformer):
@@ -141,7 +142,7 @@ class EncoderDecoder(nn.Module):
         if not (c.tie_embeddings or c.tie_source_embed):
             self.source_embed = source = table()
         # the encoder stack is an encoder (no causal rule; T5's bidirectional buckets)
-        self.encoder = Stack(c.stack("encoder"), embed=source)
+        self.encoder = Stack(c.stack(ARCHS[c.arch].encoder), embed=source)
         self.decoder = Stack(c, embed=self.embed, cross=True)
 
     def __call__(self, source_tokens, target_tokens=None, source_segment_ids=None,

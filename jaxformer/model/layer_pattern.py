@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from jaxformer.core.validation import ConfigError, Section, check_number
+from jaxformer.core.validation import ConfigError, Section, check_number, coerce, type_names
 from jaxformer.positions.rope_scaling import RopeScaling
 
 
@@ -35,3 +35,28 @@ class LayerKind(Section):
             raise ConfigError(f"{self.SECTION}.rope={self.rope!r} must be true or false")
         check_number(self.SECTION, "rope_theta", self.rope_theta, float, low=1, low_open=True,
                      optional=True)
+
+
+def read_pattern(pattern, kinds) -> tuple[tuple[str, ...], tuple[tuple[str, LayerKind], ...]]:
+    """model.layer_pattern as a tuple of names ('local,global' from the command line) and
+    model.layer_kinds as a hashable tuple of (name, LayerKind), from mappings of values."""
+    if isinstance(pattern, str):
+        pattern = [p.strip() for p in pattern.split(",") if p.strip()]
+    if isinstance(kinds, Mapping):
+        kinds = kinds.items()
+    fields = type_names(LayerKind)
+    read = []
+    for name, kind in kinds or ():
+        if isinstance(kind, Mapping):
+            bad = sorted(set(kind) - set(fields))
+            if bad:
+                raise ConfigError(f"unknown key(s) {', '.join(f'model.layer_kinds.{name}.{b}' for b in bad)}; "
+                                  f"valid keys are: {', '.join(fields)}")
+            kind = LayerKind(**{k: v if k == "rope_scaling" else
+                                coerce(v, fields[k], f"model.layer_kinds.{name}.{k}")
+                                for k, v in kind.items()})
+        elif not isinstance(kind, LayerKind):
+            raise ConfigError(f"model.layer_kinds.{name}={kind!r} must be a mapping of "
+                              f"{', '.join(fields)}")
+        read.append((str(name), kind))
+    return tuple(pattern or ()), tuple(read)

@@ -18,7 +18,7 @@ from jaxformer.attention.masks import MaskRule
 from jaxformer.core.hooks import hook_point
 from jaxformer.core.matmul import flat_dot_general, promote_kernel
 from jaxformer.core.sharding import constrain, init_with_names, sequence_split
-from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.archs import ARCHS
 from jaxformer.model.blocks import Block, apply_norm, make_norm
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kinds import BLOCKS, FFNS, REMATS
@@ -83,8 +83,8 @@ class Transformer(nn.Module):
         Attention covers every slot, and the result is (logits, updated cache).
         """
         c = self.cfg
-        if c.arch == ENCODER_DECODER:
-            raise NotImplementedError(f"model.arch={ENCODER_DECODER} is not built by Transformer; "
+        if ARCHS[c.arch].module != Transformer.__name__:
+            raise NotImplementedError(f"model.arch={c.arch} is not built by Transformer; "
                                       "use jaxformer.model_for(cfg)")
         if cache is not None:
             kv_cache.check_generates(c)  # an encoder has no KV cache
@@ -252,8 +252,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     c, m = cfg, cfg.mla
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
-    if c.arch == ENCODER_DECODER:
-        encoder = flops_per_token(c.stack("encoder"), seq_len) - 6.0 * c.d_model * c.vocab_size
+    if ARCHS[c.arch].cross_attention:
+        encoder = flops_per_token(c.stack(ARCHS[c.arch].encoder), seq_len) - \
+            6.0 * c.d_model * c.vocab_size
         decoder = flops_per_token(c.stack("decoder"), seq_len)
         return encoder + decoder + c.n_layers * (6.0 * attn + 12.0 * c.n_heads * c.head_dim
                                                  * seq_len)

@@ -133,8 +133,9 @@ def test_source_and_target_tables_of_their_own_are_refused_in_one_line(tmp_path)
     (tie_source_embed false) cannot be written as T5, and says so in one line."""
     from jaxformer import ConfigError, ModelConfig
     cfg = ModelConfig(arch="encoder_decoder", encoder_layers=1, n_layers=1, vocab_size=V,
-                      d_model=16, n_heads=2, d_ff=24, position="t5", t5_num_buckets=8,
-                      t5_max_distance=20, norm="rmsnorm", norm_eps=1e-6, ffn="geglu",
+                      d_model=16, n_heads=2, d_ff=24, position="t5",
+                      position_settings={"num_buckets": 8, "max_distance": 20},
+                      norm="rmsnorm", norm_eps=1e-6, ffn="geglu",
                       use_bias=False, attn_scale=1.0, tie_embeddings=False, max_seq_len=32)
     tokens = np.zeros((1, 4), np.int32)
     params = EncoderDecoder(cfg).init(jax.random.key(int(rng.integers(1 << 31))), tokens)

@@ -72,8 +72,9 @@ def test_each_scheme_matches_float64_or_is_refused(position):
     """Every position scheme runs in an encoder and matches the float64 forward with no
     causal rule (T5 with its bidirectional buckets, a symmetric window), or, where the
     scheme is defined for causal attention only, is refused in one line."""
+    settings = {"t5": {"num_buckets": 8, "max_distance": 20}, "cope": {"positions": 5}}
     kw = dict(position=position, sliding_window=3 if position == "rope" else None,
-              t5_num_buckets=8, t5_max_distance=20, cope_positions=5)
+              position_settings=settings.get(position))
     if position in CAUSAL_ONLY:
         with pytest.raises(ConfigError, match=f"position='{position}' is defined for causal "
                                               "attention only.*arch='encoder'") as e:

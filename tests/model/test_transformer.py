@@ -85,7 +85,7 @@ def np_cope_scores(cfg, q, k, embedding, allowed):
     raw = np.einsum("btnh,bsnh->bnts", q, k)
     d = math.sqrt(cfg.head_dim)
     gates = np.where(allowed[:, None], 1 / (1 + np.exp(-raw / d)), 0.0)
-    pos = np.minimum(np.cumsum(gates[..., ::-1], -1)[..., ::-1], cfg.cope_positions - 1)
+    pos = np.minimum(np.cumsum(gates[..., ::-1], -1)[..., ::-1], cfg.position_settings.positions - 1)
     lo, hi = np.floor(pos).astype(int), np.ceil(pos).astype(int)
     e_lo, e_hi = embedding.T[lo], embedding.T[hi]  # [B, N, T, S, H]
     e = e_lo + (pos - lo)[..., None] * (e_hi - e_lo)
@@ -99,10 +99,10 @@ def np_dense(p, x, spec):
 def np_t5_bucket(cfg, distance, num_buckets=None):
     """T5's decoder bucket of a distance >= 0, from the textbook formula in float64
     (num_buckets: the model's, or an encoder's half of them for one side)."""
-    num_buckets = num_buckets or cfg.t5_num_buckets
+    num_buckets = num_buckets or cfg.position_settings.num_buckets
     exact = num_buckets // 2
     far = exact + np.floor(np.log(np.maximum(distance, exact) / exact)
-                           / math.log(cfg.t5_max_distance / exact) * (num_buckets - exact))
+                           / math.log(cfg.position_settings.max_distance / exact) * (num_buckets - exact))
     return np.where(distance < exact, distance, np.minimum(far, num_buckets - 1))
 
 
@@ -111,7 +111,7 @@ def np_t5_buckets(cfg, rel):
     or an encoder's (T5's bidirectional: the upper half of the buckets for keys ahead)."""
     if cfg.causal:
         return np_t5_bucket(cfg, np.maximum(rel, 0))
-    half = cfg.t5_num_buckets // 2
+    half = cfg.position_settings.num_buckets // 2
     return (rel < 0) * half + np_t5_bucket(cfg, np.abs(rel), half)
 
 
@@ -188,14 +188,14 @@ def np_ffn(cfg, p, x, out=None, pre=""):
 
 
 def np_sinusoidal_terms(cfg, x, pos):
-    """The token embeddings x and the sinusoidal table, each scaled as sinusoidal_scale
-    says; the model's input is their sum."""
+    """The token embeddings x and the sinusoidal table, each scaled as the scheme's
+    settings' scale says; the model's input is their sum."""
     i = np.arange(cfg.d_model // 2)
     ang = pos[..., None] / 10000.0 ** (2 * i / cfg.d_model)
     pe = np.zeros((*pos.shape, cfg.d_model))
     pe[..., 0::2], pe[..., 1::2] = np.sin(ang), np.cos(ang)
     scale = {"table": (1.0, 1 / math.sqrt(cfg.d_model)), "tokens": (math.sqrt(cfg.d_model), 1.0),
-             "unit": (1.0, 1.0)}[cfg.sinusoidal_scale]
+             "unit": (1.0, 1.0)}[cfg.position_settings.scale]
     return scale[0] * x, scale[1] * pe
 
 
@@ -253,10 +253,13 @@ VARIANTS = {
     "mqa-geglu": dict(position="rope", ffn="geglu", n_kv_heads=1),
     "alibi-post-ln": dict(position="alibi", block="post_ln", ffn="relu"),
     "sinusoidal": dict(position="sinusoidal", norm="rmsnorm"),
-    "sinusoidal-tokens-scaled": dict(position="sinusoidal", sinusoidal_scale="tokens"),
-    "sinusoidal-unit": dict(position="sinusoidal", sinusoidal_scale="unit", block="post_ln"),
-    "t5-gqa": dict(position="t5", n_kv_heads=2, t5_num_buckets=8, t5_max_distance=20),
-    "t5-post-ln": dict(position="t5", block="post_ln", t5_num_buckets=6, t5_max_distance=9),
+    "sinusoidal-tokens-scaled": dict(position="sinusoidal", position_settings={"scale": "tokens"}),
+    "sinusoidal-unit": dict(position="sinusoidal", position_settings={"scale": "unit"},
+                            block="post_ln"),
+    "t5-gqa": dict(position="t5", n_kv_heads=2,
+                   position_settings={"num_buckets": 8, "max_distance": 20}),
+    "t5-post-ln": dict(position="t5", block="post_ln",
+                       position_settings={"num_buckets": 6, "max_distance": 9}),
     "fire-gqa": dict(position="fire", n_kv_heads=2, norm="rmsnorm", ffn="swiglu"),
     "nope-window": dict(position="none", sliding_window=3),
     "rope-window-headdim": dict(position="rope", head_dim=12, sliding_window=5),
@@ -264,7 +267,7 @@ VARIANTS = {
     "p-rope": dict(position="rope", p_rope=0.5, head_dim=12),
     "kerple-post-ln": dict(position="kerple", block="post_ln"),
     "sandwich-window": dict(position="sandwich", sliding_window=5),
-    "cope-gqa": dict(position="cope", n_kv_heads=2, cope_positions=5),
+    "cope-gqa": dict(position="cope", n_kv_heads=2, position_settings={"positions": 5}),
     "qwen2-qkv-bias": dict(position="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2,
                            use_bias=False, qkv_bias=True),
     "gpt-oss-sinks": dict(position="rope", norm="rmsnorm", ffn="clamped_swiglu", n_kv_heads=2,
@@ -411,7 +414,9 @@ def test_blockwise_train_step_holds_no_t_by_t_buffer(position, monkeypatch):
     from jaxformer.attention import blockwise
     monkeypatch.setattr(blockwise, "BLOCK_Q", 64)
     monkeypatch.setattr(blockwise, "BLOCK_K", 64)
-    cfg = small(position=position, n_kv_heads=2, t5_num_buckets=8, attention_impl="blockwise")
+    settings = {"num_buckets": 8} if position == "t5" else None
+    cfg = small(position=position, n_kv_heads=2, position_settings=settings,
+                attention_impl="blockwise")
     assert _square_buffers(cfg, 320) == []
     assert _square_buffers(cfg.replace(attention_impl="chunked"), 320) != []
 
