@@ -1,6 +1,9 @@
-"""model.position_settings: each scheme's own hyperparameters, from YAML, the command line,
-the flat keys of earlier versions and a saved run's full config.yaml of those versions;
-and model.arch as a table (jaxformer.model.archs.ARCHS)."""
+"""model.position_settings: each scheme's own hyperparameters (its entry's settings class,
+jaxformer.positions.scheme.PositionSettings, declared beside its math in
+jaxformer.positions.biases, jaxformer.positions.absolute, jaxformer.positions.cope and
+jaxformer.positions.rotary, gathered by jaxformer.positions.schemes), from YAML, the
+command line, the flat keys of earlier versions and a saved run's full config.yaml of
+those versions."""
 
 import jax
 import numpy as np
@@ -9,8 +12,6 @@ import yaml
 
 from jaxformer import ConfigError, ModelConfig, Transformer
 from jaxformer.core.validation import build_section
-from jaxformer.model.archs import ARCHS
-from jaxformer.model.build import model_for
 from jaxformer.model.config import NESTED
 from jaxformer.positions.biases import T5Settings
 from jaxformer.positions.schemes import LEGACY_KEYS, POSITION_SCHEMES
@@ -192,28 +193,3 @@ def test_replacing_the_position_keeps_only_default_settings():
     changed = ModelConfig(position="sinusoidal", position_settings={"scale": "unit"})
     with pytest.raises(ConfigError, match="scale is not a setting of position='t5'"):
         changed.replace(position="t5")
-
-
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_each_arch_entry_answers_for_its_models(arch):
-    """Each ARCHS entry says what its models do: the module that builds it, the causal
-    rule a model reads, generation (an encoder's KV cache refused), and an encoder
-    stack of its own in the params where it has cross-attention."""
-    entry = ARCHS[arch]
-    cfg = ModelConfig(arch=arch, vocab_size=61, d_model=16, n_layers=1, n_heads=2,
-                      max_seq_len=16, position="t5")
-    model = model_for(cfg)
-    assert type(model).__name__ == entry.module
-    assert (cfg.causal, cfg.generates) == (entry.causal, entry.generates)
-    tokens = jax.numpy.asarray(rng.integers(0, 61, (1, 6)))
-    params = model.init(jax.random.key(0), tokens)["params"]
-    assert ("encoder" in params) == entry.cross_attention
-    # the causal rule, seen in the logits: changing the last token moves the first's
-    other = tokens.at[0, -1].set((tokens[0, -1] + 1) % 61)
-    first = [np.asarray(model.apply({"params": params}, t))[0, 0] for t in (tokens, other)]
-    if not entry.cross_attention:
-        assert np.array_equal(*first) == entry.causal
-    if not entry.generates:
-        from jaxformer.attention.kv_cache import init_cache
-        with pytest.raises(ConfigError, match=f"model.arch={arch} has no generation"):
-            init_cache(cfg, 1, 8)
