@@ -50,4 +50,4 @@ bench: $(STAMP)
 	$(PY) bench/attention.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .jax_cache site .cache
+	rm -rf $(VENV) .pytest_cache .jax_cache site

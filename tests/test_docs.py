@@ -143,8 +143,8 @@ def test_a_stale_path_or_name_is_found():
 
 
 def mkdocs_build(config: pathlib.Path, site: pathlib.Path) -> subprocess.CompletedProcess:
-    """`mkdocs build --strict`, the notebooks rendered as stored (not executed); run in the
-    site's folder, so that mkdocs-jupyter's cache goes there."""
+    """`mkdocs build --strict`, the notebooks rendered as stored (not executed), run in the
+    site's folder (nothing is written into the repository)."""
     env = {**os.environ, "JAXFORMER_DOCS_EXECUTE": "false", "NO_MKDOCS_2_WARNING": "1"}
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config),
                            "-d", str(site)], cwd=site.parent, env=env, capture_output=True,
