@@ -1,5 +1,5 @@
 """The bias schemes, a logit bias per head shared by every layer: ALiBi, T5's buckets,
-FIRE, KERPLE (log) and Sandwich, each entry beside its math (the formulas themselves are
+FIRE, KERPLE (log), Sandwich and ALiBi on a power of the distance (alibi_power), each entry beside its math (the formulas themselves are
 jaxformer.positions.formulas') and its settings. A bias function is hashable by value
 (a module-level function, or a frozen dataclass of its static settings): blockwise
 attention takes it as a static argument."""
@@ -122,10 +122,45 @@ def fire_bias(p, q_positions, k_positions):
     return jnp.einsum("btsw,wn->bnts", h, f32("out_kernel")) + f32("out_bias")[:, None, None]
 
 
+# ---- ALiBi with a power of the distance --------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AlibiPowerSettings(PositionSettings):
+    """power: p of the bias -m_h |i - j|^p, 0 < p <= 2 (KERPLE's power kernel, Chi et al.
+    2022, with ALiBi's fixed slopes m_h in place of learned ones; p = 1 is ALiBi, p < 1
+    penalises far keys less, p = 2 a Gaussian window). Default 0.5."""
+
+    power: float = 0.5
+
+    def __post_init__(self):
+        check_number(OWNER, "power", self.power, float, low=0, low_open=True, high=2)
+
+
+def alibi_power_bias(slopes, q_positions, k_positions, power: float):
+    """-m_h |i - j|^power: [batch, heads, q_len, k_len] float32. slopes: [heads] (ALiBi's);
+    q_positions [batch, q_len], k_positions [batch, k_len]."""
+    distance = jnp.abs(q_positions[:, :, None] - k_positions[:, None, :]).astype(jnp.float32)
+    return -jnp.asarray(slopes, jnp.float32)[None, :, None, None] * (distance ** power)[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PowerBias:
+    power: float
+
+    def __call__(self, slopes, q_positions, k_positions):
+        return alibi_power_bias(slopes, q_positions, k_positions, self.power)
+
+
+def _alibi_power(module, cfg):
+    return LogitBias(_PowerBias(float(cfg.position_settings.power)),
+                     jnp.asarray(alibi_slopes(cfg.n_heads), jnp.float32))
+
+
 SCHEMES = (
     PositionScheme("alibi", "bias", bias=_alibi),
     PositionScheme("t5", "bias", bias=_t5, settings=T5Settings),
     PositionScheme("fire", "bias", bias=_fire),
     PositionScheme("kerple", "bias", bias=_kerple),
     PositionScheme("sandwich", "bias", bias=_sandwich),
+    PositionScheme("alibi_power", "bias", bias=_alibi_power, settings=AlibiPowerSettings),
 )

@@ -133,6 +133,9 @@ def np_position_bias(cfg, p, pos):
         r1, r2 = (np.maximum(p["position_bias"][n], 0.01)[None, :, None, None]
                   for n in ("r1", "r2"))
         return -r1 * np.log(1 + r2 * distance)
+    if cfg.position == "alibi_power":  # -m_h |i - j|^p, m_h = 2^(-8h/N) (N a power of two)
+        slopes = 2.0 ** (-8.0 * np.arange(1, cfg.n_heads + 1) / cfg.n_heads)
+        return -slopes[:, None, None] * distance ** cfg.position_settings.power
     if cfg.position == "sandwich":  # sum_k cos(r / 10000^(2k/d)) - d/2, head h / (8h/N)
         d = cfg.head_dim
         total = sum(np.cos(distance / 10000.0 ** (2 * k / d)) for k in range(1, d // 2 + 1))
