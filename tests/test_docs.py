@@ -110,7 +110,7 @@ def resolves(name: str) -> bool:
 TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(\w+)|`(test_\w+)`")
 
 
-def test_exists(path: str | None, name: str) -> bool:
+def cited_test_exists(path: str | None, name: str) -> bool:
     files = [ROOT / path] if path else (ROOT / "tests").rglob("test_*.py")
     return any(f.exists() and f"def {name}(" in f.read_text() for f in files)
 
@@ -122,7 +122,7 @@ def stale_names(text: str) -> list[str]:
     tests = {(path or None, name or bare) for path, name, bare in TEST_REF.findall(text)}
     return (sorted(p for p in paths if not (ROOT / p).exists())
             + sorted(n for n in set(DOTTED.findall(text)) if not resolves(n))
-            + sorted(f"{p}::{n}" if p else n for p, n in tests if not test_exists(p, n)))
+            + sorted(f"{p}::{n}" if p else n for p, n in tests if not cited_test_exists(p, n)))
 
 
 def test_every_module_path_and_name_the_docs_mention_exists():
