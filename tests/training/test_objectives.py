@@ -3,7 +3,10 @@ whose settings class takes the other keys; a key of another objective is refused
 line naming the objectives that take it, unless it holds their default (what a saved
 run's config.yaml, written when one flat class held every objective's keys, holds); each
 entry's declarations (settings, model archs, data formats, metrics) are what the run
-config and the loop act on."""
+config and the loop act on. The entries are parametrised over the table: lm
+(jaxformer.training.objectives.language_model), mlm (jaxformer.training.objectives.masked_lm),
+dpo (jaxformer.training.objectives.preference), grpo
+(jaxformer.training.objectives.group_policy) and any added later."""
 
 import dataclasses
 
