@@ -140,7 +140,7 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
     rows: dict[str, dict] = {}
     for i, scheme in enumerate(s.schemes):
         mcfg = cfg.model_config(scheme)
-        scalings = [None] + (list(s.rope_scaling) if scheme == "rope" else [])
+        scalings = [None] + (list(s.rope_scaling) if scheme in s.scaled_schemes else [])
         names = [scheme if k is None else f"{scheme}+{k}" for k in scalings]
         for name, scaling in zip(names, scalings):
             rows[name] = {"scheme": scheme, "scaling": scaling, "params": count_params(mcfg),

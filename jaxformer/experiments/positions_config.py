@@ -41,8 +41,9 @@ SMALL = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_l
 class StudySettings:
     """schemes: the model.position values compared, one model each.
     eval_multiples: the evaluation lengths, as multiples of L = train.seq_len.
-    rope_scaling: RoPE scaling kinds applied to the trained RoPE model at evaluation
-      only (factor = the multiple); one extra row each, when rope is among the schemes.
+    rope_scaling: RoPE scaling kinds applied at evaluation only (factor = the multiple) to
+      the trained models of scaled_schemes; one extra row each, for each of those schemes
+      among the schemes.
     eval_tokens: validation tokens scored at every length (rounded down to a multiple of
       every evaluation length, so each length scores the same tokens).
     eval_batch_tokens: tokens per evaluation forward pass.
@@ -54,6 +55,7 @@ class StudySettings:
     schemes: tuple[str, ...] = tuple(POSITION_SCHEMES)
     eval_multiples: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     rope_scaling: tuple[str, ...] = ("yarn",)
+    scaled_schemes: tuple[str, ...] = ("rope",)
     eval_tokens: int = 32768
     eval_batch_tokens: int = 8192
     seeds: int = 1
@@ -62,7 +64,8 @@ class StudySettings:
 
     def __post_init__(self):
         scalings = tuple(n for n, r in ROPE_SCALINGS.items() if r.scales)
-        check_settings(self, choices={"schemes": tuple(POSITION_SCHEMES), "rope_scaling": scalings},
+        check_settings(self, choices={"schemes": tuple(POSITION_SCHEMES), "rope_scaling": scalings,
+                                      "scaled_schemes": tuple(POSITION_SCHEMES)},
                        increasing=("eval_multiples",),
                        positive=("eval_tokens", "eval_batch_tokens", "seeds"))
         if not self.schemes:

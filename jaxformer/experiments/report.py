@@ -12,6 +12,8 @@ import pathlib
 
 import numpy as np
 
+from jaxformer.positions.schemes import POSITION_SCHEMES
+
 
 def seed_stats(per_seed: list[list]) -> tuple[list, list]:
     """(mean, std) over the seeds of [seed][length] values, per length: None where any seed
@@ -96,8 +98,10 @@ def markdown_table(results: dict) -> str:
         "(each token sees the tokens before it in its window).",
         "train loss: mean over the last log interval of training, in nats per token.",
     ]
-    if any(r["scheme"] == "learned" for r in rows.values()):
-        notes.append("learned: its position table has L rows, so it cannot run beyond L (n/a).")
+    for scheme in sorted({r["scheme"] for r in rows.values()}):
+        if POSITION_SCHEMES[scheme].max_length is not None:  # a table of positions
+            notes.append(f"{scheme}: its position table has L rows, so it cannot run beyond L "
+                         "(n/a).")
     for name, row in rows.items():
         if row["scaling"] is not None:
             notes.append(f"{row_title(name, row)}: the trained {row['scheme']} model, evaluated "

@@ -21,7 +21,7 @@ from jaxformer.core.sharding import check_expert_split, resolve_rules
 from jaxformer.core.validation import (ConfigError, build_section, check_choice, check_number,
                                        merge, read_config_file)
 from jaxformer.data import DataConfig
-from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.archs import ARCHS
 from jaxformer.model.config import NESTED, PRESETS, ModelConfig
 from jaxformer.positions.schemes import POSITION_SCHEMES
 from jaxformer.training import objectives
@@ -197,7 +197,7 @@ class RunConfig:
         """The objective's model, data and starting weights (objectives.check_run), and
         the encoder-decoder's label smoothing, each refused in one line."""
         objectives.check_run(self)
-        if self.optim.label_smoothing and self.model.arch != ENCODER_DECODER:
+        if self.optim.label_smoothing and not ARCHS[self.model.arch].encoder:
             raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} is applied "
                               "by the encoder-decoder's loss only (model.arch=encoder_decoder); "
                               "set it to 0")

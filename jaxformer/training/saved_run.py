@@ -50,11 +50,11 @@ def load_run(run_dir: str, *, best: bool = False, member: int | None = None):
     `member`'s)."""
     from jaxformer.data import load_tokenizer
     from jaxformer.model import lora
-    from jaxformer.model.archs import ENCODER_DECODER
+    from jaxformer.model.archs import ARCHS
     from jaxformer.model.transformer import Transformer
 
     cfg, params = load_run_params(run_dir, best=best)
-    if cfg.model.arch == ENCODER_DECODER:
+    if ARCHS[cfg.model.arch].encoder:  # it decodes sources, not prompts
         raise ValueError(f"{run_dir} is an encoder-decoder (model.arch={cfg.model.arch}), which "
                          "continues no prompt; decode its sources with python -m "
                          f"jaxformer.experiments.translate --run {run_dir}")

@@ -14,24 +14,20 @@ import dataclasses
 from typing import Any, Callable, Protocol
 
 from jaxformer.core.validation import ConfigError
-
-# What a data.format's batches hold, as an objective's `batches` names them (the formats
-# are jaxformer.data.config.FORMATS): tokens (a corpus), completions (prompt and completion
-# records, the loss on the completion; their prompts are what GRPO samples from), pairs
-# (a chosen and a rejected answer side by side), sources (source/target pairs of an
-# encoder-decoder).
-FORMAT_BATCHES = {"text": "tokens", "prompt_completion": "completions",
-                  "preference": "pairs", "seq2seq": "sources"}
-
+from jaxformer.data.formats import FORMATS
 
 def batches_of(data_format: str) -> str:
-    """What the batches of data.format=data_format hold (FORMAT_BATCHES)."""
-    return FORMAT_BATCHES.get(data_format, data_format)  # a new format: no objective's yet
+    """What the batches of data.format=data_format hold, as an objective's `batches` names
+    them (jaxformer.data.formats.FORMATS[...].batch): tokens (a corpus), completions
+    (prompt and completion records, the loss on the completion; their prompts are what GRPO
+    samples from), pairs (a chosen and a rejected answer side by side), sources
+    (source/target pairs of an encoder-decoder)."""
+    return FORMATS[data_format].batch
 
 
 def formats_for(batches) -> list[str]:
     """The data.format names whose batches are one of `batches`."""
-    return [f for f, b in FORMAT_BATCHES.items() if b in batches]
+    return [name for name, f in FORMATS.items() if f.batch in batches]
 
 
 class Hooks(Protocol):

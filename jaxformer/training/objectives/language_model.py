@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxformer.model.archs import ENCODER_DECODER
+from jaxformer.model.archs import ARCHS, ENCODER_DECODER
 from jaxformer.training.objectives.entry import Objective, fixed_name
 from jaxformer.training.seq2seq import Seq2Seq
 from jaxformer.training.step import LanguageModel
@@ -22,7 +22,7 @@ class LMSettings:
 
 def build(cfg, tokenizer=None):
     """The step hooks: the encoder-decoder's (Seq2Seq) or the decoder's (LanguageModel)."""
-    if cfg.model.arch == ENCODER_DECODER:
+    if ARCHS[cfg.model.arch].encoder:  # an encoder stack of its own: source/target pairs
         return Seq2Seq(cfg.optim.label_smoothing)
     return LanguageModel(cfg.optim.grad_accum)
 
