@@ -86,16 +86,15 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def plot_loss_curve(run_dir, out_name: str = "loss.png") -> pathlib.Path:
-    """Train and validation loss against step, from metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Train and validation loss against step, from metrics.jsonl. Drawn on a Figure of its
+    own (no pyplot, no matplotlib.use): a notebook's inline plots keep working after it."""
+    from matplotlib.figure import Figure
 
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train", lw=1)
     if val:
@@ -107,5 +106,4 @@ def plot_loss_curve(run_dir, out_name: str = "loss.png") -> pathlib.Path:
     fig.tight_layout()
     out = pathlib.Path(run_dir) / out_name
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
