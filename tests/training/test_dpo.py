@@ -151,7 +151,11 @@ def test_a_dpo_run_learns_the_chosen_answers(tmp_path):
         f"train.run_dir={tmp_path / 'dpo'}"]), log=lambda *a: lines.append(" ".join(a)))
     steps = [r for r in read_metrics(tmp_path / "dpo") if "reward_margin" in r]
     assert [r["step"] for r in steps] == list(range(1, 41))
-    assert steps[0]["reward_margin"] == 0 and steps[0]["reward_accuracy"] == 0
+    # step 1: the policy is its reference, so the margin is 0 and the loss log 2, up to
+    # the rounding of two compiled programs (the policy's forward under grad, the frozen
+    # reference's): -3.3e-9 at JAXFORMER_TEST_SEED=383173235, where an exact 0 was asked
+    assert abs(steps[0]["reward_margin"]) < 1e-6
+    assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
     late = steps[-5:]
     assert np.mean([r["reward_margin"] for r in late]) > 0.1
     assert np.mean([r["reward_accuracy"] for r in late]) > 0.7
