@@ -25,6 +25,7 @@ from jaxformer.hf.rope import cannot, unsupported
 from jaxformer.hf.tensors import Rule, copied, linear
 from jaxformer.model.archs import ARCHS, ENCODER_DECODER
 from jaxformer.model.config import ModelConfig
+from jaxformer.positions.biases import T5Settings
 
 # feed_forward_proj -> model.ffn ("gated-gelu" is the tanh GELU, as T5Config rewrites it)
 FFN_PROJ = {"relu": "relu", "gated-gelu": "geglu", "gated-gelu_new": "geglu",
@@ -66,6 +67,13 @@ def read_config(hf, get, row) -> ModelConfig:
         logits_multiplier=d ** -0.5 if scales_output(hf, get) else 1.0)
 
 
+def buckets(cfg: ModelConfig) -> T5Settings:
+    """cfg's T5 buckets; another scheme's model (written as T5 only to be compared, the
+    round trip naming its position) the defaults."""
+    s = cfg.position_settings
+    return s if isinstance(s, T5Settings) else T5Settings()
+
+
 def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
     """T5's keys; what T5 lacks (RoPE, biases, another norm...) shows in the round trip."""
     if not ARCHS[cfg.arch].cross_attention:
@@ -79,8 +87,8 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
                      "output by d_model ** -0.5 or not at all")
     return dict(d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff, num_heads=cfg.n_heads,
                 num_layers=cfg.encoder_n_layers, num_decoder_layers=cfg.n_layers,
-                relative_attention_num_buckets=cfg.position_settings.num_buckets,
-                relative_attention_max_distance=cfg.position_settings.max_distance,
+                relative_attention_num_buckets=buckets(cfg).num_buckets,
+                relative_attention_max_distance=buckets(cfg).max_distance,
                 layer_norm_epsilon=cfg.norm_eps, feed_forward_proj=FFN_TO_HF[cfg.ffn],
                 is_encoder_decoder=True, is_decoder=False, scale_decoder_outputs=scaled,
                 n_positions=cfg.max_seq_len, dropout_rate=cfg.dropout, initializer_factor=1.0,
@@ -98,7 +106,7 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
                                  ("decoder", cfg.n_layers, True)):
         rules.append(copied((stack, "position_bias", "relative_bias"),
                             f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
-                            ".weight", (cfg.position_settings.num_buckets, cfg.n_heads)))
+                            ".weight", (buckets(cfg).num_buckets, cfg.n_heads)))
         for i in range(layers):
             rules += block_rules(cfg, stack, i, cross)
         rules.append(copied((stack, "final_norm", "scale"), f"{stack}.final_layer_norm.weight",
