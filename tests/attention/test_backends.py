@@ -1,4 +1,5 @@
-"""Every backend (jaxformer.attention.backends) against the float64 reference; dispatch; soft-capping."""
+"""Every backend (jaxformer.attention.backends) against the float64 reference; dispatch and
+the rules that choose a backend (jaxformer.attention.rules); soft-capping."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,5 @@
-"""Hugging Face interop (jaxformer.convert) against transformers itself.
+"""Hugging Face interop (jaxformer.convert: its CLI, jaxformer.convert.hf and the config
+mapping jaxformer.convert.hf_config) against transformers itself.
 
 Every model is built from a config with fresh random weights (norm weights and biases
 perturbed too, so a swapped or dropped one shows), saved with save_pretrained, converted,

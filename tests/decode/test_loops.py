@@ -1,4 +1,5 @@
-"""The KV-cached decoder against full forwards, samplers against their distributions,
+"""The KV-cached decoder (jaxformer.decode.loops over jaxformer.decode.cached_forward) against
+full forwards, samplers against their distributions,
 beam search against exhaustive search. Fresh random weights and prompts every run."""
 
 import contextlib

@@ -1,4 +1,6 @@
-"""jaxformer.eval against lm-evaluation-harness's own `hf` model on the same weights: a tiny
+"""jaxformer.eval (the model class jaxformer.eval.lm, a run's weights read by
+jaxformer.eval.loading, requests scored by jaxformer.eval.scoring) against
+lm-evaluation-harness's own `hf` model on the same weights: a tiny
 run trained for a few steps, exported with `python -m jaxformer.convert to-hf`, gives the
 same per-example log-likelihoods, perplexities, greedy completions and accuracy."""
 

@@ -1,6 +1,6 @@
 """The length-generalisation study: its tasks against Python's arithmetic, its packing, its
 one-pass exact match against greedy decoding, its vmapped seeds against separate runs, and
-the command line end to end."""
+the command line end to end with its report (jaxformer.experiments.length_gen_report)."""
 
 import json
 

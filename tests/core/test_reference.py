@@ -1,4 +1,6 @@
-"""attention_weights and every backend against textbook numbers and float64 NumPy."""
+"""The reference attention (jaxformer.core.reference: attention_weights, the definition every
+backend answers to) and every backend against textbook numbers and float64 NumPy. The
+attention tests' small blocks and chunks apply here too (tests/attention/conftest.py)."""
 
 import numpy as np
 import pytest
@@ -6,6 +8,7 @@ import pytest
 import jax.numpy as jnp
 
 from jaxformer.attention import attention_weights, dot_product_attention
+from tests.attention.conftest import small_blocks, small_chunks  # noqa: F401
 from tests.attention.reference import (
     B,
     BACKENDS,
