@@ -70,6 +70,8 @@ def differences(cfg: ModelConfig, other: ModelConfig) -> list[str]:
         return a == b
     diffs = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME +
              _PER_LAYER and not same(_computed(cfg, f.name), _computed(other, f.name))]
+    if "position" in diffs and "position_settings" in diffs:
+        diffs.remove("position_settings")  # another scheme's settings: its position says it
     if _layers(cfg) != _layers(other):
         diffs.append("layer_kinds" if cfg.layer_pattern else "sliding_window"
                      if {w for w, _ in _layers(cfg)} != {w for w, _ in _layers(other)}
