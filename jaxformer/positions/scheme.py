@@ -57,16 +57,14 @@ class PositionSettings:
     @classmethod
     def read(cls, value, position: str) -> "PositionSettings":
         """The settings of position `position` from None (the defaults), an instance, a
-        mapping of field values (strings from the command line coerced), or another
-        scheme's settings (a model replaced to another position) whose values are all at
-        their defaults."""
+        mapping of field values (strings from the command line coerced; a key the scheme
+        lacks refused), or another scheme's settings: a model replaced to another position
+        (cfg.replace(position=...)) starts from the new scheme's defaults, as the old
+        scheme's settings no longer apply."""
         if type(value) is cls:
             return value
-        if value is None:
+        if value is None or isinstance(value, PositionSettings):
             value = {}
-        elif isinstance(value, PositionSettings):  # another scheme's: only its changes count
-            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
-                     if getattr(value, f.name) != f.default}
         if not isinstance(value, Mapping):
             raise ConfigError(f"{OWNER}={value!r} must be a mapping of position={position!r}'s "
                               f"settings ({', '.join(type_names(cls)) or 'it has none'})")

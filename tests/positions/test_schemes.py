@@ -185,11 +185,14 @@ def test_yaml_and_command_line_forms():
         ModelConfig(position="t5", t5_num_buckets=8, position_settings={"num_buckets": 16})
 
 
-def test_replacing_the_position_keeps_only_default_settings():
-    """cfg.replace(position=...) from a scheme at its default settings gets the new
-    scheme's defaults; changed settings another scheme lacks are refused."""
-    base = ModelConfig(position="sinusoidal")
-    assert base.replace(position="t5").position_settings == T5Settings()
-    changed = ModelConfig(position="sinusoidal", position_settings={"scale": "unit"})
-    with pytest.raises(ConfigError, match="scale is not a setting of position='t5'"):
-        changed.replace(position="t5")
+def test_replacing_the_position_starts_from_the_new_schemes_defaults():
+    """cfg.replace(position=...) (a study sweeping schemes from one base) gets the new
+    scheme's default settings, the old scheme's changed ones left behind; settings given
+    with it are the new scheme's."""
+    n = int(rng.integers(4, 30))
+    t5 = ModelConfig(position="t5", position_settings={"num_buckets": n, "max_distance": 64})
+    assert t5.replace(position="sinusoidal").position_settings.scale == "table"
+    assert t5.replace(position="rope").replace(position="t5").position_settings == T5Settings()
+    assert t5.replace(d_model=64).position_settings == T5Settings(n, 64)
+    moved = t5.replace(position="cope", position_settings={"positions": n})
+    assert moved.position_settings.positions == n
