@@ -40,8 +40,14 @@ def with_defaults(saved: dict, defaults: dict) -> dict:
 
 def config_diff(saved: dict, current: dict) -> list[str]:
     """'field: saved -> current' for every model field that differs; a field the saved
-    config lacks (it predates the field) counts as ModelConfig's default."""
+    config lacks (it predates the field) counts as ModelConfig's default, and the saved
+    config is read as ModelConfig reads it today (a scheme's flat keys of before: its
+    position_settings), so a run written before a field moved compares as the same."""
     saved = with_defaults(saved, ModelConfig().to_dict())
+    try:
+        saved = ModelConfig.from_dict(saved).to_dict()
+    except ConfigError:  # a config this version refuses: compared as it was written
+        pass
     keys = sorted(set(saved) | set(current))
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
             if saved.get(k) != current.get(k)]

@@ -341,7 +341,7 @@ class _Run:
             summary.update(ev)
             log(f"final: {val_text(ev)} at step {end_step}")
         if not stopped_early and cfg.train.sample_tokens and len(cfg.model.lora.members()) == 1 \
-                and cfg.model.causal:  # an encoder generates nothing
+                and cfg.model.generates:  # an encoder generates nothing
             sample = translation_text if isinstance(self.model, EncoderDecoder) else sample_text
             text = sample(self.model, self.state.params, self.data.tokenizer, cfg)
             if text is None:

@@ -381,3 +381,22 @@ def test_a_config_saved_before_a_field_existed_compares_as_its_default():
         "arch: 'decoder' -> 'encoder'"]
     changed = cfg.replace(lora=cfg.lora.replace(rank=4)).to_dict()
     assert config_diff(old, changed) and "rank" in config_diff(old, changed)[0]
+
+
+def test_a_config_saved_with_a_schemes_flat_keys_compares_as_its_settings():
+    """A checkpoint's model config written when a scheme's settings were flat model fields
+    (t5_num_buckets, sinusoidal_scale, ...) compares equal to today's config of the same
+    model (those settings under position_settings), and unequal to another setting."""
+    from jaxformer.model.config import ModelConfig
+    from jaxformer.training.checkpoint import config_diff
+    rng = np.random.default_rng()
+    buckets, distance = int(rng.integers(4, 40)), int(rng.integers(41, 300))
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, position="t5",
+                      position_settings={"num_buckets": buckets, "max_distance": distance})
+    old = {k: v for k, v in cfg.to_dict().items() if k != "position_settings"}
+    old |= {"t5_num_buckets": buckets, "t5_max_distance": distance, "cope_positions": 64,
+            "sinusoidal_scale": "table"}  # a full dump of before: every scheme's keys
+    assert config_diff(old, cfg.to_dict()) == []
+    other = cfg.replace(position_settings={"num_buckets": buckets + 1, "max_distance": distance})
+    assert config_diff(old, other.to_dict()) and "num_buckets" in " ".join(
+        config_diff(old, other.to_dict()))
