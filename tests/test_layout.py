@@ -232,39 +232,93 @@ def variant_tables() -> dict[str, dict]:
     from jaxformer.model import kinds
     from jaxformer.positions.rope_scaling import ROPE_SCALINGS
     from jaxformer.positions.schemes import SINUSOIDAL_SCALES
+    from jaxformer.data.formats import FORMATS
+    from jaxformer.data.tokenizer_kinds import TOKENIZERS
+    from jaxformer.model.archs import ARCHS
+    from jaxformer.training.objectives import OBJECTIVES
+    from jaxformer.training.objectives.preference import LOSSES
+    from jaxformer.training.optim import OPTIMIZERS, SCHEDULES
     return {"position": POSITION_SCHEMES, "attention_impl": BACKENDS,
             "rope_scaling.kind": ROPE_SCALINGS, "norm": kinds.NORMS, "ffn": kinds.FFNS,
             "block": kinds.BLOCKS, "qk_norm": kinds.QK_NORMS, "remat": kinds.REMATS,
-            "sinusoidal_scale": SINUSOIDAL_SCALES, "data source": SOURCES}
+            "position_settings.scale": SINUSOIDAL_SCALES, "data source": SOURCES,
+            "model.arch": ARCHS, "objective.name": OBJECTIVES, "objective.loss": LOSSES,
+            "optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES, "data.format": FORMATS,
+            "data.tokenizer": TOKENIZERS}
 
 
-def compared_literals(node: ast.Compare) -> list[str]:
-    """The string literals an ==, !=, in or not in compares with (alone or in a tuple)."""
+def string_constants() -> dict[str, str]:
+    """The module-level string constants of jaxformer/ (ENCODER_DECODER = "encoder_decoder"):
+    comparing with one is comparing with its value."""
+    found = {}
+    for p in MODULES.values():
+        for node in syntax(p).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
+                    isinstance(node.value.value, str):
+                found |= {t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)}
+    return found
+
+
+def compared_literals(node: ast.Compare, constants: dict[str, str] = {}) -> list[str]:
+    """The strings an ==, !=, in or not in compares with (alone or in a tuple): literals,
+    and names of the string `constants`."""
     if not all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
         return []
     found = []
     for side in (node.left, *node.comparators):
         items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
         found += [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+        found += [constants[i.id] for i in items if isinstance(i, ast.Name) and i.id in constants]
     return found
 
 
 def test_no_variant_is_compared_by_name():
-    """No `==`/`in` compares a value with a variant's name (a positional scheme, backend,
-    RoPE scaling, norm, FFN, block flow, QK-norm, remat policy, sinusoidal scale or data
-    source) anywhere in jaxformer/ but the studies (experiments/, whose choices are data):
-    the code asks the variant's table row what it does. "none" is also the word for no
-    value in parsed text, so it is left to the tables' own tests."""
+    """No `==`/`in` compares a value with a variant's name, written out or through a
+    constant (a positional scheme, backend, RoPE scaling, norm, FFN, block flow, QK-norm,
+    remat policy, sinusoidal scale, data source, model arch, objective, preference loss,
+    optimizer, schedule, data format or tokenizer kind) anywhere in jaxformer/ or train.py
+    (bench/: tests/test_bench_layout.py): the code asks the variant's table row what it
+    does. "none" is also the word for no value in parsed text, so it is left to the tables'
+    own tests."""
     names = {n: field for field, table in variant_tables().items() for n in table}
     names.pop("none", None)
+    constants = string_constants()
     found = []
-    for p in MODULES.values():
-        if p.relative_to(PACKAGE).parts[0] == "experiments":
-            continue
+    for p in [*MODULES.values(), PACKAGE.parent / "train.py"]:
         for node in ast.walk(ast.parse(p.read_text())):
-            hits = sorted({names[s] for s in compared_literals(node) if s in names}) \
+            hits = sorted({names[s] for s in compared_literals(node, constants) if s in names}) \
                 if isinstance(node, ast.Compare) else []
             if hits:
-                found.append(f"{p.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)} "
-                             f"({', '.join(hits)})")
+                found.append(f"{p.relative_to(PACKAGE.parent)}:{node.lineno}: "
+                             f"{ast.unparse(node)} ({', '.join(hits)})")
     assert not found, "\n".join(found)
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def files_testing(module: str) -> list[pathlib.Path]:
+    """The test files of a module's wing folder (tests/<wing>/) that name it: by their file
+    name (tests/model/test_lora.py for jaxformer.model.lora), or in their text by its dotted
+    name (an import, or the docstring of a test that covers it through a table)."""
+    wing, _, name = module.removeprefix("jaxformer.").partition(".")
+    name = name.removesuffix(".__main__") or wing
+    short = name.rsplit(".", 1)[-1]
+    found = []
+    for path in sorted((TESTS / wing).rglob("test_*.py")):
+        text = path.read_text()
+        if short.strip("_") in path.stem or re.search(
+                rf"jaxformer\.{wing}\.{re.escape(name)}\b|from jaxformer\.{wing} import [^\n]*\b{short}\b"
+                rf"|-m jaxformer\.{wing}\b|jaxformer\.{wing}\.{re.escape(name)}", text):
+            found.append(path)
+    return found
+
+
+def test_each_module_has_its_tests_in_the_mirroring_folder():
+    """tests/ mirrors the wings: a module's tests are found by its name in the folder of its
+    wing (no test file is left flat at tests/ but the cross-cutting ones)."""
+    missing = [m for m, p in MODULES.items() if p.name != "__init__.py" and
+               package_of(m) in WINGS and not files_testing(m)]
+    assert not missing, missing
+    flat = {p.name for p in TESTS.glob("test_*.py")}
+    assert flat <= {"test_layout.py", "test_readme.py", "test_docs.py", "test_bench_layout.py"}, flat

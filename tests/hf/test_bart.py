@@ -1,4 +1,5 @@
-"""The bart family (jaxformer.hf.bart) against transformers' BartForConditionalGeneration:
+"""The bart family (jaxformer.hf.bart, and the decoding settings of its
+generation_config.json: jaxformer.hf.generation) against transformers' BartForConditionalGeneration:
 random tiny models with weights of std 0.1 (the position tables, final_logits_bias and
 norms included), read by from_hf, give transformers' float32 logits on padded batches
 within 1e-5 relative and its greedy tokens; to_hf writes a folder transformers reads back

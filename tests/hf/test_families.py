@@ -1,5 +1,9 @@
 """Today's open model families (jaxformer.convert) against transformers itself, one row
-per model type: a random tiny model with its family's layer pattern and windows shorter
+per model type (jaxformer.hf.families, and what the rows are made of: config.json read by
+jaxformer.hf.config_json with jaxformer.hf.rope, jaxformer.hf.layers, jaxformer.hf.scales
+and jaxformer.hf.twists; tensors mapped by jaxformer.hf.tensors in the layouts
+jaxformer.hf.llama_layout, jaxformer.hf.gpt2 and jaxformer.hf.gpt_neox; folders read by
+jaxformer.hf.folder): a random tiny model with its family's layer pattern and windows shorter
 than the input, weights at std 0.1 and norm weights perturbed (so that w vs 1 + w, a
 missing norm or cap shows), saved with save_pretrained, then
 

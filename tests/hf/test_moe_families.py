@@ -1,5 +1,5 @@
-"""The Hugging Face mixture-of-experts families (jaxformer.hf.moe_layout, one row each in
-jaxformer.hf.families) against transformers itself: a random tiny model (2 layers, 4-8
+"""The Hugging Face mixture-of-experts families (jaxformer.hf.moe_layout, and
+jaxformer.hf.mla_layout for DeepSeek's latent attention; one row each in jaxformer.hf.families) against transformers itself: a random tiny model (2 layers, 4-8
 experts, top-2, weights at std 0.1 so that the routing is far from uniform, windows
 shorter than the input where the family has them), saved with save_pretrained, then
 

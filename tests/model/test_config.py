@@ -1,3 +1,6 @@
+"""ModelConfig (jaxformer.model.config): its checks and one-line errors, derived fields and the
+released configurations it reads (jaxformer.model.presets)."""
+
 import dataclasses
 
 import jax

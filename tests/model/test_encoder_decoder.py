@@ -1,5 +1,5 @@
-"""The encoder-decoder (model.arch=encoder_decoder): one encoder layer and one decoder
-layer against a float64 NumPy definition on a padded batch, packing both sides, and what
+"""The encoder-decoder (model.arch=encoder_decoder: jaxformer.model.encoder_decoder, its
+decoder's jaxformer.model.cross_attention): one encoder layer and one decoder layer against a float64 NumPy definition on a padded batch, packing both sides, and what
 a target position's logits depend on (causal in the target, its own segment of the
 source)."""
 

@@ -1,4 +1,6 @@
-"""The Transformer against a float64 NumPy forward pass, and its invariants."""
+"""The Transformer (jaxformer.model.transformer: its blocks jaxformer.model.blocks, norms
+jaxformer.model.norms, the kind tables jaxformer.model.kinds, per-layer patterns
+jaxformer.model.layer_pattern) against a float64 NumPy forward pass, and its invariants."""
 
 import functools
 import math

@@ -1,4 +1,5 @@
-"""Tests for jaxformer.positions.formulas against float64 NumPy references and textbook numbers.
+"""Tests for jaxformer.positions.formulas (with the RoPE scalings of
+jaxformer.positions.rope_scaling) against float64 NumPy references and textbook numbers.
 
 Every random input comes from a fresh seed; the ``rng`` fixture (tests/conftest.py) prints
 it, so a failing run shows the JAXFORMER_TEST_SEED that reproduces it.
