@@ -2,7 +2,7 @@
 pure-function Flax modules.
 
 The package is in wings, bottom up (tests/test_layout.py holds which may import which):
-core, positions, attention, moe, model, decode, hf, data, training, convert, eval,
+core, positions, attention, moe, model, decode, hf, data, training, eval, convert,
 experiments. The names below are the public surface; each has one home in a wing."""
 
 from jaxformer.core.host_memory import keep_freed_memory

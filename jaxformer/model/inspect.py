@@ -1,7 +1,7 @@
 """Experiments on a model's activations: read them (run_with_cache), change them
 (run_with_hooks), the logit lens, and head-ablation and activation-patching sweeps. Names,
-shapes and meanings are TransformerLens's (`blocks.3.attn.hook_pattern`); README
-"Inspecting a model" lists them.
+shapes and meanings are TransformerLens's (`blocks.3.attn.hook_pattern`); the docs' page
+"Inspecting a model" (docs/inspecting.md) lists them.
 
 A sparse layer (jaxformer.moe.experts) shows its routing as TransformerLens 4 names it:
 `blocks.i.mlp.gate.hook_out` (router logits [B, T, E]), `hook_expert_indices` [B, T, k]

@@ -231,7 +231,7 @@ def tsv_keys(corpus):  # one stable name per document, in order: 'docs.tsv:LINE'
 
 
 def read_tsv(corpus, text_field, block):  # (key, [(text, bytes read)]) per document
-    with open(corpus.path_of(corpus.files[0]), "rb") as f:  # the README's example source
+    with open(corpus.path_of(corpus.files[0]), "rb") as f:  # the example source of docs/extending.md
         for i, line in enumerate(f, 1):
             yield f"{corpus.files[0]}:{i}", [(line.decode("utf-8").rstrip("\n"), len(line))]
 

@@ -179,7 +179,7 @@ def model_params(rng, **kw):
 def test_weight_decay_shrinks_kernels_by_lr_times_wd_and_nothing_else(rng):
     """A step with zero gradient moves only the decayed params (matmul kernels), each by
     exactly -lr * wd * p (AdamW's decoupled decay; Adam's own update is 0 / eps = 0); norm
-    scales, biases and embeddings stay bitwise as they were, as the README promises."""
+    scales, biases and embeddings stay bitwise as they were, as docs/training.md promises."""
     params = model_params(rng)
     lr, wd = 0.05, 0.3
     tx, _ = make_optimizer(OptimConfig(lr=lr, weight_decay=wd, warmup_steps=0,
