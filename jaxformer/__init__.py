@@ -9,6 +9,10 @@ from jaxformer.core.host_memory import keep_freed_memory
 
 keep_freed_memory()  # before jax starts its CPU backend: see jaxformer/core/host_memory.py
 
+from jaxformer.core import moved
+
+moved.install()  # an old module path (jaxformer.decoding) fails naming its new home
+
 from jaxformer.decode.beam import beam_search
 from jaxformer.decode.loops import generate, kv_cache_bytes
 from jaxformer.model.build import count_params, model_for, param_shapes

@@ -1,0 +1,25 @@
+"""Old module paths of the flat layout (jaxformer.core.moved): each fails in one line naming
+its new home, and that home imports."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+from jaxformer.core.moved import MOVED
+
+
+def test_an_old_path_names_its_new_home_and_the_new_one_imports():
+    old = sorted(MOVED)
+    for name in np.random.default_rng().permutation(old)[:8]:
+        with pytest.raises(ModuleNotFoundError) as e:
+            importlib.import_module(name)
+        assert str(e.value).count("\n") == 0 and MOVED[name] in str(e.value)
+    for new in MOVED.values():
+        importlib.import_module(new)
+
+
+def test_a_module_that_never_was_is_a_plain_error():
+    with pytest.raises(ModuleNotFoundError) as e:
+        importlib.import_module("jaxformer.no_such_module")
+    assert "is now" not in str(e.value)
