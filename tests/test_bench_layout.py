@@ -4,17 +4,12 @@ stage), and no variant compared by its name in an ==/in (ask the variant's table
 
 import ast
 import functools
-import importlib
 import pathlib
 
-from tests.test_layout import MODULES, compared_literals, syntax, variant_tables
+from tests.test_layout import compared_literals, variant_tables
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
-# the library's tables of the variants a bench script may pick by name (an objective, an
-# optimizer, a model arch, a data format, a tokenizer kind), found wherever they live in
-# jaxformer/, beside those tests/test_layout.py lists
-TABLE_NAMES = ("OBJECTIVES", "OPTIMIZERS", "ARCHS", "FORMATS", "TOKENIZERS")
 
 
 def scripts() -> list[pathlib.Path]:
@@ -36,17 +31,10 @@ def long_functions(paths) -> dict[str, int]:
 
 @functools.cache
 def variant_names() -> dict[str, str]:
-    """{variant name: what it is}: every entry of test_layout's tables and of TABLE_NAMES;
+    """{variant name: the config field it answers}: every entry of test_layout's tables
+    (schemes, backends, objectives, optimizers, archs, data formats, tokenizer kinds, ...);
     "none" left out (also the word for no value)."""
     names = {n: field for field, table in variant_tables().items() for n in table}
-    for module, path in MODULES.items():
-        for node in syntax(path).body:
-            targets = [node.target] if isinstance(node, ast.AnnAssign) else \
-                getattr(node, "targets", [])
-            for t in targets:
-                if isinstance(t, ast.Name) and t.id in TABLE_NAMES:
-                    table = getattr(importlib.import_module(module), t.id)
-                    names.update({n: t.id.lower() for n in table if n not in names})
     names.pop("none", None)
     return names
 
@@ -100,8 +88,8 @@ def test_the_rules_catch_what_they_forbid(tmp_path, rng):
 
     names = variant_names()
     kinds = {kind: sorted(n for n, k in names.items() if k == kind)
-             for kind in ("position", "attention_impl", "optimizers", "objectives", "archs",
-                          "formats", "tokenizers")}
+             for kind in ("position", "attention_impl", "optim.name", "objective.name",
+                          "model.arch", "data.format", "data.tokenizer")}
     assert all(kinds.values()), kinds  # every table is found
     compares = tmp_path / "compares.py"
     picks = [str(rng.choice(k)) for k in kinds.values()]

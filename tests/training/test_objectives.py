@@ -2,7 +2,8 @@
 whose settings class takes the other keys; a key of another objective is refused in one
 line naming the objectives that take it, unless it holds their default (what a saved
 run's config.yaml, written when one flat class held every objective's keys, holds); each
-entry's declarations (settings, model archs, data formats, metrics) are what the run
+entry's declarations (jaxformer.training.objectives.entry: settings, model archs, data
+formats, metrics) are what the run
 config and the loop act on. The entries are parametrised over the table: lm
 (jaxformer.training.objectives.language_model), mlm (jaxformer.training.objectives.masked_lm),
 dpo (jaxformer.training.objectives.preference), grpo
@@ -18,7 +19,7 @@ from jaxformer import ModelConfig
 from jaxformer.model.config import ConfigError
 from jaxformer.training import load_config, objectives
 from jaxformer.training.config import RunConfig
-from jaxformer.training.objectives.entry import FORMAT_BATCHES
+from jaxformer.data.formats import FORMATS
 
 rng = np.random.default_rng()
 
@@ -150,7 +151,7 @@ def test_the_entry_says_which_model_and_data_it_trains(name, run):
         ("model.arch", "data.format", "train.init_from"))]
     extra = ["objective.reward=task:copy"] if "reward" in objectives.own_fields(entry) else []
     for arch in ("decoder", "encoder", "encoder_decoder"):
-        for fmt, batches in FORMAT_BATCHES.items():
+        for fmt, batches in ((n, f.batch) for n, f in FORMATS.items()):
             args = [*base, *extra, f"objective.name={name}", f"model.arch={arch}",
                     f"data.format={fmt}", "data.path=p.jsonl"]
             declared = batches in entry.batches.get(arch, ())
