@@ -37,7 +37,6 @@ MOVED = {
     "jaxformer.mla": "jaxformer.attention.mla",
     "jaxformer.mla_attention": "jaxformer.model.latent_attention",
     "jaxformer.models": "jaxformer.model.build",
-    "jaxformer.moe": "jaxformer.moe.experts",
     "jaxformer.norms": "jaxformer.model.norms",
     "jaxformer.presets": "jaxformer.model.presets",
     "jaxformer.quantize": "jaxformer.model.quantize",
