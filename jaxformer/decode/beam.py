@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from jaxformer.attention.kv_cache import cache_widths, take_rows
 from jaxformer.decode.cached_forward import checked_inputs, decode_jit, forward_one, looped, prefill
-from jaxformer.decode.constraints import Constraints, checked_constraints, constrain, recorded
+from jaxformer.decode.constraints import (Constraints, checked_constraints, constrain,
+                                          prompt_history, recorded)
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.transformer import Transformer
 
@@ -109,8 +110,7 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
         last, cache = prefill(model, params, prompts, lengths, prompts.shape[1] + max_new_tokens,
                               None, True)
         forward = lambda tok, pos, cache: forward_one(model, params, tok, pos, cache)  # noqa: E731
-        history = jnp.pad(prompts, ((0, 0), (0, max_new_tokens))) \
-            if constraints.needs_history else None  # as loops.prompt_history
+        history = prompt_history(prompts, max_new_tokens, constraints)
         return beam_loop(forward, last, cache, lengths, beam_width=beam_width,
                          max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                          n_kv=cache_widths(cfg)[0],

@@ -51,6 +51,12 @@ def checked_constraints(constraints: Constraints | None, vocab_size: int,
     return c
 
 
+def prompt_history(prompts, max_new_tokens: int, constraints: Constraints):
+    """The tokens a constraint reads (each row's prompt, room for the new ones), or None."""
+    return jnp.pad(prompts, ((0, 0), (0, max_new_tokens))) if constraints.needs_history \
+        else None
+
+
 def recorded(history, position, tokens):
     """history [B, L] (None: none kept) with tokens [B] written at position [B]."""
     if history is None:

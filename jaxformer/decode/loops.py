@@ -25,7 +25,8 @@ from jaxformer.core.logprobs import target_logprobs
 from jaxformer.decode.beam import Beams, beam_loop, beam_search  # noqa: F401 (their old home)
 from jaxformer.decode.cached_forward import (Generated, checked_inputs, decode_jit, forward_one,
                                              looped, prefill)
-from jaxformer.decode.constraints import Constraints, checked_constraints, constrain, recorded
+from jaxformer.decode.constraints import (Constraints, checked_constraints, constrain,
+                                          prompt_history, recorded)
 from jaxformer.decode.sampling import (Sampling, checked_sampling, filter_logits,  # noqa: F401
                                        sample_logits)
 from jaxformer.decode.speculative import checked_draft, speculative_fn
@@ -69,12 +70,6 @@ def sample_loop(forward, last, cache, pos, rng, sampling, max_new_tokens, eos_id
     tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
     logprobs = jnp.concatenate([logp[:, None], logps.T], axis=1)
     return Generated(tokens, logprobs, carry[4])
-
-
-def prompt_history(prompts, max_new_tokens: int, constraints: Constraints):
-    """The tokens a constraint reads (each row's prompt, room for the new ones), or None."""
-    return jnp.pad(prompts, ((0, 0), (0, max_new_tokens))) if constraints.needs_history \
-        else None
 
 
 def _decode_run(cfg: ModelConfig, max_new_tokens, eos_id, pad_id, cache_dtype, windowed_cache,
