@@ -95,6 +95,7 @@ WINGS = (
     "core",         # validation, sharding, host memory, hooks, matmul, log-probs, reference math
     "positions",    # positional math, the scheme table, RoPE scalings
     "attention",    # backends and their rules, kernels, masks, the KV cache, MLA's math
+    "recurrent",    # the recurrent mixers' math: gated delta rule, SSD, short convolutions
     "moe",          # routers, dispatches, grouped matmuls, expert parallelism, balancing
     "model",        # ModelConfig, the kind tables, the Flax modules, presets, LoRA, quantize
     "decode",       # sampling, constraints, the cached forward, loops, speculative, seq2seq
