@@ -21,6 +21,11 @@ An MLA layer (jaxformer.attention.mla) caches its latent as ``v`` [batch, max_le
 its rotated key as ``k`` [batch, max_len, qk_rope_head_dim]: one row per batch row
 (cache_widths), kv_lora_rank + qk_rope_head_dim numbers per token.
 
+A layer whose mixer is recurrent (cfg.recurrent_cache(i): gated_delta, mamba2,
+short_conv) holds its own entries instead, e.g. ``state`` [batch, ...] (float32) and
+``conv`` [batch, kernel - 1, channels]: a constant size whatever the length, written by the
+layer itself; the slots' positions and index serve the attention layers.
+
 One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
 matmuls, and the reshape that then sits between the in-place cache update and the matmul
 made XLA:CPU copy each layer's K four times and transpose V on every decode step
@@ -64,9 +69,16 @@ def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = F
     """(k's width + v's width) * rows (kv_heads, or 1 for MLA) * bytes per value * batch *
     the layers' slots (seq_len each, or a windowed layer's window: layer_slots)."""
     itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
-    slots = sum(layer_slots(cfg, seq_len, windowed))
     rows, k_width, v_width = cache_widths(cfg)
-    return (k_width + v_width) * rows * slots * itemsize * batch
+    total = 0
+    for i, slots in enumerate(layer_slots(cfg, seq_len, windowed)):
+        own = cfg.recurrent_cache(i)
+        if own is None:
+            total += (k_width + v_width) * rows * slots * itemsize * batch
+        else:  # a recurrent layer's state: the same bytes at any length
+            total += sum(math.prod(shape) * jnp.dtype(d or dtype or cfg.dtype).itemsize
+                         for shape, d in own.values()) * batch
+    return total
 
 
 def check_generates(cfg) -> None:
@@ -86,16 +98,24 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
     dtype = jnp.dtype(dtype or cfg.dtype)
     per_row, k_width, v_width = cache_widths(cfg)
     rows = batch * per_row
+    def own(i, lead):  # a recurrent layer's entries, each [*lead, batch, ...]
+        return {n: jnp.zeros((*lead, batch, *shape), d or dtype)
+                for n, (shape, d) in cfg.recurrent_cache(i).items()}
+
     if cfg.scan_layers:
         if windowed:
             raise ValueError("a windowed KV cache needs unscanned layers (its layers differ in "
                              "size); use scan_layers=false, or windowed=False")
-        layers = {r.name: {"k": jnp.zeros((r.length, rows, max_len, k_width), dtype),
-                           "v": jnp.zeros((r.length, rows, max_len, v_width), dtype)}
+        layers = {r.name: own(r.start, (r.length,)) if cfg.recurrent_cache(r.start) else
+                  {"k": jnp.zeros((r.length, rows, max_len, k_width), dtype),
+                   "v": jnp.zeros((r.length, rows, max_len, v_width), dtype)}
                   for r in cfg.layer_runs}
     else:
         layers = {}
         for i, s in enumerate(layer_slots(cfg, max_len, windowed, spare)):
+            if cfg.recurrent_cache(i):
+                layers[f"block_{i}"] = own(i, ())
+                continue
             layers[f"block_{i}"] = {"k": jnp.zeros((rows, s, k_width), dtype),
                                     "v": jnp.zeros((rows, s, v_width), dtype)}
             if s < max_len:  # a ring: its slots' positions
@@ -123,13 +143,12 @@ def rolled_back(cache, end):
 
 def take_rows(cache, rows, n_kv_heads: int):
     """The cache of batch rows `rows` [R] (each owns n_kv_heads consecutive K/V rows; a
-    ring's positions one row)."""
+    ring's positions one row; a recurrent layer's entries one row each, unscanned)."""
     kv_rows = (rows[:, None] * n_kv_heads + jnp.arange(n_kv_heads)).reshape(-1)
 
     def take(layer):
-        return {name: jnp.take(x, rows if name == "positions" else kv_rows,
-                               axis=0 if name == "positions" else -3)  # [(L,) R * K, S, H]
-                for name, x in layer.items()}
+        return {name: jnp.take(x, kv_rows, axis=-3) if name in ("k", "v")  # [(L,) R * K, S, H]
+                else jnp.take(x, rows, axis=0) for name, x in layer.items()}
 
     return dict(cache, layers={n: take(layer) for n, layer in cache["layers"].items()},
                 positions=jnp.take(cache["positions"], rows, axis=0))

@@ -58,6 +58,9 @@ DEFAULT_RULES: dict[str, Any] = {
     "latent": None,        # MLA's latents (kv_lora_rank, q_lora_rank)
     "experts": "expert",   # a mixture's experts (their kernels' leading axis, the router's)
     "expert_mlp": "tensor",  # an expert's hidden axis
+    "conv_taps": None,     # a recurrent mixer's short convolution's taps
+    "state": None,         # a recurrent state's width (SSM state, keys of a delta rule)
+    "mixer_groups": None,  # Mamba-2's B/C groups
     "act_batch": ("data", "fsdp", "expert"),  # expert devices share the batch outside MoE
     "act_seq": "context",
     "act_embed": None,

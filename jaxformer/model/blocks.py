@@ -19,6 +19,7 @@ from jaxformer.model.cross_attention import CrossAttention
 from jaxformer.model.kinds import BLOCKS, FFNS
 from jaxformer.model.latent_attention import MLAttention
 from jaxformer.model.lora import adapted
+from jaxformer.model.mixers import ATTENTION, MIXERS
 from jaxformer.model.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.model.self_attention import Attention, dense_init
 from jaxformer.moe.expert_parallel import dispatch_for
@@ -139,6 +140,10 @@ class Block(nn.Module):
     with a cross-attention sublayer (jaxformer.model.cross_attention, params cross_attn) over
     `memory` (a Memory) masked by `cross_rule`, placed by the flow (BlockFlow.cross); its
     keys and values sit in the layer's cache beside the self-attention's.
+    mixer: what mixes its tokens (jaxformer.model.mixers.MIXERS): attention, or a recurrent
+    module (params `mixer`, reading the segment ids `segments` [B, T] to restart its state;
+    its cache holds its state, not keys). ffn: it has a feed-forward network (else the
+    flow's mixer_only form).
     """
 
     cfg: ModelConfig
@@ -148,10 +153,12 @@ class Block(nn.Module):
     kind: int = 0
     sparse: bool = False  # its feed-forward network is the mixture of experts (cfg.moe)
     cross: bool = False  # a cross-attention sublayer (an encoder-decoder's decoder block)
+    mixer: str = ATTENTION
+    ffn: bool = True
 
     @nn.compact
     def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind_id=None,
-                 memory=None, cross_rule=None):
+                 memory=None, cross_rule=None, segments=None):
         """Returns x, or (x, updated cache) when a KV cache is given (always a pair when
         scanned: nn.scan's carry and per-layer output). mask: one MaskRule per layer kind."""
         c = self.cfg
@@ -160,8 +167,12 @@ class Block(nn.Module):
             cross_cache = {n: cache[n] for n in ("cross_k", "cross_v") if n in cache}
             cache = {n: x for n, x in cache.items() if n not in ("cross_k", "cross_v")}
         kind = self.kind if kind_id is None else kind_id
-        attn = (MLAttention if c.mla.on else Attention)(c, self.deterministic, self.impl,
-                                                        name="attn")
+        recurrent = MIXERS[self.mixer].module
+        if recurrent is not None:
+            attn = recurrent(c, c.mixer_settings(self.mixer), name="mixer")
+        else:
+            attn = (MLAttention if c.mla.on else Attention)(c, self.deterministic, self.impl,
+                                                            name="attn")
         ffn = (MoEFeedForward if self.sparse else FeedForward)(c, self.deterministic, name="ffn")
         block = self
 
@@ -171,8 +182,11 @@ class Block(nn.Module):
 
             def attention(self, h):
                 nonlocal cache
-                out = attn(h, positions, pick_rule(mask, kind) if isinstance(mask, tuple)
-                           else mask, bias, cache, cache_index, kind=kind)
+                if recurrent is not None:
+                    out = attn(h, segments, cache)
+                else:
+                    out = attn(h, positions, pick_rule(mask, kind) if isinstance(mask, tuple)
+                               else mask, bias, cache, cache_index, kind=kind)
                 if cache is not None:
                     out, cache = out
                 return out
@@ -200,7 +214,8 @@ class Block(nn.Module):
                 return h
 
         x = hook_point(self, "hook_resid_pre", x)
-        x = BLOCKS[c.block].flow(Parts(), x)
+        flow = BLOCKS[c.block]
+        x = (flow.flow if self.ffn else flow.mixer_only)(Parts(), x)
         x = hook_point(self, "hook_resid_post", constrain(x, "act_batch", "act_seq", "act_embed"))
         if cross_cache is not None:
             cache = {**cache, **cross_cache}

@@ -15,6 +15,7 @@ from jaxformer.model.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
 from jaxformer.model.layer_pattern import LayerKind, read_pattern
 from jaxformer.model.layer_runs import Run, runs
 from jaxformer.model.lora import LoRAConfig, check_expert_targets
+from jaxformer.model.mixers import MIXERS, read_mixer_settings, settings_of
 from jaxformer.model.presets import PRESETS
 from jaxformer.moe.experts import MoEConfig
 from jaxformer.positions.rope_scaling import RopeScaling
@@ -88,6 +89,9 @@ class ModelConfig(Section):
     layer_pattern[i % len]), each a LayerKind in layer_kinds (its window, its RoPE or
     none): Gemma 3's five local layers to one global. Empty: every layer alike, with
     sliding_window.
+    mixer: the recurrent mixers' settings, {name: its settings or a mapping of them}
+    (jaxformer.model.mixers: model.mixer.gated_delta.heads=8); a layer kind names its
+    mixer (model.layer_kinds.<kind>.mixer), attention by default.
     """
 
     arch: str = "decoder"
@@ -137,6 +141,7 @@ class ModelConfig(Section):
     lora: LoRAConfig = LoRAConfig()
     moe: MoEConfig = MoEConfig()
     mla: MLAConfig = MLAConfig()
+    mixer: Any = None
     # earlier versions' flat keys of the schemes' settings (LEGACY_KEYS): None once built
     t5_num_buckets: int | None = None
     t5_max_distance: int | None = None
@@ -161,6 +166,7 @@ class ModelConfig(Section):
         if self.qkv_bias is None:
             set_("qkv_bias", self.use_bias)
         self._read_pattern(set_)
+        set_("mixer", read_mixer_settings(self.mixer))
         self._check_fields()
         self._read_position_settings(set_)
         self._resolve_sizes(set_)
@@ -251,6 +257,7 @@ class ModelConfig(Section):
         check_position(self)  # its own check, and an encoder's refusals
         set_("rope_scaling", self._with_original(self.rope_scaling))
         self._check_pattern(scheme)
+        self._check_mixers(scheme)
         self.moe.sparse(self.n_layers)  # model.moe.layers within 0..n_layers - 1, or one line
         if self.rope_scaling.row.scales and scheme.kind != "rotary":
             rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
@@ -281,11 +288,66 @@ class ModelConfig(Section):
             raise ConfigError(f"model.sliding_window={self.sliding_window} with a layer_pattern: "
                               "set each kind's window in model.layer_kinds instead")
         for name, kind in self.layer_kinds:
+            own = [n for n in ("window", "rope_theta", "rope_scaling") if getattr(kind, n)]
+            if MIXERS[kind.mixer].recurrent and own:
+                raise ConfigError(f"model.layer_kinds.{name} sets {', '.join(own)}, which a "
+                                  f"{kind.mixer} layer has no use for (it reads no positions "
+                                  "and has no window); set them on an attention layer's kind")
             rope_set = not kind.rope or kind.rope_theta is not None or kind.rope_scaling is not None
             if rope_set and scheme.kind != "rotary":
                 raise ConfigError(f"model.layer_kinds.{name} sets RoPE (rope, rope_theta or "
                                   f"rope_scaling), which needs a rotary position scheme, not "
                                   f"position={self.position!r}")
+
+    def _check_mixers(self, scheme):
+        """Recurrent layers: settings given for mixers the layers use, a causal arch, and a
+        position scheme that acts in attention only where some layer attends."""
+        used = set(self.layer_mixers)
+        unused = [n for n, _ in self.mixer if n not in used]
+        if unused:
+            raise ConfigError(f"model.mixer.{unused[0]} is set but no layer kind has "
+                              f"mixer={unused[0]} (model.layer_kinds.<kind>.mixer)")
+        if not self.recurrent:
+            return
+        if not self.causal or ARCHS[self.arch].cross_attention:
+            raise ConfigError(f"model.arch={self.arch} with recurrent layers "
+                              f"({', '.join(sorted(used - {'attention'}))}): they run left to "
+                              "right; use model.arch=decoder")
+        acts = scheme.rotate or scheme.bias or scheme.logits
+        if acts and not any(not MIXERS[m].recurrent for m in used):
+            raise ConfigError(f"model.position={self.position!r} acts in attention layers, and "
+                              f"every layer's mixer here is {', '.join(sorted(used))}; use "
+                              "model.position=none (or an absolute scheme)")
+        if not all(self.layer_ffns) and BLOCKS[self.block].mixer_only is None:
+            raise ConfigError(f"model.block={self.block} has no form for a layer without a "
+                              "feed-forward network (layer_kinds.<kind>.ffn=false); use "
+                              + " or ".join(n for n, b in BLOCKS.items() if b.mixer_only))
+
+    @property
+    def layer_mixers(self) -> tuple[str, ...]:
+        """Each layer's mixer (jaxformer.model.mixers.MIXERS): its kind's."""
+        return tuple(self.kinds[i].mixer for i in self.layer_kind_ids)
+
+    @property
+    def layer_ffns(self) -> tuple[bool, ...]:
+        """Whether each layer has a feed-forward network."""
+        return tuple(self.kinds[i].ffn for i in self.layer_kind_ids)
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer's mixer is recurrent (a fixed-size state in place of a KV cache)."""
+        return any(MIXERS[m].recurrent for m in self.layer_mixers)
+
+    def recurrent_cache(self, layer: int):
+        """Layer `layer`'s decode cache when its mixer is recurrent: {name: (one batch row's
+        shape, dtype or None for the cache's)}; None for an attention layer (keys, values)."""
+        name = self.layer_mixers[layer]
+        shapes = MIXERS[name].cache
+        return None if shapes is None else shapes(self, self.mixer_settings(name))
+
+    def mixer_settings(self, name: str):
+        """Mixer `name`'s settings (model.mixer.<name>, its defaults where not given)."""
+        return settings_of(self.mixer, name)
 
     @property
     def kinds(self) -> tuple[LayerKind, ...]:
@@ -321,6 +383,7 @@ class ModelConfig(Section):
         out["lora"] = self.lora.to_dict()
         out["moe"] = self.moe.to_dict()
         out["mla"] = self.mla.to_dict()
+        out["mixer"] = {n: dataclasses.asdict(m) for n, m in self.mixer} or None
         return out
 
     SECTION = "model"  # from_dict, to_dict, replace: jaxformer.core.validation.Section
@@ -371,8 +434,9 @@ class ModelConfig(Section):
 
     @property
     def layer_runs(self) -> tuple[Run, ...]:
-        """The runs of consecutive layers alike (dense or sparse) that scan_layers stacks."""
-        return runs(self.sparse_layers)
+        """The runs of consecutive layers alike (dense or sparse FFN, or none; the mixer) that
+        scan_layers stacks."""
+        return runs(tuple(zip(self.sparse_layers, self.layer_mixers, self.layer_ffns)))
 
     @property
     def expert_d_ff(self) -> int:

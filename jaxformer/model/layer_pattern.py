@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from jaxformer.core.validation import ConfigError, Section, check_number, coerce, type_names
+from jaxformer.core.validation import (ConfigError, Section, check_choice, check_number,
+                                       coerce, type_names)
+from jaxformer.model.mixers import ATTENTION, MIXERS
 from jaxformer.positions.rope_scaling import RopeScaling
 
 
@@ -18,12 +20,18 @@ class LayerKind(Section):
     window: the sliding window of its attention (None: every earlier key).
     rope: False makes it a NoPE layer (nothing rotated; a rotary position scheme only).
     rope_theta, rope_scaling: this kind's RoPE base and scaling; None: the model's.
+    mixer: what mixes its tokens (jaxformer.model.mixers.MIXERS): attention, or a recurrent
+    layer (gated_delta, mamba2, short_conv: its settings in model.mixer.<name>), which has
+    no window and no RoPE. ffn: the layer has a feed-forward network after its mixer
+    (false: Mamba-2's and Nemotron-H's mixer-only layers).
     """
 
     window: int | None = None
     rope: bool = True
     rope_theta: float | None = None
     rope_scaling: RopeScaling | None = None
+    mixer: str = ATTENTION
+    ffn: bool = True
 
     SECTION = "layer_kinds.<kind>"
 
@@ -31,8 +39,11 @@ class LayerKind(Section):
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         check_number(self.SECTION, "window", self.window, int, low=1, optional=True)
-        if not isinstance(self.rope, bool):
-            raise ConfigError(f"{self.SECTION}.rope={self.rope!r} must be true or false")
+        for name in ("rope", "ffn"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{self.SECTION}.{name}={getattr(self, name)!r} must be true "
+                                  "or false")
+        check_choice(self.SECTION, "mixer", self.mixer, MIXERS)
         check_number(self.SECTION, "rope_theta", self.rope_theta, float, low=1, low_open=True,
                      optional=True)
 

@@ -38,14 +38,17 @@ def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
     if remat.on:
         block = nn.remat(block, policy=remat.policy, prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
-        return [block(cfg, deterministic, impl=impl, kind=kind, sparse=sparse, name=f"block_{i}")
-                for i, (kind, sparse) in enumerate(zip(cfg.layer_kind_ids, cfg.sparse_layers))]
+        return [block(cfg, deterministic, impl=impl, kind=kind, sparse=sparse, mixer=mixer,
+                      ffn=ffn, name=f"block_{i}")
+                for i, (kind, sparse, mixer, ffn) in enumerate(zip(
+                    cfg.layer_kind_ids, cfg.sparse_layers, cfg.layer_mixers, cfg.layer_ffns))]
+    b = nn.broadcast  # positions, masks, bias, cache, index, kind id, memory, cross, segments
     return [(run, nn.scan(block, variable_axes={"params": 0, "moe": 0},
                           split_rngs={"params": True, "dropout": True},
                           metadata_params={nn.PARTITION_NAME: "layers"},
-                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
-                          length=run.length)  # positions, masks, bias, cache, index, kind id
+                          in_axes=(b, b, b, 0, b, 0, b, b, b), length=run.length)
              (cfg, deterministic, scanned=True, impl=impl, sparse=cfg.sparse_layers[run.start],
+              mixer=cfg.layer_mixers[run.start], ffn=cfg.layer_ffns[run.start],
               name=run.name)) for run in cfg.layer_runs]
 
 
@@ -106,6 +109,7 @@ class Transformer(nn.Module):
                          name="embed")
         x = self.embed_inputs(embed, tokens, positions, deterministic)  # [B, T, D]
 
+        segments = segment_ids  # the recurrent layers' (their state restarts, skips padding)
         k_positions, k_segments, index, layers = positions, segment_ids, None, None
         if cache is not None:  # keys are the cache's slots; padding slots hold EMPTY_SLOT
             index, layers = cache["index"], cache["layers"]
@@ -114,6 +118,10 @@ class Transformer(nn.Module):
         split = sequence_split()  # context parallelism: the order of a row is the caller's
         impl = self.backend(b, t, k_positions.shape[1], split)
         self.check_unordered(cache, split)
+        if split is not None and c.recurrent:
+            raise ValueError(f"a sequence split over the context axis with recurrent layers "
+                             f"({', '.join(sorted(set(c.layer_mixers)))}): their state runs "
+                             "left to right; use mesh.context=1")
         causal = c.causal  # the arch's rule (an encoder's is none), decided once here
         mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
                               causal=causal and self.ordered_positions, by_index=by_index,
@@ -121,14 +129,14 @@ class Transformer(nn.Module):
                      for k in c.kinds)  # one per layer kind: each block picks its own
         bias = self.position_bias(impl, t, cache, positions, k_positions)
         blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
-        x, layers = self.run_blocks(blocks, x, positions, mask, bias, layers, index)
+        x, layers = self.run_blocks(blocks, x, positions, mask, bias, layers, index, segments)
         if cache is not None:
             cache = kv_cache.advanced(cache, layers, k_positions, t)
 
         logits = self.logits(embed, x)
         return logits if cache is None else (logits, cache)
 
-    def run_blocks(self, blocks, x, positions, mask, bias, layers, index):
+    def run_blocks(self, blocks, x, positions, mask, bias, layers, index, segments=None):
         """x through block_stack's blocks (and each layer's cache in `layers`, if any)."""
         c = self.cfg
         if c.scan_layers:  # the layer kinds travel as data: each layer's kind id
@@ -136,14 +144,15 @@ class Transformer(nn.Module):
                 kind_ids = jnp.asarray(c.layer_kind_ids[run.start:run.stop], jnp.int32) \
                     if len(c.kinds) > 1 else None
                 x, stacked = scanned(x, positions, mask, bias, layers and layers[run.name],
-                                     index, kind_ids)
+                                     index, kind_ids, None, None, segments)
                 layers = layers and {**layers, run.name: stacked}
             return x, layers
         for block in blocks:
             if layers is None:
-                x = block(x, positions, mask, bias)
+                x = block(x, positions, mask, bias, segments=segments)
             else:
-                x, layer = block(x, positions, mask, bias, layers[block.name], index)
+                x, layer = block(x, positions, mask, bias, layers[block.name], index,
+                                 segments=segments)
                 layers = {**layers, block.name: layer}
         return x, layers
 
