@@ -215,7 +215,8 @@ class Block(nn.Module):
 
         x = hook_point(self, "hook_resid_pre", x)
         flow = BLOCKS[c.block]
-        x = (flow.flow if self.ffn else flow.mixer_only)(Parts(), x)
+        x = (flow.flow if self.ffn and MIXERS[self.mixer].mixes else
+             flow.mixer_only if MIXERS[self.mixer].mixes else flow.ffn_only)(Parts(), x)
         x = hook_point(self, "hook_resid_post", constrain(x, "act_batch", "act_seq", "act_embed"))
         if cross_cache is not None:
             cache = {**cache, **cross_cache}

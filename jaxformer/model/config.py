@@ -72,6 +72,8 @@ class ModelConfig(Section):
     cap * tanh(x / cap) on the scaled attention logits (before any position bias and the
     mask) and on the output logits (Gemma 2). attn_sinks: a learned logit per query head
     (param attn/sinks [N]) in every row's softmax, a key with a zero value (gpt-oss).
+    attn_output_gate: each head's output times sigmoid of a gate projected from the input
+    (param attn/gate [D, N, H]; Qwen3-Next's and Qwen3.5's gated attention).
     embed_multiplier (Gemma: sqrt(d_model),
     rounded to the compute dtype; Granite), residual_multiplier (each sublayer's output
     before it joins the residual: Granite), logits_multiplier (Cohere's logit_scale,
@@ -129,6 +131,7 @@ class ModelConfig(Section):
     attn_scale: float | None = None
     attn_softcap: float | None = None
     attn_sinks: bool = False
+    attn_output_gate: bool = False
     final_softcap: float | None = None
     embed_norm: bool = False
     head_transform: bool = False
@@ -189,7 +192,7 @@ class ModelConfig(Section):
         check_number(o, "norm_eps", self.norm_eps, float, low=0, low_open=True)
         check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
         for name in ("use_bias", "qkv_bias", "tie_embeddings", "tie_source_embed", "scan_layers",
-                     "attn_sinks", "embed_norm", "head_transform", "head_bias"):
+                     "attn_sinks", "attn_output_gate", "embed_norm", "head_transform", "head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         check_choice(o, "arch", self.arch, ARCHS)
@@ -258,6 +261,7 @@ class ModelConfig(Section):
         set_("rope_scaling", self._with_original(self.rope_scaling))
         self._check_pattern(scheme)
         self._check_mixers(scheme)
+        self._check_layer_forms()
         self.moe.sparse(self.n_layers)  # model.moe.layers within 0..n_layers - 1, or one line
         if self.rope_scaling.row.scales and scheme.kind != "rotary":
             rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
@@ -314,14 +318,24 @@ class ModelConfig(Section):
                               f"({', '.join(sorted(used - {'attention'}))}): they run left to "
                               "right; use model.arch=decoder")
         acts = scheme.rotate or scheme.bias or scheme.logits
-        if acts and not any(not MIXERS[m].recurrent for m in used):
+        if acts and not any(MIXERS[m].mixes and not MIXERS[m].recurrent for m in used):
             raise ConfigError(f"model.position={self.position!r} acts in attention layers, and "
                               f"every layer's mixer here is {', '.join(sorted(used))}; use "
                               "model.position=none (or an absolute scheme)")
-        if not all(self.layer_ffns) and BLOCKS[self.block].mixer_only is None:
-            raise ConfigError(f"model.block={self.block} has no form for a layer without a "
-                              "feed-forward network (layer_kinds.<kind>.ffn=false); use "
-                              + " or ".join(n for n, b in BLOCKS.items() if b.mixer_only))
+
+    def _check_layer_forms(self):
+        """A layer kind without an FFN or without a mixer needs its block's form for it."""
+        for name, kind in self.layer_kinds:
+            mixes = MIXERS[kind.mixer].mixes
+            form = "mixer_only" if not kind.ffn else None if mixes else "ffn_only"
+            if not kind.ffn and not mixes:
+                raise ConfigError(f"model.layer_kinds.{name} has neither a mixer (mixer=none) "
+                                  "nor a feed-forward network (ffn=false)")
+            if form and getattr(BLOCKS[self.block], form) is None:
+                raise ConfigError(
+                    f"model.block={self.block} has no form for model.layer_kinds.{name} "
+                    f"({'ffn=false' if form == 'mixer_only' else 'mixer=none'}); use model.block="
+                    + " or ".join(n for n, b in BLOCKS.items() if getattr(b, form)))
 
     @property
     def layer_mixers(self) -> tuple[str, ...]:

@@ -111,6 +111,13 @@ def _pre_ln_mixer_only(b, x):
     return x + b.out("hook_attn_out", b.attention(b.norm("attn_norm", x)))
 
 
+# a layer of its feed-forward network alone (mixer none: Nemotron-H's MLP layers)
+
+
+def _pre_ln_ffn_only(b, x):
+    return x + b.out("hook_mlp_out", b.ffn(b.norm("ffn_norm", x)))
+
+
 # the cross-attention sublayer of an encoder-decoder's decoder block (b.cross_attention(h)),
 # joined to the residual in its flow's own manner, between self-attention and the FFN
 
@@ -139,15 +146,17 @@ class BlockFlow:
     sublayer as this flow joins it, run at the flow's midpoint (hook_resid_mid) in a
     decoder block of an encoder-decoder; None where the flow has no midpoint (parallel).
     mixer_only(b, x) -> x: a layer with no feed-forward network in this flow's manner
-    (None: the flow has no such form)."""
+    (None: the flow has no such form); ffn_only(b, x) -> x: a layer without a mixer."""
 
     flow: Callable
     ends_in_norm: bool = False
     cross: Callable | None = None
     mixer_only: Callable | None = None
+    ffn_only: Callable | None = None
 
 
-BLOCKS = {"pre_ln": BlockFlow(_pre_ln, cross=_cross_pre_ln, mixer_only=_pre_ln_mixer_only),
+BLOCKS = {"pre_ln": BlockFlow(_pre_ln, cross=_cross_pre_ln, mixer_only=_pre_ln_mixer_only,
+                             ffn_only=_pre_ln_ffn_only),
           "post_ln": BlockFlow(_post_ln, ends_in_norm=True, cross=_cross_post_ln),
           "sandwich": BlockFlow(_sandwich, cross=_cross_sandwich),
           "res_post_ln": BlockFlow(_res_post_ln, cross=_cross_res_post_ln),

@@ -23,11 +23,13 @@ class Mixer:
     """settings: its settings class (model.mixer.<name>); None: attention, whose settings
     are the model's own fields. module: the Flax module (None: the model's attention).
     cache(cfg, settings) -> {name: (shape of one batch row's entry, float32 or None for
-    the model's dtype)}: its layer's decode cache, whatever the length."""
+    the model's dtype)}: its layer's decode cache, whatever the length. mixes: False for
+    `none`, a layer of its feed-forward network alone (Nemotron-H's MLP layers)."""
 
     settings: type | None = None
     module: Callable | None = None
     cache: Callable | None = None
+    mixes: bool = True
 
     @property
     def recurrent(self) -> bool:
@@ -36,6 +38,7 @@ class Mixer:
 
 MIXERS: dict[str, Mixer] = {
     "attention": Mixer(),
+    "none": Mixer(mixes=False),
     "gated_delta": Mixer(gated_delta.GatedDeltaSettings, gated_delta.GatedDeltaMixer,
                          gated_delta.cache_shapes),
     "mamba2": Mixer(mamba2.Mamba2Settings, mamba2.Mamba2Mixer, mamba2.cache_shapes),
