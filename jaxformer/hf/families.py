@@ -16,7 +16,6 @@ than a 7B-sized guess.
 
 from __future__ import annotations
 
-
 from jaxformer.hf import (bart, bert, gated_delta_layout, gpt2, gpt_neox, lfm2_layout,
                           mamba2_layout, nemotron_layout, scales, t5, twists)
 from jaxformer.hf.model_type import HFModelType
