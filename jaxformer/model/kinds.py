@@ -61,7 +61,12 @@ def _clamped_swiglu(gate, up):
     return (up + 1) * gate * jax.nn.sigmoid(CLAMP_ALPHA * gate)
 
 
+def _relu2(x):  # squared ReLU (Primer; Nemotron-H's MLP)
+    return jnp.square(jax.nn.relu(x))
+
+
 FFNS = {"gelu": FFN(_gelu_tanh), "gelu_exact": FFN(_gelu_erf), "relu": FFN(jax.nn.relu),
+        "relu2": FFN(_relu2),
         "swiglu": FFN(jax.nn.silu, gated=True), "geglu": FFN(_gelu_tanh, gated=True),
         "clamped_swiglu": FFN(jax.nn.silu, gated=True, glu=_clamped_swiglu)}
 
