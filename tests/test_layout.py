@@ -148,7 +148,9 @@ def test_training_reads_hf_folders_without_the_converter():
     assert not arrows, arrows
 
 
-ROWS = PACKAGE / "hf" / "families.py"  # one row per Hugging Face model_type
+# one row per Hugging Face model_type: in families.py, or in a layout module's ROWS (hybrids)
+ROWS = {PACKAGE / "hf" / "families.py"} | {
+    p for p in (PACKAGE / "hf").glob("*_layout.py") if re.search(r"^ROWS\b", p.read_text(), re.M)}
 
 
 def test_model_types_are_named_in_their_rows_alone():
@@ -173,7 +175,7 @@ def test_model_types_are_named_in_their_rows_alone():
                                  for op in node.ops):
                     found.append(f"{where}:{node.lineno}: compares with {named}")
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
-                    node.value in literal_names and path != ROWS:
+                    node.value in literal_names and path not in ROWS:
                 found.append(f"{where}:{node.lineno}: {node.value!r}")
     assert not found, found
 
@@ -236,6 +238,7 @@ def variant_tables() -> dict[str, dict]:
     from jaxformer.data.formats import FORMATS
     from jaxformer.data.tokenizer_kinds import TOKENIZERS
     from jaxformer.model.archs import ARCHS
+    from jaxformer.model.mixers import MIXERS
     from jaxformer.training.objectives import OBJECTIVES
     from jaxformer.training.objectives.preference import LOSSES
     from jaxformer.training.optim import OPTIMIZERS, SCHEDULES
@@ -245,7 +248,8 @@ def variant_tables() -> dict[str, dict]:
             "position_settings.scale": SINUSOIDAL_SCALES, "data source": SOURCES,
             "model.arch": ARCHS, "objective.name": OBJECTIVES, "objective.loss": LOSSES,
             "optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES, "data.format": FORMATS,
-            "data.tokenizer": TOKENIZERS}
+            "data.tokenizer": TOKENIZERS, # attention and none: words of other fields too (HF rows' biases)
+            "layer_kinds.<kind>.mixer": {n: m for n, m in MIXERS.items() if m.recurrent}}
 
 
 def string_constants() -> dict[str, str]:

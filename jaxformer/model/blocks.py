@@ -168,11 +168,7 @@ class Block(nn.Module):
             cache = {n: x for n, x in cache.items() if n not in ("cross_k", "cross_v")}
         kind = self.kind if kind_id is None else kind_id
         recurrent = MIXERS[self.mixer].module
-        if recurrent is not None:
-            attn = recurrent(c, c.mixer_settings(self.mixer), name="mixer")
-        else:
-            attn = (MLAttention if c.mla.on else Attention)(c, self.deterministic, self.impl,
-                                                            name="attn")
+        attn = self.mixer_module()
         ffn = (MoEFeedForward if self.sparse else FeedForward)(c, self.deterministic, name="ffn")
         block = self
 
@@ -221,3 +217,11 @@ class Block(nn.Module):
         if cross_cache is not None:
             cache = {**cache, **cross_cache}
         return (x, cache) if self.scanned or cache is not None else x
+
+    def mixer_module(self):
+        """The layer's mixer: its recurrent module (params `mixer`), or attention (`attn`)."""
+        c, recurrent = self.cfg, MIXERS[self.mixer].module
+        if recurrent is not None:
+            return recurrent(c, c.mixer_settings(self.mixer), name="mixer")
+        return (MLAttention if c.mla.on else Attention)(c, self.deterministic, self.impl,
+                                                        name="attn")

@@ -12,7 +12,8 @@ from jaxformer.core.validation import (ConfigError, Section, check_choice,  # no
                                        check_number, coerce, type_names)
 from jaxformer.model.archs import ARCHS
 from jaxformer.model.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
-from jaxformer.model.layer_pattern import LayerKind, read_pattern
+from jaxformer.model.layer_pattern import (LayerKind, check_layer_forms, check_mixers,
+                                           check_pattern, read_pattern)
 from jaxformer.model.layer_runs import Run, runs
 from jaxformer.model.lora import LoRAConfig, check_expert_targets
 from jaxformer.model.mixers import MIXERS, read_mixer_settings, settings_of
@@ -259,83 +260,15 @@ class ModelConfig(Section):
                                   f"scheme, not position={self.position!r}")
         check_position(self)  # its own check, and an encoder's refusals
         set_("rope_scaling", self._with_original(self.rope_scaling))
-        self._check_pattern(scheme)
-        self._check_mixers(scheme)
-        self._check_layer_forms()
+        check_pattern(self, scheme)  # jaxformer.model.layer_pattern
+        check_mixers(self, scheme)
+        check_layer_forms(self)
         self.moe.sparse(self.n_layers)  # model.moe.layers within 0..n_layers - 1, or one line
         if self.rope_scaling.row.scales and scheme.kind != "rotary":
             rotary = " or ".join(f"model.position={n!r}" for n in schemes_of("rotary"))
             raise ConfigError(f"model.rope_scaling.kind={self.rope_scaling.kind!r} needs "
                               f"{rotary} (got {self.position!r})")
 
-    def _check_pattern(self, scheme):
-        """The layer pattern names kinds that exist, each used; windows per kind replace
-        sliding_window; RoPE settings per kind need a rotary scheme."""
-        names = [n for n, _ in self.layer_kinds]
-        if not self.layer_pattern:
-            if names:
-                raise ConfigError(f"model.layer_kinds ({', '.join(names)}) needs model."
-                                  "layer_pattern, the kinds' order over the layers")
-            return
-        unknown = sorted(set(self.layer_pattern) - set(names))
-        if unknown:
-            raise ConfigError(f"model.layer_pattern names {', '.join(map(repr, unknown))}, not in "
-                              f"model.layer_kinds ({', '.join(names) or 'none defined'})")
-        unused = [n for n in names if n not in self.layer_pattern]
-        if unused:
-            raise ConfigError(f"model.layer_kinds {', '.join(map(repr, unused))} not used by "
-                              f"model.layer_pattern={list(self.layer_pattern)}")
-        if len(self.layer_pattern) > self.n_layers:
-            raise ConfigError(f"model.layer_pattern has {len(self.layer_pattern)} entries, more "
-                              f"than model.n_layers={self.n_layers}")
-        if self.sliding_window is not None:
-            raise ConfigError(f"model.sliding_window={self.sliding_window} with a layer_pattern: "
-                              "set each kind's window in model.layer_kinds instead")
-        for name, kind in self.layer_kinds:
-            own = [n for n in ("window", "rope_theta", "rope_scaling") if getattr(kind, n)]
-            if MIXERS[kind.mixer].recurrent and own:
-                raise ConfigError(f"model.layer_kinds.{name} sets {', '.join(own)}, which a "
-                                  f"{kind.mixer} layer has no use for (it reads no positions "
-                                  "and has no window); set them on an attention layer's kind")
-            rope_set = not kind.rope or kind.rope_theta is not None or kind.rope_scaling is not None
-            if rope_set and scheme.kind != "rotary":
-                raise ConfigError(f"model.layer_kinds.{name} sets RoPE (rope, rope_theta or "
-                                  f"rope_scaling), which needs a rotary position scheme, not "
-                                  f"position={self.position!r}")
-
-    def _check_mixers(self, scheme):
-        """Recurrent layers: settings given for mixers the layers use, a causal arch, and a
-        position scheme that acts in attention only where some layer attends."""
-        used = set(self.layer_mixers)
-        unused = [n for n, _ in self.mixer if n not in used]
-        if unused:
-            raise ConfigError(f"model.mixer.{unused[0]} is set but no layer kind has "
-                              f"mixer={unused[0]} (model.layer_kinds.<kind>.mixer)")
-        if not self.recurrent:
-            return
-        if not self.causal or ARCHS[self.arch].cross_attention:
-            raise ConfigError(f"model.arch={self.arch} with recurrent layers "
-                              f"({', '.join(sorted(used - {'attention'}))}): they run left to "
-                              "right; use model.arch=decoder")
-        acts = scheme.rotate or scheme.bias or scheme.logits
-        if acts and not any(MIXERS[m].mixes and not MIXERS[m].recurrent for m in used):
-            raise ConfigError(f"model.position={self.position!r} acts in attention layers, and "
-                              f"every layer's mixer here is {', '.join(sorted(used))}; use "
-                              "model.position=none (or an absolute scheme)")
-
-    def _check_layer_forms(self):
-        """A layer kind without an FFN or without a mixer needs its block's form for it."""
-        for name, kind in self.layer_kinds:
-            mixes = MIXERS[kind.mixer].mixes
-            form = "mixer_only" if not kind.ffn else None if mixes else "ffn_only"
-            if not kind.ffn and not mixes:
-                raise ConfigError(f"model.layer_kinds.{name} has neither a mixer (mixer=none) "
-                                  "nor a feed-forward network (ffn=false)")
-            if form and getattr(BLOCKS[self.block], form) is None:
-                raise ConfigError(
-                    f"model.block={self.block} has no form for model.layer_kinds.{name} "
-                    f"({'ffn=false' if form == 'mixer_only' else 'mixer=none'}); use model.block="
-                    + " or ".join(n for n, b in BLOCKS.items() if getattr(b, form)))
 
     @property
     def layer_mixers(self) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-"""model.layer_kinds' rows: LayerKind, one kind of layer in a model's layer pattern (read
-by jaxformer.model.config.ModelConfig, which resolves each kind's RoPE from the model's)."""
+"""model.layer_kinds' rows (LayerKind: one kind of layer in a model's layer pattern, its window,
+RoPE and mixer) and the checks of a pattern as a whole (read by jaxformer.model.config)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Mapping
 
 from jaxformer.core.validation import (ConfigError, Section, check_choice, check_number,
                                        coerce, type_names)
+from jaxformer.model.archs import ARCHS
+from jaxformer.model.kinds import BLOCKS
 from jaxformer.model.mixers import ATTENTION, MIXERS
 from jaxformer.positions.rope_scaling import RopeScaling
 
@@ -39,7 +41,7 @@ class LayerKind(Section):
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         check_number(self.SECTION, "window", self.window, int, low=1, optional=True)
-        for name in ("rope", "ffn"):
+        for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{self.SECTION}.{name}={getattr(self, name)!r} must be true "
                                   "or false")
@@ -71,3 +73,75 @@ def read_pattern(pattern, kinds) -> tuple[tuple[str, ...], tuple[tuple[str, Laye
                               f"{', '.join(fields)}")
         read.append((str(name), kind))
     return tuple(pattern or ()), tuple(read)
+
+
+def check_pattern(cfg, scheme):
+    """The layer pattern names kinds that exist, each used; windows per kind replace
+    sliding_window; RoPE settings per kind need a rotary scheme."""
+    names = [n for n, _ in cfg.layer_kinds]
+    if not cfg.layer_pattern:
+        if names:
+            raise ConfigError(f"model.layer_kinds ({', '.join(names)}) needs model."
+                              "layer_pattern, the kinds' order over the layers")
+        return
+    unknown = sorted(set(cfg.layer_pattern) - set(names))
+    if unknown:
+        raise ConfigError(f"model.layer_pattern names {', '.join(map(repr, unknown))}, not in "
+                          f"model.layer_kinds ({', '.join(names) or 'none defined'})")
+    unused = [n for n in names if n not in cfg.layer_pattern]
+    if unused:
+        raise ConfigError(f"model.layer_kinds {', '.join(map(repr, unused))} not used by "
+                          f"model.layer_pattern={list(cfg.layer_pattern)}")
+    if len(cfg.layer_pattern) > cfg.n_layers:
+        raise ConfigError(f"model.layer_pattern has {len(cfg.layer_pattern)} entries, more "
+                          f"than model.n_layers={cfg.n_layers}")
+    if cfg.sliding_window is not None:
+        raise ConfigError(f"model.sliding_window={cfg.sliding_window} with a layer_pattern: "
+                          "set each kind's window in model.layer_kinds instead")
+    for name, kind in cfg.layer_kinds:
+        own = [n for n in ("window", "rope_theta", "rope_scaling") if getattr(kind, n)]
+        if MIXERS[kind.mixer].recurrent and own:
+            raise ConfigError(f"model.layer_kinds.{name} sets {', '.join(own)}, which a "
+                              f"{kind.mixer} layer has no use for (it reads no positions "
+                              "and has no window); set them on an attention layer's kind")
+        rope_set = not kind.rope or kind.rope_theta is not None or kind.rope_scaling is not None
+        if rope_set and scheme.kind != "rotary":
+            raise ConfigError(f"model.layer_kinds.{name} sets RoPE (rope, rope_theta or "
+                              f"rope_scaling), which needs a rotary position scheme, not "
+                              f"position={cfg.position!r}")
+
+
+def check_mixers(cfg, scheme):
+    """Recurrent layers: settings given for mixers the layers use, a causal arch, and a
+    position scheme that acts in attention only where some layer attends."""
+    used = set(cfg.layer_mixers)
+    unused = [n for n, _ in cfg.mixer if n not in used]
+    if unused:
+        raise ConfigError(f"model.mixer.{unused[0]} is set but no layer kind has "
+                          f"mixer={unused[0]} (model.layer_kinds.<kind>.mixer)")
+    if not cfg.recurrent:
+        return
+    if not cfg.causal or ARCHS[cfg.arch].cross_attention:
+        raise ConfigError(f"model.arch={cfg.arch} with recurrent layers "
+                          f"({', '.join(sorted(used - {'attention'}))}): they run left to "
+                          "right; use model.arch=decoder")
+    acts = scheme.rotate or scheme.bias or scheme.logits
+    if acts and not any(MIXERS[m].mixes and not MIXERS[m].recurrent for m in used):
+        raise ConfigError(f"model.position={cfg.position!r} acts in attention layers, and "
+                          f"every layer's mixer here is {', '.join(sorted(used))}; use "
+                          "model.position=none (or an absolute scheme)")
+
+
+def check_layer_forms(cfg):
+    """A layer kind without an FFN or without a mixer needs its block's form for it."""
+    for name, kind in cfg.layer_kinds:
+        mixes = MIXERS[kind.mixer].mixes
+        form = "mixer_only" if not kind.ffn else None if mixes else "ffn_only"
+        if not kind.ffn and not mixes:
+            raise ConfigError(f"model.layer_kinds.{name} has neither a mixer (mixer=none) "
+                              "nor a feed-forward network (ffn=false)")
+        if form and getattr(BLOCKS[cfg.block], form) is None:
+            raise ConfigError(
+                f"model.block={cfg.block} has no form for model.layer_kinds.{name} "
+                f"({'ffn=false' if form == 'mixer_only' else 'mixer=none'}); use model.block="
+                + " or ".join(n for n, b in BLOCKS.items() if getattr(b, form)))

@@ -1,5 +1,6 @@
 """config.json files that today's save_pretrained does not write (older transformers, the
-Hub, hand-written) against transformers' own reading of the same file.
+Hub, hand-written) against transformers' own reading of the same file (each read by its
+row, a jaxformer.hf.model_type.HFModelType).
 
 Each case is a config.json written by hand (no layer_types; Gemma 3's legacy rope_theta /
 rope_local_base_freq / rope_scaling; Gemma 3's and OLMo 3's rope_parameters flat, or keyed
