@@ -6,10 +6,18 @@ RMSNorm by silu(z) (per group), and the output projection."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
+from jaxformer.core.hooks import hook_point
+from jaxformer.core.matmul import flat_dot_general, promote_kernel
+from jaxformer.core.sharding import constrain, init_with_names
 from jaxformer.core.validation import ConfigError, Section, check_number
+from jaxformer.recurrent.conv import causal_conv
+from jaxformer.recurrent.ssd import ssd_chunked, ssd_recurrent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +26,11 @@ class Mamba2Settings(Section):
     groups: B and C's groups (n_groups); state: the state's width N (d_state / state_size);
     conv: the convolution's taps; chunk: the chunked form's length; conv_bias, bias: biases
     on the convolution and on the in/out projections; dt_min, dt_max, dt_floor: the step's
-    initial range; dt_limit: the step clamped to [low, high] (high None: no limit)."""
+    initial range (dt_bias's init); dt_limit_low, dt_limit_high: the step clamped to
+    [low, high] (high None: no limit; HF's time_step_limit, Nemotron-H's (time_step_min,
+    inf)), in the chunked form and the one-token step alike (transformers' torch step
+    does not clamp). The gated norm's groups are B and C's (heads / groups heads each).
+    The norm's epsilon is the model's norm_eps."""
 
     heads: int = 8
     head_dim: int = 64
@@ -39,6 +51,9 @@ class Mamba2Settings(Section):
     def __post_init__(self):
         for name in ("heads", "head_dim", "groups", "state", "conv", "chunk"):
             check_number(self.SECTION, name, getattr(self, name), int, low=1)
+        check_number(self.SECTION, "dt_limit_low", self.dt_limit_low, float, low=0)
+        check_number(self.SECTION, "dt_limit_high", self.dt_limit_high, float,
+                     low=self.dt_limit_low, optional=True)
         if self.heads % self.groups:
             raise ConfigError(f"{self.SECTION}.heads={self.heads} must be a multiple of "
                               f"groups={self.groups}")
@@ -56,17 +71,131 @@ class Mamba2Settings(Section):
 def cache_shapes(cfg, s: Mamba2Settings):
     """One row's cache: the state [heads, head_dim, state] (float32) and the convolution's
     last conv - 1 inputs [conv - 1, channels]."""
-    import jax.numpy as jnp
     return {"state": ((s.heads, s.head_dim, s.state), jnp.float32),
             "conv": ((s.conv - 1, s.conv_channels), None)}
 
 
+def heads_projection(cfg, shape, names, name: str, bias: bool, axis=(-1,), std: float = 0.02):
+    """A DenseGeneral over `axis` to `shape`, its kernel's logical axes `names` (the bias's
+    the output ones), in the model's dtypes."""
+    return nn.DenseGeneral(shape, axis=axis, use_bias=bias, dtype=cfg.dtype,
+                           param_dtype=cfg.param_dtype,
+                           kernel_init=init_with_names(nn.initializers.normal(std), *names),
+                           bias_init=init_with_names(nn.initializers.zeros,
+                                                     *names[len(axis):]),
+                           dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
+
+
+def dt_bias_init(s: Mamba2Settings):
+    """HF's dt_bias: the inverse softplus of steps log-uniform in [dt_min, dt_max], at
+    least dt_floor."""
+    def init(key, shape, dtype):
+        u = jax.random.uniform(key, shape, jnp.float32)
+        dt = jnp.exp(u * (math.log(s.dt_max) - math.log(s.dt_min)) + math.log(s.dt_min))
+        dt = jnp.maximum(dt, s.dt_floor)
+        return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+    return init
+
+
+def a_log_init(key, shape, dtype):
+    """A_log = log(1 .. heads): head h decays at rate h + 1 per unit step."""
+    return jnp.log(jnp.arange(1, shape[0] + 1, dtype=jnp.float32)).astype(dtype)
+
+
+def conv_init(key, shape, dtype):
+    """torch's Conv1d default (kaiming uniform, a = sqrt(5)): uniform in +-1/sqrt(taps)."""
+    bound = 1 / math.sqrt(shape[0])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def step_size(dt, dt_bias, s: Mamba2Settings):
+    """softplus(dt + dt_bias) clamped to [dt_limit_low, dt_limit_high], float32 [B, T, H]."""
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    return jnp.clip(dt, s.dt_limit_low, s.dt_limit_high)
+
+
+def grouped_gated_norm(y, z, scale, groups: int, eps: float):
+    """HF's MambaRMSNormGated: h = y * silu(z) in float32, RMS-normalised over each of
+    `groups` runs of heads side by side (heads * head_dim / groups channels), times scale.
+    y, z [B, T, H, P], scale [H, P]; float32 out."""
+    h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))  # [B, T, H, P]
+    b, t, heads, p = h.shape
+    g = h.reshape(b, t, groups, heads // groups * p)  # [B, T, G, H/G * P]
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    return g.reshape(b, t, heads, p) * scale.astype(jnp.float32)
+
+
 class Mamba2Mixer(nn.Module):
-    """(written with the math: jaxformer.recurrent.ssd)"""
+    """Params: in_z, in_x [D, heads, head_dim], in_b, in_c [D, groups, state], in_dt
+    [D, heads] (HF's in_proj as z | x | B | C | dt; biases where settings.bias), conv
+    [K, C] over x | B | C (C = conv_channels; conv_bias where settings.conv_bias), dt_bias,
+    A_log, D [heads], norm [heads, head_dim] (the gated RMSNorm's weight, eps cfg.norm_eps),
+    out [heads, head_dim, D]. Hooks: hook_conv_in and hook_conv_out (x | B | C [B, T, C]
+    before and after the convolution, before the SiLU), hook_dt (the step [B, T, heads],
+    after softplus and clamp), hook_state (the state after the call [B, heads, head_dim,
+    state])."""
 
     cfg: object
     settings: Mamba2Settings
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, cache=None):
-        raise NotImplementedError("model.layer_kinds.<kind>.mixer=mamba2 is not built yet")
+    def __call__(self, x, segment_ids=None, cache=None):  # x [B, T, D]
+        c, s = self.cfg, self.settings
+        heads, groups = ("embed", "heads", "head_dim"), ("embed", "mixer_groups", "state")
+        proj = {name: heads_projection(c, shape, names, name, s.bias)(x) for name, shape, names
+                in (("in_z", (s.heads, s.head_dim), heads),
+                    ("in_x", (s.heads, s.head_dim), heads),
+                    ("in_b", (s.groups, s.state), groups),
+                    ("in_c", (s.groups, s.state), groups),
+                    ("in_dt", s.heads, ("embed", "heads")))}
+        h, b_, c_, tail = self.convolved(proj["in_x"], proj["in_b"], proj["in_c"], segment_ids,
+                                         cache)
+        y, state = self.scan(h, proj["in_dt"], b_, c_, segment_ids,
+                             None if cache is None else cache["state"])  # [B, T, H, P]
+        scale = self.param("norm", init_with_names(nn.initializers.ones, "heads", "head_dim"),
+                           (s.heads, s.head_dim), c.param_dtype)
+        y = grouped_gated_norm(y, proj["in_z"], scale, s.groups, c.norm_eps).astype(c.dtype)
+        y = constrain(y, "act_batch", "act_seq", "act_heads", "head_dim")
+        out = heads_projection(c, c.d_model, ("heads", "head_dim", "embed"), "out", s.bias,
+                               (-2, -1), 0.02 / math.sqrt(2 * c.n_layers))(y)  # [B, T, D]
+        if cache is None:
+            return out
+        return out, {"state": state.astype(cache["state"].dtype),
+                     "conv": tail.astype(cache["conv"].dtype)}
+
+    def convolved(self, h, b_, c_, segment_ids, cache):
+        """x [B, T, H, P], B and C [B, T, G, N] through the causal convolution over their
+        channels side by side, then SiLU; and the convolution's new tail [B, K - 1, C]."""
+        c, s = self.cfg, self.settings
+        bt, t = h.shape[:2]
+        w = self.param("conv", init_with_names(conv_init, "conv_taps", None),
+                       (s.conv, s.conv_channels), c.param_dtype)
+        bias = self.param("conv_bias", init_with_names(nn.initializers.zeros, None),
+                          (s.conv_channels,), c.param_dtype) if s.conv_bias else None
+        mixed = jnp.concatenate([h.reshape(bt, t, -1), b_.reshape(bt, t, -1),
+                                 c_.reshape(bt, t, -1)], axis=-1)  # [B, T, C]
+        mixed = hook_point(self, "hook_conv_in", mixed)
+        y, tail = causal_conv(mixed, w.astype(mixed.dtype), None if bias is None else
+                              bias.astype(mixed.dtype), segment_ids,
+                              None if cache is None else cache["conv"])
+        y = jax.nn.silu(hook_point(self, "hook_conv_out", y))  # [B, T, C]
+        h, b_, c_ = jnp.split(y, [s.inner, s.inner + s.groups * s.state], axis=-1)
+        return (h.reshape(bt, t, s.heads, s.head_dim), b_.reshape(bt, t, s.groups, s.state),
+                c_.reshape(bt, t, s.groups, s.state), tail)
+
+    def scan(self, h, dt, b_, c_, segment_ids, state):
+        """The SSD recurrence with the D skip: y [B, T, H, P] (float32) and the final state
+        [B, H, P, N]; chunked over a sequence, step by step for one cached token."""
+        s, pd = self.settings, self.cfg.param_dtype
+        dt_bias = self.param("dt_bias", init_with_names(dt_bias_init(s), "heads"),
+                             (s.heads,), pd)
+        a_log = self.param("A_log", init_with_names(a_log_init, "heads"), (s.heads,), pd)
+        d_skip = self.param("D", init_with_names(nn.initializers.ones, "heads"), (s.heads,), pd)
+        dt = hook_point(self, "hook_dt", step_size(dt, dt_bias, s))  # [B, T, H]
+        a = -jnp.exp(a_log.astype(jnp.float32))  # [H]
+        if h.shape[1] == 1 and state is not None:
+            y, state = ssd_recurrent(h, dt, a, b_, c_, segment_ids, state)
+        else:
+            y, state = ssd_chunked(h, dt, a, b_, c_, segment_ids, state, s.chunk)
+        y = y.astype(jnp.float32) + d_skip.astype(jnp.float32)[:, None] * h.astype(jnp.float32)
+        return y, hook_point(self, "hook_state", state)
