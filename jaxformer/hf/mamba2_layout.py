@@ -16,8 +16,12 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jaxformer.hf.rope import cannot, unsupported
-from jaxformer.hf.tensors import Path, Rule, copied, linear, reshaped, split_rows
+from jaxformer.hf.llama_layout import _attention, _mlp, head_dim
+from jaxformer.hf.model_type import HFModelType
+from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
+from jaxformer.hf.tensors import Path, Rule, copied, linear, reshaped, rope_permutation, \
+    split_rows
+from jaxformer.model.config import ModelConfig
 from jaxformer.model.mixers.mamba2 import Mamba2Settings
 
 # Mamba2Settings field (and: expand, act) -> its config.json key, per family. "dt_limit"
@@ -165,4 +169,178 @@ def mixer_rules(cfg, block_path: Path, hf_prefix: str, s: Mamba2Settings) -> lis
     return rules
 
 
-ROWS: list = []  # HFModelType rows (jaxformer.hf.model_type)
+
+# ---- the families ------------------------------------------------------------------
+
+MAMBA2 = "mamba2"  # the mixer's name (jaxformer.model.mixers.MIXERS)
+NO_ATTENTION = dict(n_heads=1, position="none", ffn="swiglu", use_bias=False)  # mamba2's
+
+
+def _period(names: list[str]) -> list[str]:
+    """The shortest prefix that, repeated, gives `names`."""
+    return next(names[:p] for p in range(1, len(names) + 1)
+                if all(names[i] == names[i % p] for i in range(len(names))))
+
+
+def _check_layers(cfg: ModelConfig, row, allowed: Mapping[tuple[str, bool], str]) -> list:
+    """Each layer's HF type, its (mixer, ffn) one of `allowed`'s, else a ConfigError."""
+    out = []
+    for i in cfg.layer_kind_ids:
+        kind = cfg.kinds[i]
+        if (kind.mixer, kind.ffn) not in allowed:
+            raise cannot("layer_kinds", f"mixer={kind.mixer}, ffn={kind.ffn}",
+                         f"{row.name}'s layers are {' or '.join(allowed.values())}")
+        out.append(allowed[kind.mixer, kind.ffn])
+    return out
+
+
+def read_mamba2(hf, get, row) -> ModelConfig:
+    """Mamba2ForCausalLM: every layer a Mamba-2 mixer alone (no FFN, no attention, no
+    positions), RMSNorms of layer_norm_epsilon. residual_in_fp32 is read as either value:
+    jaxformer's residual is the model's dtype (the same in float32)."""
+    mixer = read_mamba2_settings(get, MAMBA2_KEYS, row.name)
+    return ModelConfig(
+        vocab_size=get("vocab_size"), d_model=get("hidden_size"),
+        n_layers=get("num_hidden_layers"), norm="rmsnorm", norm_eps=float(get(row.eps_key)),
+        tie_embeddings=bool(get("tie_word_embeddings")), layer_pattern=["mamba"],
+        layer_kinds={"mamba": {"mixer": MAMBA2, "ffn": False}}, mixer={MAMBA2: mixer},
+        **NO_ATTENTION)
+
+
+def write_mamba2(cfg: ModelConfig, row) -> dict[str, Any]:
+    """Mamba2Config keys; a model with other layers (or other attention fields, which the
+    round trip finds) is refused."""
+    _check_layers(cfg, row, {(MAMBA2, False): "a Mamba-2 mixer alone"})
+    return dict(write_mamba2_settings(cfg.mixer_settings(MAMBA2), MAMBA2_KEYS, cfg.d_model,
+                                      row.name),
+                hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+                layer_norm_epsilon=cfg.norm_eps, residual_in_fp32=True,
+                initializer_range=0.02)
+
+
+def _bamba_fraction(hf) -> float:
+    """Bamba's rotated share: rope_parameters' partial_rotary_factor, else 0.5 (BambaConfig
+    sets it whatever the top-level key says)."""
+    return rotary_fraction({k: v for k, v in hf.items() if k != "partial_rotary_factor"},
+                           lambda key, default=None: 0.5)
+
+
+def read_bamba(hf, get, row) -> ModelConfig:
+    """BambaForCausalLM: Mamba-2 layers and attention layers (attn_layer_indices), each
+    with a SwiGLU MLP; Llama attention with partial RoPE (half of each head by default)."""
+    for key, allowed, why in row.refuse:
+        if get(key) not in allowed:
+            raise unsupported(key, get(key), f"{why} ({row.name})")
+    if bool(get("attention_bias")) != bool(get("mlp_bias")):
+        raise unsupported("attention_bias", get("attention_bias"), f"{row.name} in jaxformer "
+                          f"has biases on attention and MLP alike (mlp_bias={get('mlp_bias')})")
+    n, n_heads, max_len = get("num_hidden_layers"), get("num_attention_heads"), \
+        get("max_position_embeddings")
+    attn = get("attn_layer_indices") or []
+    names = ["attn" if i in attn else "mamba" for i in range(n)]
+    theta, scaling = rope_from_hf(hf, get, max_len)
+    kinds = {"mamba": {"mixer": MAMBA2}, "attn": {}}
+    return ModelConfig(
+        vocab_size=get("vocab_size"), d_model=get("hidden_size"), n_layers=n,
+        n_heads=n_heads, n_kv_heads=get("num_key_value_heads") or n_heads,
+        head_dim=head_dim(get), d_ff=get("intermediate_size"), max_seq_len=max_len,
+        position="rope", rope_theta=float(theta), rope_scaling=scaling,
+        rope_fraction=_bamba_fraction(hf), norm="rmsnorm", norm_eps=float(get(row.eps_key)),
+        ffn="swiglu", use_bias=bool(get("attention_bias")),
+        tie_embeddings=bool(get("tie_word_embeddings")), layer_pattern=_period(names),
+        layer_kinds={k: v for k, v in kinds.items() if k in names},
+        mixer={MAMBA2: read_mamba2_settings(get, BAMBA_KEYS, row.name)} if "mamba" in names
+        else None)
+
+
+def write_bamba(cfg: ModelConfig, row) -> dict[str, Any]:
+    """BambaConfig keys; what Bamba cannot say (windows, a RoPE per layer, QK-norm) is
+    caught by the round trip of jaxformer.convert.hf_config."""
+    types = _check_layers(cfg, row, {(MAMBA2, True): "a Mamba-2 mixer with an MLP",
+                                     ("attention", True): "attention with an MLP"})
+    rope = dict(rope_dict(cfg.rope_theta, cfg.rope_scaling),
+                partial_rotary_factor=cfg.rope_fraction)
+    return dict(write_mamba2_settings(cfg.mixer_settings(MAMBA2), BAMBA_KEYS, cfg.d_model,
+                                      row.name),
+                hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                attention_bias=cfg.use_bias, mlp_bias=cfg.use_bias,
+                attn_layer_indices=[i for i, t in enumerate(types) if t.startswith("attention")],
+                rope_parameters=rope, initializer_range=0.02)
+
+
+def mamba2_tensors(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]:
+    """Mamba2ForCausalLM's tensors, under backbone.: embeddings; layers.N.norm (attn_norm)
+    and layers.N.mixer (mixer_rules); norm_f (final_norm); lm_head unless tied."""
+    d, v, t = cfg.d_model, cfg.vocab_size, row.tensor_prefix
+    rules = [copied(("embed", "embedding"), f"{t}embeddings.weight", (v, d))]
+    for i in range(cfg.n_layers):
+        rules += mixer_rules(cfg, (f"block_{i}",), f"{t}layers.{i}.mixer.",
+                             cfg.mixer_settings(MAMBA2))
+        rules.append(copied((f"block_{i}", "attn_norm", "scale"), f"{t}layers.{i}.norm.weight",
+                            (d,)))
+    rules.append(copied(("final_norm", "scale"), f"{t}norm_f.weight", (d,)))
+    if not cfg.tie_embeddings:
+        rules.append(linear(("lm_head", "kernel"), row.head_tensor, (v, d), (d, v)))
+    return rules
+
+
+def bamba_tensors(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]:
+    """BambaForCausalLM's tensors, under model.: embed_tokens; layers.N.input_layernorm
+    (attn_norm) and pre_ff_layernorm (ffn_norm); a Mamba-2 layer's mamba (mixer_rules), an
+    attention layer's self_attn (Llama's); feed_forward.{gate,up,down}_proj (Llama's MLP);
+    final_layernorm (final_norm); lm_head unless tied."""
+    d, v, t = cfg.d_model, cfg.vocab_size, row.tensor_prefix
+    n, h = cfg.n_heads, cfg.head_dim
+    rope = rope_permutation(rope_layout)
+    rules = [copied(("embed", "embedding"), f"{t}embed_tokens.weight", (v, d))]
+    for i, mixer in enumerate(cfg.layer_mixers):
+        b, p = f"block_{i}", f"{t}layers.{i}."
+        if mixer == MAMBA2:
+            rules += mixer_rules(cfg, (b,), f"{p}mamba.", cfg.mixer_settings(MAMBA2))
+        else:
+            rules += _attention(cfg, (b, "attn"), f"{p}self_attn.", rope, False)
+            rules.append(linear((b, "attn", "out", "kernel"), f"{p}self_attn.o_proj.weight",
+                                (d, n * h), (n, h, d)))
+            if cfg.use_bias:
+                rules.append(copied((b, "attn", "out", "bias"), f"{p}self_attn.o_proj.bias",
+                                    (d,)))
+        rules += _mlp(cfg, (b, "ffn"), f"{p}feed_forward.", False)
+        if cfg.use_bias:
+            rules += [copied((b, "ffn", ours, "bias"), f"{p}feed_forward.{hf}.bias", (width,))
+                      for ours, hf, width in (("wi_gate", "gate_proj", cfg.d_ff),
+                                              ("wi_up", "up_proj", cfg.d_ff),
+                                              ("wo", "down_proj", d))]
+        rules += [copied((b, ours, "scale"), f"{p}{hf}.weight", (d,)) for ours, hf in
+                  (("attn_norm", "input_layernorm"), ("ffn_norm", "pre_ff_layernorm"))]
+    rules.append(copied(("final_norm", "scale"), f"{t}final_layernorm.weight", (d,)))
+    if not cfg.tie_embeddings:
+        rules.append(linear(("lm_head", "kernel"), row.head_tensor, (v, d), (d, v)))
+    return rules
+
+
+ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
+    HFModelType(
+        "mamba2", ("Mamba2ForCausalLM", "Mamba2Model"), export_rank=35,
+        defaults=dict(head_dim=64, state_size=128, layer_norm_epsilon=1e-5, expand=2,
+                      conv_kernel=4, n_groups=8, use_bias=False, use_conv_bias=True,
+                      hidden_act="silu", time_step_min=0.001, time_step_max=0.1,
+                      time_step_floor=1e-4, time_step_limit=(0.0, math.inf),
+                      chunk_size=256, tie_word_embeddings=False, residual_in_fp32=True),
+        read_config=read_mamba2, write_config=write_mamba2, tensor_rules=mamba2_tensors,
+        tensor_prefix="backbone.", eps_key="layer_norm_epsilon"),
+    HFModelType(
+        "bamba", ("BambaForCausalLM", "BambaModel"), export_rank=36,
+        defaults=dict(num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-5,
+                      max_position_embeddings=262144, attn_layer_indices=None,
+                      mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256,
+                      mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+                      mamba_conv_bias=True, mamba_proj_bias=False,
+                      time_step_limit=(0.0, math.inf), attention_bias=False, mlp_bias=False,
+                      tie_word_embeddings=False, head_dim=None, rope_theta=10000.0),
+        read_config=read_bamba, write_config=write_bamba, tensor_rules=bamba_tensors,
+        refuse=(("hidden_act", ("silu",), "its MLP (SwiGLU) and Mamba-2 convolution in "
+                 "jaxformer use silu"),)),
+]
