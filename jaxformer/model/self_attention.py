@@ -53,8 +53,10 @@ class Attention(nn.Module):
     Params: query [D, N, H], key/value [D, K, H], out [N, H, D]; biases on q/k/v if
     qkv_bias, on out if use_bias; q_norm/k_norm scales [H] (qk_norm head) or [N|K, H]
     (projection); sinks [N] if attn_sinks (a logit per head in every row's softmax,
-    gpt-oss). impl: the backend chosen for this forward (the model resolves `auto` once
-    and hands it down); None reads cfg.attention_impl.
+    gpt-oss); gate [D, N, H] (its bias [N, H] with the query's) if attn_output_gate: each
+    head's output times sigmoid(gate x) before the output projection (Qwen3-Next, Qwen3.5).
+    impl: the backend chosen for this forward (the model resolves `auto` once and hands it
+    down); None reads cfg.attention_impl.
     """
 
     cfg: ModelConfig
@@ -68,6 +70,8 @@ class Attention(nn.Module):
         self.query = dense((c.n_heads, c.head_dim), (-1,), "query", q_names, c.qkv_bias)
         self.key = dense((c.n_kv_heads, c.head_dim), (-1,), "key", kv_names, c.qkv_bias)
         self.value = dense((c.n_kv_heads, c.head_dim), (-1,), "value", kv_names, c.qkv_bias)
+        if c.attn_output_gate:  # per head, beside the query (a bias where it has one)
+            self.gate = dense((c.n_heads, c.head_dim), (-1,), "gate", q_names, c.qkv_bias)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers)
         self.out = dense(c.d_model, (-2, -1), "out", ("heads", "head_dim", "embed"), c.use_bias,
                          0.02 / math.sqrt(2 * c.n_layers))
@@ -159,6 +163,14 @@ class Attention(nn.Module):
         """Heads [B, T, N, H] -> output projection (+ dropout) [B, T, D]."""
         return self.dropout(self.projection("out", z), deterministic=self.deterministic)
 
+    def gated(self, z, x):
+        """The heads' outputs z [B, T, N, H] times sigmoid(gate x) where attn_output_gate
+        (hook_gate: the sigmoid), else z."""
+        if not self.cfg.attn_output_gate:
+            return z
+        gate = hook_point(self, "hook_gate", jax.nn.sigmoid(self.gate(x)))  # [B, T, N, H]
+        return z * gate.astype(z.dtype)
+
     def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind=0):
         """Without a cache: attention within x. With a layer's KV cache (jaxformer.attention.kv_cache)
         the new keys/values are written at slots [cache_index, cache_index + T), attention
@@ -169,7 +181,8 @@ class Attention(nn.Module):
         takes_structure says, else an array or None. kind: the layer's kind (cfg.kinds)."""
         q, k, v = self.project(x, positions, kind)
         if cache is None:
-            return self.finish(hook_point(self, "hook_z", self.attend(q, k, v, mask, bias)))
+            z = self.gated(self.attend(q, k, v, mask, bias), x)
+            return self.finish(hook_point(self, "hook_z", z))
         if self.contextual and "positions" in cache:
             raise ValueError(f"position={self.cfg.position!r} counts keys in row order, which a "
                              "windowed layer's ring cache does not keep; use "
@@ -188,7 +201,7 @@ class Attention(nn.Module):
                 bias = dense_bias(bias, mask.q_positions, mask.k_positions)
             z = kv_cache.cached_attention(q, k, v, bias=bias, mask=mask.dense()
                                           if isinstance(mask, MaskRule) else mask, **self.extras)
-        return self.finish(hook_point(self, "hook_z", z)), cache
+        return self.finish(hook_point(self, "hook_z", self.gated(z, x))), cache
 
     @staticmethod
     def cached_keys(k, v, rule: MaskRule, cache, cache_index):
