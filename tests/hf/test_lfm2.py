@@ -2,8 +2,8 @@
 transformers, as tests/hf/test_families.py tests the attention families: a random tiny
 Lfm2ForCausalLM read by from_hf gives its logits (unscanned and scanned) on a sequence
 longer than the convolution, greedy decoding picks its tokens, and to_hf writes it back
-for transformers to read; config.json's width keys read as Lfm2MLP sizes its MLP; a
-setting jaxformer lacks is one line naming the key."""
+for transformers to read (an Lfm2MoeForCausalLM too); config.json's width keys read as
+Lfm2MLP sizes its MLP; a setting jaxformer lacks is one line naming the key."""
 
 import numpy as np
 import pytest
@@ -52,6 +52,27 @@ def test_lfm2_matches_transformers(tmp_path):
     assert rel_err(hf_logits(back, prompts), want) < 1e-5
 
 
+def test_lfm2_moe_matches_transformers(tmp_path):
+    """LFM2-MoE: a dense first layer, then sparse ones routed by sigmoid scores with a
+    selection bias (drawn, not zero) and a scale; read and written back."""
+    config = transformers.AutoConfig.for_model(
+        **dict(LFM2, model_type="lfm2_moe", intermediate_size=96), moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=2.5)
+    model = random_hf_model(config, int(rng.integers(1 << 31)))
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.feed_forward.expert_bias.copy_(0.3 * torch.randn(8))
+    model.save_pretrained(tmp_path / "hf")
+    prompts = rng.integers(0, 128, (2, 12))
+    want = hf_logits(model, prompts)
+    cfg, params = from_hf(tmp_path / "hf")
+    assert rel_err(np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts)),
+                   want) < 1e-5
+    assert to_hf(cfg, params, tmp_path / "out")["model_type"] == "lfm2_moe"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert rel_err(hf_logits(back, prompts), want) < 1e-5
+
+
 @pytest.mark.parametrize("keys", [
     dict(block_ff_dim=200, block_multiple_of=48, block_ffn_dim_multiplier=1.3,
          full_attn_idxs=[1, 2], tie_embedding=False, rope_theta=5e4),
@@ -77,10 +98,12 @@ def test_config_json_reads_as_transformers_builds(keys):
      ["layer_types=['sliding_attention']", "lfm2"]),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
      ["partial_rotary_factor=0.5", "lfm2"]),
+    (dict(model_type="lfm2_moe", layer_types=["conv"] * 4, moe_intermediate_size=8,
+          num_experts=4, use_expert_bias=False), ["use_expert_bias=False", "lfm2_moe"]),
 ])
 def test_unsupported_settings_name_the_key_and_the_family(keys, words):
     with pytest.raises(ConfigError) as e:
-        config_from_hf(dict(COMMON, model_type="lfm2", intermediate_size=96, **keys))
+        config_from_hf({**COMMON, "model_type": "lfm2", "intermediate_size": 96, **keys})
     assert "\n" not in str(e.value)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
