@@ -21,13 +21,14 @@ _PER_LAYER = ("layer_pattern", "layer_kinds", "sliding_window", "rope_theta", "r
 
 
 def _layers(cfg: ModelConfig) -> list:
-    """Each layer's attention as it computes: its window, and its RoPE where it rotates."""
+    """Each layer as it computes: its attention's window, its RoPE where it rotates, its
+    mixer and whether it has a feed-forward network."""
     out = []
     for i in cfg.layer_kind_ids:
         k = cfg.kinds[i]
         rotary = POSITION_SCHEMES[cfg.position].kind == "rotary"
         rope = (k.rope_theta, k.rope_scaling) if rotary and k.rope else None
-        out.append((k.window, rope))
+        out.append((k.window, rope, k.mixer, k.ffn))
     return out
 
 
@@ -74,7 +75,7 @@ def differences(cfg: ModelConfig, other: ModelConfig) -> list[str]:
         diffs.remove("position_settings")  # another scheme's settings: its position says it
     if _layers(cfg) != _layers(other):
         diffs.append("layer_kinds" if cfg.layer_pattern else "sliding_window"
-                     if {w for w, _ in _layers(cfg)} != {w for w, _ in _layers(other)}
+                     if {w[0] for w in _layers(cfg)} != {w[0] for w in _layers(other)}
                      else "rope_theta / rope_scaling")
     return diffs
 
