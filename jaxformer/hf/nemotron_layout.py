@@ -3,16 +3,13 @@
 tensor rules and rows.
 
 Nemotron-H: each layer is one sublayer after an RMSNorm (backbone.layers.N.{norm, mixer}),
-its type listed in layers_block_type (older files: hybrid_override_pattern's letters, M
-Mamba-2, * attention, - MLP, E mixture of experts):
-  linear_attention: a Mamba-2 mixer alone (kind "mamba": mixer mamba2, ffn false), its
-    step clamped below at time_step_min;
-  full_attention: attention alone, unrotated and without biases (kind "attention": ffn
-    false; the model's position is none);
-  mlp: a non-gated MLP alone, up_proj and down_proj, squared ReLU (kind "mlp": mixer none);
-  moe: the mixture of experts alone (kind "moe": mixer none, a sparse layer of model.moe):
-    sigmoid routing with the selection bias and groups, non-gated experts, one shared expert.
-The head is never tied to the embeddings (transformers' NemotronHForCausalLM ties nothing).
+its type in layers_block_type (older files: hybrid_override_pattern's letters, M Mamba-2,
+* attention, - MLP, E mixture of experts): linear_attention, Mamba-2 alone (kind "mamba":
+mixer mamba2, ffn false), its step clamped below at time_step_min; full_attention,
+attention alone, NoPE, no biases (kind "attention": ffn false); mlp, a squared-ReLU
+up/down MLP alone (kind "mlp": mixer none); moe, the experts alone (kind "moe": mixer none,
+a sparse layer): sigmoid routing with the selection bias and groups, non-gated experts, one
+shared expert. The head is never tied (NemotronHForCausalLM ties nothing).
 
 Granite 4: every layer a mixer (layer_types: linear_attention, Mamba-2 under mamba;
 full_attention, attention under self_attn) and a feed-forward network: the shared_mlp
@@ -33,6 +30,7 @@ from jaxformer.hf.moe_layout import MoEFormat, _per_expert, _stacked  # the expe
 from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
 from jaxformer.hf.tensors import Path, Rule, copied, linear, split_rows
 from jaxformer.model.config import ModelConfig
+from jaxformer.positions.schemes import POSITION_SCHEMES
 
 # ---- layer types -------------------------------------------------------------------------
 
@@ -57,6 +55,7 @@ NEMOTRON_LEGACY = dict(n_groups="mamba_n_groups", conv_kernel="mamba_d_conv",
                        time_step_floor="mamba_dt_init_floor", use_conv_bias="mamba_conv_bias",
                        chunk_size="mamba_chunk_size", n_routed_experts="num_local_experts")
 MLP_ACTS = {"relu2": "relu2", "relu": "relu"}  # Nemotron-H's mlp_hidden_act -> model.ffn
+POSITIONS = {None: "none", "rope": "rope"}  # Granite 4's position_embedding_type -> position
 
 
 def _special_float(v):
@@ -66,12 +65,10 @@ def _special_float(v):
     return [_special_float(x) for x in v] if isinstance(v, list) else v
 
 
-def _reader(hf, get, legacy=None):
-    """get, with transformers' special floats read, and a key's older name where the
-    file has it (it wins, as in the config class)."""
-    legacy = legacy or {}
+def _reader(hf, get, legacy: dict | None = None):
+    """get, reading transformers' special floats, and a key's older name if there (it wins)."""
     return lambda key, *default: _special_float(
-        hf[legacy[key]] if legacy.get(key) in hf else get(key, *default))
+        hf[legacy[key]] if key in (legacy or {}) and legacy[key] in hf else get(key, *default))
 
 
 def _checked_types(types, n, table, key: str, family: str) -> list[str]:
@@ -114,10 +111,9 @@ def _types_of(cfg: ModelConfig, table, family: str) -> list[str]:
         found = [t for t, (_, mixer, ffn, sparse) in table.items()
                  if (mixer, ffn) == form[:2] and sparse in (None, form[2])]
         if not found:
-            forms = "; ".join(f"mixer {m}, ffn {str(f).lower()}" + ("" if s is None else
-                              f", {'sparse' if s else 'dense'}") for _, m, f, s in table.values())
-            raise cannot("layer_kinds", f"layer {i}: mixer {form[0]}, ffn "
-                         f"{str(form[1]).lower()}", f"{family}'s layers are: {forms}")
+            forms = "; ".join(f"{m} (ffn {f}, sparse {s})" for _, m, f, s in table.values())
+            raise cannot("layer_kinds", f"layer {i}: mixer {form[0]}, ffn {form[1]}, sparse "
+                         f"{form[2]}", f"{family}'s layers are mixers {forms}")
         out.append(found[0])
     return out
 
@@ -138,6 +134,8 @@ def _refuse(get, refusals, family: str):
 # ---- Nemotron-H config.json ------------------------------------------------------------
 
 NEMOTRON_REFUSE = (
+    ("mlp_hidden_act", tuple(MLP_ACTS), "Nemotron-H's MLP in jaxformer is squared ReLU (relu2) "
+     "or ReLU"),
     ("mlp_bias", (False,), "jaxformer's biases are on every linear layer or none, and "
      "Nemotron-H's attention has none"),
     ("moe_latent_size", (None,), "jaxformer's experts read the hidden state itself, without "
@@ -148,10 +146,6 @@ def read_nemotron(hf, get, row) -> ModelConfig:
     """The ModelConfig of a Nemotron-H config.json."""
     get = _reader(hf, get, NEMOTRON_LEGACY)
     _refuse(get, NEMOTRON_REFUSE, row.name)
-    act = get("mlp_hidden_act")
-    if act not in MLP_ACTS:
-        raise unsupported("mlp_hidden_act", act, f"{row.name}'s MLP in jaxformer is "
-                          f"{' or '.join(MLP_ACTS)}")
     types = nemotron_types(hf)
     d, n_heads = get("hidden_size"), get("num_attention_heads")
     fields = dict(
@@ -159,8 +153,8 @@ def read_nemotron(hf, get, row) -> ModelConfig:
         n_kv_heads=get("num_key_value_heads") or n_heads,
         head_dim=get("head_dim") or d // n_heads, d_ff=get("intermediate_size"),
         max_seq_len=get("max_position_embeddings"), position="none", norm="rmsnorm",
-        norm_eps=float(get("layer_norm_epsilon")), ffn=MLP_ACTS[act], use_bias=False,
-        tie_embeddings=False, **_pattern(types, NEMOTRON_TYPES),
+        norm_eps=float(get("layer_norm_epsilon")), ffn=MLP_ACTS[get("mlp_hidden_act")],
+        use_bias=False, tie_embeddings=False, **_pattern(types, NEMOTRON_TYPES),
         **_mixer_settings(types, get, NEMOTRON_KEYS, row.name))
     if "moe" in types:
         fields["moe"] = dict(
@@ -203,8 +197,20 @@ GRANITE_REFUSE = (
      "convolution's activation SiLU"),
     ("attention_bias", (False,), "jaxformer's biases are on every linear layer or none, and "
      "Granite 4's MLP has none"),
-    ("position_embedding_type", (None, "rope"), "Granite 4's attention is NoPE (null) or "
+    ("position_embedding_type", tuple(POSITIONS), "Granite 4's attention is NoPE (null) or "
      "RoPE (rope)"))
+
+
+def _granite_position(hf, get, types, row) -> dict[str, Any]:
+    """model.position (none where no layer attends) and the RoPE of a Granite 4 file."""
+    position = POSITIONS[get("position_embedding_type")] if "full_attention" in types else "none"
+    if POSITION_SCHEMES[position].kind != "rotary":
+        return dict(position=position)
+    theta, scaling = rope_from_hf(hf, get, get("max_position_embeddings"))
+    if rotary_fraction(hf, get) != 1:
+        raise unsupported("partial_rotary_factor", rotary_fraction(hf, get),
+                          f"{row.name} rotates every dimension of a head")
+    return dict(position=position, rope_theta=float(theta), rope_scaling=scaling)
 
 
 def read_granite(hf, get, row) -> ModelConfig:
@@ -215,24 +221,18 @@ def read_granite(hf, get, row) -> ModelConfig:
     key = "layer_types" if hf.get("layer_types") is not None else "layers_block_type"
     types = _checked_types(get(key, None) or ["linear_attention"] * n, n, GRANITE_TYPES, key,
                            row.name)
-    d, n_heads, max_len = get("hidden_size"), get("num_attention_heads"), \
-        get("max_position_embeddings")
+    d, n_heads = get("hidden_size"), get("num_attention_heads")
     experts = get("num_local_experts") or 0
     fields = dict(
         vocab_size=get("vocab_size"), d_model=d, n_layers=n, n_heads=n_heads,
         n_kv_heads=get("num_key_value_heads") or n_heads,
         head_dim=get("head_dim", None) or d // n_heads,
         d_ff=get("intermediate_size") if experts else get("shared_intermediate_size"),
-        max_seq_len=max_len, position="none", norm="rmsnorm",
+        max_seq_len=get("max_position_embeddings"), norm="rmsnorm",
         norm_eps=float(get("rms_norm_eps")), ffn="swiglu", use_bias=False,
         tie_embeddings=bool(get("tie_word_embeddings")), **_pattern(types, GRANITE_TYPES),
-        **_mixer_settings(types, get, BAMBA_KEYS, row.name), **scales.granite(get))
-    if get("position_embedding_type") == "rope" and "full_attention" in types:
-        theta, scaling = rope_from_hf(hf, get, max_len)
-        if rotary_fraction(hf, get) != 1:
-            raise unsupported("partial_rotary_factor", rotary_fraction(hf, get),
-                              f"{row.name} rotates every dimension of a head")
-        fields.update(position="rope", rope_theta=float(theta), rope_scaling=scaling)
+        **_mixer_settings(types, get, BAMBA_KEYS, row.name), **scales.granite(get),
+        **_granite_position(hf, get, types, row))
     if experts:
         top_k = get("num_experts_per_tok")
         # the balancing loss as jaxformer.hf.moe_layout.read_moe reads it
@@ -254,7 +254,7 @@ def write_granite(cfg: ModelConfig, row) -> dict[str, Any]:
                head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
                rms_norm_eps=cfg.norm_eps,
                attention_bias=False, initializer_range=0.02,
-               position_embedding_type="rope" if cfg.position == "rope" else None,
+               position_embedding_type={v: k for k, v in POSITIONS.items()}.get(cfg.position),
                rope_parameters=rope_dict(cfg.rope_theta, cfg.rope_scaling),
                intermediate_size=cfg.expert_d_ff,
                shared_intermediate_size=cfg.shared_d_ff if m.experts else cfg.d_ff,
@@ -290,10 +290,6 @@ def _up_down(m: Path, p: str, d: int, f: int) -> list[Rule]:
             linear(m + ("wo", "kernel"), f"{p}down_proj.weight", (d, f), (f, d))]
 
 
-def _nemotron_mlp(cfg: ModelConfig, b: str, p: str) -> list[Rule]:
-    return _up_down((b, "ffn"), p, cfg.d_model, cfg.d_ff)
-
-
 def _nemotron_moe(cfg: ModelConfig, b: str, p: str) -> list[Rule]:
     """Layer b's mixture of experts under p (backbone.layers.N.mixer.)."""
     d, e, f, m = cfg.d_model, cfg.moe.experts, cfg.expert_d_ff, (b, "ffn")
@@ -308,7 +304,8 @@ def _nemotron_moe(cfg: ModelConfig, b: str, p: str) -> list[Rule]:
 
 # a layer type's tensors: (cfg, our layer's name, its prefix) -> rules
 NEMOTRON_SUBLAYERS = {"linear_attention": _mamba, "full_attention": _attention,
-                      "mlp": _nemotron_mlp, "moe": _nemotron_moe}
+                      "moe": _nemotron_moe,
+                      "mlp": lambda cfg, b, p: _up_down((b, "ffn"), p, cfg.d_model, cfg.d_ff)}
 
 
 def nemotron_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]:
@@ -376,14 +373,11 @@ ROWS: list = [
         "nemotron_h", ("NemotronHForCausalLM", "NemotronHModel"), export_rank=40,
         defaults=dict(num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                       mlp_hidden_act="relu2", mlp_bias=False, layer_norm_epsilon=1e-5,
-                      tie_word_embeddings=False, mamba_num_heads=128, mamba_head_dim=64,
                       mamba_hidden_act="silu", n_groups=8, ssm_state_size=128, conv_kernel=4,
                       chunk_size=128, use_conv_bias=True, use_bias=False, time_step_min=0.001,
-                      time_step_max=0.1, time_step_floor=1e-4, n_routed_experts=8,
-                      num_experts_per_tok=2, moe_intermediate_size=7688,
-                      moe_shared_expert_intermediate_size=7688, moe_latent_size=None,
-                      norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                      intermediate_size=21504),
+                      time_step_max=0.1, time_step_floor=1e-4, num_experts_per_tok=2,
+                      moe_latent_size=None, norm_topk_prob=True, n_group=1, topk_group=1,
+                      routed_scaling_factor=1.0),
         read_config=read_nemotron, write_config=write_nemotron, tensor_rules=nemotron_rules,
         tensor_prefix="backbone.", ignored_tensors=(r"mtp\..*",),
         moe=MoEFormat("mixer", "gate", ("n_routed_experts", "num_local_experts"), "sigmoid",
@@ -395,12 +389,11 @@ ROWS: list = [
                       rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                       embedding_multiplier=1.0, residual_multiplier=1.0,
                       attention_multiplier=1.0, logits_scaling=1.0, rope_theta=10000.0,
-                      num_local_experts=8, num_experts_per_tok=2, output_router_logits=False,
-                      router_aux_loss_coef=0.001, shared_intermediate_size=1024,
-                      position_embedding_type=None, mamba_n_heads=128, mamba_n_groups=1,
-                      mamba_d_state=256, mamba_d_head="auto", mamba_d_conv=4, mamba_expand=2,
-                      mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False,
-                      time_step_limit=[0.0, float("inf")], intermediate_size=11008),
+                      num_experts_per_tok=2, output_router_logits=False,
+                      router_aux_loss_coef=0.001, position_embedding_type=None,
+                      mamba_n_groups=1, mamba_d_state=256, mamba_d_head="auto", mamba_d_conv=4,
+                      mamba_expand=2, mamba_chunk_size=256, mamba_conv_bias=True,
+                      mamba_proj_bias=False, time_step_limit=[0.0, float("inf")]),
         read_config=read_granite, write_config=write_granite, tensor_rules=granite_rules,
         moe=MoEFormat("block_sparse_moe", "router.layer", ("num_local_experts",),
                       "topk_softmax", stacked=("input_linear", "output_linear"))),
