@@ -287,26 +287,34 @@ def mamba2_tensors(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rul
     return rules
 
 
+def _bamba_attention(cfg: ModelConfig, b: Path, p: str, rope) -> list[Rule]:
+    """An attention layer's self_attn: Llama's q, k, v (and biases), o_proj (and bias)."""
+    d, n, h = cfg.d_model, cfg.n_heads, cfg.head_dim
+    rules = _attention(cfg, b + ("attn",), f"{p}self_attn.", rope, False)
+    rules.append(linear(b + ("attn", "out", "kernel"), f"{p}self_attn.o_proj.weight",
+                        (d, n * h), (n, h, d)))
+    if cfg.use_bias:
+        rules.append(copied(b + ("attn", "out", "bias"), f"{p}self_attn.o_proj.bias", (d,)))
+    return rules
+
+
+# a Bamba layer's mixer -> its rules (block path, the layer's HF prefix, the q/k RoPE layout)
+BAMBA_MIXERS = {
+    MAMBA2: lambda cfg, b, p, rope: mixer_rules(cfg, b, f"{p}mamba.", cfg.mixer_settings(MAMBA2)),
+    "attention": _bamba_attention}
+
+
 def bamba_tensors(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]:
     """BambaForCausalLM's tensors, under model.: embed_tokens; layers.N.input_layernorm
     (attn_norm) and pre_ff_layernorm (ffn_norm); a Mamba-2 layer's mamba (mixer_rules), an
     attention layer's self_attn (Llama's); feed_forward.{gate,up,down}_proj (Llama's MLP);
     final_layernorm (final_norm); lm_head unless tied."""
     d, v, t = cfg.d_model, cfg.vocab_size, row.tensor_prefix
-    n, h = cfg.n_heads, cfg.head_dim
     rope = rope_permutation(rope_layout)
     rules = [copied(("embed", "embedding"), f"{t}embed_tokens.weight", (v, d))]
     for i, mixer in enumerate(cfg.layer_mixers):
         b, p = f"block_{i}", f"{t}layers.{i}."
-        if mixer == MAMBA2:
-            rules += mixer_rules(cfg, (b,), f"{p}mamba.", cfg.mixer_settings(MAMBA2))
-        else:
-            rules += _attention(cfg, (b, "attn"), f"{p}self_attn.", rope, False)
-            rules.append(linear((b, "attn", "out", "kernel"), f"{p}self_attn.o_proj.weight",
-                                (d, n * h), (n, h, d)))
-            if cfg.use_bias:
-                rules.append(copied((b, "attn", "out", "bias"), f"{p}self_attn.o_proj.bias",
-                                    (d,)))
+        rules += BAMBA_MIXERS[mixer](cfg, (b,), p, rope)
         rules += _mlp(cfg, (b, "ffn"), f"{p}feed_forward.", False)
         if cfg.use_bias:
             rules += [copied((b, "ffn", ours, "bias"), f"{p}feed_forward.{hf}.bias", (width,))

@@ -39,7 +39,8 @@ def hf_mixer():
     torch.manual_seed(int(rng.integers(1 << 31)))
     with torch.no_grad():
         for name, p in mixer.named_parameters():
-            p.copy_(0.3 * torch.randn_like(p) + float(name == "norm.weight") - float(name == "dt_bias"))
+            shift = {"norm.weight": 1.0, "dt_bias": -1.0}.get(name, 0.0)
+            p.copy_(0.3 * torch.randn_like(p) + shift)
     return mixer
 
 
