@@ -173,7 +173,9 @@ def mixer_rules(cfg, block_path: Path, hf_prefix: str, s: Mamba2Settings) -> lis
 # ---- the families ------------------------------------------------------------------
 
 MAMBA2 = "mamba2"  # the mixer's name (jaxformer.model.mixers.MIXERS)
-NO_ATTENTION = dict(n_heads=1, position="none", ffn="swiglu", use_bias=False)  # mamba2's
+# mamba2's fields of the attention and the MLP, which no layer reads (written nowhere,
+# read back as these)
+NO_ATTENTION = dict(n_heads=1, position="none", ffn="swiglu", use_bias=False)
 
 
 def _period(names: list[str]) -> list[str]:
