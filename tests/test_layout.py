@@ -157,12 +157,13 @@ def test_model_types_are_named_in_their_rows_alone():
     """A Hugging Face model_type (a row of jaxformer.hf.families, or a model type it
     refuses by name) is a string literal in the rows' module alone, and nothing in
     jaxformer/ compares a value with one (==, !=, in, not in): the code asks the row. A
-    name that is also a position scheme's (t5) may stand as a literal, where it names the
-    scheme (model.position="t5")."""
+    name that is also a position scheme's (t5) or a mixer's (mamba2) may stand as a literal,
+    where it names the scheme (model.position="t5") or the mixer."""
     from jaxformer.hf.families import MODEL_TYPES, OTHER_MODEL_TYPES
+    from jaxformer.model.mixers import MIXERS
     from jaxformer.positions.schemes import POSITION_SCHEMES
     names = set(MODEL_TYPES) | set(OTHER_MODEL_TYPES)
-    literal_names = names - set(POSITION_SCHEMES)
+    literal_names = names - set(POSITION_SCHEMES) - set(MIXERS)
     found = []
     for path in MODULES.values():
         where = path.relative_to(PACKAGE)
