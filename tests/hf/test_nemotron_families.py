@@ -106,9 +106,10 @@ def test_family_matches_transformers(model_type, tmp_path):
 
 
 def test_dense_nope_granite_matches_transformers(tmp_path):
-    """Granite 4 without experts (its shared_mlp is the FFN) and without RoPE."""
+    """Granite 4 without experts (its shared_mlp is the FFN) and without RoPE; no step
+    limit, which config.json spells [0.0, {"__float__": "Infinity"}]."""
     model = hf_model("granitemoehybrid", num_local_experts=0, position_embedding_type=None,
-                     layer_types=["attention", "mamba"])
+                     layer_types=["attention", "mamba"], time_step_limit=(0.0, float("inf")))
     model.save_pretrained(tmp_path / "hf")
     prompts = rng.integers(0, V, (2, T))
     cfg, params = from_hf(tmp_path / "hf")
