@@ -54,11 +54,21 @@ def _computed(cfg: ModelConfig, name: str):
     reads when every layer is sparse, as None then."""
     if name == "moe":
         return _moe(cfg)
+    if name == "mixer":  # the settings of the mixers the layers use, given or default
+        return {m: _computing(cfg.mixer_settings(m)) for m in sorted(set(cfg.layer_mixers))}
     if name == "encoder_layers" and ARCHS[cfg.arch].cross_attention:  # None: n_layers
         return cfg.encoder_n_layers
     if name == "d_ff" and all(cfg.sparse_layers):
         return None
     return getattr(cfg, name)
+
+
+def _computing(settings):
+    """A mixer's settings that change what it computes (its RUNTIME ones aside: chunk)."""
+    if settings is None:
+        return None
+    return {k: v for k, v in dataclasses.asdict(settings).items()
+            if k not in getattr(settings, "RUNTIME", ())}
 
 
 def differences(cfg: ModelConfig, other: ModelConfig) -> list[str]:
@@ -80,16 +90,25 @@ def differences(cfg: ModelConfig, other: ModelConfig) -> list[str]:
     return diffs
 
 
+def _may_express(row, cfg: ModelConfig) -> bool:
+    """Whether model type `row` is tried for cfg: its arch, its mixers, experts where cfg
+    has them (and no experts where it has none, unless the family ships dense models too)."""
+    dense = row.moe is None or row.moe.dense_too
+    experts = bool(cfg.moe.experts)
+    return (row.arch == cfg.arch and set(cfg.layer_mixers) <= set(row.mixers)
+            and (row.moe is not None if experts else dense))
+
+
 def export_model_type(cfg: ModelConfig) -> str:
     """The first model type (by export rank) whose config.json, read back, is cfg's model.
     Writers write what they can (a value a type has no spelling for at all, e.g. NTK
     scaling, raises); the round trip finds the rest. A model no type writes is a
     ConfigError naming the fields of the nearest type that differ (a mixture of experts
     is written, and compared, by the types with experts alone; a dense model by the rest;
-    each model by the types of its model.arch)."""
+    each model by the types of its model.arch, and whose layers hold its mixers)."""
     nearest = None
     for row in sorted(MODEL_TYPES.values(), key=lambda row: row.export_rank):
-        if (row.moe is None) == bool(cfg.moe.experts) or row.arch != cfg.arch:
+        if not _may_express(row, cfg):
             continue
         try:
             back = config_from_hf(_write(cfg, row, "float32"))

@@ -55,12 +55,19 @@ def read_hf_json(path) -> dict[str, Any]:
 def json_object(file: pathlib.Path) -> dict[str, Any]:
     """The JSON object a folder's file holds (one ValueError line naming it otherwise)."""
     try:
-        hf = json.loads(file.read_text())
+        hf = json.loads(file.read_text(), object_hook=_special_float)
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{file} must hold a JSON object")
     return hf
+
+
+def _special_float(obj: dict):
+    """transformers' JSON spelling of inf and nan ({"__float__": "Infinity"}) as a float."""
+    if set(obj) == {"__float__"}:
+        return float(obj["__float__"])
+    return obj
 
 
 def read_hf_config(path) -> ModelConfig:

@@ -218,7 +218,7 @@ LAYERS = {CONV: ("conv", "mixer", "conv", _conv),
 
 ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
     HFModelType(
-        "lfm2", ("Lfm2ForCausalLM", "Lfm2Model"), export_rank=30,
+        "lfm2", ("Lfm2ForCausalLM", "Lfm2Model"), export_rank=30, mixers=("attention", "short_conv"),
         defaults=dict(num_key_value_heads=8, max_position_embeddings=128000, norm_eps=1e-5,
                       tie_word_embeddings=True, tie_embedding=None, head_dim=None,
                       rope_theta=1e6, conv_bias=False, conv_L_cache=3, block_ff_dim=None,
@@ -229,7 +229,7 @@ ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
     HFModelType(
         # the first num_dense_layers layers dense, the rest sparse: sigmoid routing with a
         # selection bias, renormalised (+ 1e-6: within float32 rounding of ours) and scaled
-        "lfm2_moe", ("Lfm2MoeForCausalLM", "Lfm2MoeModel"), export_rank=31,
+        "lfm2_moe", ("Lfm2MoeForCausalLM", "Lfm2MoeModel"), export_rank=31, mixers=("attention", "short_conv"),
         defaults=dict(num_key_value_heads=8, max_position_embeddings=128000, norm_eps=1e-5,
                       tie_word_embeddings=True, tie_embedding=None, head_dim=None,
                       rope_theta=1e6, conv_bias=False, conv_L_cache=3, num_dense_layers=2,

@@ -333,7 +333,7 @@ def bamba_tensors(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule
 
 ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
     HFModelType(
-        "mamba2", ("Mamba2ForCausalLM", "Mamba2Model"), export_rank=35,
+        "mamba2", ("Mamba2ForCausalLM", "Mamba2Model"), export_rank=35, mixers=("mamba2",),
         defaults=dict(head_dim=64, state_size=128, layer_norm_epsilon=1e-5, expand=2,
                       conv_kernel=4, n_groups=8, use_bias=False, use_conv_bias=True,
                       hidden_act="silu", time_step_min=0.001, time_step_max=0.1,
@@ -342,7 +342,7 @@ ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
         read_config=read_mamba2, write_config=write_mamba2, tensor_rules=mamba2_tensors,
         tensor_prefix="backbone.", eps_key="layer_norm_epsilon"),
     HFModelType(
-        "bamba", ("BambaForCausalLM", "BambaModel"), export_rank=36,
+        "bamba", ("BambaForCausalLM", "BambaModel"), export_rank=36, mixers=("attention", "mamba2"),
         defaults=dict(num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-5,
                       max_position_embeddings=262144, attn_layer_indices=None,
                       mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256,

@@ -49,6 +49,8 @@ class HFModelType:
       tensors of layers past the last are (skipped on import with one line saying so);
       None: such tensors are an error.
     arch: the model.arch its checkpoints hold (to_hf tries the rows of a model's arch alone).
+    mixers: the layer mixers its checkpoints may hold (jaxformer.model.mixers; to_hf tries
+      the rows whose mixers include every one of a model's).
     """
 
     name: str
@@ -85,3 +87,4 @@ class HFModelType:
     mla: bool = False
     extra_layers: str | None = None
     arch: str = "decoder"
+    mixers: tuple[str, ...] = ("attention",)

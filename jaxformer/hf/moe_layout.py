@@ -46,7 +46,8 @@ class MoEFormat:
       sparse (DeepSeek's first_k_dense_replace). shared_count_key: that many shared experts
       of each expert's width, ungated, under shared_experts (DeepSeek). groups: (get) ->
       (groups, topk_groups) of group-limited routing, and groups_to_hf its keys;
-      scale_key: the routed output's factor (routed_scaling_factor).
+      scale_key: the routed output's factor (routed_scaling_factor). dense_too: the
+      family also ships dense models (Nemotron-H, Granite 4), written by its row.
     Tensors, under model.layers.N.{block}. router_tensor: the router's Linear
       (with the sigmoid router, its .e_score_correction_bias is the selection bias);
       expert_tensors: the gate, up and down projections of each expert j under
@@ -72,6 +73,7 @@ class MoEFormat:
     groups: Any = None
     groups_to_hf: Any = None
     scale_key: str | None = None
+    dense_too: bool = False
 
 
 # ---- config.json ----------------------------------------------------------------------

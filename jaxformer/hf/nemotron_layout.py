@@ -371,6 +371,7 @@ def granite_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule
 ROWS: list = [
     HFModelType(
         "nemotron_h", ("NemotronHForCausalLM", "NemotronHModel"), export_rank=40,
+        mixers=("attention", "mamba2", "none"),
         defaults=dict(num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                       mlp_hidden_act="relu2", mlp_bias=False, layer_norm_epsilon=1e-5,
                       mamba_hidden_act="silu", n_groups=8, ssm_state_size=128, conv_kernel=4,
@@ -381,10 +382,10 @@ ROWS: list = [
         read_config=read_nemotron, write_config=write_nemotron, tensor_rules=nemotron_rules,
         tensor_prefix="backbone.", ignored_tensors=(r"mtp\..*",),
         moe=MoEFormat("mixer", "gate", ("n_routed_experts", "num_local_experts"), "sigmoid",
-                      "norm_topk_prob", "moe_intermediate_size")),
+                      "norm_topk_prob", "moe_intermediate_size", dense_too=True)),
     HFModelType(
         "granitemoehybrid", ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel"),
-        export_rank=41,
+        export_rank=41, mixers=("attention", "mamba2"),
         defaults=dict(num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
                       rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                       embedding_multiplier=1.0, residual_multiplier=1.0,
@@ -396,5 +397,5 @@ ROWS: list = [
                       mamba_proj_bias=False, time_step_limit=[0.0, float("inf")]),
         read_config=read_granite, write_config=write_granite, tensor_rules=granite_rules,
         moe=MoEFormat("block_sparse_moe", "router.layer", ("num_local_experts",),
-                      "topk_softmax", stacked=("input_linear", "output_linear"))),
+                      "topk_softmax", stacked=("input_linear", "output_linear"), dense_too=True)),
 ]

@@ -107,15 +107,22 @@ def test_family_matches_transformers(model_type, tmp_path):
 
 def test_dense_nope_granite_matches_transformers(tmp_path):
     """Granite 4 without experts (its shared_mlp is the FFN) and without RoPE; no step
-    limit, which config.json spells [0.0, {"__float__": "Infinity"}]."""
+    limit, which config.json spells [0.0, {"__float__": "Infinity"}]; written back as
+    granitemoehybrid (a family with experts that ships dense models too)."""
     model = hf_model("granitemoehybrid", num_local_experts=0, position_embedding_type=None,
                      layer_types=["attention", "mamba"], time_step_limit=(0.0, float("inf")))
     model.save_pretrained(tmp_path / "hf")
     prompts = rng.integers(0, V, (2, T))
     cfg, params = from_hf(tmp_path / "hf")
     assert cfg.position == "none" and not cfg.moe.experts and cfg.d_ff == 40
+    want = hf_logits(model, prompts)
     got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
-    assert rel_err(got, hf_logits(model, prompts)) < 1e-5
+    assert rel_err(got, want) < 1e-5
+    written = to_hf(cfg, params, tmp_path / "out")  # a dense model of a family with experts
+    assert written["model_type"] == "granitemoehybrid"
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    assert rel_err(hf_logits(back, prompts), want) < 1e-5
 
 
 @pytest.mark.parametrize("model_type, key, value", [

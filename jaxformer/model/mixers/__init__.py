@@ -51,7 +51,7 @@ ATTENTION = "attention"  # a layer kind's mixer when it names none
 def read_mixer_settings(raw) -> tuple[tuple[str, Any], ...]:
     """model.mixer ({name: settings or a mapping of its fields}) as a hashable tuple of
     (name, settings), every recurrent mixer's name a key of MIXERS."""
-    if isinstance(raw, tuple):
+    if isinstance(raw, (tuple, list)):  # its own form, or that form as YAML wrote it
         raw = dict(raw)
     if raw is None:
         return ()

@@ -47,6 +47,7 @@ class Mamba2Settings(Section):
     dt_limit_high: float | None = None
 
     SECTION = "model.mixer.mamba2"
+    RUNTIME = ("chunk",)  # how it runs, not what it computes
 
     def __post_init__(self):
         for name in ("heads", "head_dim", "groups", "state", "conv", "chunk"):
