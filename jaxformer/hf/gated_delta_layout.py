@@ -23,6 +23,7 @@ model.language_model. beside the vision tower (model.visual.), which is skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from typing import Any
@@ -51,20 +52,23 @@ MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # equal positions for text:
 # ---- config.json ----------------------------------------------------------------------
 
 
-def _layer_types(get) -> list[str]:
+def _layer_types(get, family: str) -> list[str]:
     """Each layer's type: layer_types, else full attention every full_attention_interval-th
     layer (as the config classes fill it in)."""
     n = get("num_hidden_layers")
     types = get("layer_types")
     if types is None:
         every = get("full_attention_interval")
+        if not isinstance(every, int) or every < 1:
+            raise unsupported("full_attention_interval", every, f"{family}'s interval must "
+                              "be a positive integer")
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                  for i in range(n)]
     if not isinstance(types, list) or len(types) != n:
-        raise unsupported("layer_types", types, f"it must list one type per layer ({n})")
+        raise unsupported("layer_types", types, f"{family} lists one type per layer ({n})")
     bad = sorted(set(types) - set(KINDS))
     if bad:
-        raise unsupported("layer_types", bad, f"layers are {' or '.join(KINDS)}")
+        raise unsupported("layer_types", bad, f"{family} layers are {' or '.join(KINDS)}")
     return types
 
 
@@ -74,10 +78,10 @@ def _period(names: list[str]) -> tuple[str, ...]:
                 if all(names[i] == names[i % p] for i in range(len(names))))
 
 
-def hybrid_fields(get) -> dict[str, Any]:
-    """The layer pattern, the gated delta layers' settings and the gated attention (a row's
-    `extra`: llama_layout's reader adds them to the attention model it reads)."""
-    names = [KINDS[t][0] for t in _layer_types(get)]
+def hybrid_fields(get, family: str) -> dict[str, Any]:
+    """The layer pattern, the gated delta layers' settings and the gated attention (the
+    `extra` fields llama_layout's reader adds to the attention model it reads)."""
+    names = [KINDS[t][0] for t in _layer_types(get, family)]
     settings = {field: get(key) for field, key in SETTINGS_KEYS.items()}
     fields = dict(layer_pattern=_period(names), attn_output_gate=True,
                   layer_kinds={name: dict(kind) for name, kind in KINDS.values()
@@ -100,17 +104,18 @@ def hybrid_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if not cfg.attn_output_gate:
         raise cannot("attn_output_gate", False, "this family's attention is gated")
     s = cfg.mixer_settings(DELTA)
-    return dict(layer_types=types, **{key: getattr(s, field) if field != "key_heads" else
-                                     s.n_key_heads for field, key in SETTINGS_KEYS.items()})
+    values = dict(s.to_dict(), key_heads=s.n_key_heads)
+    return dict(layer_types=types, **{key: values[field] for field, key in SETTINGS_KEYS.items()})
 
 
 def read_config(hf, get, row) -> ModelConfig:
-    """llama_layout's reader with the hybrid's fields (row.extra), Qwen3.5's MRoPE keys
-    aside: text has the same position in each of its sections."""
+    """llama_layout's reader with the hybrid's fields (hybrid_fields, as the row's extra),
+    Qwen3.5's MRoPE keys aside: text has the same position in each of its sections."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and set(MROPE_KEYS) & set(params):
         hf = dict(hf, rope_parameters={k: v for k, v in params.items() if k not in MROPE_KEYS})
-    return llama_layout.read_config(hf, get, row)
+    extra = functools.partial(hybrid_fields, family=row.name)
+    return llama_layout.read_config(hf, get, dataclasses.replace(row, extra=extra))
 
 
 def _text_getter(text: dict, row: HFModelType):
@@ -261,25 +266,25 @@ DEFAULTS = dict(hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1
                 linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32)
 TWISTS = dict(
     read_config=read_config, norm="rmsnorm_offset", qk_norm="head", biases="attention",
-    rotary_fraction_key="partial_rotary_factor", extra=hybrid_fields, extra_to_hf=hybrid_to_hf,
-    ignored_tensors=llama_layout.BUFFERS + (MTP,),
+    rotary_fraction_key="partial_rotary_factor", extra_to_hf=hybrid_to_hf,
+    ignored_tensors=llama_layout.BUFFERS + (MTP,), mixers=("attention", DELTA),
     refuse=(("hidden_act", ("silu",), "the MLP and the gated delta layers' convolution are "
              "SiLU in jaxformer"),
             ("attention_bias", (False,), "jaxformer's gated attention here has no biases")))
 ROUTER_LOSS = dict(output_router_logits=False, router_aux_loss_coef=0.001)
 QWEN3_NEXT = HFModelType(
-    "qwen3_next", ("Qwen3NextForCausalLM", "Qwen3NextModel"), export_rank=40,
+    "qwen3_next", ("Qwen3NextForCausalLM", "Qwen3NextModel"), export_rank=45,
     defaults=dict(DEFAULTS, num_key_value_heads=2, decoder_sparse_step=1, norm_topk_prob=True,
                   num_experts_per_tok=10, mlp_only_layers=None, **ROUTER_LOSS),
     tensor_rules=functools.partial(tensor_rules, projections=fused_projections),
     moe=MoEFormat("mlp", "gate", ("num_experts",), "softmax_topk", "norm_topk_prob",
                   "moe_intermediate_size", sparse_layers=True, shared_expert=True), **TWISTS)
 QWEN3_5 = HFModelType(
-    "qwen3_5_text", ("Qwen3_5ForCausalLM", "Qwen3_5TextModel"), export_rank=41,
+    "qwen3_5_text", ("Qwen3_5ForCausalLM", "Qwen3_5TextModel"), export_rank=46,
     defaults=dict(DEFAULTS, num_key_value_heads=4),
     tensor_rules=functools.partial(tensor_rules, projections=split_projections), **TWISTS)
 QWEN3_5_MOE = HFModelType(  # every layer sparse, the chosen experts' weights renormalised
-    "qwen3_5_moe_text", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel"), export_rank=42,
+    "qwen3_5_moe_text", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel"), export_rank=47,
     defaults=dict(DEFAULTS, num_key_value_heads=2, num_experts_per_tok=8,
                   intermediate_size=None, **ROUTER_LOSS),
     tensor_rules=functools.partial(tensor_rules, projections=split_projections),
@@ -295,11 +300,12 @@ def vision_language(name: str, architecture: str, text_row: HFModelType, rank: i
         name, (architecture,), export_rank=rank, defaults=dict(tie_word_embeddings=False),
         read_config=text_model_reader(text_row), tensor_rules=text_row.tensor_rules,
         tensor_prefix="model.language_model.", moe=text_row.moe, arch="vision_language",
+        mixers=text_row.mixers,
         ignored_tensors=text_row.ignored_tensors + (r"model\.visual\..*",))
 
 
 ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
     QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE,
-    vision_language("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5, 43),
-    vision_language("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE, 44),
+    vision_language("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5, 48),
+    vision_language("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE, 49),
 ]

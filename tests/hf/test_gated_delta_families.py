@@ -83,11 +83,12 @@ def test_family_matches_transformers(model_type, tmp_path):
     want = hf_logits(model, prompts)
     for scan in (True, False) if whole else (False,):  # the unscanned model kept
         cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
-        got = np.asarray(forward(chunked(cfg))({"params": params}, prompts))
+        cfg = chunked(cfg)
+        got = np.asarray(forward(cfg)({"params": params}, prompts))
         assert rel_err(got, want) < 1e-5, (model_type, scan, rel_err(got, want))
     if whole:
-        assert_greedy_matches(model, chunked(cfg), params, prompts[:, :12])
-    written = to_hf(cfg, params, tmp_path / "out")
+        assert_greedy_matches(model, cfg, params, prompts[:, :12])
+    written = to_hf(cfg, params, tmp_path / "out")  # the chunk: how it runs, not written
     assert written["model_type"] == writes
     back = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager").eval()
@@ -115,7 +116,7 @@ def test_vision_language_folder_reads_its_text_model(tmp_path, capsys):
     (dict(hidden_act="gelu"), ["hidden_act='gelu'", "qwen3_5_text"]),
     (dict(attention_bias=True), ["attention_bias=True", "qwen3_5_text"]),
     (dict(layer_types=[LINEAR, "sliding_attention", LINEAR, FULL]),
-     ["layer_types", "sliding_attention"]),
+     ["layer_types", "sliding_attention", "qwen3_5_text"]),
 ])
 def test_unsupported_settings_name_the_key_and_the_family(changes, words):
     with pytest.raises(ConfigError) as e:

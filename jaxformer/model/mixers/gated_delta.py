@@ -38,6 +38,7 @@ class GatedDeltaSettings(Section):
     chunk: int = 64
 
     SECTION = "model.mixer.gated_delta"
+    RUNTIME = ("chunk",)  # how it runs, not what it computes
 
     def __post_init__(self):
         for name in ("heads", "key_dim", "value_dim", "conv", "chunk"):
