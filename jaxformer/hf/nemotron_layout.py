@@ -1,6 +1,5 @@
 """NVIDIA's Nemotron-H (nemotron_h) and IBM's Granite 4 (granitemoehybrid): Mamba-2 layers
-(jaxformer.model.mixers.mamba2) beside attention: their config.json readers and writers,
-tensor rules and rows.
+(jaxformer.model.mixers.mamba2) beside attention: config.json, tensor rules and rows.
 
 Nemotron-H: each layer is one sublayer after an RMSNorm (backbone.layers.N.{norm, mixer}),
 its type in layers_block_type (older files: hybrid_override_pattern's letters, M Mamba-2,
@@ -8,8 +7,8 @@ its type in layers_block_type (older files: hybrid_override_pattern's letters, M
 mixer mamba2, ffn false), its step clamped below at time_step_min; full_attention,
 attention alone, NoPE, no biases (kind "attention": ffn false); mlp, a squared-ReLU
 up/down MLP alone (kind "mlp": mixer none); moe, the experts alone (kind "moe": mixer none,
-a sparse layer): sigmoid routing with the selection bias and groups, non-gated experts, one
-shared expert. The head is never tied (NemotronHForCausalLM ties nothing).
+a sparse layer): sigmoid routing, selection bias, groups, non-gated experts, a shared one;
+the head never tied (NemotronHForCausalLM ties nothing).
 
 Granite 4: every layer a mixer (layer_types: linear_attention, Mamba-2 under mamba;
 full_attention, attention under self_attn) and a feed-forward network: the shared_mlp
