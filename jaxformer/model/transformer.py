@@ -22,6 +22,7 @@ from jaxformer.model.archs import ARCHS
 from jaxformer.model.blocks import Block, apply_norm, make_norm
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kinds import BLOCKS, FFNS, REMATS
+from jaxformer.model.mixers import MIXERS
 from jaxformer.model.layer_runs import stack_layers, unstack_layers  # noqa: F401 (the public names)
 from jaxformer.model.self_attention import dense_init
 from jaxformer.positions.schemes import POSITION_SCHEMES, PositionBias, dense_bias
@@ -254,13 +255,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
       encoder (|i - j| < w); with a layer pattern, each layer's own. MLA (expanded, as
       it trains): its projections' weights, and n_heads * (qk + v head dims) / 2 in place of
       n_heads * head_dim.
+    - a hybrid: attention's counts in the attention layers alone, the FFN's in the layers
+      that have one, and each recurrent layer's its mixer's (jaxformer.model.mixers: its
+      projections' weights and its recurrence in the chunked form, linear in seq_len).
+      Gated attention (attn_output_gate) adds its gate's projection.
     - an encoder-decoder (its source and target rows both seq_len, as data.seq2seq packs
       them; per target token): the encoder stack's count without a head, the decoder's
       (causal), and in each decoder layer the cross-attention's four projections (keys and
       values of as many source tokens as target ones) and seq_len keys per query.
     """
     c, m = cfg, cfg.mla
-    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads + c.attn_output_gate
+                                     * c.n_heads)
     if ARCHS[c.arch].cross_attention:
         encoder = flops_per_token(c.stack(ARCHS[c.arch].encoder), seq_len) - \
             6.0 * c.d_model * c.vocab_size
@@ -279,12 +285,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     sparse_ffn = (c.d_model * c.moe.experts  # the router, then the active experts
                   + mult * c.d_model * (c.moe.top_k * c.expert_d_ff + c.shared_d_ff)
                   + c.d_model * c.moe.shared_gate)
-    ffn = sum(sparse_ffn if s else dense_ffn for s in c.sparse_layers)
-    n_matmul = c.n_layers * attn + ffn + c.d_model * c.vocab_size
+    ffn = sum((sparse_ffn if s else dense_ffn) * f for s, f in zip(c.sparse_layers, c.layer_ffns))
+    attends = [MIXERS[x].mixes and not MIXERS[x].recurrent for x in c.layer_mixers]
+    n_matmul = sum(attends) * attn + ffn + c.d_model * c.vocab_size
+    recurrent = sum(MIXERS[x].flops(c, c.mixer_settings(x), seq_len) for x in c.layer_mixers
+                    if MIXERS[x].recurrent)
 
     def context(w):
         half = seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
         return half if c.causal else 2 * half  # an encoder's query sees both sides
 
-    keys = sum(context(c.kinds[i].window) for i in c.layer_kind_ids)
-    return 6.0 * n_matmul + 12.0 * pair * keys
+    keys = sum(context(c.kinds[i].window) for i, a in zip(c.layer_kind_ids, attends) if a)
+    return 6.0 * n_matmul + 12.0 * pair * keys + recurrent

@@ -180,3 +180,29 @@ def test_flops_per_token_gqa_and_window():
     assert windowed == 6 * n_matmul + 12 * L * 32 * hd * (w - w * w / (2 * T))
     assert jaxformer.flops_per_token(cfg.replace(sliding_window=T), T) == \
         jaxformer.flops_per_token(cfg, T)
+
+
+def test_a_hybrids_flops_count_each_layers_own_sublayers():
+    """A hybrid of gated attention, a gated delta rule, Mamba-2, a short convolution, a
+    mixer-only layer and an FFN-only layer: 6 FLOPs per weight of every kernel in the
+    param tree (the head tied: d x V), 12 * n_heads * head_dim per causal query-key pair
+    in the attention layer alone, and 3x each recurrence's forward in its chunked form
+    (jaxformer.model.mixers: a state of Dk x Dv or P x N read and written, the chunk's
+    causal products, the convolution's taps)."""
+    T, d = 64, 32
+    kinds = {"a": {}, "g": {"mixer": "gated_delta"}, "m": {"mixer": "mamba2", "ffn": False},
+             "s": {"mixer": "short_conv"}, "f": {"mixer": "none"}}
+    cfg = ModelConfig(vocab_size=50, d_model=d, n_layers=5, n_heads=4, ffn="swiglu", d_ff=48,
+                      norm="rmsnorm", max_seq_len=T, attn_output_gate=True,
+                      layer_pattern=list(kinds), layer_kinds=kinds,
+                      mixer={"gated_delta": dict(heads=2, key_dim=8, value_dim=16, chunk=16),
+                             "mamba2": dict(heads=4, head_dim=8, state=4, groups=2, chunk=32),
+                             "short_conv": dict(kernel=3)})
+    leaves = jax.tree_util.tree_leaves_with_path(jaxformer.param_shapes(cfg))
+    kernels = sum(np.prod(x.shape) for path, x in leaves
+                  if path[-1].key == "kernel") + 50 * d
+    delta = 2 * (6 * 8 * 16 + 2 * 16 * (8 + 16)) + 2 * 4 * (2 * 2 * 8 + 2 * 16)
+    ssd = 4 * (6 * 8 * 4 + 32 * (4 + 8)) + 2 * 4 * (32 + 2 * 2 * 4)
+    conv = (2 * 3 + 2) * d
+    assert jaxformer.flops_per_token(cfg, T) == pytest.approx(
+        6 * kernels + 12 * d * (T / 2) + 3 * (delta + ssd + conv), rel=1e-9)

@@ -23,12 +23,15 @@ class Mixer:
     """settings: its settings class (model.mixer.<name>); None: attention, whose settings
     are the model's own fields. module: the Flax module (None: the model's attention).
     cache(cfg, settings) -> {name: (shape of one batch row's entry, float32 or None for
-    the model's dtype)}: its layer's decode cache, whatever the length. mixes: False for
+    the model's dtype)}: its layer's decode cache, whatever the length. flops(cfg,
+    settings, seq_len) -> its training FLOPs per token (jaxformer.model.transformer's
+    flops_per_token counts attention's itself). mixes: False for
     `none`, a layer of its feed-forward network alone (Nemotron-H's MLP layers)."""
 
     settings: type | None = None
     module: Callable | None = None
     cache: Callable | None = None
+    flops: Callable | None = None
     mixes: bool = True
 
     @property
@@ -40,10 +43,10 @@ MIXERS: dict[str, Mixer] = {
     "attention": Mixer(),
     "none": Mixer(mixes=False),
     "gated_delta": Mixer(gated_delta.GatedDeltaSettings, gated_delta.GatedDeltaMixer,
-                         gated_delta.cache_shapes),
-    "mamba2": Mixer(mamba2.Mamba2Settings, mamba2.Mamba2Mixer, mamba2.cache_shapes),
+                         gated_delta.cache_shapes, gated_delta.flops),
+    "mamba2": Mixer(mamba2.Mamba2Settings, mamba2.Mamba2Mixer, mamba2.cache_shapes, mamba2.flops),
     "short_conv": Mixer(short_conv.ShortConvSettings, short_conv.ShortConvMixer,
-                        short_conv.cache_shapes),
+                        short_conv.cache_shapes, short_conv.flops),
 }
 ATTENTION = "attention"  # a layer kind's mixer when it names none
 

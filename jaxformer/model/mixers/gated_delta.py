@@ -65,6 +65,19 @@ def cache_shapes(cfg, s: GatedDeltaSettings):
             "conv": ((s.conv - 1, s.conv_channels), None)}
 
 
+def flops(cfg, s: GatedDeltaSettings, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward: 3x the forward): 6 per weight of the
+    projections (q, k, v, z, b, a, out), and 3x the rule's forward per head in its chunked
+    form: the state read by q and by k and written by k, v (6 Dk Dv), and the chunk's
+    causal products of queries and keys with keys and values (2 chunk (Dk + Dv)); the
+    convolution's 2 conv per channel."""
+    weights = cfg.d_model * (2 * s.n_key_heads * s.key_dim + 2 * s.heads * s.value_dim
+                             + 2 * s.heads) + s.heads * s.value_dim * cfg.d_model
+    rule = s.heads * (6 * s.key_dim * s.value_dim + 2 * min(s.chunk, seq_len)
+                      * (s.key_dim + s.value_dim))
+    return 6.0 * weights + 3.0 * (rule + 2 * s.conv * s.conv_channels)
+
+
 def heads_projection(cfg, shape, names, name: str, axis=(-1,), std: float = 0.02):
     """A bias-free DenseGeneral over `axis` to `shape`, its kernel's logical axes `names`,
     in the model's dtypes."""

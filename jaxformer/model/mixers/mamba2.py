@@ -76,6 +76,18 @@ def cache_shapes(cfg, s: Mamba2Settings):
             "conv": ((s.conv - 1, s.conv_channels), None)}
 
 
+def flops(cfg, s: Mamba2Settings, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward: 3x the forward): 6 per weight of the
+    projections (z, x, B, C, dt in; out), and 3x SSD's forward per head in its chunked
+    form: the state written and read (6 P N: the decay, x B^T, C S), and the chunk's
+    causal products C B^T and their weighted sum of x (chunk (N + P)); the convolution's 2
+    conv per channel."""
+    weights = cfg.d_model * (2 * s.inner + 2 * s.groups * s.state + s.heads) + \
+        s.inner * cfg.d_model
+    ssd = s.heads * (6 * s.head_dim * s.state + min(s.chunk, seq_len) * (s.state + s.head_dim))
+    return 6.0 * weights + 3.0 * (ssd + 2 * s.conv * s.conv_channels)
+
+
 def heads_projection(cfg, shape, names, name: str, bias: bool, axis=(-1,), std: float = 0.02):
     """A DenseGeneral over `axis` to `shape`, its kernel's logical axes `names` (the bias's
     the output ones), in the model's dtypes."""

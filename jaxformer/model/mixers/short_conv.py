@@ -36,6 +36,12 @@ def cache_shapes(cfg, s: ShortConvSettings):
     return {"conv": ((s.kernel - 1, cfg.d_model), None)}
 
 
+def flops(cfg, s: ShortConvSettings, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward: 3x the forward): 6 per weight of the
+    four D x D projections, and 3x the convolution's 2 kernel and the gates' 2 per channel."""
+    return 6.0 * 4 * cfg.d_model ** 2 + 3.0 * (2 * s.kernel + 2) * cfg.d_model
+
+
 def projection(cfg, feats: int, names, bias: bool, name: str, std: float = 0.02):
     """A mixer's dense projection, its kernel's logical axes `names`, in the model's dtypes."""
     return nn.Dense(feats, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
