@@ -83,7 +83,8 @@ class MLAConfig(Section):
             raise ConfigError(f"model.position={cfg.position!r} computes its logits from whole "
                               "rows of expanded keys, which MLA's decoding over latents never "
                               "forms; use a rotary, bias or absolute scheme")
-        for name, plain in (("qk_norm", "none"), ("rope_fraction", 1.0), ("p_rope", 1.0)):
+        for name, plain in (("qk_norm", "none"), ("rope_fraction", 1.0), ("p_rope", 1.0),
+                            ("attn_output_gate", False)):
             if getattr(cfg, name) != plain:
                 raise ConfigError(f"model.{name}={getattr(cfg, name)!r} is not for MLA, whose "
                                   "latent has its own norm and whose rotated slice is "

@@ -232,6 +232,7 @@ def test_cache_holds_the_latent_and_the_rope_key():
     (dict(mla=dict(MLA, v_head_dim=0)), ["v_head_dim=0"]),
     (dict(position="cope"), ["position='cope'", "latents"]),
     (dict(qk_norm="head"), ["qk_norm='head'"]),
+    (dict(attn_output_gate=True), ["attn_output_gate=True", "MLA"]),
     (dict(lora=dict(rank=2, targets=["query"])), ["query", "MLA"]),
 ])
 def test_bad_mla_configs_are_one_line(change, words):
