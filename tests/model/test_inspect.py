@@ -402,3 +402,30 @@ def test_hooks_in_generate_equal_the_uncached_forward(rng, scan):
     with pytest.raises(ValueError, match="hooks on 'blocks.0.hook_resid_pots'"):
         generate(model, params, prompts, max_new_tokens=2, rng=jax.random.key(0),
                  hooks={"blocks.0.hook_resid_pots": lambda x: x})
+
+
+def recurrent_with_state():
+    """The recurrent mixers whose decode cache holds a state (jaxformer.model.mixers)."""
+    from jaxformer.model.mixers import MIXERS
+    return [n for n, m in MIXERS.items() if m.recurrent and "state" in m.cache(
+        ModelConfig(), MIXERS[n].settings())]
+
+
+@pytest.mark.parametrize("mixer", recurrent_with_state())
+def test_a_recurrent_layers_state_and_gates_are_hook_points(mixer, rng):
+    """blocks.{i}.mixer.hook_state is the state a KV-cached forward of the same tokens
+    leaves in the layer's cache (computed apart, through the cache), and the layer's gates
+    are hook points beside it."""
+    from jaxformer.attention.kv_cache import init_cache
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, norm="rmsnorm",
+                      layer_pattern=["r", "a"], layer_kinds={"r": {"mixer": mixer}, "a": {}},
+                      mixer={mixer: {"chunk": 4}})
+    model = Transformer(cfg)
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 7)))
+    params = model.init(jax.random.key(0), tokens)["params"]
+    _, acts = run_with_cache(model, params, tokens, names=lambda n: "mixer.hook" in n)
+    _, cache = model.apply({"params": params}, tokens, cache=init_cache(cfg, 2, 8))
+    np.testing.assert_allclose(acts["blocks.0.mixer.hook_state"],
+                               cache["layers"]["block_0"]["state"], rtol=1e-5, atol=1e-6)
+    assert any(n.startswith("blocks.0.mixer.hook_") and n != "blocks.0.mixer.hook_state"
+               for n in acts)  # its gates too
