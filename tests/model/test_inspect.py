@@ -413,9 +413,9 @@ def recurrent_with_state():
 
 @pytest.mark.parametrize("mixer", recurrent_with_state())
 def test_a_recurrent_layers_state_and_gates_are_hook_points(mixer, rng):
-    """blocks.{i}.mixer.hook_state is the state a KV-cached forward of the same tokens
-    leaves in the layer's cache (computed apart, through the cache), and the layer's gates
-    are hook points beside it."""
+    """blocks.{i}.mixer.hook_state of a forward over the whole row (the chunked form) is the
+    state one-token cached steps over the same tokens leave in the layer's cache (the
+    recurrent form), and the layer's gates are hook points beside it."""
     from jaxformer.attention.kv_cache import init_cache
     cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, norm="rmsnorm",
                       layer_pattern=["r", "a"], layer_kinds={"r": {"mixer": mixer}, "a": {}},
@@ -424,7 +424,10 @@ def test_a_recurrent_layers_state_and_gates_are_hook_points(mixer, rng):
     tokens = jnp.asarray(rng.integers(0, 32, (2, 7)))
     params = model.init(jax.random.key(0), tokens)["params"]
     _, acts = run_with_cache(model, params, tokens, names=lambda n: "mixer.hook" in n)
-    _, cache = model.apply({"params": params}, tokens, cache=init_cache(cfg, 2, 8))
+    cache = init_cache(cfg, 2, 8)
+    step = jax.jit(lambda cache, t: model.apply({"params": params}, t, cache=cache)[1])
+    for i in range(tokens.shape[1]):
+        cache = step(cache, tokens[:, i:i + 1])
     np.testing.assert_allclose(acts["blocks.0.mixer.hook_state"],
                                cache["layers"]["block_0"]["state"], rtol=1e-5, atol=1e-6)
     assert any(n.startswith("blocks.0.mixer.hook_") and n != "blocks.0.mixer.hook_state"
