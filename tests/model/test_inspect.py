@@ -428,7 +428,8 @@ def test_a_recurrent_layers_state_and_gates_are_hook_points(mixer, rng):
     step = jax.jit(lambda cache, t: model.apply({"params": params}, t, cache=cache)[1])
     for i in range(tokens.shape[1]):
         cache = step(cache, tokens[:, i:i + 1])
-    np.testing.assert_allclose(acts["blocks.0.mixer.hook_state"],
-                               cache["layers"]["block_0"]["state"], rtol=1e-5, atol=1e-6)
+    want = np.asarray(cache["layers"]["block_0"]["state"])
+    np.testing.assert_allclose(acts["blocks.0.mixer.hook_state"], want, rtol=1e-4,
+                               atol=1e-5 * np.abs(want).max())
     assert any(n.startswith("blocks.0.mixer.hook_") and n != "blocks.0.mixer.hook_state"
                for n in acts)  # its gates too
