@@ -38,7 +38,8 @@ from jaxformer.core.validation import check_choice, check_number
 from jaxformer.data.random_positions import randomize_batch
 from jaxformer.experiments import tasks
 from jaxformer.experiments.length_gen_report import summarize, write_outputs
-from jaxformer.experiments.positions_config import (check_run_sections, check_settings,
+from jaxformer.experiments.positions_config import (COLUMNS, check_run_sections,
+                                                    check_settings, column_fields, column_model,
                                                     read_sections, settings_from_dict, study_dict,
                                                     study_main)
 from jaxformer.experiments.seeds import train_seeds
@@ -69,7 +70,9 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1  # the training and evaluation examples' random
 @dataclasses.dataclass(frozen=True)
 class LengthGenSettings:
     """tasks: from jaxformer.experiments.tasks.TASKS; one model each per scheme and seed.
-    schemes: the model.position values compared (default: every entry of jaxformer.positions.schemes.POSITION_SCHEMES).
+    schemes: the columns compared (positions_config.COLUMNS): model.position values (a
+      scheme on the run's model; default: every one of POSITION_SCHEMES) or model variants
+      (positions_config.MODEL_VARIANTS: hybrid-rope, gated_delta, mamba2, ...).
     train_max_len: training examples have 1..train_max_len input symbols, uniformly.
     eval_lengths: the input lengths scored (the same examples for every scheme and seed).
     eval_examples: examples scored at each length.
@@ -100,9 +103,9 @@ class LengthGenSettings:
 
     def __post_init__(self):
         if not self.tasks or not self.schemes:
-            name, allowed = ("tasks", tasks.TASKS) if not self.tasks else ("schemes", tuple(POSITION_SCHEMES))
+            name, allowed = ("tasks", tasks.TASKS) if not self.tasks else ("schemes", COLUMNS)
             raise ConfigError(f"study.{name} is empty; choose from {', '.join(allowed)}")
-        check_settings(self, choices={"tasks": tasks.TASKS, "schemes": tuple(POSITION_SCHEMES)},
+        check_settings(self, choices={"tasks": tasks.TASKS, "schemes": tuple(COLUMNS)},
                        increasing=("eval_lengths",),
                        positive=("train_max_len", "eval_examples", "eval_batch_tokens", "seeds"))
         check_choice("study", "task_positions", self.task_positions, tasks.TASK_POSITIONS)
@@ -146,7 +149,8 @@ class LengthGenConfig:
         longest = max(tasks.example_tokens(t, self.study.eval_lengths[-1]) - 1
                       for t in self.study.tasks)
         row = self.run.train.seq_len
-        if POSITION_SCHEMES[scheme].max_length is not None and self.study.ordered:
+        if POSITION_SCHEMES[COLUMNS[scheme].position].max_length is not None and \
+                self.study.ordered:
             return max(row, self.run.train.random_positions or 0)
         return max(row, longest)
 
@@ -162,9 +166,10 @@ class LengthGenConfig:
                               "lower it, or raise train.seq_len")
 
     def model_config(self, scheme: str) -> ModelConfig:
-        return self.run.model.replace(position=scheme, rope_scaling=RopeScaling(),
-                                      vocab_size=tasks.VOCAB_SIZE,
-                                      max_seq_len=self.row_len(scheme))
+        """Column `scheme`'s model (positions_config.COLUMNS) on the tasks' vocabulary."""
+        return column_model(scheme, self.run.model).replace(
+            rope_scaling=RopeScaling(), vocab_size=tasks.VOCAB_SIZE,
+            max_seq_len=self.row_len(scheme))
 
     def to_dict(self) -> dict[str, Any]:
         return study_dict(self.study, self.run, ("model", "optim"))
@@ -302,6 +307,7 @@ def run_study(cfg: LengthGenConfig, *, log=_print) -> dict:
     results = {"tasks": list(s.tasks), "seeds": seeds, "train_max_len": s.train_max_len,
                "eval_lengths": list(s.eval_lengths), "rows": rows,
                "eval_examples": s.eval_examples, "params": params_count, "train": train,
+               "models": {name: column_fields(name, cfg.model_config(name)) for name in rows},
                "config": cfg.to_dict(), "seconds": round(time.perf_counter() - started, 1)}
     return summarize(results)
 

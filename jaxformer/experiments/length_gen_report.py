@@ -11,7 +11,7 @@ import pathlib
 
 import numpy as np
 
-from jaxformer.experiments.report import near_best, seed_stats, write_files
+from jaxformer.experiments.report import near_best, seed_stats, variant_notes, write_files
 
 
 def summarize(results: dict) -> dict:
@@ -72,6 +72,7 @@ def markdown(results: dict) -> str:
         "n/a: the example does not fit the learned position table (or, scored at random "
         "positions, train.random_positions).",
         positions_note(results.get("config", {})),
+        *variant_notes(results.get("models", {})),
         "mean 1..L / mean > L: each seed's mean over those lengths, then mean ± std over seeds."
         " Bold: the best scheme and every scheme within one standard deviation of it (the "
         "larger of the two): differences among the bold ones are smaller than the seed "

@@ -20,6 +20,11 @@ auto, a length whose dense logits would pass DENSE_LOGITS_BYTES runs blockwise a
 evaluated at n*L with rope_scaling = {kind, factor: n, original_max_seq_len: L}: nothing
 is retrained. The learned table has L rows, so learned positions have no score beyond L
 (null in results.json, "n/a" in the table).
+
+Columns (study.schemes) are position schemes on the run's model, or model variants
+(positions_config.MODEL_VARIANTS: hybrid-rope = 3 gated DeltaNet layers : 1 attention
+layer with RoPE, pure gated_delta or mamba2 without positions, ...), each a table entry
+owning its layer pattern and mixers; every other setting is the run's.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from jaxformer.core.sharding import make_mesh, param_shardings, resolve_rules
 from jaxformer.data import DataError, get_batch, load_dataset
 from jaxformer.data.random_positions import randomize_batch
 from jaxformer.experiments.positions_config import (DEFAULT_CONFIG, SMALL, StudyConfig,
-                                                    StudySettings, load_study_config,
-                                                    multiples_of_l, study_main)
+                                                    StudySettings, column_fields,
+                                                    load_study_config, multiples_of_l,
+                                                    study_main)
 from jaxformer.experiments.report import summarize, write_outputs
 from jaxformer.experiments.seeds import seed_slice, train_seeds
 from jaxformer.model.build import count_params
@@ -144,8 +150,8 @@ def run_study(cfg: StudyConfig, *, log=_print) -> dict:
         names = [scheme if k is None else f"{scheme}+{k}" for k in scalings]
         for name, scaling in zip(names, scalings):
             rows[name] = {"scheme": scheme, "scaling": scaling, "params": count_params(mcfg),
-                          "ppl": [], **({"train_loss": [], "train_seconds": []}
-                                        if scaling is None else {})}
+                          **column_fields(scheme, mcfg), "ppl": [],
+                          **({"train_loss": [], "train_seconds": []} if scaling is None else {})}
         log(f"[{i + 1}/{len(s.schemes)}] {scheme}, seed(s) {', '.join(map(str, seeds))}: "
             f"{rows[scheme]['params']:,} params ({time.perf_counter() - started:.0f} s since "
             "the start)")

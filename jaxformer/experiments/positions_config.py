@@ -1,6 +1,8 @@
 """The positional-encoding study's config: a study section (StudySettings) beside the
 run config's model, data, optim and train sections, from YAML and dotted key=value
-overrides; unknown keys and settings the study makes itself fail with one line."""
+overrides; unknown keys and settings the study makes itself fail with one line. Both
+studies' columns are COLUMNS' entries (ModelVariant): a position scheme on the run's
+model, or a model variant of recurrent and attention layers with its position scheme."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import math
 import pathlib
 import re
 import sys
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from jaxformer.core.validation import (check_choice, check_keys, check_number, coerce,
                                        read_config_file)
@@ -19,6 +21,97 @@ from jaxformer.positions.rope_scaling import ROPE_SCALINGS, RopeScaling
 from jaxformer.positions.schemes import POSITION_SCHEMES
 from jaxformer.training.config import RunConfig
 from jaxformer.training.mlm import MaskedLM
+
+# ---- the columns: a position scheme, or a model variant ---------------------------------
+
+# A recurrent mixer's settings at the run's model size (model.mixer.<name>), by mixer: its
+# heads the model's, each head's state as wide as an attention head's (Mamba-2 with its
+# usual expansion of 2); chunks (gated DeltaNet's) short enough for the studies' lengths.
+MIXER_SIZES: dict[str, Callable[[ModelConfig], dict]] = {
+    "gated_delta": lambda m: {"heads": m.n_heads, "key_dim": m.head_dim,
+                              "value_dim": m.head_dim, "chunk": 32},
+    "mamba2": lambda m: {"heads": m.n_heads, "head_dim": 2 * m.head_dim, "state": m.head_dim},
+    "short_conv": lambda m: {},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelVariant:
+    """One column of the studies: the run's model with position scheme `position` and, where
+    `pattern` is given, its layers replaced: `pattern` (model.layer_pattern, repeated over
+    model.n_layers) of `kinds` ({kind: its model.layer_kinds fields}), every recurrent mixer
+    sized by MIXER_SIZES. about: what the variant is, for the reports."""
+
+    position: str
+    pattern: tuple[str, ...] = ()
+    kinds: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    about: str = ""
+
+    def model(self, base: ModelConfig) -> ModelConfig:
+        """`base` as this column's model (its position settings the scheme's defaults)."""
+        if not self.pattern:
+            return base.replace(position=self.position)
+        if len(self.pattern) > base.n_layers:
+            raise ConfigError(f"model.n_layers={base.n_layers} is fewer than the "
+                              f"{len(self.pattern)} layers of one repeat of its pattern "
+                              f"{list(self.pattern)}; raise model.n_layers")
+        mixers = sorted({k["mixer"] for k in self.kinds.values() if "mixer" in k})
+        return base.replace(position=self.position,
+                            layer_pattern=self.pattern,
+                            layer_kinds={n: dict(k) for n, k in self.kinds.items()},
+                            mixer={m: MIXER_SIZES[m](base) for m in mixers} or None)
+
+
+HYBRID = ("delta", "delta", "delta", "attn")  # 3 recurrent : 1 attention (Qwen3-Next's mix)
+DELTA_KINDS = {"delta": {"mixer": "gated_delta"}, "attn": {}}
+MODEL_VARIANTS: dict[str, ModelVariant] = {
+    "hybrid-rope": ModelVariant("rope", HYBRID, DELTA_KINDS,
+                                "3 gated DeltaNet layers : 1 attention layer with RoPE"),
+    "hybrid-nope": ModelVariant("none", HYBRID, DELTA_KINDS,
+                                "3 gated DeltaNet layers : 1 attention layer, no positions"),
+    "hybrid-alibi": ModelVariant("alibi", HYBRID, DELTA_KINDS,
+                                 "3 gated DeltaNet layers : 1 attention layer with ALiBi"),
+    "hybrid-conv": ModelVariant("rope", ("conv", "conv", "attn"),
+                                {"conv": {"mixer": "short_conv"}, "attn": {}},
+                                "2 gated short convolutions (LFM2's) : 1 attention layer "
+                                "with RoPE"),
+    "gated_delta": ModelVariant("none", ("delta",), {"delta": {"mixer": "gated_delta"}},
+                                "gated DeltaNet in every layer (each with its FFN), no "
+                                "positions"),
+    "mamba2": ModelVariant("none", ("ssd",), {"ssd": {"mixer": "mamba2"}},
+                           "Mamba-2 in every layer (each with its FFN), no positions"),
+}
+# Every column either study compares: each position scheme on the run's layers, then the
+# model variants.
+COLUMNS: dict[str, ModelVariant] = {**{name: ModelVariant(name) for name in POSITION_SCHEMES},
+                                    **MODEL_VARIANTS}
+
+
+def column_model(name: str, base: ModelConfig) -> ModelConfig:
+    """Column `name`'s model from the run's; a variant that cannot be built fails in one
+    line naming it."""
+    try:
+        return COLUMNS[name].model(base)
+    except ConfigError as e:
+        raise ConfigError(f"study.schemes {name}: {e}") from None
+
+
+def column_fields(name: str, mcfg: ModelConfig) -> dict[str, str]:
+    """What the results record of column `name`'s model `mcfg`: its position scheme, its
+    layers' mixers (layers_text) and what the variant is (COLUMNS; '' for a scheme)."""
+    return {"position": mcfg.position, "layers": layers_text(mcfg), "about": COLUMNS[name].about}
+
+
+def layers_text(mcfg: ModelConfig) -> str:
+    """The layers' mixers in runs, e.g. '3 gated_delta, 1 attention, 3 gated_delta, ...'."""
+    runs: list[list] = []
+    for mixer in mcfg.layer_mixers:
+        if runs and runs[-1][0] == mixer:
+            runs[-1][1] += 1
+        else:
+            runs.append([mixer, 1])
+    return ", ".join(f"{count} {mixer}" for mixer, count in runs)
+
 
 DEFAULT_CONFIG = (pathlib.Path(__file__).resolve().parents[2] /
                   "configs/experiments/positions.yaml")
@@ -39,11 +132,12 @@ SMALL = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_l
 
 @dataclasses.dataclass(frozen=True)
 class StudySettings:
-    """schemes: the model.position values compared, one model each.
+    """schemes: the columns compared, one model each: model.position values (a scheme on
+      the run's model) or model variants (MODEL_VARIANTS: e.g. hybrid-rope); see COLUMNS.
     eval_multiples: the evaluation lengths, as multiples of L = train.seq_len.
     rope_scaling: RoPE scaling kinds applied at evaluation only (factor = the multiple) to
-      the trained models of scaled_schemes; one extra row each, for each of those schemes
-      among the schemes.
+      the trained models of scaled_schemes (columns whose scheme is rotary); one extra row
+      each, for each of those columns among the schemes.
     eval_tokens: validation tokens scored at every length (rounded down to a multiple of
       every evaluation length, so each length scores the same tokens).
     eval_batch_tokens: tokens per evaluation forward pass.
@@ -64,12 +158,12 @@ class StudySettings:
 
     def __post_init__(self):
         scalings = tuple(n for n, r in ROPE_SCALINGS.items() if r.scales)
-        check_settings(self, choices={"schemes": tuple(POSITION_SCHEMES), "rope_scaling": scalings,
-                                      "scaled_schemes": tuple(POSITION_SCHEMES)},
+        check_settings(self, choices={"schemes": tuple(COLUMNS), "rope_scaling": scalings,
+                                      "scaled_schemes": tuple(COLUMNS)},
                        increasing=("eval_multiples",),
                        positive=("eval_tokens", "eval_batch_tokens", "seeds"))
         if not self.schemes:
-            raise ConfigError(f"study.schemes is empty; choose from {', '.join(POSITION_SCHEMES)}")
+            raise ConfigError(f"study.schemes is empty; choose from {', '.join(COLUMNS)}")
 
 
 def check_settings(settings, *, choices: Mapping[str, tuple[str, ...]],
@@ -128,13 +222,14 @@ class StudyConfig:
         return self.study.eval_tokens // step * step
 
     def model_config(self, scheme: str) -> ModelConfig:
-        """The run's model with this position scheme; the learned table has L rows (or
-        train.random_positions, the positions it trains)."""
+        """Column `scheme`'s model (COLUMNS: the run's model with this position scheme, or a
+        model variant); the learned table has L rows (or train.random_positions, the
+        positions it trains)."""
         length = max(self.run.train.seq_len, self.run.train.random_positions or 0)
         longest = max(length, *self.eval_lengths)
-        table = POSITION_SCHEMES[scheme].max_length is not None  # its rows: L, no more
-        return self.run.model.replace(position=scheme, rope_scaling=RopeScaling(),
-                                      max_seq_len=length if table else longest)
+        table = POSITION_SCHEMES[COLUMNS[scheme].position].max_length is not None  # L rows
+        return column_model(scheme, self.run.model).replace(
+            rope_scaling=RopeScaling(), max_seq_len=length if table else longest)
 
     def to_dict(self) -> dict[str, Any]:
         return study_dict(self.study, self.run, ("model", "data", "optim", "objective"))

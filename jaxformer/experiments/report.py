@@ -64,6 +64,19 @@ def _label(multiple: int) -> str:
     return "L" if multiple == 1 else f"{multiple}L"
 
 
+def position_of(row: dict) -> str:
+    """A row's position scheme: its own record, or (results written before model variants
+    were columns) its column's name."""
+    return row.get("position", row["scheme"])
+
+
+def variant_notes(columns: dict[str, dict]) -> list[str]:
+    """One note per column that is a model variant ({name: its row or record, holding
+    about, layers and position}), saying what it is."""
+    return [f"{name}: {c['about']} (layers: {c['layers']}; position={c['position']})"
+            for name, c in columns.items() if c.get("about")]
+
+
 def row_title(name: str, row: dict) -> str:
     if row["scaling"] is None:
         return {"none": "none (NoPE)"}.get(name, name)
@@ -99,9 +112,10 @@ def markdown_table(results: dict) -> str:
         "train loss: mean over the last log interval of training, in nats per token.",
     ]
     for scheme in sorted({r["scheme"] for r in rows.values()}):
-        if POSITION_SCHEMES[scheme].max_length is not None:  # a table of positions
+        if POSITION_SCHEMES[position_of(rows[scheme])].max_length is not None:  # a table
             notes.append(f"{scheme}: its position table has L rows, so it cannot run beyond L "
                          "(n/a).")
+    notes += variant_notes({name: row for name, row in rows.items() if row["scaling"] is None})
     for name, row in rows.items():
         if row["scaling"] is not None:
             notes.append(f"{row_title(name, row)}: the trained {row['scheme']} model, evaluated "
