@@ -28,6 +28,7 @@ from jaxformer.core.logprobs import target_logprobs
 from jaxformer.decode.cached_forward import Generated, decode_jit, looped, prefill
 from jaxformer.decode.sampling import (Branches, Sampling, accept_drafts, branches_of,
                                        sample_and_filter, sample_logits)
+from jaxformer.model.mixers import MIXERS
 from jaxformer.model.transformer import Transformer
 
 LOOKUP_NGRAM = 3  # prompt lookup matches the last 3 tokens, else 2, else 1
@@ -128,6 +129,7 @@ def checked_draft(cfg, draft, k: int):
     errors name the fix."""
     if k < 1:
         raise ValueError(f"draft_len must be >= 1, got {k}")
+    check_rolls_back(cfg, "the model")
     names = [n for n in PROPOSERS if n != DRAFT_MODEL]
     if isinstance(draft, str) and draft in names:
         return draft, None, None
@@ -141,7 +143,19 @@ def checked_draft(cfg, draft, k: int):
     if dcfg.max_seq_len < cfg.max_seq_len:
         raise ValueError(f"the draft model's max_seq_len {dcfg.max_seq_len} is below the "
                          f"model's {cfg.max_seq_len}; it reads the same positions")
+    check_rolls_back(dcfg, "the draft model")
     return DRAFT_MODEL, dcfg, draft[1]
+
+
+def check_rolls_back(cfg, whose: str) -> None:
+    """Refuses, in one line, a model whose cache cannot be rolled back: each round takes
+    back the refused drafts by emptying their slots (kv_cache.rolled_back), and a recurrent
+    layer's state holds every token it has read, with no slot to empty."""
+    recurrent = sorted({m for m in cfg.layer_mixers if MIXERS[m].recurrent})
+    if recurrent:
+        raise ValueError(f"speculative decoding cannot take back drafts that {whose}'s "
+                         f"recurrent layers ({', '.join(recurrent)}) have read into their "
+                         "state; pass draft=None")
 
 
 def _emitted(row: RowState, toks, a, max_new, eos_id):
