@@ -12,7 +12,8 @@ Each row decodes alone (vmapped over the batch) in caches whose slot is the posi
 a row takes back its refused tokens by emptying their slots (kv_cache.rolled_back), and
 rows accept different numbers of tokens per round. Rounds run in a lax.while_loop until
 every row has its tokens or its EOS: a fixed-length scan would run the worst case, one
-token per round.
+token per round. A model (or draft) with recurrent layers is refused (check_rolls_back):
+their state has read the refused drafts, and has no slots to empty.
 """
 
 from __future__ import annotations
