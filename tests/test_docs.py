@@ -27,7 +27,7 @@ EXAMPLE = re.compile(r"```python\n(.*?)```", re.S)
 
 # Lines printed (each checked against its comment) by the examples of each page.
 PRINTS = {"README.md": 5, "docs/extending.md": 1, "docs/generation.md": 2,
-          "docs/inspecting.md": 1, "docs/models.md": 3, "docs/moe.md": 1}
+          "docs/hybrids.md": 4, "docs/inspecting.md": 1, "docs/models.md": 3, "docs/moe.md": 1}
 
 
 def rel(path: pathlib.Path) -> str:
