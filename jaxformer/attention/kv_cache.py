@@ -24,7 +24,9 @@ its rotated key as ``k`` [batch, max_len, qk_rope_head_dim]: one row per batch r
 A layer whose mixer is recurrent (cfg.recurrent_cache(i): gated_delta, mamba2,
 short_conv) holds its own entries instead, e.g. ``state`` [batch, ...] (float32) and
 ``conv`` [batch, kernel - 1, channels]: a constant size whatever the length, written by the
-layer itself; the slots' positions and index serve the attention layers.
+layer itself; the slots' positions and index serve the attention layers. A layer with a
+parallel mixer beside its attention (model.layer_kinds.<kind>.parallel: Falcon-H1) holds
+both: its keys and values and that mixer's entries, in one dict.
 
 One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
 matmuls, and the reshape that then sits between the in-place cache update and the matmul
@@ -73,12 +75,17 @@ def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = F
     total = 0
     for i, slots in enumerate(layer_slots(cfg, seq_len, windowed)):
         own = cfg.recurrent_cache(i)
-        if own is None:
+        if not _recurrent_mixer(cfg, i):
             total += (k_width + v_width) * rows * slots * itemsize * batch
-        else:  # a recurrent layer's state: the same bytes at any length
+        if own is not None:  # a recurrent state: the same bytes at any length
             total += sum(math.prod(shape) * jnp.dtype(d or dtype or cfg.dtype).itemsize
                          for shape, d in own.values()) * batch
     return total
+
+
+def _recurrent_mixer(cfg, layer: int) -> bool:
+    """Whether layer `layer`'s mixer is recurrent (no keys or values: its entries alone)."""
+    return cfg.recurrent_cache(layer) is not None and not cfg.layer_parallels[layer]
 
 
 def check_generates(cfg) -> None:
@@ -98,27 +105,27 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
     dtype = jnp.dtype(dtype or cfg.dtype)
     per_row, k_width, v_width = cache_widths(cfg)
     rows = batch * per_row
-    def own(i, lead):  # a recurrent layer's entries, each [*lead, batch, ...]
+    def own(i, lead):  # a recurrent mixer's entries, each [*lead, batch, ...]
         return {n: jnp.zeros((*lead, batch, *shape), d or dtype)
-                for n, (shape, d) in cfg.recurrent_cache(i).items()}
+                for n, (shape, d) in (cfg.recurrent_cache(i) or {}).items()}
+
+    def keys(i, lead, s):  # an attention layer's keys and values, each [*lead, rows, s, H]
+        if _recurrent_mixer(cfg, i):
+            return {}
+        return {"k": jnp.zeros((*lead, rows, s, k_width), dtype),
+                "v": jnp.zeros((*lead, rows, s, v_width), dtype)}
 
     if cfg.scan_layers:
         if windowed:
             raise ValueError("a windowed KV cache needs unscanned layers (its layers differ in "
                              "size); use scan_layers=false, or windowed=False")
-        layers = {r.name: own(r.start, (r.length,)) if cfg.recurrent_cache(r.start) else
-                  {"k": jnp.zeros((r.length, rows, max_len, k_width), dtype),
-                   "v": jnp.zeros((r.length, rows, max_len, v_width), dtype)}
+        layers = {r.name: {**keys(r.start, (r.length,), max_len), **own(r.start, (r.length,))}
                   for r in cfg.layer_runs}
     else:
         layers = {}
         for i, s in enumerate(layer_slots(cfg, max_len, windowed, spare)):
-            if cfg.recurrent_cache(i):
-                layers[f"block_{i}"] = own(i, ())
-                continue
-            layers[f"block_{i}"] = {"k": jnp.zeros((rows, s, k_width), dtype),
-                                    "v": jnp.zeros((rows, s, v_width), dtype)}
-            if s < max_len:  # a ring: its slots' positions
+            layers[f"block_{i}"] = {**keys(i, (), s), **own(i, ())}
+            if s < max_len and not _recurrent_mixer(cfg, i):  # a ring: its slots' positions
                 layers[f"block_{i}"]["positions"] = jnp.full((batch, s), EMPTY_SLOT, jnp.int32)
     return {"layers": layers, "positions": jnp.full((batch, max_len), EMPTY_SLOT, jnp.int32),
             "index": jnp.zeros([], jnp.int32)}

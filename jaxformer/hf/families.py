@@ -16,8 +16,8 @@ than a 7B-sized guess.
 
 from __future__ import annotations
 
-from jaxformer.hf import (bart, bert, gated_delta_layout, gpt2, gpt_neox, lfm2_layout,
-                          mamba2_layout, nemotron_layout, scales, t5, twists)
+from jaxformer.hf import (bart, bert, falcon_h1_layout, gated_delta_layout, gpt2, gpt_neox,
+                          lfm2_layout, mamba2_layout, nemotron_layout, scales, t5, twists)
 from jaxformer.hf.model_type import HFModelType
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.model.kinds import CLAMP_ALPHA, CLAMP_LIMIT
@@ -305,6 +305,7 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
     # the hybrids: recurrent layers beside attention (jaxformer.model.mixers), each family's
     # rows in its layout's module
     *gated_delta_layout.ROWS, *mamba2_layout.ROWS, *nemotron_layout.ROWS, *lfm2_layout.ROWS,
+    *falcon_h1_layout.ROWS,
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.

@@ -41,6 +41,11 @@ BAMBA_KEYS = dict(heads="mamba_n_heads", head_dim="mamba_d_head", groups="mamba_
                   dt_limit="time_step_limit", expand="mamba_expand", act="hidden_act")
 _PLAIN = ("heads", "head_dim", "groups", "state", "conv", "chunk", "conv_bias", "bias",
           "dt_min", "dt_max", "dt_floor")
+# fields only some families have keys for (Falcon-H1's): read as bools or numbers
+_FLAGS = ("norm", "norm_before_gate", "out_bias")
+_SCALES = ("in_multiplier", "out_multiplier")
+# (a family's "d_ssm" key: the inner width itself, in place of expand * hidden_size where
+# it is not null; "part_multipliers": the five multipliers of z, x, B, C and dt)
 
 
 def read_mamba2_settings(get: Callable, keys: Mapping[str, str],
@@ -53,21 +58,25 @@ def read_mamba2_settings(get: Callable, keys: Mapping[str, str],
     if "act" in keys and get(keys["act"]) != "silu":
         raise unsupported(keys["act"], get(keys["act"]), f"{family}'s Mamba-2 convolution "
                           "activation in jaxformer is silu")
-    out = {f: get(keys[f]) for f in _PLAIN if f in keys}
-    for f in ("conv_bias", "bias"):
+    out = {f: get(keys[f]) for f in _PLAIN + _FLAGS + _SCALES if f in keys}
+    for f in ("conv_bias", "bias") + _FLAGS:
         if f in out:
             out[f] = bool(out[f])
-    for f in ("dt_min", "dt_max", "dt_floor"):
+    for f in ("dt_min", "dt_max", "dt_floor") + _SCALES:
         if f in out:
             out[f] = float(out[f])
-    if "expand" in keys:
-        inner = get(keys["expand"]) * get("hidden_size")
+    if "part_multipliers" in keys:
+        parts = get(keys["part_multipliers"]) or (1.0,) * 5  # null: transformers' ones
+        out["part_multipliers"] = tuple(float(m) for m in parts)
+    d_ssm = get(keys["d_ssm"]) if "d_ssm" in keys else None
+    if "expand" in keys or d_ssm is not None:
+        inner = d_ssm if d_ssm is not None else get(keys["expand"]) * get("hidden_size")
         if out.get("head_dim") == "auto":
             out["head_dim"] = inner // out["heads"]
         if out["heads"] * out["head_dim"] != inner:
-            raise unsupported(keys["expand"], get(keys["expand"]), f"{family}'s Mamba-2 width "
-                              f"expand * hidden_size must be heads * head_dim "
-                              f"({out['heads']} * {out['head_dim']})")
+            key = keys["d_ssm"] if d_ssm is not None else keys["expand"]
+            raise unsupported(key, get(key), f"{family}'s Mamba-2 width ({key}) must be "
+                              f"heads * head_dim ({out['heads']} * {out['head_dim']})")
     out.update(_read_limit(get, keys, family))
     return out
 
@@ -96,12 +105,15 @@ def write_mamba2_settings(s: Mamba2Settings, keys: Mapping[str, str], d_model: i
     default is a ConfigError naming it."""
     default = Mamba2Settings()
     out = {}
-    for f in _PLAIN:
+    for f in _PLAIN + _FLAGS + _SCALES + ("part_multipliers",):
+        value = s.out_biased if f == "out_bias" else getattr(s, f)
         if f in keys:
-            out[keys[f]] = getattr(s, f)
-        elif getattr(s, f) != getattr(default, f):
-            raise cannot(f"mixer.mamba2.{f}", getattr(s, f), f"{family} has no key for it")
-    if "expand" in keys:
+            out[keys[f]] = list(value) if f == "part_multipliers" else value
+        elif value != (s.bias if f == "out_bias" else getattr(default, f)):
+            raise cannot(f"mixer.mamba2.{f}", value, f"{family} has no key for it")
+    if "d_ssm" in keys:
+        out[keys["d_ssm"]] = s.inner
+    elif "expand" in keys:
         if s.inner % d_model:
             raise cannot("mixer.mamba2.heads", s.heads, f"{family}'s Mamba-2 width is expand * "
                          f"hidden_size, an integer multiple of {d_model}: heads * head_dim = "
@@ -141,10 +153,13 @@ def _in_bias(m: Path, name: str, d: int, s: Mamba2Settings) -> Rule:
                 lambda *bs: (np.concatenate([b.reshape(-1) for b in bs]),))
 
 
-def mixer_rules(cfg, block_path: Path, hf_prefix: str, s: Mamba2Settings) -> list[Rule]:
+def mixer_rules(cfg, block_path: Path, hf_prefix: str, s: Mamba2Settings,
+                module: str = "mixer") -> list[Rule]:
     """The tensors of one Mamba-2 mixer: HF's module at `hf_prefix` (e.g.
     "backbone.layers.3.mixer." or "model.layers.3.mamba.") <-> our Mamba2Mixer's params at
-    block_path + ("mixer",) (block_path: the layer's Block, e.g. ("block_3",)).
+    block_path + (module,) (block_path: the layer's Block, e.g. ("block_3",); module:
+    mixer, or parallel_mixer beside attention). No norm where s.norm is false; out_proj's
+    bias where s.out_biased.
 
     in_proj [z | x | B | C | dt, D] -> in_z, in_x [D, heads, head_dim], in_b, in_c
     [D, groups, state], in_dt [D, heads] (and their biases where s.bias); conv1d.weight
@@ -152,20 +167,22 @@ def mixer_rules(cfg, block_path: Path, hf_prefix: str, s: Mamba2Settings) -> lis
     A_log, D [heads]; norm.weight [heads * head_dim] -> norm [heads, head_dim]; out_proj
     [D, heads * head_dim] -> out [heads, head_dim, D] (+ bias [D])."""
     d, h, p, k, c = cfg.d_model, s.heads, s.head_dim, s.conv, s.conv_channels
-    m, t = tuple(block_path) + ("mixer",), hf_prefix
+    m, t = tuple(block_path) + (module,), hf_prefix
     parts = _in_shapes(d, s)
     rules = [split_rows(m, [ours for ours, _, _ in parts], f"{t}in_proj.weight",
                         [rows for _, rows, _ in parts], d, [shape for _, _, shape in parts]),
              Rule((m + ("conv",),), (f"{t}conv1d.weight",), ((c, 1, k),),
                   lambda w: (w[:, 0, :].T,), lambda w: (w.T[:, None, :],)),
              *(copied(m + (x,), f"{t}{x}", (h,)) for x in ("dt_bias", "A_log", "D")),
-             reshaped(m + ("norm",), f"{t}norm.weight", (h * p,), (h, p)),
              linear(m + ("out", "kernel"), f"{t}out_proj.weight", (d, h * p), (h, p, d))]
+    if s.norm:
+        rules.append(reshaped(m + ("norm",), f"{t}norm.weight", (h * p,), (h, p)))
     if s.conv_bias:
         rules.append(copied(m + ("conv_bias",), f"{t}conv1d.bias", (c,)))
     if s.bias:
-        rules += [_in_bias(m, f"{t}in_proj.bias", d, s),
-                  copied(m + ("out", "bias"), f"{t}out_proj.bias", (d,))]
+        rules.append(_in_bias(m, f"{t}in_proj.bias", d, s))
+    if s.out_biased:
+        rules.append(copied(m + ("out", "bias"), f"{t}out_proj.bias", (d,)))
     return rules
 
 

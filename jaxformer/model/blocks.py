@@ -5,6 +5,7 @@ flows: jaxformer.model.kinds.BLOCKS)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -26,11 +27,30 @@ from jaxformer.moe.expert_parallel import dispatch_for
 from jaxformer.moe.experts import balance_losses, dense_weights, dispatch_of, expert_load, route
 
 
+def scaled(x, multiplier):
+    """x times a multiplier (a float or a traced scalar: a scanned layer's) in its dtype;
+    x itself for None."""
+    return x if multiplier is None else x * jnp.asarray(multiplier, x.dtype)
+
+
+def kind_multiplier(cfg: ModelConfig, kind, name: str):
+    """Layer kind `kind`'s multiplier `name` (jaxformer.model.layer_pattern.MULTIPLIERS):
+    a float, or a traced scalar where the kind is (scanned); None where every kind's is 1."""
+    values = [getattr(k, name) for k in cfg.kinds]
+    if all(v == 1.0 for v in values):
+        return None
+    if isinstance(kind, int):
+        return values[kind]
+    return jnp.asarray(values, jnp.float32)[kind]
+
+
 class FeedForward(nn.Module):
-    """gelu/relu: wo(act(wi x)). swiglu/geglu: wo(act(wi_gate x) * wi_up x)."""
+    """gelu/relu: wo(act(wi x)). swiglu/geglu: wo(act(wi_gate x) * wi_up x).
+    gate_multiplier: what the activation reads scaled first (None: not; Falcon-H1's)."""
 
     cfg: ModelConfig
     deterministic: bool = True
+    gate_multiplier: Any = None
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
@@ -45,7 +65,9 @@ class FeedForward(nn.Module):
                            self.deterministic)
 
         ffn, up = FFNS[c.ffn], ("embed", "mlp")
-        pre = hook_point(self, "hook_pre", dense(x, c.d_ff, "wi_gate" if c.gated_ffn else "wi", up))
+        pre = scaled(dense(x, c.d_ff, "wi_gate" if c.gated_ffn else "wi", up),
+                     self.gate_multiplier)
+        pre = hook_point(self, "hook_pre", pre)
         if c.gated_ffn:  # [B, T, F]
             h = ffn.join(pre, hook_point(self, "hook_pre_linear", dense(x, c.d_ff, "wi_up", up)))
         else:
@@ -143,7 +165,11 @@ class Block(nn.Module):
     mixer: what mixes its tokens (jaxformer.model.mixers.MIXERS): attention, or a recurrent
     module (params `mixer`, reading the segment ids `segments` [B, T] to restart its state;
     its cache holds its state, not keys). ffn: it has a feed-forward network (else the
-    flow's mixer_only form).
+    flow's mixer_only form). parallel: a recurrent mixer beside the attention (params
+    `parallel_mixer`) on the same normed input, its output added to the attention's; its
+    entries (state, conv) sit in the layer's cache beside the keys and values. The kind's
+    multipliers (LayerKind: mixer_in/out, ffn_gate/out) scale the attention's input and
+    output and the FFN's gate and output.
     """
 
     cfg: ModelConfig
@@ -155,6 +181,7 @@ class Block(nn.Module):
     cross: bool = False  # a cross-attention sublayer (an encoder-decoder's decoder block)
     mixer: str = ATTENTION
     ffn: bool = True
+    parallel: str | None = None
 
     @nn.compact
     def __call__(self, x, positions, mask, bias=None, cache=None, cache_index=None, kind_id=None,
@@ -169,8 +196,14 @@ class Block(nn.Module):
         kind = self.kind if kind_id is None else kind_id
         recurrent = MIXERS[self.mixer].module
         attn = self.mixer_module()
-        ffn = (MoEFeedForward if self.sparse else FeedForward)(c, self.deterministic, name="ffn")
+        ffn = self.ffn_module(kind)
         block = self
+
+        def mix(x, layer_cache):  # the kind's mixer on x
+            if recurrent is not None:
+                return attn(x, segments, layer_cache)
+            return attn(x, positions, pick_rule(mask, kind) if isinstance(mask, tuple) else mask,
+                        bias, layer_cache, cache_index, kind=kind)
 
         class Parts:  # what a flow reads (see jaxformer.model.kinds.BLOCKS)
             def norm(self, name, h):  # each flow uses a norm once
@@ -178,17 +211,11 @@ class Block(nn.Module):
 
             def attention(self, h):
                 nonlocal cache
-                if recurrent is not None:
-                    out = attn(h, segments, cache)
-                else:
-                    out = attn(h, positions, pick_rule(mask, kind) if isinstance(mask, tuple)
-                               else mask, bias, cache, cache_index, kind=kind)
-                if cache is not None:
-                    out, cache = out
+                out, cache = block.mixed(mix, h, segments, cache, kind)
                 return out
 
             def ffn(self, h):
-                return ffn(h)
+                return scaled(ffn(h), kind_multiplier(c, kind, "ffn_out_multiplier"))
 
             def cross_attention(self, h):
                 nonlocal cross_cache
@@ -217,6 +244,52 @@ class Block(nn.Module):
         if cross_cache is not None:
             cache = {**cache, **cross_cache}
         return (x, cache) if self.scanned or cache is not None else x
+
+    def mixed(self, mix, h, segments, cache, kind):
+        """The kind's mixer `mix(x, cache)` on h scaled in and out by the kind's multipliers,
+        plus the parallel mixer's on h; and the layer's cache after both (None without)."""
+        own, cache = self.split_cache(cache)  # the parallel mixer's entries
+        out = mix(scaled(h, kind_multiplier(self.cfg, kind, "mixer_in_multiplier")), cache)
+        if cache is not None:
+            out, cache = out
+        out = scaled(out, kind_multiplier(self.cfg, kind, "mixer_out_multiplier"))
+        if self.parallel is None:
+            return out, cache
+        beside = self.parallel_module()(h, segments, own)
+        if own is not None:
+            beside, own = beside
+            cache = {**cache, **own}
+        return out + beside, cache
+
+    def ffn_module(self, kind):
+        """The layer's FFN: the mixture of experts (sparse), or dense with its kind's gate
+        multiplier."""
+        c = self.cfg
+        gate = kind_multiplier(c, kind, "ffn_gate_multiplier")
+        if self.sparse:
+            if gate is not None:
+                raise ValueError("model.layer_kinds.<kind>.ffn_gate_multiplier scales a dense "
+                                 "FFN's gate; the mixture of experts (model.moe) has none")
+            return MoEFeedForward(c, self.deterministic, name="ffn")
+        return FeedForward(c, self.deterministic, gate, name="ffn")
+
+    def parallel_module(self):
+        """The recurrent mixer beside the attention (params `parallel_mixer`), or None."""
+        if self.parallel is None:
+            return None
+        c = self.cfg
+        return MIXERS[self.parallel].module(c, c.mixer_settings(self.parallel),
+                                            name="parallel_mixer")
+
+    def split_cache(self, cache):
+        """(the parallel mixer's entries of the layer's cache, the rest): (None, cache)
+        without a parallel mixer or a cache."""
+        if self.parallel is None or cache is None:
+            return None, cache
+        c = self.cfg
+        names = MIXERS[self.parallel].cache(c, c.mixer_settings(self.parallel))
+        return ({n: x for n, x in cache.items() if n in names},
+                {n: x for n, x in cache.items() if n not in names})
 
     def mixer_module(self):
         """The layer's mixer: its recurrent module (params `mixer`), or attention (`attn`)."""

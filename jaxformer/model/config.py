@@ -13,7 +13,7 @@ from jaxformer.core.validation import (ConfigError, Section, check_choice,  # no
 from jaxformer.model.archs import ARCHS
 from jaxformer.model.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
 from jaxformer.model.layer_pattern import (LayerKind, check_layer_forms, check_mixers,
-                                           check_pattern, read_pattern)
+                                           check_pattern, layer_forms, layer_parallels, read_pattern)
 from jaxformer.model.layer_runs import Run, runs
 from jaxformer.model.lora import LoRAConfig, check_expert_targets
 from jaxformer.model.mixers import MIXERS, read_mixer_settings, settings_of
@@ -280,15 +280,16 @@ class ModelConfig(Section):
         """Whether each layer has a feed-forward network."""
         return tuple(self.kinds[i].ffn for i in self.layer_kind_ids)
 
+    layer_parallels = property(layer_parallels)  # each layer's parallel mixer, or None
+
     @property
     def recurrent(self) -> bool:
-        """Some layer's mixer is recurrent (a fixed-size state in place of a KV cache)."""
-        return any(MIXERS[m].recurrent for m in self.layer_mixers)
+        """Some layer's mixer (or parallel mixer) is recurrent (a fixed-size state)."""
+        return any(MIXERS[m].recurrent for m in self.layer_mixers + self.layer_parallels if m)
 
     def recurrent_cache(self, layer: int):
-        """Layer `layer`'s decode cache when its mixer is recurrent: {name: (one batch row's
-        shape, dtype or None for the cache's)}; None for an attention layer (keys, values)."""
-        name = self.layer_mixers[layer]
+        """Layer `layer`'s recurrent (or parallel) mixer's cache {name: (shape, dtype)}, or None."""
+        name = self.layer_parallels[layer] or self.layer_mixers[layer]
         shapes = MIXERS[name].cache
         return None if shapes is None else shapes(self, self.mixer_settings(name))
 
@@ -381,9 +382,8 @@ class ModelConfig(Section):
 
     @property
     def layer_runs(self) -> tuple[Run, ...]:
-        """The runs of consecutive layers alike (dense or sparse FFN, or none; the mixer) that
-        scan_layers stacks."""
-        return runs(tuple(zip(self.sparse_layers, self.layer_mixers, self.layer_ffns)))
+        """The runs of consecutive alike layers (FFN, mixer, parallel mixer) scan_layers stacks."""
+        return runs(tuple(zip(self.sparse_layers, layer_forms(self))))
 
     @property
     def expert_d_ff(self) -> int:

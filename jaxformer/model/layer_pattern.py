@@ -25,7 +25,13 @@ class LayerKind(Section):
     mixer: what mixes its tokens (jaxformer.model.mixers.MIXERS): attention, or a recurrent
     layer (gated_delta, mamba2, short_conv: its settings in model.mixer.<name>), which has
     no window and no RoPE. ffn: the layer has a feed-forward network after its mixer
-    (false: Mamba-2's and Nemotron-H's mixer-only layers).
+    (false: Mamba-2's and Nemotron-H's mixer-only layers). parallel: a recurrent mixer
+    run beside the attention on the same normed input, its output added (Falcon-H1's
+    attention and Mamba-2; params `parallel_mixer`, its state in the layer's cache beside
+    the keys). mixer_in_multiplier, mixer_out_multiplier: the kind's mixer's input and
+    output scaled (Falcon-H1's attention_in/out_multiplier); ffn_gate_multiplier,
+    ffn_out_multiplier: the FFN's gate before its activation, and its output (Falcon-H1's
+    mlp_multipliers).
     """
 
     window: int | None = None
@@ -34,6 +40,11 @@ class LayerKind(Section):
     rope_scaling: RopeScaling | None = None
     mixer: str = ATTENTION
     ffn: bool = True
+    parallel: str | None = None
+    mixer_in_multiplier: float = 1.0
+    mixer_out_multiplier: float = 1.0
+    ffn_gate_multiplier: float = 1.0
+    ffn_out_multiplier: float = 1.0
 
     SECTION = "layer_kinds.<kind>"
 
@@ -46,8 +57,16 @@ class LayerKind(Section):
                 raise ConfigError(f"{self.SECTION}.{name}={getattr(self, name)!r} must be true "
                                   "or false")
         check_choice(self.SECTION, "mixer", self.mixer, MIXERS)
+        if self.parallel is not None:
+            check_choice(self.SECTION, "parallel", self.parallel, MIXERS)
+        for name in MULTIPLIERS:
+            check_number(self.SECTION, name, getattr(self, name), float)
         check_number(self.SECTION, "rope_theta", self.rope_theta, float, low=1, low_open=True,
                      optional=True)
+
+
+MULTIPLIERS = ("mixer_in_multiplier", "mixer_out_multiplier", "ffn_gate_multiplier",
+               "ffn_out_multiplier")  # LayerKind's, 1.0: none
 
 
 def read_pattern(pattern, kinds) -> tuple[tuple[str, ...], tuple[tuple[str, LayerKind], ...]]:
@@ -73,6 +92,18 @@ def read_pattern(pattern, kinds) -> tuple[tuple[str, ...], tuple[tuple[str, Laye
                               f"{', '.join(fields)}")
         read.append((str(name), kind))
     return tuple(pattern or ()), tuple(read)
+
+
+def layer_parallels(cfg) -> tuple[str | None, ...]:
+    """Each layer's parallel mixer (a recurrent mixer beside its attention), or None:
+    ModelConfig.layer_parallels."""
+    return tuple(cfg.kinds[i].parallel for i in cfg.layer_kind_ids)
+
+
+def layer_forms(cfg) -> tuple[tuple[str, bool, str | None], ...]:
+    """Each layer's (mixer, ffn, parallel mixer): with its FFN's sparsity, what decides its
+    structure (ModelConfig.layer_runs)."""
+    return tuple((k.mixer, k.ffn, k.parallel) for k in (cfg.kinds[i] for i in cfg.layer_kind_ids))
 
 
 def check_pattern(cfg, scheme):
@@ -114,7 +145,9 @@ def check_pattern(cfg, scheme):
 def check_mixers(cfg, scheme):
     """Recurrent layers: settings given for mixers the layers use, a causal arch, and a
     position scheme that acts in attention only where some layer attends."""
-    used = set(cfg.layer_mixers)
+    for name, kind in cfg.layer_kinds:
+        check_parallel(name, kind)
+    used = set(cfg.layer_mixers) | {p for p in cfg.layer_parallels if p}
     unused = [n for n, _ in cfg.mixer if n not in used]
     if unused:
         raise ConfigError(f"model.mixer.{unused[0]} is set but no layer kind has "
@@ -130,6 +163,19 @@ def check_mixers(cfg, scheme):
         raise ConfigError(f"model.position={cfg.position!r} acts in attention layers, and "
                           f"every layer's mixer here is {', '.join(sorted(used))}; use "
                           "model.position=none (or an absolute scheme)")
+
+
+def check_parallel(name: str, kind: LayerKind):
+    """A kind's parallel mixer: recurrent, beside an attention mixer."""
+    if kind.parallel is None:
+        return
+    if not MIXERS[kind.parallel].recurrent:
+        recurrent = ", ".join(n for n, m in MIXERS.items() if m.recurrent)
+        raise ConfigError(f"model.layer_kinds.{name}.parallel={kind.parallel} must be a "
+                          f"recurrent mixer ({recurrent})")
+    if MIXERS[kind.mixer].recurrent or not MIXERS[kind.mixer].mixes:
+        raise ConfigError(f"model.layer_kinds.{name}.parallel={kind.parallel} runs beside "
+                          f"attention, not mixer={kind.mixer}; set mixer: attention")
 
 
 def check_layer_forms(cfg):

@@ -40,9 +40,10 @@ def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
         block = nn.remat(block, policy=remat.policy, prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
         return [block(cfg, deterministic, impl=impl, kind=kind, sparse=sparse, mixer=mixer,
-                      ffn=ffn, name=f"block_{i}")
-                for i, (kind, sparse, mixer, ffn) in enumerate(zip(
-                    cfg.layer_kind_ids, cfg.sparse_layers, cfg.layer_mixers, cfg.layer_ffns))]
+                      ffn=ffn, parallel=parallel, name=f"block_{i}")
+                for i, (kind, sparse, mixer, ffn, parallel) in enumerate(zip(
+                    cfg.layer_kind_ids, cfg.sparse_layers, cfg.layer_mixers, cfg.layer_ffns,
+                    cfg.layer_parallels))]
     b = nn.broadcast  # positions, masks, bias, cache, index, kind id, memory, cross, segments
     return [(run, nn.scan(block, variable_axes={"params": 0, "moe": 0},
                           split_rngs={"params": True, "dropout": True},
@@ -50,7 +51,7 @@ def block_stack(cfg: ModelConfig, deterministic: bool, impl: str):
                           in_axes=(b, b, b, 0, b, 0, b, b, b), length=run.length)
              (cfg, deterministic, scanned=True, impl=impl, sparse=cfg.sparse_layers[run.start],
               mixer=cfg.layer_mixers[run.start], ffn=cfg.layer_ffns[run.start],
-              name=run.name)) for run in cfg.layer_runs]
+              parallel=cfg.layer_parallels[run.start], name=run.name)) for run in cfg.layer_runs]
 
 
 class Transformer(nn.Module):
@@ -288,8 +289,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     ffn = sum((sparse_ffn if s else dense_ffn) * f for s, f in zip(c.sparse_layers, c.layer_ffns))
     attends = [MIXERS[x].mixes and not MIXERS[x].recurrent for x in c.layer_mixers]
     n_matmul = sum(attends) * attn + ffn + c.d_model * c.vocab_size
-    recurrent = sum(MIXERS[x].flops(c, c.mixer_settings(x), seq_len) for x in c.layer_mixers
-                    if MIXERS[x].recurrent)
+    recurrent = sum(MIXERS[x].flops(c, c.mixer_settings(x), seq_len) for x in
+                    c.layer_mixers + c.layer_parallels if x and MIXERS[x].recurrent)
 
     def context(w):
         half = seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)

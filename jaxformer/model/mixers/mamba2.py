@@ -30,7 +30,13 @@ class Mamba2Settings(Section):
     [low, high] (high None: no limit; HF's time_step_limit, Nemotron-H's (time_step_min,
     inf)), in the chunked form and the one-token step alike (transformers' torch step
     does not clamp). The gated norm's groups are B and C's (heads / groups heads each).
-    The norm's epsilon is the model's norm_eps."""
+    The norm's epsilon is the model's norm_eps. norm: the gated RMSNorm (false: y * silu(z),
+    no norm and no norm weight: Falcon-H1's mamba_rms_norm=false); norm_before_gate: the
+    norm of y, then times silu(z) (Falcon-H1's mamba_norm_before_gate), else of y * silu(z).
+    out_bias: a bias on the out projection (None: as bias; Falcon-H1's projectors_bias
+    beside its mamba_proj_bias on in_proj). in_multiplier, out_multiplier: the input and
+    the output scaled (Falcon-H1's ssm_in/out_multiplier); part_multipliers: z, x, B, C and
+    dt each scaled after the in projection (its ssm_multipliers)."""
 
     heads: int = 8
     head_dim: int = 64
@@ -45,6 +51,12 @@ class Mamba2Settings(Section):
     dt_floor: float = 1e-4
     dt_limit_low: float = 0.0
     dt_limit_high: float | None = None
+    norm: bool = True
+    norm_before_gate: bool = False
+    out_bias: bool | None = None
+    in_multiplier: float = 1.0
+    out_multiplier: float = 1.0
+    part_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
 
     SECTION = "model.mixer.mamba2"
     RUNTIME = ("chunk",)  # how it runs, not what it computes
@@ -55,6 +67,19 @@ class Mamba2Settings(Section):
         check_number(self.SECTION, "dt_limit_low", self.dt_limit_low, float, low=0)
         check_number(self.SECTION, "dt_limit_high", self.dt_limit_high, float,
                      low=self.dt_limit_low, optional=True)
+        parts = self.part_multipliers
+        if isinstance(parts, str):  # 'z,x,b,c,dt' from the command line
+            parts = [p for p in parts.split(",") if p.strip()]
+        try:
+            parts = tuple(float(p) for p in parts)
+        except (TypeError, ValueError):
+            parts = ()
+        if len(parts) != 5:
+            raise ConfigError(f"{self.SECTION}.part_multipliers={self.part_multipliers!r} must "
+                              "be five numbers: z, x, B, C and dt's")
+        object.__setattr__(self, "part_multipliers", parts)
+        for name in ("in_multiplier", "out_multiplier"):
+            check_number(self.SECTION, name, getattr(self, name), float)
         if self.heads % self.groups:
             raise ConfigError(f"{self.SECTION}.heads={self.heads} must be a multiple of "
                               f"groups={self.groups}")
@@ -62,6 +87,11 @@ class Mamba2Settings(Section):
     @property
     def inner(self) -> int:
         return self.heads * self.head_dim
+
+    @property
+    def out_biased(self) -> bool:
+        """Whether the out projection has a bias (out_bias, else bias)."""
+        return self.bias if self.out_bias is None else self.out_bias
 
     @property
     def conv_channels(self) -> int:
@@ -127,22 +157,35 @@ def step_size(dt, dt_bias, s: Mamba2Settings):
     return jnp.clip(dt, s.dt_limit_low, s.dt_limit_high)
 
 
-def grouped_gated_norm(y, z, scale, groups: int, eps: float):
+def grouped_gated_norm(y, z, scale, groups: int, eps: float, before_gate: bool = False):
     """HF's MambaRMSNormGated: h = y * silu(z) in float32, RMS-normalised over each of
-    `groups` runs of heads side by side (heads * head_dim / groups channels), times scale.
-    y, z [B, T, H, P], scale [H, P]; float32 out."""
-    h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))  # [B, T, H, P]
+    `groups` runs of heads side by side (heads * head_dim / groups channels), times scale;
+    before_gate: y normalised so, then times silu(z) (Falcon-H1's norm_before_gate). scale
+    None: no norm, y * silu(z). y, z [B, T, H, P], scale [H, P]; float32 out."""
+    gate = jax.nn.silu(z.astype(jnp.float32))  # [B, T, H, P]
+    h = y.astype(jnp.float32)
+    if scale is None:
+        return h * gate
+    if not before_gate:
+        h = h * gate
     b, t, heads, p = h.shape
     g = h.reshape(b, t, groups, heads // groups * p)  # [B, T, G, H/G * P]
     g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
-    return g.reshape(b, t, heads, p) * scale.astype(jnp.float32)
+    h = g.reshape(b, t, heads, p) * scale.astype(jnp.float32)
+    return h * gate if before_gate else h
+
+
+def scaled(x, multiplier: float):
+    """x times a multiplier in its dtype (x itself at 1)."""
+    return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
     """Params: in_z, in_x [D, heads, head_dim], in_b, in_c [D, groups, state], in_dt
     [D, heads] (HF's in_proj as z | x | B | C | dt; biases where settings.bias), conv
     [K, C] over x | B | C (C = conv_channels; conv_bias where settings.conv_bias), dt_bias,
-    A_log, D [heads], norm [heads, head_dim] (the gated RMSNorm's weight, eps cfg.norm_eps),
+    A_log, D [heads], norm [heads, head_dim] (the gated RMSNorm's weight, eps cfg.norm_eps;
+    where settings.norm),
     out [heads, head_dim, D]. Hooks: hook_conv_in and hook_conv_out (x | B | C [B, T, C]
     before and after the convolution, before the SiLU), hook_dt (the step [B, T, heads],
     after softplus and clamp), hook_state (the state after the call [B, heads, head_dim,
@@ -154,27 +197,36 @@ class Mamba2Mixer(nn.Module):
     @nn.compact
     def __call__(self, x, segment_ids=None, cache=None):  # x [B, T, D]
         c, s = self.cfg, self.settings
-        heads, groups = ("embed", "heads", "head_dim"), ("embed", "mixer_groups", "state")
-        proj = {name: heads_projection(c, shape, names, name, s.bias)(x) for name, shape, names
-                in (("in_z", (s.heads, s.head_dim), heads),
-                    ("in_x", (s.heads, s.head_dim), heads),
-                    ("in_b", (s.groups, s.state), groups),
-                    ("in_c", (s.groups, s.state), groups),
-                    ("in_dt", s.heads, ("embed", "heads")))}
+        proj = self.projected(scaled(x, s.in_multiplier))
         h, b_, c_, tail = self.convolved(proj["in_x"], proj["in_b"], proj["in_c"], segment_ids,
                                          cache)
         y, state = self.scan(h, proj["in_dt"], b_, c_, segment_ids,
                              None if cache is None else cache["state"])  # [B, T, H, P]
         scale = self.param("norm", init_with_names(nn.initializers.ones, "heads", "head_dim"),
-                           (s.heads, s.head_dim), c.param_dtype)
-        y = grouped_gated_norm(y, proj["in_z"], scale, s.groups, c.norm_eps).astype(c.dtype)
+                           (s.heads, s.head_dim), c.param_dtype) if s.norm else None
+        y = grouped_gated_norm(y, proj["in_z"], scale, s.groups, c.norm_eps,
+                               s.norm_before_gate).astype(c.dtype)
         y = constrain(y, "act_batch", "act_seq", "act_heads", "head_dim")
-        out = heads_projection(c, c.d_model, ("heads", "head_dim", "embed"), "out", s.bias,
-                               (-2, -1), 0.02 / math.sqrt(2 * c.n_layers))(y)  # [B, T, D]
+        out = heads_projection(c, c.d_model, ("heads", "head_dim", "embed"), "out",
+                               s.out_biased, (-2, -1), 0.02 / math.sqrt(2 * c.n_layers))(y)
+        out = scaled(out, s.out_multiplier)  # [B, T, D]
         if cache is None:
             return out
         return out, {"state": state.astype(cache["state"].dtype),
                      "conv": tail.astype(cache["conv"].dtype)}
+
+    def projected(self, x):
+        """z, x [B, T, heads, head_dim], B, C [B, T, groups, state] and dt [B, T, heads]
+        from x [B, T, D] (HF's in_proj), each times its part multiplier."""
+        c, s = self.cfg, self.settings
+        heads, groups = ("embed", "heads", "head_dim"), ("embed", "mixer_groups", "state")
+        return {name: scaled(heads_projection(c, shape, names, name, s.bias)(x), m)
+                for (name, shape, names), m in zip(
+                    (("in_z", (s.heads, s.head_dim), heads),
+                     ("in_x", (s.heads, s.head_dim), heads),
+                     ("in_b", (s.groups, s.state), groups),
+                     ("in_c", (s.groups, s.state), groups),
+                     ("in_dt", s.heads, ("embed", "heads"))), s.part_multipliers)}
 
     def convolved(self, h, b_, c_, segment_ids, cache):
         """x [B, T, H, P], B and C [B, T, G, N] through the causal convolution over their
