@@ -22,13 +22,14 @@ _PER_LAYER = ("layer_pattern", "layer_kinds", "sliding_window", "rope_theta", "r
 
 def _layers(cfg: ModelConfig) -> list:
     """Each layer as it computes: its attention's window, its RoPE where it rotates, its
-    mixer and whether it has a feed-forward network."""
+    mixer, its parallel mixer, whether it has a feed-forward network, its multipliers."""
     out = []
     for i in cfg.layer_kind_ids:
         k = cfg.kinds[i]
         rotary = POSITION_SCHEMES[cfg.position].kind == "rotary"
         rope = (k.rope_theta, k.rope_scaling) if rotary and k.rope else None
-        out.append((k.window, rope, k.mixer, k.ffn))
+        out.append((k.window, rope, k.mixer, k.parallel, k.ffn, k.mixer_in_multiplier,
+                    k.mixer_out_multiplier, k.ffn_gate_multiplier, k.ffn_out_multiplier))
     return out
 
 
@@ -55,12 +56,17 @@ def _computed(cfg: ModelConfig, name: str):
     if name == "moe":
         return _moe(cfg)
     if name == "mixer":  # the settings of the mixers the layers use, given or default
-        return {m: _computing(cfg.mixer_settings(m)) for m in sorted(set(cfg.layer_mixers))}
+        return {m: _computing(cfg.mixer_settings(m)) for m in sorted(_mixers(cfg))}
     if name == "encoder_layers" and ARCHS[cfg.arch].cross_attention:  # None: n_layers
         return cfg.encoder_n_layers
     if name == "d_ff" and all(cfg.sparse_layers):
         return None
     return getattr(cfg, name)
+
+
+def _mixers(cfg: ModelConfig) -> set[str]:
+    """The mixers a model's layers run, parallel ones included."""
+    return set(cfg.layer_mixers) | {m for m in cfg.layer_parallels if m}
 
 
 def _computing(settings):
@@ -95,7 +101,7 @@ def _may_express(row, cfg: ModelConfig) -> bool:
     has them (and no experts where it has none, unless the family ships dense models too)."""
     dense = row.moe is None or row.moe.dense_too
     experts = bool(cfg.moe.experts)
-    return (row.arch == cfg.arch and set(cfg.layer_mixers) <= set(row.mixers)
+    return (row.arch == cfg.arch and _mixers(cfg) <= set(row.mixers)
             and (row.moe is not None if experts else dense))
 
 

@@ -152,7 +152,8 @@ def check_rolls_back(cfg, whose: str) -> None:
     """Refuses, in one line, a model whose cache cannot be rolled back: each round takes
     back the refused drafts by emptying their slots (kv_cache.rolled_back), and a recurrent
     layer's state holds every token it has read, with no slot to empty."""
-    recurrent = sorted({m for m in cfg.layer_mixers if MIXERS[m].recurrent})
+    recurrent = sorted({m for m in cfg.layer_mixers + cfg.layer_parallels
+                        if m and MIXERS[m].recurrent})
     if recurrent:
         raise ValueError(f"speculative decoding cannot take back drafts that {whose}'s "
                          f"recurrent layers ({', '.join(recurrent)}) have read into their "

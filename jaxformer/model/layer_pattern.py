@@ -156,7 +156,8 @@ def check_mixers(cfg, scheme):
         return
     if not cfg.causal or ARCHS[cfg.arch].cross_attention:
         raise ConfigError(f"model.arch={cfg.arch} with recurrent layers "
-                          f"({', '.join(sorted(used - {'attention'}))}): they run left to "
+                          f"({', '.join(sorted(m for m in used if MIXERS[m].recurrent))}): "
+                          "they run left to "
                           "right; use model.arch=decoder")
     acts = scheme.rotate or scheme.bias or scheme.logits
     if acts and not any(MIXERS[m].mixes and not MIXERS[m].recurrent for m in used):
@@ -179,7 +180,14 @@ def check_parallel(name: str, kind: LayerKind):
 
 
 def check_layer_forms(cfg):
-    """A layer kind without an FFN or without a mixer needs its block's form for it."""
+    """A layer kind without an FFN or without a mixer needs its block's form for it; a
+    kind's FFN gate multiplier needs a dense FFN's gate."""
+    for i, sparse in zip(cfg.layer_kind_ids, cfg.sparse_layers):
+        name, kind = cfg.layer_kinds[i] if cfg.layer_kinds else ("", cfg.kinds[0])
+        if sparse and kind.ffn_gate_multiplier != 1:
+            raise ConfigError(f"model.layer_kinds.{name}.ffn_gate_multiplier="
+                              f"{kind.ffn_gate_multiplier} scales a dense FFN's gate, and the "
+                              "mixture of experts (model.moe) has none; leave it 1")
     for name, kind in cfg.layer_kinds:
         mixes = MIXERS[kind.mixer].mixes
         form = "mixer_only" if not kind.ffn else None if mixes else "ffn_only"

@@ -120,10 +120,7 @@ class Transformer(nn.Module):
         split = sequence_split()  # context parallelism: the order of a row is the caller's
         impl = self.backend(b, t, k_positions.shape[1], split)
         self.check_unordered(cache, split)
-        if split is not None and c.recurrent:
-            raise ValueError(f"a sequence split over the context axis with recurrent layers "
-                             f"({', '.join(sorted(set(c.layer_mixers)))}): their state runs "
-                             "left to right; use mesh.context=1")
+        self.check_recurrent(split)
         causal = c.causal  # the arch's rule (an encoder's is none), decided once here
         mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
                               causal=causal and self.ordered_positions, by_index=by_index,
@@ -157,6 +154,16 @@ class Transformer(nn.Module):
                                  segments=segments)
                 layers = {**layers, block.name: layer}
         return x, layers
+
+    def check_recurrent(self, split):
+        """A sequence split over the context axis is refused with recurrent layers."""
+        c = self.cfg
+        if split is None or not c.recurrent:
+            return
+        mixers = {m for m in c.layer_mixers + c.layer_parallels if m and MIXERS[m].recurrent}
+        raise ValueError(f"a sequence split over the context axis with recurrent layers "
+                         f"({', '.join(sorted(mixers))}): their state runs left to right; "
+                         "use mesh.context=1")
 
     def check_unordered(self, cache, split):
         """Positions out of row order mask by index: refused where that cannot hold."""

@@ -53,7 +53,7 @@ def hf_model(case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_falcon_h1_matches_transformers(case, tmp_path, monkeypatch):
+def test_falcon_h1_matches_transformers(case, tmp_path):
     model = hf_model(case)
     model.save_pretrained(tmp_path / "hf")
     prompts = rng.integers(0, 128, (2, PROMPT))
@@ -74,9 +74,6 @@ def test_falcon_h1_matches_transformers(case, tmp_path, monkeypatch):
         if diff.size:  # only at a near-tie may float32 rounding pick the other token
             assert top2[row, diff[0], 1] - top2[row, diff[0], 0] < 1e-4, (row, new[row])
 
-    # the export's choice of family compares each layer's mixer, not yet its parallel one
-    # (jaxformer.convert.hf_config._layers): written as falcon_h1, read back the same
-    monkeypatch.setattr(hf_config, "export_model_type", lambda cfg: "falcon_h1")
     written = to_hf(cfg, params, tmp_path / "out")
     assert written["model_type"] == "falcon_h1"
     assert hf_config.differences(cfg, config_from_hf(written)) == []
@@ -91,3 +88,15 @@ def test_unsupported_options_name_the_key_and_the_family(key, value):
     assert "\n" not in str(e.value)
     for w in (f"{key}={value!r}", "falcon_h1"):
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_a_parallel_hybrid_at_unit_multipliers_is_written_as_falcon_h1():
+    """The export compares each layer's parallel mixer: a Falcon-H1 whose multipliers are
+    all 1 is no Llama-layout family's model (their layers have no Mamba beside attention),
+    so the first type whose config reads back as it is falcon_h1."""
+    units = {k: 1.0 for k in ("embedding_multiplier", "lm_head_multiplier", "key_multiplier",
+                              "attention_in_multiplier", "attention_out_multiplier",
+                              "ssm_in_multiplier", "ssm_out_multiplier")}
+    cfg = config_from_hf(dict(CONFIG, model_type="falcon_h1", ssm_multipliers=[1.0] * 5,
+                              mlp_multipliers=[1.0, 1.0], **units))
+    assert hf_config.export_model_type(cfg) == "falcon_h1"

@@ -215,7 +215,7 @@ def test_scanned_rematerialised_layers_equal_unscanned(mixer):
     got_leaves = jax.tree.leaves_with_path(stacked)
     assert [k for k, _ in got_leaves] == [k for k, _ in want_leaves]
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
-        assert_close(np.asarray(g), np.asarray(w), rel=1e-5, what=jax.tree_util.keystr(path))
+        assert_close(np.asarray(g), np.asarray(w), rel=1e-4, what=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("mixer", RECURRENT)

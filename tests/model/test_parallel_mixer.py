@@ -97,3 +97,12 @@ def test_a_bad_parallel_kind_is_refused_in_one_line(kind, match):
     with pytest.raises(ConfigError, match=match) as e:
         parallel(layer_kinds={"p": kind, "a": {}})
     assert "\n" not in str(e.value)
+
+
+def test_an_ffn_gate_multiplier_on_experts_is_refused_at_the_config():
+    """The mixture of experts has no dense gate to scale: one line when the config is built."""
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, ffn="swiglu",
+                    moe=dict(experts=4, top_k=2), layer_pattern=["a"],
+                    layer_kinds={"a": {"ffn_gate_multiplier": 2.0}})
+    assert "\n" not in str(e.value) and "model.layer_kinds.a.ffn_gate_multiplier" in str(e.value)
