@@ -269,7 +269,6 @@ class ModelConfig(Section):
             raise ConfigError(f"model.rope_scaling.kind={self.rope_scaling.kind!r} needs "
                               f"{rotary} (got {self.position!r})")
 
-
     @property
     def layer_mixers(self) -> tuple[str, ...]:
         """Each layer's mixer (jaxformer.model.mixers.MIXERS): its kind's."""
