@@ -88,7 +88,7 @@ def hybrid_fields(get, family: str) -> dict[str, Any]:
                                if name in names},
                   mixer={DELTA: settings} if KINDS["linear_attention"][0] in names else None)
     if KINDS["full_attention"][0] not in names:  # nothing attends: nothing to rotate
-        fields["position"] = "none"
+        fields.update(position="none", rope_fraction=1.0)
     return fields
 
 

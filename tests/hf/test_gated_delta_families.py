@@ -138,3 +138,14 @@ def test_layer_types_default_to_every_interval_th_attending():
     assert (cfg.rope_theta, cfg.rope_fraction, cfg.norm) == (1e7, 0.25, "rmsnorm_offset")
     cfg = config_from_hf(dict(hf, model_type="qwen3_next", **EXPERTS))
     assert cfg.layer_mixers == ("gated_delta",) * 3 + ("attention",)
+
+
+def test_a_model_of_gated_delta_layers_alone_reads_as_nope():
+    """Every layer linear_attention: nothing attends, so nothing is rotated (position none,
+    the rotary fraction dropped), as transformers' model computes it."""
+    hf = transformers.AutoConfig.for_model(
+        "qwen3_next", vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, num_experts=0,
+        layer_types=["linear_attention"] * 2).to_dict()
+    cfg = config_from_hf(hf)
+    assert cfg.position == "none" and cfg.layer_mixers == ("gated_delta", "gated_delta")
