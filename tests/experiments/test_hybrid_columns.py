@@ -15,6 +15,7 @@ from jaxformer.experiments.length_gen_report import markdown
 from jaxformer.experiments.positions_config import COLUMNS, MODEL_VARIANTS, column_model
 from jaxformer.experiments.report import markdown_table, summarize
 from jaxformer.model.config import ConfigError
+from tests.conftest import REPO
 
 GD, ATT = "gated_delta", "attention"
 
@@ -99,3 +100,14 @@ def test_the_length_study_runs_a_hybrid_column(tmp_path):
     acc = np.asarray(results["rows"]["hybrid-conv"]["copy"]["accuracy"])
     assert acc.shape == (1, 2) and ((0 <= acc) & (acc <= 1)).all()
     assert "hybrid-conv: 2 gated short convolutions" in (out / "results.md").read_text()
+
+
+def test_shipped_hybrid_configs_load():
+    """configs/experiments/hybrids*.yaml: pure attention beside the hybrids and the pure
+    recurrent models, with layers enough for one repeat of the hybrids' pattern."""
+    ppl = study.load_study_config(str(REPO / "configs/experiments/hybrids.yaml"))
+    lg = length_gen.load_config(str(REPO / "configs/experiments/hybrids_length_gen.yaml"))
+    for cfg in (ppl, lg):
+        assert {"rope", "hybrid-rope", "hybrid-nope", "gated_delta", "mamba2"} <= \
+            set(cfg.study.schemes) and cfg.study.seeds == 3
+        assert cfg.model_config("hybrid-alibi").layer_mixers == (GD, GD, GD, ATT)
