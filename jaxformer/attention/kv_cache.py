@@ -46,6 +46,7 @@ from jaxformer.core.reference import group_sinks, scale_and_mask, softmax
 from jaxformer.core.sharding import constrain
 from jaxformer.core.validation import ConfigError
 
+ROW_ENTRIES = ("positions", "state", "conv")  # one per batch row: a ring's, a recurrent layer's
 EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
 
 
@@ -153,9 +154,9 @@ def take_rows(cache, rows, n_kv_heads: int):
     ring's positions one row; a recurrent layer's entries one row each, unscanned)."""
     kv_rows = (rows[:, None] * n_kv_heads + jnp.arange(n_kv_heads)).reshape(-1)
 
-    def take(layer):
-        return {name: jnp.take(x, kv_rows, axis=-3) if name in ("k", "v")  # [(L,) R * K, S, H]
-                else jnp.take(x, rows, axis=0) for name, x in layer.items()}
+    def take(layer):  # keys and values [(L,) R * K, S, H]; a row's own entries [R, ...]
+        return {name: jnp.take(x, rows, axis=0) if name in ROW_ENTRIES
+                else jnp.take(x, kv_rows, axis=-3) for name, x in layer.items()}
 
     return dict(cache, layers={n: take(layer) for n, layer in cache["layers"].items()},
                 positions=jnp.take(cache["positions"], rows, axis=0))

@@ -85,7 +85,7 @@ class MLAConfig(Section):
                               "forms; use a rotary, bias or absolute scheme")
         for name, plain in (("qk_norm", "none"), ("rope_fraction", 1.0), ("p_rope", 1.0),
                             ("attn_output_gate", False)):
-            if getattr(cfg, name) != plain:
+            if getattr(cfg, name, plain) != plain:
                 raise ConfigError(f"model.{name}={getattr(cfg, name)!r} is not for MLA, whose "
                                   "latent has its own norm and whose rotated slice is "
                                   "model.mla.qk_rope_head_dim; leave it unset")

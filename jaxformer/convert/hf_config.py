@@ -97,11 +97,16 @@ def differences(cfg: ModelConfig, other: ModelConfig) -> list[str]:
 
 
 def _may_express(row, cfg: ModelConfig) -> bool:
-    """Whether model type `row` is tried for cfg: its arch, its mixers, experts where cfg
-    has them (and no experts where it has none, unless the family ships dense models too)."""
+    """Whether model type `row` is tried for cfg: its arch; its mixers (a hybrid by the
+    families whose layers hold its mixers, a model of attention alone by the families of
+    attention alone); experts where cfg has them (and no experts where it has none, unless
+    the family ships dense models too)."""
     dense = row.moe is None or row.moe.dense_too
     experts = bool(cfg.moe.experts)
+    plain = set(HFModelType.__dataclass_fields__["mixers"].default)  # attention alone
+    hybrid = bool(_mixers(cfg) - plain)
     return (row.arch == cfg.arch and _mixers(cfg) <= set(row.mixers)
+            and hybrid == (set(row.mixers) != plain)
             and (row.moe is not None if experts else dense))
 
 

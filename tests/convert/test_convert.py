@@ -582,7 +582,7 @@ def test_llama_configs_of_both_transformers_generations():
     (dict(block="parallel", n_kv_heads=2), "model.n_kv_heads=2 .*gpt_neox"),
     # LFM2's convolution layers have an FFN: one without is no family's
     (dict(norm="rmsnorm", ffn="swiglu", use_bias=False, position="none", layer_pattern=["c"],
-          layer_kinds={"c": {"mixer": "short_conv", "ffn": False}}), "differs in layer_kinds"),
+          layer_kinds={"c": {"mixer": "short_conv", "ffn": False}}), "model.layer_kinds"),
 ])
 def test_models_hf_cannot_express_are_refused(tmp_path, changes, match):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, **changes)
