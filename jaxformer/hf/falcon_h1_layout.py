@@ -20,9 +20,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxformer.hf.llama_layout import _mlp, head_dim
+from jaxformer.hf.llama_layout import head_dim
 from jaxformer.hf.mamba2_layout import (BAMBA_KEYS, MAMBA2, _bamba_attention, mixer_rules,
-                                        read_mamba2_settings, write_mamba2_settings)
+                                        mlp_and_norms, read_mamba2_settings,
+                                        write_mamba2_settings)
 from jaxformer.hf.model_type import HFModelType
 from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, unsupported
 from jaxformer.hf.tensors import copied, linear, rope_permutation
@@ -110,14 +111,7 @@ def falcon_h1_tensors(cfg: ModelConfig, row, rope_layout: str = "half") -> list:
         b, p = f"block_{i}", f"{t}layers.{i}."
         rules += _bamba_attention(cfg, (b,), p, rope)
         rules += mixer_rules(cfg, (b,), f"{p}mamba.", s, module="parallel_mixer")
-        rules += _mlp(cfg, (b, "ffn"), f"{p}feed_forward.", False)
-        if cfg.use_bias:
-            rules += [copied((b, "ffn", ours, "bias"), f"{p}feed_forward.{hf}.bias", (width,))
-                      for ours, hf, width in (("wi_gate", "gate_proj", cfg.d_ff),
-                                              ("wi_up", "up_proj", cfg.d_ff),
-                                              ("wo", "down_proj", d))]
-        rules += [copied((b, ours, "scale"), f"{p}{hf}.weight", (d,)) for ours, hf in
-                  (("attn_norm", "input_layernorm"), ("ffn_norm", "pre_ff_layernorm"))]
+        rules += mlp_and_norms(cfg, b, p)
     rules.append(copied(("final_norm", "scale"), f"{t}final_layernorm.weight", (d,)))
     if not cfg.tie_embeddings:
         rules.append(linear(("lm_head", "kernel"), row.head_tensor, (v, d), (d, v)))

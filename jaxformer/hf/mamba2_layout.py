@@ -334,18 +334,24 @@ def bamba_tensors(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule
     for i, mixer in enumerate(cfg.layer_mixers):
         b, p = f"block_{i}", f"{t}layers.{i}."
         rules += BAMBA_MIXERS[mixer](cfg, (b,), p, rope)
-        rules += _mlp(cfg, (b, "ffn"), f"{p}feed_forward.", False)
-        if cfg.use_bias:
-            rules += [copied((b, "ffn", ours, "bias"), f"{p}feed_forward.{hf}.bias", (width,))
-                      for ours, hf, width in (("wi_gate", "gate_proj", cfg.d_ff),
-                                              ("wi_up", "up_proj", cfg.d_ff),
-                                              ("wo", "down_proj", d))]
-        rules += [copied((b, ours, "scale"), f"{p}{hf}.weight", (d,)) for ours, hf in
-                  (("attn_norm", "input_layernorm"), ("ffn_norm", "pre_ff_layernorm"))]
+        rules += mlp_and_norms(cfg, b, p)
     rules.append(copied(("final_norm", "scale"), f"{t}final_layernorm.weight", (d,)))
     if not cfg.tie_embeddings:
         rules.append(linear(("lm_head", "kernel"), row.head_tensor, (v, d), (d, v)))
     return rules
+
+
+def mlp_and_norms(cfg: ModelConfig, b: str, p: str) -> list[Rule]:
+    """A Bamba-layout layer's MLP (feed_forward.{gate,up,down}_proj, biases where the model
+    has them) and its two norms (input_layernorm, pre_ff_layernorm): Bamba's, Falcon-H1's."""
+    d = cfg.d_model
+    rules = _mlp(cfg, (b, "ffn"), f"{p}feed_forward.", False)
+    if cfg.use_bias:
+        rules += [copied((b, "ffn", ours, "bias"), f"{p}feed_forward.{hf}.bias", (width,))
+                  for ours, hf, width in (("wi_gate", "gate_proj", cfg.d_ff),
+                                          ("wi_up", "up_proj", cfg.d_ff), ("wo", "down_proj", d))]
+    return rules + [copied((b, ours, "scale"), f"{p}{hf}.weight", (d,)) for ours, hf in
+                    (("attn_norm", "input_layernorm"), ("ffn_norm", "pre_ff_layernorm"))]
 
 
 ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
