@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -45,15 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import bench_torch, interleaved, timed  # noqa: E402
+from train_throughput import bench_jax, bench_torch, interleaved, timed  # noqa: E402
 
 from jaxformer import Transformer, count_params  # noqa: E402
 from jaxformer.attention.kv_cache import init_cache, kv_cache_bytes, rolled_back  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf  # noqa: E402
 from jaxformer.decode.cached_forward import CPU_DECODE_OPTIONS, forward_one, looped  # noqa: E402
 from jaxformer.model.mixers import MIXERS  # noqa: E402
-from jaxformer.training.optim import OptimConfig, make_optimizer  # noqa: E402
-from jaxformer.training.step import init_state, loss_sums, make_train_step  # noqa: E402
 
 LINEAR, FULL, MLP = "linear_attention", "full_attention", "mlp"
 # Nemotron-H 8B's order of sublayers (Mamba-2 M, MLP -, attention *), cut to --layers
@@ -130,35 +127,6 @@ def logits_error(hf, cfg, params, vocab: int) -> float:
     return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
-def bench_ours(cfg, params, batch: int, seq: int):
-    """(first step s, one()) from the given params: one() times a forward, a forward+backward
-    and a whole train step (AdamW, jitted) once each, in ms."""
-    model = Transformer(cfg)
-    tx, schedule = make_optimizer(OptimConfig(), cfg, 1000)
-    state = init_state(model, tx, 0).replace(params=params)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
-    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            "loss_mask": np.ones((batch, seq), np.float32)}
-    loss = lambda p: loss_sums(model, p, data)[0]  # noqa: E731
-    fwd, fwd_bwd = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
-    step = make_train_step(model, tx, schedule)
-    t0 = time.perf_counter()
-    box = list(step(state, data))
-    jax.block_until_ready(box)
-    first_s = time.perf_counter() - t0
-
-    def one_step():
-        box[:] = step(box[0], data)
-        jax.block_until_ready(box)
-
-    params_now = lambda: box[0].params  # noqa: E731
-    for f in (lambda: fwd(params_now()), lambda: fwd_bwd(params_now())):
-        jax.block_until_ready(f())  # compile
-    return first_s, lambda: (timed(lambda: jax.block_until_ready(fwd(params_now()))),
-                             timed(lambda: jax.block_until_ready(fwd_bwd(params_now()))),
-                             timed(one_step))
-
-
 def layer_counts(cfg) -> str:
     """e.g. "3 gated_delta + 1 attention" from the layers' mixers (a layer of its FFN
     alone: "ffn")."""
@@ -174,7 +142,7 @@ def train_table(a, shape: str):
     print(f"[{shape}] {layer_counts(cfg)} layers, d_model {cfg.d_model}, "
           f"{count_params(cfg):,} params; batch {a.batch} x seq {a.seq}; logits of one "
           f"forward agree to {err:.1e} relative")
-    first, one = bench_ours(cfg, params, a.batch, a.seq)
+    first, one = bench_jax(cfg, a.batch, a.seq, params)
     rows, runners = [["jaxformer (jit)", first]], [one]
     if not a.no_torch:
         res = bench_torch(shape, cfg, a.batch, a.seq, build=lambda: hf)

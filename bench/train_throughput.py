@@ -44,12 +44,14 @@ def timed(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def bench_jax(cfg, batch: int, seq: int):
+def bench_jax(cfg, batch: int, seq: int, params=None):
     """(first step s, one()): one() times a forward, a forward+backward and a whole train
-    step once each, in ms."""
+    step once each, in ms; from `params` where given (else a fresh init)."""
     model = Transformer(cfg)
     tx, schedule = make_optimizer(OptimConfig(), cfg, 1000)
     state = init_state(model, tx, 0)
+    if params is not None:
+        state = state.replace(params=params)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "loss_mask": np.ones((batch, seq), np.float32)}
