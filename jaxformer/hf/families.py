@@ -16,8 +16,11 @@ than a 7B-sized guess.
 
 from __future__ import annotations
 
-from jaxformer.hf import (bart, bert, falcon_h1_layout, gated_delta_layout, gpt2, gpt_neox,
-                          lfm2_layout, mamba2_layout, nemotron_layout, scales, t5, twists)
+from jaxformer.hf import (afmoe_layout, apertus_layout, bart, bert, ernie_layout,
+                          falcon_h1_layout, gated_delta_layout, glm_layout, gpt2, gpt_neox,
+                          hunyuan_layout, lfm2_layout, llama4_layout, mamba2_layout,
+                          minimax_layout, multimodal, nemotron_layout, scales, seed_oss_layout,
+                          t5, twists)
 from jaxformer.hf.model_type import HFModelType
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.model.kinds import CLAMP_ALPHA, CLAMP_LIMIT
@@ -306,6 +309,11 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
     # rows in its layout's module
     *gated_delta_layout.ROWS, *mamba2_layout.ROWS, *nemotron_layout.ROWS, *lfm2_layout.ROWS,
     *falcon_h1_layout.ROWS,
+    # 2026's open families, each in its layout's module
+    *glm_layout.ROWS, *ernie_layout.ROWS, *seed_oss_layout.ROWS, *hunyuan_layout.ROWS,
+    *apertus_layout.ROWS, *minimax_layout.ROWS, *afmoe_layout.ROWS, *llama4_layout.ROWS,
+    # multimodal folders: the text model read, the vision tower skipped
+    *multimodal.ROWS,
 ]}
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.

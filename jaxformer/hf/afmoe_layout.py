@@ -1,0 +1,3 @@
+"""Arcee's AFMoE (afmoe): their rows (jaxformer.hf.model_type.HFModelType)."""
+
+ROWS: list = []  # HFModelType rows
