@@ -45,6 +45,7 @@ def _moe(cfg: ModelConfig) -> dict | None:
         experts=m.experts, top_k=m.top_k, d_ff=cfg.expert_d_ff, layers=cfg.sparse_layers,
         shared_d_ff=cfg.shared_d_ff if m.shared_experts else 0, shared_gate=m.shared_gate,
         scores=row.scores, normalise=m.norm_topk if row.normalise is None else row.normalise,
+        norm_min=row.norm_min,
         score_bias=m.has_score_bias, bias=m.bias, routed_scale=float(f"{m.routed_scale:.9g}"),
         groups=(m.groups, m.topk_groups, row.group_score) if m.groups > 1 else None,
         aux_loss=float(f"{m.aux_loss:.9g}"))

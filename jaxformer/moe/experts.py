@@ -8,7 +8,8 @@ Routing a token x (router logits l = x W_r [+ b_r], float32):
   choice   = s + score_bias    (DeepSeek-V3's correction bias: selection only)
   groups   limit the choice to the topk_groups best of `groups` expert groups
   experts  = top_k(choice);  weights = s[experts], renormalised to sum 1 where the
-             router says so (norm_topk), times routed_scale
+             router says so (norm_topk; the sum clamped at least its norm_min), times
+             routed_scale
   y = sum_j weights_j * expert_{experts_j}(x)   (+ the shared experts, always on)
 """
 
@@ -43,18 +44,22 @@ class Router:
     """scores(logits) -> per-expert scores (the weights are read from them); group_score:
     a group's score from its experts' (choice) scores, for group-limited selection;
     normalise: the chosen weights renormalised to sum 1 (None: as model.moe.norm_topk);
-    score_bias: the model has DeepSeek-V3's selection bias (e_score_correction_bias)."""
+    score_bias: the model has DeepSeek-V3's selection bias (e_score_correction_bias);
+    norm_min: the renormalising sum is clamped at least this (ERNIE 4.5's moe_norm_min)."""
 
     scores: Callable
     group_score: Callable = _group_max
     normalise: bool | None = None
     score_bias: bool = False
+    norm_min: float = 0.0
 
 
 ROUTERS = {
     "softmax_topk": Router(jax.nn.softmax),                   # Qwen-MoE, OLMoE, DeepSeek-V2
     "topk_softmax": Router(jax.nn.softmax, normalise=True),   # Mixtral, GPT-OSS, Granite
     "sigmoid": Router(jax.nn.sigmoid, _group_top2_sum, score_bias=True),  # DeepSeek-V3
+    # ERNIE 4.5: softmax, chosen by softmax + bias, w / max(sum w, 1e-12)
+    "softmax_bias": Router(jax.nn.softmax, normalise=True, score_bias=True, norm_min=1e-12),
 }
 
 
@@ -69,7 +74,8 @@ class MoEConfig(Section):
     width (None: model.d_ff). shared_experts: experts every token reaches, as one
     feed-forward network of width shared_d_ff (None: shared_experts * d_ff); shared_gate:
     its output times sigmoid(x w) (Qwen2-MoE). router (ROUTERS): softmax_topk, topk_softmax
-    (softmax over the chosen: Mixtral), sigmoid (DeepSeek-V3); norm_topk: renormalise the
+    (softmax over the chosen: Mixtral), sigmoid (DeepSeek-V3), softmax_bias (softmax, a
+    selection bias, renormalised: ERNIE 4.5); norm_topk: renormalise the
     chosen weights; groups, topk_groups: the experts in `groups` groups, a token choosing
     only among the topk_groups best; routed_scale: the routed output's factor.
     layers: which layers are sparse (None: all). bias: biases on the router and the experts
@@ -201,7 +207,7 @@ def route(logits, moe: MoEConfig, score_bias=None):
     _, experts = jax.lax.top_k(choice, moe.top_k)  # [N, k]
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if moe.norm_topk if row.normalise is None else row.normalise:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), row.norm_min)
     return weights * moe.routed_scale, experts.astype(jnp.int32), scores
 
 

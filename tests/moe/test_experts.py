@@ -117,6 +117,28 @@ def test_the_score_bias_moves_the_choice_not_the_weights():
                                   np.take_along_axis(np.asarray(scores), np.asarray(experts), 1))
 
 
+def test_softmax_bias_router_matches_the_definition():
+    """ERNIE 4.5's router (softmax_bias): experts chosen by softmax + selection bias, their
+    softmax weights divided by max(their sum, 1e-12), in float64. In the last 8 tokens one
+    expert holds all the probability but its bias bars it: the chosen ones' sum is below
+    1e-12, where the clamp, not the sum, divides."""
+    m = MoEConfig(experts=8, top_k=3, router="softmax_bias", routed_scale=1.5)
+    logits = rng.normal(0, 2, (24, 8))
+    bias = rng.normal(0, 0.3, 8)
+    bias[0] = -3.0
+    logits[16:, 0] = 40.0  # the others' probabilities ~1e-18
+    weights, experts, _ = route(jnp.asarray(logits, jnp.float32), m,
+                                jnp.asarray(bias, jnp.float32))
+    scores = np_route_scores(logits, "softmax")
+    want_e = np.argsort(-(scores + bias), -1)[:, :3]
+    chosen = np.take_along_axis(scores, want_e, -1)
+    total = chosen.sum(-1, keepdims=True)
+    assert (total[16:] < 1e-12).all() and (total[:16] > 1e-6).all()
+    np.testing.assert_array_equal(np.asarray(experts), want_e)
+    np.testing.assert_allclose(np.asarray(weights), 1.5 * chosen / np.maximum(total, 1e-12),
+                               rtol=1e-5, atol=0)
+
+
 # ---- dispatch: ragged and capacity against the reference ------------------------------
 
 
