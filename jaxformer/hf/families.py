@@ -318,7 +318,6 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
 
 # Model types that are another model (MoE, multimodal, a different block): named when refused.
 OTHER_MODEL_TYPES = {
-    "gemma3": "Gemma 3 with vision (a Gemma3ForConditionalGeneration; its text model alone is "
-    "model_type gemma3_text)", "gemma3n": "Gemma 3n",
+    "gemma3n": "Gemma 3n",
     "olmo": "OLMo 1 (non-parametric LayerNorm)", "cohere": "Cohere 1 (Command-R)",
     "phimoe": "a mixture of experts"}

@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxformer.hf.config_json import config_from_hf, model_type_row
+from jaxformer.hf.multimodal import folder_row
 from jaxformer.model.build import param_shapes
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.encoder_decoder import layer_stacks
@@ -217,7 +218,7 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
     hf = read_hf_json(folder)
     cfg = config_from_hf(hf).replace(param_dtype=jnp.dtype(dtype or "float32").name,
                                      scan_layers=scan_layers)
-    row = model_type_row(hf)
+    row = folder_row(hf, model_type_row(hf))  # a multimodal folder: its text model's
     rules = row.tensor_rules(cfg, row, rope_layout)
     reader = SafetensorsReader(folder)
     try:

@@ -18,14 +18,14 @@ linear_attn: Qwen3-Next's in_proj_qkvz [Kh * (2Dk + 2rDv), D] grouped by key hea
 [Kh * 2r, D] (b, a per key head); Qwen3.5's in_proj_qkv (q | k | v rows), in_proj_z,
 in_proj_b, in_proj_a; both: conv1d [C, 1, K], A_log, dt_bias, norm (norm_scale),
 out_proj. A Qwen3_5ForConditionalGeneration folder holds its text model under
-model.language_model. beside the vision tower (model.visual.), which is skipped.
+model.language_model. beside the vision tower (model.visual.), which is skipped
+(jaxformer.hf.multimodal).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from typing import Any
 
 import numpy as np
@@ -33,10 +33,11 @@ import numpy as np
 from jaxformer.hf import llama_layout
 from jaxformer.hf.model_type import HFModelType
 from jaxformer.hf.moe_layout import MoEFormat, moe_rules
+from jaxformer.hf.multimodal import multimodal_row
 from jaxformer.hf.rope import cannot, unsupported
 from jaxformer.hf.tensors import (Path, Rule, copied, linear, one_tensor, reshaped,
                                   rope_permutation, split_rows)
-from jaxformer.model.config import ConfigError, ModelConfig
+from jaxformer.model.config import ModelConfig
 
 DELTA = "gated_delta"  # the linear_attention layers' mixer
 # config.json's layer type -> (our kind's name, its LayerKind fields)
@@ -116,35 +117,6 @@ def read_config(hf, get, row) -> ModelConfig:
         hf = dict(hf, rope_parameters={k: v for k, v in params.items() if k not in MROPE_KEYS})
     extra = functools.partial(hybrid_fields, family=row.name)
     return llama_layout.read_config(hf, get, dataclasses.replace(row, extra=extra))
-
-
-def _text_getter(text: dict, row: HFModelType):
-    """get(key, default) over a nested text_config as `row` reads it (its defaults)."""
-    def get(key, *default):
-        if key in text:
-            return text[key]
-        if key in row.defaults or default:
-            return row.defaults.get(key, *default)
-        raise ConfigError(f"config.json has no text_config.{key}, which a {row.name} text "
-                          "model needs")
-    return get
-
-
-def text_model_reader(text_row: HFModelType):
-    """read_config of a vision-language folder (Qwen3_5ForConditionalGeneration): its
-    text_config read as `text_row`, the vision tower named as skipped on stderr, the head
-    tied as the top level says (transformers ties by the model's own key)."""
-    def read(hf, get, row) -> ModelConfig:
-        text = get("text_config")
-        if not isinstance(text, dict):
-            raise unsupported("text_config", text, f"a {row.name} folder nests its text "
-                              "model's keys there")
-        print(f"from_hf: {row.name} ({', '.join(hf.get('architectures') or [])}): skipping "
-              "its vision tower (vision_config, model.visual.*); jaxformer reads the text "
-              "model alone", file=sys.stderr, flush=True)
-        cfg = text_row.read_config(text, _text_getter(text, text_row), text_row)
-        return cfg.replace(tie_embeddings=bool(get("tie_word_embeddings")))
-    return read
 
 
 # ---- tensors ----------------------------------------------------------------------
@@ -258,6 +230,7 @@ LAYERS = {DELTA: ("mixer", "linear_attn",
 
 # ---- the rows -------------------------------------------------------------------------
 
+VISION = {"vision tower": "model.visual."}  # a vision-language folder's skipped part
 MTP = r"mtp\..*"  # the multi-token-prediction layers, which transformers does not load either
 DEFAULTS = dict(hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, attention_bias=False, head_dim=256,
@@ -292,20 +265,11 @@ QWEN3_5_MOE = HFModelType(  # every layer sparse, the chosen experts' weights re
                   "moe_intermediate_size", shared_expert=True), **TWISTS)
 
 
-def vision_language(name: str, architecture: str, text_row: HFModelType, rank: int):
-    """A Qwen3.5 vision-language folder's row: its text model read (text_config, the
-    tensors under model.language_model.), its vision tower skipped. Its arch is none of
-    jaxformer's, so to_hf never writes it (the text row writes the text model)."""
-    return HFModelType(
-        name, (architecture,), export_rank=rank, defaults=dict(tie_word_embeddings=False),
-        read_config=text_model_reader(text_row), tensor_rules=text_row.tensor_rules,
-        tensor_prefix="model.language_model.", moe=text_row.moe, arch="vision_language",
-        mixers=text_row.mixers,
-        ignored_tensors=text_row.ignored_tensors + (r"model\.visual\..*",))
-
-
 ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
     QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE,
-    vision_language("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5, 48),
-    vision_language("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE, 49),
+    # the vision-language folders: the text model read, the vision tower skipped
+    multimodal_row("qwen3_5", "Qwen3_5ForConditionalGeneration", 48, QWEN3_5.name,
+                   skipped=VISION),
+    multimodal_row("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", 49, QWEN3_5_MOE.name,
+                   skipped=VISION),
 ]
