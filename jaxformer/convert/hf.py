@@ -62,7 +62,7 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
 
     for rule in rules:
         for name, arr in zip(rule.hf, rule.to_hf(*[get(p) for p in rule.ours])):
-            arr = np.ascontiguousarray(arr.astype(dtype))
+            arr = np.ascontiguousarray(arr.astype(dtype)).reshape(arr.shape)  # 0-d stays
             if max_shard_bytes and shards[-1] and size + arr.nbytes > max_shard_bytes:
                 flush()
                 size = 0

@@ -48,6 +48,8 @@ class MoEFormat:
       (groups, topk_groups) of group-limited routing, and groups_to_hf its keys;
       scale_key: the routed output's factor (routed_scaling_factor). dense_too: the
       family also ships dense models (Nemotron-H, Granite 4), written by its row.
+      shared_mlp: one ungated shared expert of each expert's width in every sparse layer,
+      under this name (Hunyuan's shared_mlp).
     Tensors, under model.layers.N.{block}. router_tensor: the router's Linear
       (with the sigmoid router, its .e_score_correction_bias is the selection bias);
       expert_tensors: the gate, up and down projections of each expert j under
@@ -74,6 +76,7 @@ class MoEFormat:
     groups_to_hf: Any = None
     scale_key: str | None = None
     dense_too: bool = False
+    shared_mlp: str | None = None
 
 
 # ---- config.json ----------------------------------------------------------------------
@@ -119,7 +122,8 @@ def read_moe(hf, get, row) -> MoEConfig:
     # penalty per layer; transformers pools f and p over the layers before the product,
     # ours is per layer (equal when the layers route alike).
     aux = float(get("router_aux_loss_coef")) * top_k if get("output_router_logits") else 0.0
-    shared = int(f.shared_expert) if f.shared_count_key is None else get(f.shared_count_key) or 0
+    shared = int(f.shared_expert or bool(f.shared_mlp)) if f.shared_count_key is None else \
+        get(f.shared_count_key) or 0
     groups, topk_groups = f.groups(get) if f.groups else (1, 1)
     return MoEConfig(
         experts=experts, top_k=top_k, router=f.router,
@@ -220,7 +224,8 @@ def moe_rules(cfg: ModelConfig, row, block: str, prefix: str) -> list[Rule]:
             rules.append(_per_expert(m + (ours,), [f"{p}experts.{j}.{hf}.weight"
                                                    for j in range(e)], shape))
     if cfg.shared_d_ff:
-        s, name = cfg.shared_d_ff, "shared_expert" if f.shared_expert else "shared_experts"
+        s = cfg.shared_d_ff
+        name = f.shared_mlp or ("shared_expert" if f.shared_expert else "shared_experts")
         rules += [linear(m + ("shared", ours, "kernel"), f"{p}{name}.{hf}.weight",
                          shape, shape[::-1]) for ours, hf, shape in
                   (("wi_gate", "gate_proj", (s, d)), ("wi_up", "up_proj", (s, d)),

@@ -71,10 +71,20 @@ class FeedForward(nn.Module):
         if c.gated_ffn:  # [B, T, F]
             h = ffn.join(pre, hook_point(self, "hook_pre_linear", dense(x, c.d_ff, "wi_up", up)))
         else:
-            h = ffn.activation(pre)
+            h = ffn.activation(pre, **self.scalars(ffn, pre.dtype))
         h = hook_point(self, "hook_post", constrain(h, "act_batch", "act_seq", "act_mlp"))
         out = dense(h, c.d_model, "wo", ("mlp", "embed"), 0.02 / math.sqrt(2 * c.n_layers))
         return nn.Dropout(c.dropout)(out, deterministic=self.deterministic)
+
+    def scalars(self, ffn, dtype) -> dict:
+        """The activation's learned scalars (params [] each, FFN.scalars), its fixed ones
+        outside the gradient, in `dtype`."""
+        out = {}
+        for name, value in ffn.scalars.items():
+            w = self.param(name, init_with_names(nn.initializers.constant(value)), (),
+                           self.cfg.param_dtype)
+            out[name] = (jax.lax.stop_gradient(w) if name in ffn.fixed else w).astype(dtype)
+        return out
 
 
 class MoEFeedForward(nn.Module):
@@ -97,6 +107,9 @@ class MoEFeedForward(nn.Module):
     @nn.compact
     def __call__(self, x):  # [B, T, D]
         c, m = self.cfg, self.cfg.moe
+        if FFNS[c.ffn].scalars:
+            raise ValueError(f"model.ffn={c.ffn} learns scalars per layer, which only a dense "
+                             "FFN holds; the experts (model.moe) take another ffn")
         b, t, d = x.shape
         h = x.reshape(b * t, d)  # [N, D]
         router = nn.Dense(m.experts, use_bias=m.bias, dtype=jnp.float32,

@@ -7,7 +7,8 @@ block flow is one row here. Pure math and plain functions: no Flax module, no co
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +32,15 @@ NORMS = {"layernorm": Norm(rms=False), "rmsnorm": Norm(rms=True),
 class FFN:
     """activation: act in wo(act(wi x)), or wo(act(wi_gate x) * wi_up x) when gated.
     glu: a gated FFN's own join of the two projections, wo(glu(wi_gate x, wi_up x)), where
-    it is not act(gate) * up."""
+    it is not act(gate) * up. scalars: the activation's learned scalars per layer (params of
+    the ffn module, name -> initial value), passed as act(x, **scalars); fixed: those of
+    them that take no gradient (a checkpoint's buffers)."""
 
     activation: Callable
     gated: bool = False
     glu: Callable | None = None
+    scalars: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    fixed: tuple[str, ...] = ()
 
     def join(self, gate, up):
         """A gated FFN's hidden activation from its gate and up projections."""
@@ -65,10 +70,24 @@ def _relu2(x):  # squared ReLU (Primer; Nemotron-H's MLP)
     return jnp.square(jax.nn.relu(x))
 
 
+def _xielu(x, alpha_p, alpha_n, beta, eps):
+    """xIELU (Huang et al. 2024; Apertus): with a_p = softplus(alpha_p) and
+    a_n = beta + softplus(alpha_n), a_p x^2 + beta x for x > 0, else
+    a_n (expm1(min(x, eps)) - x) + beta x."""
+    a_p, a_n = jax.nn.softplus(alpha_p), beta + jax.nn.softplus(alpha_n)
+    negative = (jnp.expm1(jnp.minimum(x, eps)) - x) * a_n
+    return jnp.where(x > 0, a_p * x * x, negative) + beta * x
+
+
+# xIELU's initial scalars as transformers draws them: a_p = a_n = 0.8 after the softplus
+XIELU_INIT = {"alpha_p": math.log(math.expm1(0.8)), "alpha_n": math.log(math.expm1(0.8 - 0.5)),
+              "beta": 0.5, "eps": -1e-6}
+
 FFNS = {"gelu": FFN(_gelu_tanh), "gelu_exact": FFN(_gelu_erf), "relu": FFN(jax.nn.relu),
         "relu2": FFN(_relu2),
         "swiglu": FFN(jax.nn.silu, gated=True), "geglu": FFN(_gelu_tanh, gated=True),
-        "clamped_swiglu": FFN(jax.nn.silu, gated=True, glu=_clamped_swiglu)}
+        "clamped_swiglu": FFN(jax.nn.silu, gated=True, glu=_clamped_swiglu),
+        "xielu": FFN(_xielu, scalars=XIELU_INIT, fixed=("beta", "eps"))}
 
 
 # ---- blocks: how the sublayers meet the residual -----------------------------------------
@@ -171,14 +190,17 @@ BLOCKS = {"pre_ln": BlockFlow(_pre_ln, cross=_cross_pre_ln, mixer_only=_pre_ln_m
 @dataclasses.dataclass(frozen=True)
 class QKNorm:
     """The logical axes of the query and key norms' scales (None: no QK-norm): per head
-    over head_dim (Qwen3, Gemma 3), or over the whole projection (OLMo 2)."""
+    over head_dim (Qwen3, Gemma 3), or over the whole projection (OLMo 2). after_rope: the
+    norms take the rotated queries and keys (Hunyuan), else they are normed, then rotated."""
 
     query_axes: tuple[str, ...] | None = None
     key_axes: tuple[str, ...] | None = None
+    after_rope: bool = False
 
 
 QK_NORMS = {"none": QKNorm(), "head": QKNorm(("head_dim",), ("head_dim",)),
-            "projection": QKNorm(("heads", "head_dim"), ("kv_heads", "head_dim"))}
+            "projection": QKNorm(("heads", "head_dim"), ("kv_heads", "head_dim")),
+            "head_after_rope": QKNorm(("head_dim",), ("head_dim",), after_rope=True)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,16 +115,20 @@ class Attention(nn.Module):
 
     def project(self, x, positions, kind=0):
         """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H]: QK-normed if qk_norm, rotated
-        as layer kind `kind` wants if the scheme rotates, q scaled by attn_scale."""
+        as layer kind `kind` wants if the scheme rotates (the QK-norm before the rotation,
+        or after it where the QK_NORMS row says), q scaled by attn_scale."""
         c = self.cfg
         q, k, v = (hook_point(self, f"hook_{n}", self.projection(name, x))
                    for n, name in (("q", "query"), ("k", "key"), ("v", "value")))
-        if QK_NORMS[c.qk_norm].query_axes is not None:
+        qk_norm = QK_NORMS[c.qk_norm]
+        if qk_norm.query_axes is not None and not qk_norm.after_rope:
             q, k = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
         rotate = POSITION_SCHEMES[c.position].rotate
         if rotate is not None:
             q = hook_point(self, "hook_rot_q", rotate(c, q, positions, kind, keys=False))
             k = hook_point(self, "hook_rot_k", rotate(c, k, positions, kind, keys=True))
+        if qk_norm.query_axes is not None and qk_norm.after_rope:  # Hunyuan's order
+            q, k = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
         if c.attn_scale is not None:  # the backends scale by 1 / sqrt(head_dim)
             q = q * jnp.asarray(c.attn_scale * math.sqrt(c.head_dim), q.dtype)
         q = constrain(q, "act_batch", "act_seq", "act_heads", "head_dim")

@@ -1,0 +1,62 @@
+"""Apertus (jaxformer.hf.apertus_layout: a gateless xIELU MLP with learned scalars per
+layer, QK-norm, Llama 3's RoPE scaling by default) against transformers, as
+tests/hf/test_families.py tests the Llama-layout families: a random tiny
+ApertusForCausalLM (its xIELU scalars drawn, eps negative enough to bind) read by from_hf
+gives its logits (unscanned and scanned), greedy decoding picks its tokens, and to_hf
+writes it back for transformers to read; a setting jaxformer lacks is one line naming
+the key and the family."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
+transformers = pytest.importorskip("transformers", reason="the interop extra")
+
+import jax  # noqa: E402
+
+from jaxformer import ConfigError, Transformer  # noqa: E402
+from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
+from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+V = 96
+APERTUS = dict(model_type="apertus", vocab_size=V, hidden_size=64, intermediate_size=96,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+               pad_token_id=None)  # no rope_parameters: ApertusConfig's Llama 3 scaling
+
+
+def test_apertus_matches_transformers(tmp_path):
+    model = random_hf_model(transformers.AutoConfig.for_model(**APERTUS),
+                            int(rng.integers(1 << 31)))
+    with torch.no_grad():  # xIELU's beta and eps are buffers: drawn too
+        for layer in model.model.layers:
+            layer.mlp.act_fn.beta.copy_(torch.tensor(rng.uniform(0.3, 0.7)))
+            layer.mlp.act_fn.eps.copy_(torch.tensor(-rng.uniform(0.05, 0.2)))
+    model.save_pretrained(tmp_path / "hf")
+    prompts = rng.integers(0, V, (2, 12))
+    want = hf_logits(model, prompts)
+    for scan in (False, True):
+        cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
+        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+        assert rel_err(got, want) < 1e-5, (scan, rel_err(got, want))
+    assert cfg.rope_scaling.kind == "llama3" and cfg.ffn == "xielu"
+    assert_greedy_matches(model, cfg, params, prompts)
+
+    assert to_hf(cfg, params, tmp_path / "out")["model_type"] == "apertus"
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    assert rel_err(hf_logits(back, prompts), want) < 1e-5
+
+
+@pytest.mark.parametrize("keys, words", [
+    (dict(hidden_act="silu"), ["hidden_act='silu'", "apertus"]),
+    (dict(attention_bias=True), ["attention_bias=True", "apertus"]),
+])
+def test_unsupported_settings_name_the_key_and_the_family(keys, words):
+    with pytest.raises(ConfigError) as e:
+        config_from_hf({**APERTUS, **keys})
+    assert "\n" not in str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
