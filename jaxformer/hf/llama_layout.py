@@ -20,6 +20,7 @@ from jaxformer.hf.rope import cannot, rope_dict, rope_from_hf, rotary_fraction, 
 from jaxformer.hf.tensors import Path, Rule, copied, linear, reshaped, rope_permutation, split_rows
 from jaxformer.model.config import ConfigError, ModelConfig
 from jaxformer.model.kinds import NORMS, QK_NORMS
+from jaxformer.positions.formulas import rotary_dims
 
 ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 # checkpoint buffers that are not params (RoPE tables, Gemma's embedding scale)
@@ -166,11 +167,13 @@ NORM_TENSORS = {
 def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]:
     """The Llama layout and its lineage: norms named per block (NORM_TENSORS), QK-norm
     weights, fused projections (row.fused_projections). rope_layout="interleaved": the
-    checkpoint's q/k weights (and biases, QK-norm weights) rotate interleaved pairs; they
+    checkpoint's q/k weights (and biases, QK-norm weights) rotate interleaved pairs (of a
+    head's rotated dimensions, rope_fraction's first); they
     are permuted to half rotation on load and back on save (a model type whose own layout
     is interleaved, row.rope_layout, always is)."""
     d, n, h, v = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.vocab_size
-    rope = rope_permutation(rope_layout if row.rope_layout == "half" else row.rope_layout)
+    rope = rope_permutation(rope_layout if row.rope_layout == "half" else row.rope_layout,
+                            rotary_dims(h, cfg.rope_fraction))
     t = row.tensor_prefix
     rules = [copied(("embed", "embedding"), f"{t}embed_tokens.weight", (v, d))]
     for i in range(cfg.n_layers):

@@ -47,13 +47,23 @@ def permute_half_to_interleaved(x):
     return x.reshape(*x.shape[:-1], 2, h // 2).swapaxes(-1, -2).reshape(x.shape)
 
 
-def rope_permutation(rope_layout: str):
-    """(to_ours, to_hf) of the q/k last axis for a checkpoint's RoPE layout; None for half."""
+def rope_permutation(rope_layout: str, rot: int | None = None):
+    """(to_ours, to_hf) of the q/k last axis for a checkpoint's RoPE layout; None for half.
+    rot: the rotated dimensions, a head's first (None: all of them); the others pass
+    through as they are."""
     if rope_layout not in ROPE_LAYOUTS:
         raise ValueError(f"rope_layout={rope_layout!r} is not one of {', '.join(ROPE_LAYOUTS)}")
     if rope_layout == "interleaved":
-        return permute_interleaved_to_half, permute_half_to_interleaved
+        return _on_first(permute_interleaved_to_half, rot), \
+            _on_first(permute_half_to_interleaved, rot)
     return None
+
+
+def _on_first(permute, rot: int | None):
+    """`permute` of the first rot entries of the last axis alone (None: of all)."""
+    if rot is None:
+        return permute
+    return lambda x: np.concatenate([permute(x[..., :rot]), x[..., rot:]], axis=-1)
 
 
 def one_tensor(path: Path, name: str, hf_shape, to_ours, to_hf) -> Rule:
