@@ -17,7 +17,7 @@ from jaxformer.model.layer_pattern import (LayerKind, check_layer_forms, check_m
 from jaxformer.model.layer_runs import Run, runs
 from jaxformer.model.lora import LoRAConfig, check_expert_targets
 from jaxformer.model.mixers import MIXERS, read_mixer_settings, settings_of
-from jaxformer.model.presets import PRESETS
+from jaxformer.model.presets import PRESETS, preset_values  # noqa: F401 (PRESETS: public)
 from jaxformer.moe.experts import MoEConfig
 from jaxformer.positions.rope_scaling import RopeScaling
 from jaxformer.positions.schemes import (LEGACY_KEYS, POSITION_SCHEMES, check_position,
@@ -146,6 +146,7 @@ class ModelConfig(Section):
     moe: MoEConfig = MoEConfig()
     mla: MLAConfig = MLAConfig()
     mixer: Any = None
+    mtp_depth: int = 0  # multi-token prediction modules (jaxformer.model.mtp; at most 8)
     # earlier versions' flat keys of the schemes' settings (LEGACY_KEYS): None once built
     t5_num_buckets: int | None = None
     t5_max_distance: int | None = None
@@ -209,6 +210,9 @@ class ModelConfig(Section):
         check_choice(o, "qk_norm", self.qk_norm, QK_NORMS)
         check_number(o, "rope_fraction", self.rope_fraction, float, low=0, low_open=True, high=1)
         check_number(o, "p_rope", self.p_rope, float, low=0, high=1)
+        check_number(o, "mtp_depth", self.mtp_depth, int, low=0, high=8)
+        if self.mtp_depth and not (self.causal and not ARCHS[self.arch].cross_attention):
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} needs model.arch=decoder")
         for name in ("attn_scale", "attn_softcap", "final_softcap"):
             check_number(o, name, getattr(self, name), float, low=0, low_open=True, optional=True)
         for name in ("embed_multiplier", "residual_multiplier", "logits_multiplier"):
@@ -338,13 +342,7 @@ class ModelConfig(Section):
     @classmethod
     def preset(cls, name: str, **overrides) -> "ModelConfig":
         """A named architecture, e.g. ``ModelConfig.preset("gpt2-small", dropout=0.1)``."""
-        if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; presets are: {', '.join(PRESETS)}")
-        values = {**PRESETS[name], **overrides}
-        if isinstance(overrides.get("rope_scaling"), Mapping) and \
-                isinstance(PRESETS[name].get("rope_scaling"), Mapping):
-            values["rope_scaling"] = {**PRESETS[name]["rope_scaling"], **overrides["rope_scaling"]}
-        return cls.from_dict(values)
+        return cls.from_dict(preset_values(name, overrides))
 
     @property
     def encoder_n_layers(self) -> int:

@@ -3,7 +3,9 @@ released architectures as data, field -> value."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
+
+from jaxformer.core.validation import ConfigError
 
 _GPT2 = dict(vocab_size=50257, max_seq_len=1024, position="learned", norm="layernorm",
              norm_eps=1e-5, block="pre_ln", ffn="gelu", use_bias=True, tie_embeddings=True)
@@ -48,3 +50,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                         norm_eps=1e-5, block="parallel", ffn="gelu_exact", use_bias=True,
                         tie_embeddings=False),
 }
+
+
+def preset_values(name: str, overrides: dict) -> dict[str, Any]:
+    """Preset `name`'s fields with `overrides` on top (a rope_scaling mapping merged into the
+    preset's); an unknown name is refused in one line."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; presets are: {', '.join(PRESETS)}")
+    values = {**PRESETS[name], **overrides}
+    if isinstance(overrides.get("rope_scaling"), Mapping) and \
+            isinstance(PRESETS[name].get("rope_scaling"), Mapping):
+        values["rope_scaling"] = {**PRESETS[name]["rope_scaling"], **overrides["rope_scaling"]}
+    return values

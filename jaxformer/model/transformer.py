@@ -23,6 +23,7 @@ from jaxformer.model.blocks import Block, apply_norm, make_norm
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kinds import BLOCKS, FFNS, REMATS
 from jaxformer.model.mixers import MIXERS
+from jaxformer.model.mtp import MTPModule, embedded, shifted
 from jaxformer.model.layer_runs import stack_layers, unstack_layers  # noqa: F401 (the public names)
 from jaxformer.model.self_attention import dense_init
 from jaxformer.positions.schemes import POSITION_SCHEMES, PositionBias, dense_bias
@@ -78,7 +79,8 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, deterministic: bool = True,
-                 cache=None):
+                 cache=None, *, hidden: bool = False, mtp: bool = False, depth: int = 0,
+                 previous=None):
         """tokens [B, T] -> logits [B, T, V] float32.
 
         With a KV cache (``jaxformer.attention.kv_cache.init_cache``) the tokens are the next ones of
@@ -86,7 +88,60 @@ class Transformer(nn.Module):
         next T slots (``cache["index"]``), with ``cache["positions"]`` [B, S] recording each
         slot's position (segment id 0 marks a token as padding: never attended to).
         Attention covers every slot, and the result is (logits, updated cache).
+
+        Multi-token prediction (cfg.mtp_depth, jaxformer.model.mtp): ``mtp`` gives (logits,
+        each depth's logits [D, B, T, V]: depth k's at i predict t_{i+k+1}); ``hidden`` gives
+        (logits, the last block's output [B, T, D] before the final norm[, cache]); ``depth``
+        k runs module k alone on ``previous`` (h^{k-1} [B, T, D]) and the embeddings of
+        ``tokens`` (its t_{i+k}): (its logits, h^k[, its cache: mtp.init_module_cache]).
         """
+        c = self.cfg
+        b, t, positions, by_index = self.checked_inputs(tokens, positions, cache)
+        embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
+                         embedding_init=init_with_names(dense_init(), "vocab", "embed"),
+                         name="embed")
+        x = None if depth else self.embed_inputs(embed, tokens, positions, deterministic)
+
+        segments = segment_ids  # the recurrent layers' (their state restarts, skips padding)
+        k_positions, k_segments, index, layers = positions, segment_ids, None, None
+        if cache is not None:  # keys are the cache's slots; padding slots hold EMPTY_SLOT
+            index, layers = cache["index"], cache["layers"]
+            k_positions = kv_cache.key_positions(cache, positions, segment_ids)
+            k_segments = segment_ids = None
+        split = sequence_split()  # context parallelism: the order of a row is the caller's
+        impl = self.backend(b, t, k_positions.shape[1], split)
+        self.check_unordered(cache, split)
+        self.check_recurrent(split)
+        causal = c.causal  # the arch's rule (an encoder's is none), decided once here
+        mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
+                              causal=causal and self.ordered_positions, by_index=by_index,
+                              is_causal=causal and cache is None and split is None)
+                     for k in c.kinds)  # one per layer kind: each block picks its own
+        bias = self.position_bias(impl, t, cache, positions, k_positions)
+        rest = (positions, mask, bias)
+        if depth:  # one MTP module alone, in its own cache
+            h, normed, layer = MTPModule(c, deterministic, impl, name=f"mtp_{depth}")(
+                previous, embedded(c, embed.embedding, tokens), *rest,
+                layers and layers["block_0"], index, segments)
+            out = (self.logits(embed, normed, final=False), h)
+            return out if cache is None else (*out, kv_cache.advanced(
+                cache, {"block_0": layer}, k_positions, t))
+        blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
+        x, layers = self.run_blocks(blocks, x, positions, mask, bias, layers, index, segments)
+        if cache is not None:
+            cache = kv_cache.advanced(cache, layers, k_positions, t)
+        if mtp or (c.mtp_depth and cache is None and self.is_initializing()):
+            logits, more = self.mtp_logits(embed, tokens, x, rest, segments, deterministic, impl)
+            return (logits, more) if mtp else logits
+
+        logits = self.logits(embed, x)
+        out = (logits, x) if hidden else (logits,)
+        return out + (cache,) if cache is not None else out if hidden else logits
+
+    def checked_inputs(self, tokens, positions, cache):
+        """(B, T, positions [B, T], whether masks may go by index): positions default to
+        arange after the cache's tokens; a model this class does not build, tokens not
+        [B, T] or longer than the position scheme encodes are refused."""
         c = self.cfg
         if ARCHS[c.arch].module != Transformer.__name__:
             raise NotImplementedError(f"model.arch={c.arch} is not built by Transformer; "
@@ -105,35 +160,19 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {t} exceeds max_seq_len={c.max_seq_len}, the "
                              f"longest position={c.position!r} encodes (its table's size); use "
                              "a shorter input or another position scheme")
+        return b, t, positions, by_index
 
-        embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
-                         embedding_init=init_with_names(dense_init(), "vocab", "embed"),
-                         name="embed")
-        x = self.embed_inputs(embed, tokens, positions, deterministic)  # [B, T, D]
-
-        segments = segment_ids  # the recurrent layers' (their state restarts, skips padding)
-        k_positions, k_segments, index, layers = positions, segment_ids, None, None
-        if cache is not None:  # keys are the cache's slots; padding slots hold EMPTY_SLOT
-            index, layers = cache["index"], cache["layers"]
-            k_positions = kv_cache.key_positions(cache, positions, segment_ids)
-            k_segments = segment_ids = None
-        split = sequence_split()  # context parallelism: the order of a row is the caller's
-        impl = self.backend(b, t, k_positions.shape[1], split)
-        self.check_unordered(cache, split)
-        self.check_recurrent(split)
-        causal = c.causal  # the arch's rule (an encoder's is none), decided once here
-        mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
-                              causal=causal and self.ordered_positions, by_index=by_index,
-                              is_causal=causal and cache is None and split is None)
-                     for k in c.kinds)  # one per layer kind: each block picks its own
-        bias = self.position_bias(impl, t, cache, positions, k_positions)
-        blocks = block_stack(c, deterministic, impl)  # the blocks run the backend chosen here
-        x, layers = self.run_blocks(blocks, x, positions, mask, bias, layers, index, segments)
-        if cache is not None:
-            cache = kv_cache.advanced(cache, layers, k_positions, t)
-
-        logits = self.logits(embed, x)
-        return logits if cache is None else (logits, cache)
+    def mtp_logits(self, embed, tokens, x, rest, segments, deterministic, impl):
+        """The main logits [B, T, V] and the MTP modules' [D, B, T, V] from the last block's
+        output x [B, T, D] (each module fed the previous one's h); rest: (positions, mask,
+        bias). One head call for all of them."""
+        c, h, normed = self.cfg, x, []
+        for k in range(1, c.mtp_depth + 1):
+            h, out, _ = MTPModule(c, deterministic, impl, name=f"mtp_{k}")(
+                h, embedded(c, embed.embedding, shifted(tokens, k)), *rest, segments=segments)
+            normed.append(out)
+        logits = self.logits(embed, x, tuple(normed))
+        return logits[0], jnp.stack(logits[1:])
 
     def run_blocks(self, blocks, x, positions, mask, bias, layers, index, segments=None):
         """x through block_stack's blocks (and each layer's cache in `layers`, if any)."""
@@ -211,12 +250,16 @@ class Transformer(nn.Module):
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         return constrain(x, "act_batch", "act_seq", "act_embed")
 
-    def logits(self, embed, x):
-        """The final norm (all but post-LN blocks), the LM head (tied to `embed` or not), its
-        multiplier and soft-cap: float32 logits."""
+    def logits(self, embed, x, more=(), final: bool = True):
+        """The final norm (all but post-LN blocks; not with final=False), the LM head (tied to
+        `embed` or not), its multiplier and soft-cap: float32 logits. more: hidden states
+        already normed (the MTP modules') through the same head, in one call: then a list
+        of logits, x's first."""
         c = self.cfg
-        if not BLOCKS[c.block].ends_in_norm:  # post-LN blocks already end in a norm
+        if final and not BLOCKS[c.block].ends_in_norm:  # post-LN blocks already end in a norm
             x = apply_norm(c, make_norm(c, "final_norm"), x)
+        if more:
+            x = jnp.concatenate([x, *more], axis=0)  # [(1 + D) B, T, D]
         if c.head_transform:  # BERT's MLM head: dense, the FFN's activation, a norm
             x = nn.Dense(c.d_model, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
                          kernel_init=init_with_names(dense_init(), "embed", "norm"),
@@ -240,7 +283,8 @@ class Transformer(nn.Module):
             logits = logits * jnp.float32(c.logits_multiplier)
         if c.final_softcap is not None:
             logits = c.final_softcap * jnp.tanh(logits / c.final_softcap)
-        return constrain(logits, "act_batch", "act_seq", "act_vocab")
+        logits = constrain(logits, "act_batch", "act_seq", "act_vocab")
+        return jnp.split(logits, 1 + len(more), axis=0) if more else logits
 
 
 # ---- FLOPs ----------------------------------------------------------------------

@@ -51,6 +51,7 @@ class TrainConfig:
     random_positions: int | None = None  # MAX: train on sorted random positions < MAX (data.random_positions)
     wandb: str | None = None  # a W&B project: metrics and config logged there (training/tracking.py)
     wandb_mode: str = "offline"  # offline: files in run_dir/wandb (wandb sync uploads them); online
+    mtp_weight: float = 0.3  # lambda of the multi-token prediction loss (model.mtp_depth > 0)
 
     def __post_init__(self):
         o = "train"
@@ -65,6 +66,7 @@ class TrainConfig:
                               f"{self.seq_len}")
         check_number(o, "sample_tokens", self.sample_tokens, int, low=0)
         check_number(o, "sample_temperature", self.sample_temperature, float, low=0)
+        check_number(o, "mtp_weight", self.mtp_weight, float, low=0)
         check_choice(o, "resume", self.resume, RESUME)
         check_choice(o, "wandb_mode", self.wandb_mode, WANDB_MODES)
         if self.wandb is not None and (not isinstance(self.wandb, str) or not self.wandb or
