@@ -4,12 +4,14 @@
         [--rope-layout interleaved] [section.key=value ...]
     python -m jaxformer.convert to-hf RUN_DIR|RUN_DIR/checkpoints/STEP|RUN_DIR/best/STEP HF_DIR
         [--best] [--dtype bfloat16] [--rope-layout interleaved] [--max-shard-mb N]
+        [--into MULTIMODAL_DIR]
 
 from-hf makes a run dir that train.py continues from: config.yaml (the inferred model plus
 any overrides), the converted weights as the step-0 checkpoint (with a fresh optimizer
 state), and the model's tokenizer.json when the HF folder has one. Fine-tune with
 ``python train.py RUN_DIR/config.yaml [train.steps=N optim.lr=...]``.
-to-hf writes config.json and model.safetensors (plus tokenizer.json if the run has one).
+to-hf writes config.json and model.safetensors (plus tokenizer.json if the run has one);
+with --into, a copy of that multimodal folder with the run's text model in it.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def one_member(cfg, params, member: int | None):
 
 
 def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layout="half",
-              max_shard_bytes=None, member=None, log=print) -> dict:
+              max_shard_bytes=None, member=None, into=None, log=print) -> dict:
     import json
 
     from jaxformer.convert import to_hf
@@ -141,14 +143,15 @@ def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layou
     hf_tok = isinstance(tok, HFTokenizer)  # the byte tokenizer has no HF form
     extra = {"eos_token_id": tok.eot_id} if hf_tok and tok.eot_id is not None else {}
     hf = to_hf(cfg.model, params, hf_dir, dtype=dtype, rope_layout=rope_layout,
-               max_shard_bytes=max_shard_bytes, config_overrides=extra)
+               max_shard_bytes=max_shard_bytes, config_overrides=extra, into=into)
     if hf_tok:
         shutil.copyfile(run / "tokenizer.json", pathlib.Path(hf_dir) / "tokenizer.json")
     log(f"{path} -> {hf_dir} ({hf['architectures'][0]}); config.json:")
     log(json.dumps(hf, indent=2, sort_keys=True))
     if tok is not None and not hf_tok:
         log(f"note: the run uses {tok!r} (token id = UTF-8 byte); no tokenizer.json written")
-    log(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(hf_dir)!r})")
+    auto = "AutoModelForCausalLM" if into is None else "AutoModelForImageTextToText"
+    log(f"load it with transformers.{auto}.from_pretrained({str(hf_dir)!r})")
     return hf
 
 
@@ -186,6 +189,8 @@ def main(argv=None) -> int:
     b.add_argument("hf_dir")
     b.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
     b.add_argument("--max-shard-mb", type=float, default=None, help="split the weights")
+    b.add_argument("--into", default=None, metavar="FOLDER", help="a multimodal HF folder "
+                   "whose text model the run's is: write a copy of it with the run's weights")
     c = sub.add_parser("to-peft", help="a LoRA run's adapters -> a PEFT adapter folder")
     c.add_argument("run", help="RUN_DIR, RUN_DIR/checkpoints/STEP or RUN_DIR/best/STEP")
     c.add_argument("peft_dir")
@@ -214,7 +219,8 @@ def main(argv=None) -> int:
         else:
             shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
             to_hf_run(args.run, args.hf_dir, best=args.best, dtype=args.dtype or "float32",
-                      rope_layout=args.rope_layout, max_shard_bytes=shard, member=args.member)
+                      rope_layout=args.rope_layout, max_shard_bytes=shard, member=args.member,
+                      into=args.into)
     except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

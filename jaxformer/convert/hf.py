@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 from typing import Callable
 
 import jax.numpy as jnp
@@ -15,19 +16,23 @@ import ml_dtypes  # noqa: F401  (lets NumPy, hence safetensors, write bfloat16)
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxformer.convert.hf_config import config_to_hf
+from jaxformer.convert.hf_config import config_to_hf, differences
 from jaxformer.hf.families import MODEL_TYPES
-from jaxformer.hf.folder import INDEX, WEIGHTS, Path, by_path
+from jaxformer.hf.config_json import model_type_row
+from jaxformer.hf.folder import (INDEX, WEIGHTS, Path, SafetensorsReader, by_path,
+                                 model_folder, read_hf_json)
+from jaxformer.hf.multimodal import folder_row, text_config
 from jaxformer.model import lora
 from jaxformer.model.build import param_shapes
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import ConfigError, ModelConfig
 from jaxformer.model.encoder_decoder import layer_stacks
 from jaxformer.model.layer_runs import is_stacked, locate
 from jaxformer.model.lora import LoRAConfig
 
 
 def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str = "half",
-          max_shard_bytes: int | None = None, config_overrides: dict | None = None) -> dict:
+          max_shard_bytes: int | None = None, config_overrides: dict | None = None,
+          into=None) -> dict:
     """Write config.json and safetensors weights that transformers' from_pretrained loads as
     the same model; returns the config.json written. params: per-layer or stacked
     ("blocks"); LoRA adapters (cfg.lora) are merged into their weights, in float64, one
@@ -37,7 +42,11 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
     about that size with an index (default: one model.safetensors). config_overrides: extra
     config.json keys (e.g. bos_token_id / eos_token_id for a tokenizer). Weight files of
     an earlier export in `path` (model*.safetensors, the index) are replaced.
+    into: a multimodal folder (the model's text model read from it): `path` becomes a copy
+    of it, its language model's tensors replaced by the model's (write_into).
     """
+    if into is not None:
+        return write_into(cfg, params, path, into, rope_layout)
     dtype = jnp.dtype(dtype)
     plain = cfg.replace(lora=LoRAConfig())  # LoRA adapters are merged into their weights
     hf = config_to_hf(plain, dtype.name)
@@ -81,6 +90,65 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
                                              "weight_map": weight_map}, indent=2))
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return hf
+
+
+def write_into(cfg: ModelConfig, params, path, into, rope_layout: str = "half") -> dict:
+    """to_hf(into=FOLDER): a copy of multimodal folder FOLDER at `path` (every file, every
+    tensor of the vision tower and the projector as they are), its language model's
+    tensors replaced by the model's, each in its dtype there; returns its config.json. A
+    folder that is not multimodal, or whose text model differs from cfg's (a checkpoint of
+    another config), is a ConfigError line."""
+    src, out = model_folder(into), pathlib.Path(path)
+    hf, plain = read_hf_json(src), cfg.replace(lora=LoRAConfig(), scan_layers=False)
+    row = model_type_row(hf)
+    text = folder_row(hf, row)
+    if text is row:
+        raise ConfigError(f"to_hf: into={src} is a {row.name} folder, not a multimodal one; "
+                          "without `into`, to_hf writes the text model's own folder")
+    if out.resolve() == src.resolve():
+        raise ConfigError(f"to_hf: into={src} is the output folder; write the copy elsewhere")
+    diffs = differences(plain, text_config(hf, row))
+    if diffs:
+        raise ConfigError(f"to_hf: {src}'s text model differs from this model in "
+                          f"model.{', model.'.join(diffs)}: a checkpoint of another config")
+    rules = text.tensor_rules(plain, text, rope_layout)
+    where = {name: (i, j) for i, r in enumerate(rules) for j, name in enumerate(r.hf)}
+    reader, get = SafetensorsReader(src), merged_getter(cfg, params)
+    try:
+        if plain.tie_embeddings and text.head_tensor in reader.files:  # saved beside: equal
+            where[text.head_tensor] = where[rules[0].hf[0]]
+        missing = sorted(set(where) - set(reader.files))
+        if missing:
+            raise ConfigError(f"to_hf: {src} lacks {len(missing)} of the text model's "
+                              f"tensors ({', '.join(missing[:4])})")
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in [out / WEIGHTS, out / INDEX, *out.glob("model-*-of-*.safetensors")]:
+            stale.unlink(missing_ok=True)
+        shutil.copytree(src, out, dirs_exist_ok=True, ignore=lambda d, names: [
+            n for n in names if n.endswith(".safetensors") or n == INDEX])
+        for file in sorted(set(reader.files.values())):
+            tensors = {}
+            for name in (n for n, f in reader.files.items() if f == file):
+                old = reader.read(name)
+                tensors[name] = old if name not in where else _hf_tensor(
+                    rules, where[name], get, old, src / file.name)
+            save_file(tensors, str(out / file.name), metadata={"format": "pt"})
+        if (src / INDEX).is_file():
+            shutil.copyfile(src / INDEX, out / INDEX)
+    finally:
+        reader.close()
+    return hf
+
+
+def _hf_tensor(rules, at: tuple[int, int], get, old: np.ndarray, file) -> np.ndarray:
+    """The HF tensor `at` (rule i's j-th) of the model's params, in `old`'s dtype; `old`:
+    the tensor it replaces in `file`, whose shape it must have."""
+    rule = rules[at[0]]
+    new = rule.to_hf(*[get(p) for p in rule.ours])[at[1]]
+    if new.shape != old.shape:
+        raise ConfigError(f"to_hf: tensor {rule.hf[at[1]]} in {file} has shape "
+                          f"{list(old.shape)}, this model's {list(new.shape)}")
+    return np.ascontiguousarray(new.astype(old.dtype)).reshape(old.shape)
 
 
 def merged_getter(cfg: ModelConfig, params) -> Callable[[Path], np.ndarray]:
