@@ -39,8 +39,15 @@ def symmetric_window_mask(q_positions, k_positions, window: int):
     return jnp.abs(q_positions[:, None, :, None] - k_positions[:, None, None, :]) < window
 
 
+def chunk_mask(q_positions, k_positions, chunk):
+    """Keys in the query's own chunk of `chunk` positions (position // chunk equal: Llama
+    4's chunked local attention); a traced chunk of NO_WINDOW hides nothing. -> [B, 1, Tq, Tk]"""
+    same = (q_positions[:, None, :, None] // chunk) == (k_positions[:, None, None, :] // chunk)
+    return same if isinstance(chunk, int) else same | (chunk >= NO_WINDOW)
+
+
 def make_attention_mask(q_positions, k_positions, q_segment_ids=None, k_segment_ids=None, *,
-                        causal: bool = True, window: int | None = None):
+                        causal: bool = True, window: int | None = None, chunk=None):
     """The conjunction of the masks above that apply; without the causal rule a window is
     symmetric. -> [B, 1, Tq, Tk] bool"""
     mask = jnp.ones((q_positions.shape[0], 1, q_positions.shape[1], k_positions.shape[1]), bool)
@@ -49,6 +56,8 @@ def make_attention_mask(q_positions, k_positions, q_segment_ids=None, k_segment_
     if window is not None:
         window_mask = sliding_window_mask if causal else symmetric_window_mask
         mask &= window_mask(q_positions, k_positions, window)
+    if chunk is not None:
+        mask &= chunk_mask(q_positions, k_positions, chunk)
     if q_segment_ids is not None:
         mask &= segment_mask(q_segment_ids, k_segment_ids)
     return mask
@@ -67,7 +76,10 @@ class MaskRule:
     blockwise backend skip the upper triangle of blocks without looking at positions.
     by_index: the caller knows the positions are each row's indices (the model's default
     arange), so causal and window masks are by index too: what jax.nn.dot_product_attention's
-    is_causal and local_window_size say, with no mask array."""
+    is_causal and local_window_size say, with no mask array.
+
+    chunk: keys only in the query's chunk (chunk_mask; Llama 4's chunked layers, whose
+    window is their chunk); layer_chunk: a traced one (scanned layer kinds), or None."""
 
     q_positions: jnp.ndarray
     k_positions: jnp.ndarray
@@ -78,11 +90,18 @@ class MaskRule:
     is_causal: bool = flax.struct.field(pytree_node=False, default=False)
     by_index: bool = flax.struct.field(pytree_node=False, default=False)
     layer_window: jnp.ndarray | None = None  # a traced window (scanned layer kinds), or None
+    chunk: int | None = flax.struct.field(pytree_node=False, default=None)
+    layer_chunk: jnp.ndarray | None = None  # a traced chunk (scanned layer kinds), or None
 
     @property
     def any_window(self):
         """The window the rule applies: the static one, the traced one, or None."""
         return self.window if self.layer_window is None else self.layer_window
+
+    @property
+    def any_chunk(self):
+        """The chunk the rule applies: the static one, the traced one, or None."""
+        return self.chunk if self.layer_chunk is None else self.layer_chunk
 
     def block(self, q_start, q_len: int, k_start, k_len: int):
         """The mask of queries [q_start, +q_len) and keys [k_start, +k_len) (starts may
@@ -92,7 +111,7 @@ class MaskRule:
         mask = make_attention_mask(
             take(self.q_positions, q_start, q_len), take(self.k_positions, k_start, k_len),
             take(self.q_segment_ids, q_start, q_len), take(self.k_segment_ids, k_start, k_len),
-            causal=self.causal, window=self.any_window)
+            causal=self.causal, window=self.any_window, chunk=self.any_chunk)
         if self.is_causal:
             rows = q_start + jnp.arange(q_len)[:, None]
             mask &= (k_start + jnp.arange(k_len)[None, :] <= rows)[None, None]
@@ -108,13 +127,16 @@ NO_WINDOW = 2**31 - 1  # a traced window that hides nothing: a global layer amon
 
 def pick_rule(rules: tuple[MaskRule, ...], kind):
     """The mask rule of layer kind `kind` from one rule per kind (differing only in their
-    window). kind is an int, or traced inside a scan over layers: then the kinds' windows
-    become data (layer_window), and by_index is off (a by-index backend needs its window
-    static)."""
+    window and chunk). kind is an int, or traced inside a scan over layers: then the kinds'
+    windows (chunks) become data (layer_window, layer_chunk), and by_index is off (a
+    by-index backend needs its window static)."""
     if not isinstance(kind, jax.Array):
         return rules[kind]
-    windows = [r.window for r in rules]
-    if len(set(windows)) == 1:
-        return rules[0]
-    table = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
-    return rules[0].replace(window=None, layer_window=table[kind], by_index=False)
+    table = lambda xs: jnp.asarray([NO_WINDOW if x is None else x for x in xs],  # noqa: E731
+                                   jnp.int32)[kind]
+    rule, windows, chunks = rules[0], [r.window for r in rules], [r.chunk for r in rules]
+    if len(set(windows)) > 1:
+        rule = rule.replace(window=None, layer_window=table(windows), by_index=False)
+    if len(set(chunks)) > 1:  # the chunks likewise
+        rule = rule.replace(chunk=None, layer_chunk=table(chunks), by_index=False)
+    return rule

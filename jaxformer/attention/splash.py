@@ -46,6 +46,9 @@ def splash_attention(q, k, v, rule: MaskRule, *, scale=None, softcap=None):
         raise NotImplementedError("splash attention needs each layer's window static, but the "
                                   "layer kinds' windows differ under scan_layers; set "
                                   "model.scan_layers=false or another attention_impl")
+    if rule.any_chunk is not None:
+        raise NotImplementedError("splash attention here has no chunked mask (a layer kind's "
+                                  "chunk); use attention_impl=blockwise")
     interpret = jax.default_backend() != "tpu"
     if interpret and "interpret" not in _WARNED:
         _WARNED.add("interpret")

@@ -29,7 +29,9 @@ def _layers(cfg: ModelConfig) -> list:
         rotary = POSITION_SCHEMES[cfg.position].kind == "rotary"
         rope = (k.rope_theta, k.rope_scaling) if rotary and k.rope else None
         out.append((k.window, rope, k.mixer, k.parallel, k.ffn, k.mixer_in_multiplier,
-                    k.mixer_out_multiplier, k.ffn_gate_multiplier, k.ffn_out_multiplier))
+                    k.mixer_out_multiplier, k.ffn_gate_multiplier, k.ffn_out_multiplier,
+                    k.chunk, k.qk_norm or cfg.qk_norm == "none",
+                    (k.temperature_floor, k.temperature_scale) if k.temperature_floor else None))
     return out
 
 
@@ -46,7 +48,8 @@ def _moe(cfg: ModelConfig) -> dict | None:
         shared_d_ff=cfg.shared_d_ff if m.shared_experts else 0, shared_gate=m.shared_gate,
         scores=row.scores, normalise=m.norm_topk if row.normalise is None else row.normalise,
         norm_min=row.norm_min,
-        score_bias=m.has_score_bias, bias=m.bias, routed_scale=float(f"{m.routed_scale:.9g}"),
+        score_bias=m.has_score_bias, bias=m.bias, scales_input=row.scales_input,
+        routed_scale=float(f"{m.routed_scale:.9g}"),
         groups=(m.groups, m.topk_groups, row.group_score) if m.groups > 1 else None,
         aux_loss=float(f"{m.aux_loss:.9g}"))
 

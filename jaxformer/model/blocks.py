@@ -24,7 +24,8 @@ from jaxformer.model.mixers import ATTENTION, MIXERS
 from jaxformer.model.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.model.self_attention import Attention, dense_init
 from jaxformer.moe.expert_parallel import dispatch_for
-from jaxformer.moe.experts import balance_losses, dense_weights, dispatch_of, expert_load, route
+from jaxformer.moe.experts import (balance_losses, dense_weights, dispatch_of, expert_load, route,
+                                   scaled_inputs)
 
 
 def scaled(x, multiplier):
@@ -145,9 +146,11 @@ class MoEFeedForward(nn.Module):
                 w[name + "_bias"] = self.param(name + "_bias", init_with_names(
                     nn.initializers.zeros, "experts", axes[2]), (m.experts, shape[2]),
                     c.param_dtype)
-        y, dropped = dispatch_for(dispatch_of(m))(h.astype(c.dtype), weights, experts, w,
+        rows = (h, weights, experts) if not m.row.scales_input else \
+            scaled_inputs(h, weights, experts)  # Llama 4: a row per assignment, k per token
+        y, dropped = dispatch_for(dispatch_of(m))(rows[0].astype(c.dtype), *rows[1:], w,
                                                   FFNS[c.ffn], capacity_factor=m.capacity_factor)
-        y = y.reshape(b, t, d)
+        y = jnp.sum(y.reshape(b, t, -1, d), axis=2)  # each token's rows (one, or k) summed
 
         load = expert_load(experts, m.experts)
         aux, z = balance_losses(logits, scores, load)

@@ -196,11 +196,13 @@ class QKNorm:
     query_axes: tuple[str, ...] | None = None
     key_axes: tuple[str, ...] | None = None
     after_rope: bool = False
+    scale: bool = True  # False: x / rms(x) alone, no weight (Llama 4's L2 norm)
 
 
 QK_NORMS = {"none": QKNorm(), "head": QKNorm(("head_dim",), ("head_dim",)),
             "projection": QKNorm(("heads", "head_dim"), ("kv_heads", "head_dim")),
-            "head_after_rope": QKNorm(("head_dim",), ("head_dim",), after_rope=True)}
+            "head_after_rope": QKNorm(("head_dim",), ("head_dim",), after_rope=True),
+            "l2": QKNorm(("head_dim",), ("head_dim",), scale=False)}
 
 
 @dataclasses.dataclass(frozen=True)

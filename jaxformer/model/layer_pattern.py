@@ -32,6 +32,13 @@ class LayerKind(Section):
     output scaled (Falcon-H1's attention_in/out_multiplier); ffn_gate_multiplier,
     ffn_out_multiplier: the FFN's gate before its activation, and its output (Falcon-H1's
     mlp_multipliers).
+    chunk: attention within chunks of this many positions, a key seen only in the query's
+    own chunk (position // chunk equal: Llama 4's chunked local attention); the kind's
+    window is then the chunk (set no wider). qk_norm: false skips the model's QK-norm in
+    this kind's layers (Llama 4 norms its RoPE layers alone). temperature_floor,
+    temperature_scale: the queries at position p times 1 + temperature_scale *
+    log(1 + floor((p + 1) / temperature_floor)) (Llama 4's attention temperature tuning
+    of its NoPE layers: floor_scale, attn_scale); None: not scaled.
     """
 
     window: int | None = None
@@ -45,6 +52,10 @@ class LayerKind(Section):
     mixer_out_multiplier: float = 1.0
     ffn_gate_multiplier: float = 1.0
     ffn_out_multiplier: float = 1.0
+    chunk: int | None = None
+    qk_norm: bool = True
+    temperature_floor: int | None = None
+    temperature_scale: float = 0.0
 
     SECTION = "layer_kinds.<kind>"
 
@@ -52,6 +63,7 @@ class LayerKind(Section):
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         check_number(self.SECTION, "window", self.window, int, low=1, optional=True)
+        self._check_chunk()
         for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{self.SECTION}.{name}={getattr(self, name)!r} must be true "
@@ -63,6 +75,21 @@ class LayerKind(Section):
             check_number(self.SECTION, name, getattr(self, name), float)
         check_number(self.SECTION, "rope_theta", self.rope_theta, float, low=1, low_open=True,
                      optional=True)
+
+
+    def _check_chunk(self):
+        """A chunk is the kind's window too (none wider); the temperature's floor."""
+        check_number(self.SECTION, "chunk", self.chunk, int, low=1, optional=True)
+        check_number(self.SECTION, "temperature_floor", self.temperature_floor, int, low=1,
+                     optional=True)
+        check_number(self.SECTION, "temperature_scale", self.temperature_scale, float)
+        if self.chunk is None:
+            return
+        if self.window is not None and self.window > self.chunk:
+            raise ConfigError(f"{self.SECTION}.window={self.window} is wider than its "
+                              f"chunk={self.chunk}, which already hides every key farther "
+                              "back; leave the window unset")
+        object.__setattr__(self, "window", self.window or self.chunk)
 
 
 MULTIPLIERS = ("mixer_in_multiplier", "mixer_out_multiplier", "ffn_gate_multiplier",

@@ -27,7 +27,7 @@ from jaxformer.core.sharding import constrain, init_with_names
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kinds import QK_NORMS
 from jaxformer.model.lora import LoRA
-from jaxformer.model.norms import apply_norm, make_norm
+from jaxformer.model.norms import apply_norm, make_norm, rms_normalize
 from jaxformer.positions.schemes import POSITION_SCHEMES, LogitBias, dense_bias
 
 
@@ -44,6 +44,32 @@ def projection_layer(c: ModelConfig, feats, axis, name: str, names, bias: bool,
         kernel_init=init_with_names(dense_init(std), *names),
         bias_init=init_with_names(nn.initializers.zeros, *names[len(axis):]),
         dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
+
+
+def query_temperature(positions, floor, scale):
+    """Llama 4's attention temperature tuning: 1 + scale * log(1 + floor((p + 1) / floor))
+    at positions p [B, T] -> [B, T] float32 (floor, scale: numbers or traced scalars)."""
+    p = positions.astype(jnp.float32)
+    return 1.0 + scale * jnp.log1p(jnp.floor((p + 1.0) / floor))
+
+
+def tuned_queries(cfg: ModelConfig, q, positions, kind):
+    """q [B, T, N, H] times its temperature where layer kind `kind` tunes it (LayerKind's
+    temperature_floor and temperature_scale; kind traced in a scan), else q."""
+    floors = [k.temperature_floor for k in cfg.kinds]
+    if all(f is None for f in floors):
+        return q
+    scales = [0.0 if f is None else k.temperature_scale for f, k in zip(floors, cfg.kinds)]
+    floors = [f or 1 for f in floors]
+    if isinstance(kind, int):
+        if scales[kind] == 0.0:
+            return q
+        floor, scale = floors[kind], scales[kind]
+    else:
+        floor = jnp.asarray(floors, jnp.float32)[kind]
+        scale = jnp.asarray(scales, jnp.float32)[kind]
+    t = query_temperature(positions, floor, scale)  # [B, T]
+    return (q * t[:, :, None, None]).astype(q.dtype)
 
 
 class Attention(nn.Module):
@@ -88,7 +114,7 @@ class Attention(nn.Module):
         if scheme.logits is not None:  # a contextual scheme: this layer's own logits (CoPE)
             self.context_logits = scheme.logits(self, c)
         qk_norm = QK_NORMS[c.qk_norm]  # over head_dim per head, or the whole projection
-        if qk_norm.query_axes is not None:
+        if qk_norm.query_axes is not None and qk_norm.scale:
             self.q_norm = make_norm(c, "q_norm", qk_norm.query_axes)
             self.k_norm = make_norm(c, "k_norm", qk_norm.key_axes)
         self.setup_sinks()
@@ -122,19 +148,35 @@ class Attention(nn.Module):
                    for n, name in (("q", "query"), ("k", "key"), ("v", "value")))
         qk_norm = QK_NORMS[c.qk_norm]
         if qk_norm.query_axes is not None and not qk_norm.after_rope:
-            q, k = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
+            q, k = self.qk_normed(q, k, kind)
         rotate = POSITION_SCHEMES[c.position].rotate
         if rotate is not None:
             q = hook_point(self, "hook_rot_q", rotate(c, q, positions, kind, keys=False))
             k = hook_point(self, "hook_rot_k", rotate(c, k, positions, kind, keys=True))
         if qk_norm.query_axes is not None and qk_norm.after_rope:  # Hunyuan's order
-            q, k = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
+            q, k = self.qk_normed(q, k, kind)
+        q = tuned_queries(c, q, positions, kind)
         if c.attn_scale is not None:  # the backends scale by 1 / sqrt(head_dim)
             q = q * jnp.asarray(c.attn_scale * math.sqrt(c.head_dim), q.dtype)
         q = constrain(q, "act_batch", "act_seq", "act_heads", "head_dim")
         k = constrain(k, "act_batch", "act_seq", "act_kv_heads", "head_dim")
         v = constrain(v, "act_batch", "act_seq", "act_kv_heads", "head_dim")
         return q, k, v
+
+    def qk_normed(self, q, k, kind):
+        """q [B, T, N, H], k [B, T, K, H] QK-normed (with the norms' weights, or x / rms(x)
+        where the QK_NORMS row has none), unless layer kind `kind` skips its QK-norm."""
+        c, row = self.cfg, QK_NORMS[self.cfg.qk_norm]
+        if row.scale:
+            normed = apply_norm(c, self.q_norm, q), apply_norm(c, self.k_norm, k)
+        else:
+            axes = tuple(range(-len(row.query_axes), 0))
+            normed = tuple(rms_normalize(x, c.norm_eps, axes).astype(x.dtype) for x in (q, k))
+        keep = [kd.qk_norm for kd in c.kinds]
+        if all(keep):
+            return normed
+        on = keep[kind] if isinstance(kind, int) else jnp.asarray(keep)[kind]
+        return tuple(jnp.where(on, y, x) for y, x in zip(normed, (q, k)))
 
     def projection(self, name, x):
         """Projection `name` of x, plus its LoRA update when the model has one."""

@@ -114,7 +114,8 @@ class Transformer(nn.Module):
         self.check_recurrent(split)
         causal = c.causal  # the arch's rule (an encoder's is none), decided once here
         mask = tuple(MaskRule(positions, k_positions, segment_ids, k_segments, window=k.window,
-                              causal=causal and self.ordered_positions, by_index=by_index,
+                              causal=causal and self.ordered_positions, chunk=k.chunk,
+                              by_index=by_index and k.chunk is None,
                               is_causal=causal and cache is None and split is None)
                      for k in c.kinds)  # one per layer kind: each block picks its own
         bias = self.position_bias(impl, t, cache, positions, k_positions)
