@@ -1,0 +1,105 @@
+"""MiniMax-M2 (jaxformer.hf.minimax_layout) against transformers: a random tiny
+MiniMaxM2ForCausalLM (QK-norm over the whole projection, half of each head rotated through
+rotary_dim, sigmoid routing with a random selection bias, every expert chosen) read by
+from_hf gives its logits unscanned and scanned, greedy decoding picks its tokens, and to_hf
+writes it back as minimax_m2 for transformers to read; rotary_dim reads as transformers
+reads it; MiniMax's keys of another model are one line naming the key."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
+transformers = pytest.importorskip("transformers", reason="the interop extra")
+
+import jax  # noqa: E402
+
+from jaxformer import ConfigError, Transformer  # noqa: E402
+from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
+from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
+
+torch.set_num_threads(2)
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+V, E = 96, 4  # vocab, experts
+MINIMAX = dict(model_type="minimax_m2", vocab_size=V, hidden_size=64, intermediate_size=32,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               rotary_dim=8, num_local_experts=E, num_experts_per_tok=2,
+               max_position_embeddings=128, rope_theta=1e4, rms_norm_eps=1e-5,
+               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def sigmoid_choices(model, tokens, biases) -> tuple[np.ndarray, list[set]]:
+    """transformers' logits, and each sparse layer's experts chosen for the batch: the
+    top-k of sigmoid(router logits) + the layer's selection bias (`biases`, in order)."""
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(tokens)), output_router_logits=True)
+        k = model.config.num_experts_per_tok
+        chosen = [torch.topk(torch.sigmoid(logits.float()) + b, k, dim=-1).indices
+                  for logits, b in zip(out.router_logits, biases, strict=True)]
+    return out.logits.numpy(), [set(c.ravel().tolist()) for c in chosen]
+
+
+def covering_batch(model, biases, gen, tries: int = 5):
+    """A batch [2, 14] drawn from `gen` whose tokens reach every expert of every sparse
+    layer, and transformers' logits of it."""
+    experts = set(range(len(biases[0])))
+    for _ in range(tries):
+        prompts = gen.integers(0, model.config.vocab_size, (2, 14))
+        want, chosen = sigmoid_choices(model, prompts, biases)
+        if all(c == experts for c in chosen):
+            return prompts, want
+    raise AssertionError(f"no batch of {tries} reached every expert: {chosen}")
+
+
+def test_minimax_m2_matches_transformers(tmp_path):
+    model = random_hf_model(transformers.AutoConfig.for_model(**MINIMAX),
+                            int(rng.integers(1 << 31)))
+    with torch.no_grad():  # the selection bias is a buffer: random too
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(tmp_path / "hf")
+    prompts, want = covering_batch(model, [layer.mlp.e_score_correction_bias
+                                           for layer in model.model.layers], rng)
+    for scan in (False, True):
+        cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
+        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+        assert rel_err(got, want) < 1e-5, (scan, rel_err(got, want))
+    assert cfg.rope_fraction == 0.5 and cfg.qk_norm == "projection"
+
+    assert_greedy_matches(model, cfg, params, prompts)
+
+    assert to_hf(cfg, params, tmp_path / "out")["model_type"] == "minimax_m2"
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    assert back.config.rotary_dim == 8
+    assert rel_err(hf_logits(back, prompts), want) < 1e-5
+
+
+@pytest.mark.parametrize("keys", [
+    dict(rotary_dim=4),
+    dict(rotary_dim=4, partial_rotary_factor=0.5),
+    dict(rotary_dim=4, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                            partial_rotary_factor=0.25)),
+    dict(rotary_dim=None),
+])
+def test_rotary_dim_reads_as_transformers_reads_it(keys):
+    hf = {k: v for k, v in dict(MINIMAX, **keys).items() if v is not None}
+    config = transformers.MiniMaxM2Config.from_dict(hf)
+    assert config_from_hf(hf).rope_fraction == \
+        config.rope_parameters.get("partial_rotary_factor", 1.0)
+
+
+@pytest.mark.parametrize("keys, words", [
+    (dict(router_jitter_noise=0.1), ["router_jitter_noise=0.1"]),
+    (dict(scoring_func="softmax"), ["scoring_func='softmax'"]),
+    (dict(use_qk_norm=False), ["use_qk_norm=False"]),
+    (dict(attn_type_list=[0, 1]), ["attn_type_list=[0, 1]"]),
+    (dict(shared_intermediate_size=16), ["shared_intermediate_size=16"]),
+])
+def test_unsupported_settings_name_the_key_and_the_family(keys, words):
+    with pytest.raises(ConfigError) as e:
+        config_from_hf(dict(MINIMAX, **keys))
+    assert "\n" not in str(e.value)
+    for w in words + ["minimax_m2"]:
+        assert w in str(e.value), (w, str(e.value))
