@@ -1,0 +1,77 @@
+"""Llama 4's text model (llama4_text, jaxformer.hf.llama4_layout) against transformers: a
+random tiny Llama4ForCausalLM (a dense RoPE layer attending in chunks shorter than the
+prompt, a sparse NoPE layer with its temperature tuned within the prompt, a sparse chunked
+one; L2 QK-norm; every expert chosen) read by from_hf gives its logits unscanned and
+scanned, greedy decoding picks its tokens, and to_hf writes it back for transformers to
+read; a setting jaxformer lacks is one line naming the key."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
+transformers = pytest.importorskip("transformers", reason="the interop extra")
+
+import jax  # noqa: E402
+
+from jaxformer import ConfigError, Transformer  # noqa: E402
+from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
+from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches, hf_logits_and_choice  # noqa: E402
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+E, T = 4, 12
+LLAMA4 = dict(model_type="llama4_text", vocab_size=128, hidden_size=64, intermediate_size=32,
+              intermediate_size_mlp=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+              num_local_experts=E, num_experts_per_tok=2, moe_layers=[1, 2],
+              no_rope_layers=[1, 0, 1], attention_chunk_size=5, use_qk_norm=True,
+              attn_temperature_tuning=True, floor_scale=3, attn_scale=0.5,
+              rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0,
+                                   low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=16),
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def covering_batch(model, tries: int = 5):
+    """A random batch [2, T] whose tokens reach every expert of both sparse layers, and
+    transformers' logits of it."""
+    for _ in range(tries):
+        prompts = rng.integers(0, 128, (2, T))
+        want, chosen = hf_logits_and_choice(model, prompts)
+        if len(chosen) == 2 and all(c == set(range(E)) for c in chosen):
+            return prompts, want
+    raise AssertionError(f"no batch of {tries} reached every expert: {chosen}")
+
+
+def test_llama4_text_matches_transformers(tmp_path):
+    model = random_hf_model(transformers.AutoConfig.for_model(**LLAMA4),
+                            int(rng.integers(1 << 31)))
+    model.save_pretrained(tmp_path / "hf")
+    prompts, want = covering_batch(model)
+    for scan in (False, True):
+        cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
+        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+        assert rel_err(got, want) < 1e-5, (scan, rel_err(got, want))
+    assert [k.chunk for k in cfg.kinds] == [5, None] and cfg.sparse_layers == (False, True, True)
+
+    assert_greedy_matches(model, cfg, params, prompts)
+
+    assert to_hf(cfg, params, tmp_path / "out")["model_type"] == "llama4_text"
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    assert rel_err(hf_logits(back, prompts), want) < 1e-5
+
+
+@pytest.mark.parametrize("keys, words", [
+    (dict(attention_bias=True), ["attention_bias=True", "llama4_text"]),
+    (dict(layer_types=["chunked_attention", "sliding_attention", "full_attention"]),
+     ["layer_types=", "llama4_text"]),
+    (dict(attention_chunk_size=None, layer_types=["chunked_attention"] * 3),
+     ["attention_chunk_size=None", "llama4_text"]),
+])
+def test_unsupported_settings_name_the_key_and_the_family(keys, words):
+    with pytest.raises(ConfigError) as e:
+        config_from_hf({k: v for k, v in {**LLAMA4, **keys}.items() if k != "rope_parameters"})
+    assert "\n" not in str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
