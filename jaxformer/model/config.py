@@ -67,7 +67,8 @@ class ModelConfig(Section):
     res_post_ln (a norm after each sublayer only, inside the residual: OLMo 2), parallel
     (x + attn(norm1 x) + ffn(norm2 x): GPT-NeoX), parallel_shared_ln (one norm for both:
     Cohere, GPT-J). qk_norm: the model's norm on queries and keys before RoPE, per head
-    over head_dim (head: Qwen3, Gemma 3) or over the whole projection (projection: OLMo 2).
+    over head_dim (head: Qwen3, Gemma 3) or over the whole projection (projection: OLMo 2);
+    head_after_rope: per head on the rotated queries and keys (Hunyuan).
 
     attn_scale: the logits' scale (None: 1 / sqrt(head_dim)). attn_softcap, final_softcap:
     cap * tanh(x / cap) on the scaled attention logits (before any position bias and the

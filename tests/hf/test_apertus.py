@@ -60,3 +60,15 @@ def test_unsupported_settings_name_the_key_and_the_family(keys, words):
     assert "\n" not in str(e.value)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_config_without_rope_keys_reads_as_apertus_config_fills_it():
+    """A hand-written config.json without RoPE keys: transformers' default, Llama 3's
+    scaling at base 1.2e7."""
+    params = transformers.ApertusConfig(**{k: v for k, v in APERTUS.items()
+                                           if k != "model_type"}).rope_parameters
+    s = config_from_hf(APERTUS).rope_scaling
+    assert config_from_hf(APERTUS).rope_theta == params["rope_theta"]
+    assert (s.kind, s.factor, s.original_max_seq_len, s.low_freq_factor, s.high_freq_factor) \
+        == (params["rope_type"], params["factor"], params["original_max_position_embeddings"],
+            params["low_freq_factor"], params["high_freq_factor"])
