@@ -21,7 +21,7 @@ from jaxformer.hf.rope import unsupported
 from jaxformer.hf.tensors import Rule, reshaped
 from jaxformer.model.config import ModelConfig
 
-ACTIVATION = "xielu"  # the one hidden_act read: jaxformer's ffn of the same name
+ACTIVATIONS = {"xielu": "xielu"}  # hidden_act -> model.ffn (the first is the default)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
                "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0}
@@ -35,9 +35,10 @@ SCALARS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
 def read_config(hf, get, row) -> ModelConfig:
     """The ModelConfig of an Apertus config.json: the Llama layout's reader with the
     xIELU MLP read as jaxformer's xielu FFN."""
-    if get(row.act_key) != ACTIVATION:
-        raise unsupported(row.act_key, get(row.act_key), f"{row.name}'s MLP in jaxformer "
-                          f"is {ACTIVATION} (its other activations have no gate, which "
+    act = get(row.act_key)
+    if act not in ACTIVATIONS:
+        raise unsupported(row.act_key, act, f"{row.name}'s MLP in jaxformer is "
+                          f"{', '.join(ACTIVATIONS)} (its other activations have no gate, which "
                           "jaxformer's silu and gelu FFNs have)")
     changed: dict[str, Any] = {row.act_key: "silu"}  # read as the Llama layout's, then xielu
     if not {"rope_parameters", "rope_scaling", "rope_theta"} & set(hf):
@@ -47,13 +48,15 @@ def read_config(hf, get, row) -> ModelConfig:
         return changed[key] if key in changed else get(key, *default)
 
     cfg = llama_layout.read_config({**hf, **changed}, reread, row)
-    return cfg.replace(ffn=ACTIVATION)
+    return cfg.replace(ffn=ACTIVATIONS[act])
 
 
 def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
     """The Llama layout's keys with the xIELU activation (a model of another FFN reads
     back otherwise, and is not written as Apertus)."""
-    return dict(llama_layout.write_config(cfg, row), **{row.act_key: ACTIVATION})
+    names = {ffn: act for act, ffn in ACTIVATIONS.items()}
+    return dict(llama_layout.write_config(cfg, row),
+                **{row.act_key: names.get(cfg.ffn, next(iter(ACTIVATIONS)))})
 
 
 def _mlp(rule: Rule) -> list[Rule]:
@@ -86,7 +89,7 @@ def tensor_rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]
 ROWS: list = [
     HFModelType(
         "apertus", ("ApertusForCausalLM", "ApertusModel"), export_rank=57,
-        defaults=dict(num_key_value_heads=None, hidden_act=ACTIVATION, head_dim=None,
+        defaults=dict(num_key_value_heads=None, hidden_act="xielu", head_dim=None,
                       max_position_embeddings=65536, rms_norm_eps=1e-5,
                       tie_word_embeddings=False, attention_bias=False, rope_theta=12000000.0),
         read_config=read_config, write_config=write_config, tensor_rules=tensor_rules,
