@@ -128,7 +128,7 @@ def write_config(cfg: ModelConfig, row) -> dict[str, Any]:
         moe_layers=[i for i, s in enumerate(cfg.sparse_layers) if s],
         no_rope_layers=[int(k.rope) for k in layers],
         layer_types=[CHUNKED if k.chunk else FULL for k in layers],
-        attention_chunk_size=chunk, use_qk_norm=cfg.qk_norm == "l2",
+        attention_chunk_size=chunk, use_qk_norm=cfg.qk_norm != "none",
         attn_temperature_tuning=tuned is not None,
         floor_scale=tuned[0] if tuned else row.defaults["floor_scale"],
         attn_scale=tuned[1] if tuned else row.defaults["attn_scale"])

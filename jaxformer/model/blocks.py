@@ -24,8 +24,7 @@ from jaxformer.model.mixers import ATTENTION, MIXERS
 from jaxformer.model.norms import apply_norm, make_norm, normalize  # noqa: F401
 from jaxformer.model.self_attention import Attention, dense_init
 from jaxformer.moe.expert_parallel import dispatch_for
-from jaxformer.moe.experts import (balance_losses, dense_weights, dispatch_of, expert_load, route,
-                                   scaled_inputs)
+from jaxformer.moe.experts import balance_losses, dense_weights, dispatch_of, expert_load, route
 
 
 def scaled(x, multiplier):
@@ -43,6 +42,16 @@ def kind_multiplier(cfg: ModelConfig, kind, name: str):
     if isinstance(kind, int):
         return values[kind]
     return jnp.asarray(values, jnp.float32)[kind]
+
+
+def scaled_inputs(x, weights, experts):
+    """Routing that scales the experts' inputs (jaxformer.moe.experts.Router.scales_input):
+    each of a token's k assignments a row of its own, the token times its weight, reaching
+    its one expert with weight 1 (any dispatch runs them; the caller sums each token's k
+    rows). x [N, D], weights, experts [N, k] -> rows [N k, D], weights, experts [N k, 1]."""
+    n, k = experts.shape
+    rows = (x[:, None, :] * weights[..., None].astype(x.dtype)).reshape(n * k, -1)  # [N k, D]
+    return rows, jnp.ones((n * k, 1), weights.dtype), experts.reshape(n * k, 1)
 
 
 class FeedForward(nn.Module):

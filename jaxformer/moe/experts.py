@@ -8,9 +8,8 @@ Routing a token x (router logits l = x W_r [+ b_r], float32):
   choice   = s + score_bias    (DeepSeek-V3's correction bias: selection only)
   groups   limit the choice to the topk_groups best of `groups` expert groups
   experts  = top_k(choice);  weights = s[experts], renormalised to sum 1 where the
-             router says so (norm_topk; the sum clamped at least its norm_min), times
-             routed_scale
-  y = sum_j weights_j * expert_{experts_j}(x)   (+ the shared experts, always on)
+             router says so (norm_topk; the sum at least norm_min), times routed_scale
+  y = sum_j weights_j * expert_{experts_j}(x)  (+ the shared experts; scales_input: expert(w x))
 """
 
 from __future__ import annotations
@@ -45,16 +44,14 @@ class Router:
     a group's score from its experts' (choice) scores, for group-limited selection;
     normalise: the chosen weights renormalised to sum 1 (None: as model.moe.norm_topk);
     score_bias: the model has DeepSeek-V3's selection bias (e_score_correction_bias);
-    norm_min: the renormalising sum is clamped at least this (ERNIE 4.5's moe_norm_min);
-    scales_input: each chosen expert reads the token times its weight, and its output is
-    summed unweighted (Llama 4: expert_j(w_j x), not w_j expert_j(x); scaled_inputs)."""
+    norm_min: the renormalising sum is clamped at least this (ERNIE 4.5's moe_norm_min)."""
 
     scores: Callable
     group_score: Callable = _group_max
     normalise: bool | None = None
     score_bias: bool = False
     norm_min: float = 0.0
-    scales_input: bool = False
+    scales_input: bool = False  # the weights scale the chosen experts' inputs (Llama 4)
 
 
 ROUTERS = {
@@ -63,8 +60,7 @@ ROUTERS = {
     "sigmoid": Router(jax.nn.sigmoid, _group_top2_sum, score_bias=True),  # DeepSeek-V3
     # ERNIE 4.5: softmax, chosen by softmax + bias, w / max(sum w, 1e-12)
     "softmax_bias": Router(jax.nn.softmax, normalise=True, score_bias=True, norm_min=1e-12),
-    # Llama 4: sigmoid of the chosen logits, scaling each chosen expert's input
-    "sigmoid_input": Router(jax.nn.sigmoid, normalise=False, scales_input=True),
+    "sigmoid_input": Router(jax.nn.sigmoid, normalise=False, scales_input=True),  # Llama 4
 }
 
 
@@ -80,9 +76,8 @@ class MoEConfig(Section):
     feed-forward network of width shared_d_ff (None: shared_experts * d_ff); shared_gate:
     its output times sigmoid(x w) (Qwen2-MoE). router (ROUTERS): softmax_topk, topk_softmax
     (softmax over the chosen: Mixtral), sigmoid (DeepSeek-V3), softmax_bias (softmax, a
-    selection bias, renormalised: ERNIE 4.5), sigmoid_input (the weights scale the
-    experts' inputs: Llama 4); norm_topk: renormalise the
-    chosen weights; groups, topk_groups: the experts in `groups` groups, a token choosing
+    selection bias, renormalised: ERNIE 4.5), sigmoid_input (Llama 4); norm_topk: renormalise
+    the chosen weights; groups, topk_groups: the experts in `groups` groups, a token choosing
     only among the topk_groups best; routed_scale: the routed output's factor.
     layers: which layers are sparse (None: all). bias: biases on the router and the experts
     (GPT-OSS).
@@ -215,16 +210,6 @@ def route(logits, moe: MoEConfig, score_bias=None):
     if moe.norm_topk if row.normalise is None else row.normalise:
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), row.norm_min)
     return weights * moe.routed_scale, experts.astype(jnp.int32), scores
-
-
-def scaled_inputs(x, weights, experts):
-    """Routing that scales the experts' inputs (Router.scales_input): each of a token's k
-    assignments a row of its own, the token times its weight, reaching its one expert
-    with weight 1 (any dispatch runs them; the caller sums each token's k rows).
-    x [N, D], weights, experts [N, k] -> rows [N k, D], weights [N k, 1], experts [N k, 1]."""
-    n, k = experts.shape
-    rows = (x[:, None, :] * weights[..., None].astype(x.dtype)).reshape(n * k, -1)  # [N k, D]
-    return rows, jnp.ones((n * k, 1), weights.dtype), experts.reshape(n * k, 1)
 
 
 def limit_groups(choice, groups: int, keep: int, group_score):

@@ -1,7 +1,7 @@
 """The router that scales the experts' inputs (jaxformer.moe.experts ROUTERS sigmoid_input,
-scaled_inputs; Llama 4's): a sparse layer's output against its float64 NumPy definition,
-y = sum over the top-k logits j of expert_j(sigmoid(l_j) x) + shared(x), under each
-dispatch."""
+jaxformer.model.blocks.scaled_inputs; Llama 4's): a sparse layer's output against its
+float64 NumPy definition, y = sum over the top-k logits j of expert_j(sigmoid(l_j) x) +
+shared(x), under each dispatch."""
 
 import flax.linen as nn
 import jax
