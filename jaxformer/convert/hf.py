@@ -32,7 +32,7 @@ from jaxformer.model.lora import LoRAConfig
 
 def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str = "half",
           max_shard_bytes: int | None = None, config_overrides: dict | None = None,
-          into=None) -> dict:
+          model_type: str | None = None, into=None) -> dict:
     """Write config.json and safetensors weights that transformers' from_pretrained loads as
     the same model; returns the config.json written. params: per-layer or stacked
     ("blocks"); LoRA adapters (cfg.lora) are merged into their weights, in float64, one
@@ -41,15 +41,15 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
     dtype: the weights' dtype on disk. max_shard_bytes: split the weights into shards of
     about that size with an index (default: one model.safetensors). config_overrides: extra
     config.json keys (e.g. bos_token_id / eos_token_id for a tokenizer). Weight files of
-    an earlier export in `path` (model*.safetensors, the index) are replaced.
-    into: a multimodal folder (the model's text model read from it): `path` becomes a copy
-    of it, its language model's tensors replaced by the model's (write_into).
+    an earlier export in `path` (model*.safetensors, the index) are replaced. model_type:
+    as that type (config_to_hf). into: a multimodal folder (the model's text model read
+    from it): `path` becomes a copy of it, its language model's tensors ours (write_into).
     """
     if into is not None:
         return write_into(cfg, params, path, into, rope_layout)
     dtype = jnp.dtype(dtype)
     plain = cfg.replace(lora=LoRAConfig())  # LoRA adapters are merged into their weights
-    hf = config_to_hf(plain, dtype.name)
+    hf = config_to_hf(plain, dtype.name, model_type)
     hf.update(config_overrides or {})
     row = MODEL_TYPES[hf["model_type"]]
     rules = row.tensor_rules(plain.replace(scan_layers=False), row, rope_layout)

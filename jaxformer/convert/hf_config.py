@@ -144,9 +144,25 @@ def export_model_type(cfg: ModelConfig) -> str:
     raise ConfigError(nearest[1])
 
 
-def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """A config.json (as a dict) that transformers reads as the same model."""
-    return _write(cfg, MODEL_TYPES[export_model_type(cfg)], dtype)
+def config_to_hf(cfg: ModelConfig, dtype: str = "float32",
+                 model_type: str | None = None) -> dict[str, Any]:
+    """A config.json (as a dict) that transformers reads as the same model. model_type:
+    written as that model type (a model that computes as several, e.g. ERNIE 4.5 as
+    Llama), a ConfigError where it does not read back as cfg's model; None: the first by
+    export rank (export_model_type)."""
+    if model_type is None:
+        return _write(cfg, MODEL_TYPES[export_model_type(cfg)], dtype)
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"model_type={model_type!r} is not a supported model type: "
+                          f"{', '.join(MODEL_TYPES)}")
+    row = MODEL_TYPES[model_type]
+    held = f"arch, mixers or experts (it holds {row.arch} models of {', '.join(row.mixers)})"
+    diffs = differences(cfg, config_from_hf(_write(cfg, row, "float32"))) \
+        if _may_express(row, cfg) else [held]
+    if diffs:
+        raise ConfigError(f"model_type={model_type!r} cannot write this model: its "
+                          f"config.json would differ in {', '.join(diffs)}")
+    return _write(cfg, row, dtype)
 
 
 def _write(cfg: ModelConfig, row: HFModelType, dtype: str) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+"""ERNIE 4.5 and ERNIE 4.5 MoE (jaxformer.hf.ernie_layout) against transformers, as
+tests/hf/test_families.py tests the attention families: a random tiny
+Ernie4_5ForCausalLM / Ernie4_5_MoeForCausalLM (biases on, q/k rotated in interleaved
+pairs, head_dim its own; the MoE's selection bias drawn, every expert chosen, dense layers
+before and after the sparse ones) read by from_hf gives its logits unscanned and scanned,
+greedy decoding picks its tokens, and to_hf writes it back for transformers to read; the
+sparse layers are those transformers' decoder builds; what jaxformer lacks is one line."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the interop extra (torch, transformers)")
+transformers = pytest.importorskip("transformers", reason="the interop extra")
+
+import jax  # noqa: E402
+
+from jaxformer import ConfigError, Transformer  # noqa: E402
+from jaxformer.convert import config_from_hf, config_to_hf, from_hf, to_hf  # noqa: E402
+from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+V, T = 96, 14
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              max_position_embeddings=64, use_bias=True, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None)
+MOE = dict(COMMON, model_type="ernie4_5_moe", num_hidden_layers=3, moe_num_experts=4, moe_k=2,
+           moe_intermediate_size=24, moe_num_shared_experts=2, moe_layer_start_index=1,
+           moe_layer_end_index=1)  # layers 0 and 2 dense
+
+
+def assert_parity(folder, prompts, want):
+    """from_hf's logits within 1e-5 of `want`, unscanned and scanned; (cfg, params)."""
+    for scan in (False, True):
+        cfg, params = from_hf(folder, scan_layers=scan)
+        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+        assert rel_err(got, want) < 1e-5, (scan, rel_err(got, want))
+    return cfg, params
+
+
+def read_back(folder, prompts):
+    return hf_logits(transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager").eval(), prompts)
+
+
+def test_ernie4_5_matches_transformers(tmp_path):
+    model = random_hf_model(transformers.AutoConfig.for_model("ernie4_5", **COMMON),
+                            int(rng.integers(1 << 31)))
+    model.save_pretrained(tmp_path / "hf")
+    prompts = rng.integers(0, V, (2, T))
+    want = hf_logits(model, prompts)
+    cfg, params = assert_parity(tmp_path / "hf", prompts, want)
+    assert_greedy_matches(model, cfg, params, prompts)
+    # a dense ERNIE 4.5 computes as a Llama, written so unless asked for its own type
+    assert config_to_hf(cfg)["model_type"] == "llama"
+    assert to_hf(cfg, params, tmp_path / "out", model_type="ernie4_5")["model_type"] == \
+        "ernie4_5"
+    assert rel_err(read_back(tmp_path / "out", prompts), want) < 1e-5
+
+
+def covering_batch(model, tries: int = 5):
+    """A batch [2, T] whose tokens reach every expert of every sparse layer as transformers
+    chooses them (softmax + the selection bias), and transformers' logits of it."""
+    sparse = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    for _ in range(tries):
+        prompts = rng.integers(0, V, (2, T))
+        with torch.no_grad():
+            out = model(torch.tensor(prompts), output_router_logits=True)
+            chosen = [set(torch.topk(torch.softmax(logits, -1) + gate.moe_statics
+                                     .e_score_correction_bias[0], 2).indices.ravel().tolist())
+                      for logits, gate in zip(out.router_logits, sparse)]
+        if len(chosen) == 1 and all(c == set(range(4)) for c in chosen):
+            return prompts, out.logits.numpy()
+    raise AssertionError(f"no batch of {tries} reached every expert: {chosen}")
+
+
+def test_ernie4_5_moe_matches_transformers(tmp_path):
+    model = random_hf_model(transformers.AutoConfig.for_model(**MOE), int(rng.integers(1 << 31)))
+    bias = model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias
+    assert float(bias.abs().min()) > 0  # drawn: the choice is not the weights'
+    model.save_pretrained(tmp_path / "hf")
+    prompts, want = covering_batch(model)
+    cfg, params = assert_parity(tmp_path / "hf", prompts, want)
+    assert cfg.sparse_layers == (False, True, False) and cfg.head_bias
+    assert_greedy_matches(model, cfg, params, prompts)
+    assert to_hf(cfg, params, tmp_path / "out")["model_type"] == "ernie4_5_moe"
+    assert rel_err(read_back(tmp_path / "out", prompts), want) < 1e-5
+
+
+@pytest.mark.parametrize("start, end, every", [(1, -1, 1), (0, 4, 2), (2, 3, 3)])
+def test_sparse_layers_as_transformers_chooses_them(start, end, every):
+    """moe_layer_start_index / end_index / interval: the sparse layers are those
+    transformers' decoder gives experts, and config_to_hf writes keys that read back so."""
+    hf = dict(MOE, num_hidden_layers=6, moe_layer_start_index=start, moe_layer_end_index=end,
+              moe_layer_interval=every)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**hf))
+    want = tuple(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    cfg = config_from_hf(hf)
+    assert cfg.sparse_layers == want
+    assert config_from_hf(config_to_hf(cfg)).sparse_layers == want
+
+
+@pytest.mark.parametrize("keys, words", [
+    (dict(moe_norm_min=1e-6), ["moe_norm_min=1e-06", "ernie4_5_moe"]),
+    (dict(moe_layer_interval=0), ["moe_layer_interval=0", "ernie4_5_moe"]),
+    (dict(model_type="ernie4_5", rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                      partial_rotary_factor=0.5)),
+     ["partial_rotary_factor=0.5", "ernie4_5"]),
+])
+def test_unsupported_settings_name_the_key_and_the_family(keys, words):
+    with pytest.raises(ConfigError) as e:
+        config_from_hf({**MOE, **keys})
+    assert "\n" not in str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_models_ernie_cannot_write_are_refused():
+    """Sparse layers no start, end and interval choose; a window asked of ernie4_5."""
+    cfg = config_from_hf(dict(MOE, num_hidden_layers=5, moe_layer_start_index=0))
+    with pytest.raises(ConfigError, match=r"model\.moe\.layers=\[0, 1, 3\].*interval"):
+        config_to_hf(cfg.replace(moe=cfg.moe.replace(layers=(0, 1, 3))),
+                     model_type="ernie4_5_moe")
+    dense = config_from_hf(dict(COMMON, model_type="ernie4_5"))
+    with pytest.raises(ConfigError, match="model_type='ernie4_5' cannot write.*sliding_window"):
+        config_to_hf(dense.replace(sliding_window=4), model_type="ernie4_5")
