@@ -1,5 +1,8 @@
 """Llama 4's text model (llama4_text, Llama4ForCausalLM): its row (jaxformer.hf.model_type.
-HFModelType), its config.json reader and writer and its tensor rules.
+HFModelType), its config.json reader and writer and its tensor rules; and its multimodal
+folder (llama4, Llama4ForConditionalGeneration: text_config read by the llama4_text row, the
+text model's tensors under language_model.*, the vision model and projector skipped; built
+by jaxformer.hf.multimodal).
 
 The Llama layout (jaxformer.hf.llama_layout) with Llama 4's twists, each a layer kind's
 setting (jaxformer.model.layer_pattern.LayerKind) or a table entry:
@@ -26,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.hf import llama_layout
+from jaxformer.hf import llama_layout, multimodal
 from jaxformer.hf.model_type import HFModelType
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.rope import cannot, unsupported
@@ -180,4 +183,9 @@ ROWS: list = [  # HFModelType rows
         refuse=(("attention_bias", (False,), "jaxformer's biases would reach the MLP too"),),
         moe=MoEFormat("feed_forward", "router", ("num_local_experts",), "sigmoid_input",
                       expert_d_ff_key="intermediate_size")),
+    multimodal.multimodal_row(
+        "llama4", "Llama4ForConditionalGeneration", 61, "llama4_text",
+        text_prefix="language_model.model.", head="language_model.lm_head.weight",
+        skipped={"vision model": "vision_model.", "projector": "multi_modal_projector."},
+        tie_at_top=False),  # the head ties as text_config says (Llama4ForCausalLM's own)
 ]
