@@ -104,6 +104,7 @@ ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
         moe=MoEFormat("block_sparse_moe", "gate", ("num_local_experts", "num_experts"),
                       "sigmoid", expert_tensors=("w1", "w3", "w2")),
         refuse=(("router_jitter_noise", (0,), "jaxformer's router has no jitter noise"),
-                *((key, (value,), f"transformers' {FAMILY} runs {key}={value!r} alone")
+                *((key, (value,), f"transformers' {FAMILY} reads no {key}: it computes "
+                                      f"as {key}={value!r}")
                   for key, value in FIXED.items()))),
 ]

@@ -42,7 +42,8 @@ def test_afmoe_matches_transformers(tmp_path):
         cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
         got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
         assert rel_err(got, want) < 1e-5, (scan, rel_err(got, want))
-    assert cfg.layer_pattern == ("sliding", "full_nope") and cfg.sparse_layers == (0, 1, 1)
+    assert cfg.layer_pattern == ("sliding", "full_nope")  # the global layers NoPE
+    assert cfg.sparse_layers == (False, True, True)
     free = copy.deepcopy(model.config)  # the window binds: without it, another answer
     free.sliding_window = 1 << 20
     unbound = transformers.AutoModelForCausalLM.from_config(free, attn_implementation="eager")
