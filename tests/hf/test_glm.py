@@ -103,6 +103,24 @@ def test_glm4_moe_skips_multi_token_prediction_layers(tmp_path, capsys):
     assert rel_err(got, hf_logits(model, prompts)) < 1e-5
 
 
+@pytest.mark.parametrize("keys", [
+    dict(model_type="glm4", partial_rotary_factor=0.25, rope_theta=5e5),
+    dict(model_type="glm4_moe", rope_theta=1e6, n_routed_experts=8, moe_intermediate_size=16),
+])
+def test_hand_written_config_reads_as_transformers(keys):
+    """A config.json of transformers 4 (rope_theta and partial_rotary_factor at the top, or
+    no fraction: 0.5), without head_dim: the rotated share, base and head width that
+    transformers' config gives."""
+    hf = dict(COMMON, **keys)
+    for k in ("head_dim", "rope_parameters"):
+        hf.pop(k)
+    config = transformers.AutoConfig.for_model(**hf)
+    cfg = config_from_hf(hf)
+    assert cfg.rope_fraction == config.rope_parameters["partial_rotary_factor"]
+    assert cfg.rope_theta == config.rope_parameters["rope_theta"]
+    assert cfg.head_dim == (getattr(config, "head_dim", None) or 64 // 4)
+
+
 @pytest.mark.parametrize("keys, words", [
     (dict(model_type="glm4", hidden_act="relu"), ["hidden_act='relu'", "glm4"]),
     (dict(GLM4_MOE, hidden_act="gelu"), ["hidden_act='gelu'", "glm4_moe"]),
