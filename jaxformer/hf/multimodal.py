@@ -30,7 +30,6 @@ from typing import Any, Callable, Mapping
 
 from jaxformer.hf import llama_layout
 from jaxformer.hf.model_type import HFModelType
-from jaxformer.hf.rope import unsupported
 from jaxformer.model.config import ConfigError, ModelConfig
 
 LLAVA = dict(text_prefix="language_model.model.", head="language_model.lm_head.weight",
@@ -43,31 +42,36 @@ class MultimodalType(HFModelType):
     """A multimodal folder's row (HFModelType's fields, and): text_type, the text model's
     model_type when text_config names none; skipped, {part: its tensors' name prefix};
     head_ignores, the text_config keys the multimodal model's head does not apply (read
-    as None). tensor_prefix and head_tensor: where the text model's tensors are."""
+    as None); tie_at_top, the head ties as the top level's tie_word_embeddings says (the
+    multimodal model's own head), else as text_config's (the text model's own head, as
+    Llama 4's). tensor_prefix and head_tensor: where the text model's tensors are."""
 
     text_type: str = ""
     skipped: Mapping[str, str] = dataclasses.field(default_factory=dict)
     head_ignores: tuple[str, ...] = ()
+    tie_at_top: bool = True
 
 
 def multimodal_row(name: str, architecture: str, export_rank: int, text_type: str, *,
                    text_prefix: str = "model.language_model.", head: str = "lm_head.weight",
-                   skipped: Mapping[str, str], tie: bool = False,
+                   skipped: Mapping[str, str], tie: bool = False, tie_at_top: bool = True,
                    head_ignores: tuple[str, ...] = ()) -> MultimodalType:
     """The row of a multimodal folder: model_type `name`, its architecture, its text
     model's default model_type (`text_type`), the text model's tensor names (text_prefix,
     head), the parts skipped ({words: tensor name prefix}), its tie_word_embeddings
-    default (`tie`), the text keys its head ignores."""
+    default (`tie`) and where the tie is read (MultimodalType), the text keys its head
+    ignores."""
     return MultimodalType(
         name, (architecture,), export_rank=export_rank,
         defaults=dict(tie_word_embeddings=tie), read_config=read_config,
         tensor_rules=_through_text_row, tensor_prefix=text_prefix, head_tensor=head,
         ignored_tensors=tuple(re.escape(p) + ".*" for p in skipped.values()),
         arch="vision_language", text_type=text_type, skipped=dict(skipped),
-        head_ignores=head_ignores)
+        head_ignores=head_ignores, tie_at_top=tie_at_top)
 
 
 def _through_text_row(cfg, row, rope_layout="half"):
+    """A multimodal row's tensor_rules: none of its own (text_row has the folder's)."""
     raise TypeError(f"a {row.name} folder's tensors are its text model's: read them with "
                     "jaxformer.hf.multimodal.text_row(hf, row)")
 
@@ -79,8 +83,9 @@ def _text_keys(hf: Mapping[str, Any], row: MultimodalType) -> dict[str, Any]:
     """text_config, the keys the multimodal model's head ignores set to None."""
     text = hf.get("text_config")
     if not isinstance(text, dict):
-        raise unsupported("text_config", text, f"a {row.name} folder nests its text model's "
-                          "keys there")
+        raise ConfigError(f"config.json has no text_config object: a {row.name!r} folder "
+                          f"keeps its text model's keys there (a {row.text_type} model), "
+                          "beside its vision tower's (vision_config)")
     return dict(text, **{key: None for key in row.head_ignores if key in text})
 
 
@@ -109,7 +114,7 @@ def folder_row(hf: Mapping[str, Any], row: HFModelType) -> HFModelType:
 
 def text_config(hf: Mapping[str, Any], row: MultimodalType) -> ModelConfig:
     """The ModelConfig of a multimodal folder's text model (text_config read by its text
-    row, the head tied as the top level says)."""
+    row, the head tied as the top level says, where the row's head is its own)."""
     text, trow = _text_keys(hf, row), text_row(hf, row)
 
     def get(key, *default):  # a text_config key, else the text row's default
@@ -119,8 +124,11 @@ def text_config(hf: Mapping[str, Any], row: MultimodalType) -> ModelConfig:
             return trow.defaults.get(key, *default)
         raise ConfigError(f"config.json has no text_config.{key}, which a {trow.name} text "
                           "model needs")
-    tie = hf.get("tie_word_embeddings", row.defaults["tie_word_embeddings"])
-    return trow.read_config(text, get, trow).replace(tie_embeddings=bool(tie))
+    cfg = trow.read_config(text, get, trow)
+    if row.tie_at_top:
+        tie = hf.get("tie_word_embeddings", row.defaults["tie_word_embeddings"])
+        cfg = cfg.replace(tie_embeddings=bool(tie))
+    return cfg
 
 
 def read_config(hf, get, row: MultimodalType) -> ModelConfig:
@@ -153,7 +161,7 @@ ROWS: list = [  # HFModelType rows (jaxformer.hf.model_type)
         # Qwen3-VL's text model (Qwen3VLTextModel): Qwen3 without windows, its interleaved
         # MRoPE plain RoPE for text
         "qwen3_vl_text", ("Qwen3VLTextModel",), export_rank=62,
-        defaults=dict(num_key_value_heads=None, hidden_act="silu", head_dim=128,
+        defaults=dict(num_key_value_heads=32, hidden_act="silu", head_dim=128,
                       max_position_embeddings=128000, rms_norm_eps=1e-6,
                       tie_word_embeddings=False, attention_bias=False, rope_theta=500000.0),
         read_config=plain_rope(llama_layout.read_config), qk_norm="head", biases="attention"),
