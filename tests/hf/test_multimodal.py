@@ -26,8 +26,9 @@ from safetensors import safe_open  # noqa: E402
 
 from jaxformer import ConfigError, Transformer, param_shapes  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
-from jaxformer.convert.__main__ import main as convert_main  # noqa: E402
+from jaxformer.convert import __main__ as convert_cli  # noqa: E402
 from jaxformer.model.layer_runs import stack_layers  # noqa: E402
+from jaxformer.training.config import RunConfig  # noqa: E402
 from tests.hf.test_families import COMMON, hf_logits, redraw, rel_err  # noqa: E402
 
 torch.set_num_threads(2)
@@ -127,7 +128,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
         config_from_hf(hf)
     assert "\n" not in str(e.value) and "mistral3" in str(e.value)
     folder = write_config(tmp_path / "ministral", hf)
-    assert convert_main(["from-hf", str(folder), str(tmp_path / "run")]) == 2
+    assert convert_cli.main(["from-hf", str(folder), str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ministral3" in err[0], err
 
@@ -145,3 +146,17 @@ def test_refusals_are_one_line(tmp_path, capsys):
     with pytest.raises(ConfigError, match="not a multimodal"):
         to_hf(cfg, param_shapes(cfg), tmp_path / "out", into=write_config(tmp_path / "t", plain))
     assert not (tmp_path / "out").exists()
+
+
+def test_command_line_writes_a_run_back_into_its_folder(tmp_path, monkeypatch):
+    """to-hf RUN OUT --into FOLDER, the run a Qwen3-VL folder's text model: the copy's
+    tensors are the folder's own (float32 both ways)."""
+    multimodal_folder("qwen3_vl", tmp_path / "mm")
+    cfg, params = from_hf(tmp_path / "mm")
+    run = RunConfig.from_dict({"model": cfg.to_dict()})
+    monkeypatch.setattr(convert_cli, "load_run_params", lambda path, best: (run, params, tmp_path))
+    assert convert_cli.main(["to-hf", "RUN", str(tmp_path / "back"), "--into",
+                             str(tmp_path / "mm")]) == 0
+    before, after = tensors(tmp_path / "mm"), tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    assert all(np.array_equal(after[name], t) for name, t in before.items())
