@@ -12,7 +12,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,interop,wandb,eval,docs]'
+	$(PY) -m pip install --quiet -e '.[dev,interop,wandb,eval,docs,serve]'
 	touch $(STAMP)
 
 train: $(STAMP)
