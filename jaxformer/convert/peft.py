@@ -30,13 +30,15 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 def to_peft(cfg: ModelConfig, params, path, *, rope_layout: str = "half",
-            base_model: str | None = None, dtype="float32") -> dict:
-    """Write the model's LoRA adapters as a PEFT adapter folder; returns its config."""
+            base_model: str | None = None, dtype="float32", model_type=None) -> dict:
+    """Write the model's LoRA adapters as a PEFT adapter folder; returns its config.
+    model_type: the base's (config_to_hf), its tensors' names and layout (ERNIE 4.5's
+    interleaved q/k rows, where the model would otherwise be written as a Llama)."""
     if not cfg.lora.rank:
         raise ValueError("the model has no LoRA adapters (model.lora.rank is 0): export it "
                          "whole with to-hf")
     plain = cfg.replace(lora=lora.LoRAConfig(), scan_layers=False)
-    row = MODEL_TYPES[config_to_hf(plain)["model_type"]]
+    row = MODEL_TYPES[config_to_hf(plain, model_type=model_type)["model_type"]]
     rules = row.tensor_rules(plain, row, rope_layout)
     raw, r = param_getter(cfg, params), cfg.lora.rank
     tensors, ranks, alphas = {}, {}, {}

@@ -3,8 +3,8 @@ tests/hf/test_families.py tests the attention families: a random tiny
 Ernie4_5ForCausalLM / Ernie4_5_MoeForCausalLM (biases on, q/k rotated in interleaved
 pairs, head_dim its own; the MoE's selection bias drawn, every expert chosen, dense layers
 before and after the sparse ones) read by from_hf gives its logits unscanned and scanned,
-greedy decoding picks its tokens, and to_hf writes it back for transformers to read; the
-sparse layers are those transformers' decoder builds; what jaxformer lacks is one line."""
+greedy decoding picks its tokens, and to_hf writes it back for transformers to read (and
+to_peft LoRA adapters for peft to apply to that base); the sparse layers are those transformers' decoder builds; what jaxformer lacks is one line."""
 
 import numpy as np
 import pytest
@@ -14,8 +14,10 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 
 import jax  # noqa: E402
 
-from jaxformer import ConfigError, Transformer  # noqa: E402
+from jaxformer import ConfigError, Transformer, param_shapes  # noqa: E402
 from jaxformer.convert import config_from_hf, config_to_hf, from_hf, to_hf  # noqa: E402
+from jaxformer.convert.peft import to_peft  # noqa: E402
+from jaxformer.model import lora  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
 from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
 
@@ -57,6 +59,29 @@ def test_ernie4_5_matches_transformers(tmp_path):
     assert to_hf(cfg, params, tmp_path / "out", model_type="ernie4_5")["model_type"] == \
         "ernie4_5"
     assert rel_err(read_back(tmp_path / "out", prompts), want) < 1e-5
+    assert_peft_adapts_the_ernie_base(cfg, params, tmp_path, prompts, want)
+
+
+def assert_peft_adapts_the_ernie_base(cfg, params, tmp_path, prompts, want):
+    """LoRA adapters on every projection, exported by to_peft for the ernie4_5 base in
+    tmp_path/out (its q/k rows interleaved): peft's adapted model gives our logits."""
+    peft = pytest.importorskip("peft")
+    lcfg = cfg.replace(lora=dict(rank=2, alpha=4.0))
+    def draw(path, x):  # each adapter's scale its alpha / rank, A and B N(0, 0.1)
+        scale = path[-1].key == "lora_scale"
+        return np.full(x.shape, 2.0, x.dtype) if scale else \
+            rng.normal(0, 0.1, x.shape).astype(x.dtype)
+
+    drawn = jax.tree_util.tree_map_with_path(draw, param_shapes(lcfg))
+    adapters, scales, _ = lora.partition(drawn, scales=True)
+    lparams = lora.combine(params, adapters, scales)
+    ours = np.asarray(jax.jit(Transformer(lcfg).apply)({"params": lparams}, prompts))
+    assert rel_err(ours, want) > 1e-2  # the adapters matter
+    to_peft(lcfg, lparams, tmp_path / "adapter", model_type="ernie4_5")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                             attn_implementation="eager")
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert rel_err(hf_logits(adapted, prompts), ours) < 1e-5
 
 
 def covering_batch(model, tries: int = 5):
