@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 
 import jax  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
 
 from jaxformer import ConfigError, Transformer, param_shapes  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
@@ -70,6 +71,13 @@ def multimodal_folder(model_type, folder):
     return model
 
 
+def save_tied_head(folder, head: str, embed: str):
+    """The tied head saved beside the embedding, equal to it (as some checkpoints have it)."""
+    file = folder / "model.safetensors"
+    saved = tensors(folder)
+    save_file(dict(saved, **{head: saved[embed].copy()}), str(file), metadata={"format": "pt"})
+
+
 def tensors(folder) -> dict:
     """Every tensor of a folder's safetensors files, by name."""
     out = {}
@@ -82,6 +90,9 @@ def tensors(folder) -> dict:
 @pytest.mark.parametrize("model_type", list(FOLDERS))
 def test_multimodal_folder_reads_and_writes_its_text_model(model_type, tmp_path, capsys):
     model = multimodal_folder(model_type, tmp_path / "mm")
+    head, embed = "language_model.lm_head.weight", "language_model.model.embed_tokens.weight"
+    if model.config.tie_word_embeddings:  # Gemma 3's: its copy must follow the embedding
+        save_tied_head(tmp_path / "mm", head, embed)
     prompts = rng.integers(0, V, (2, T))
     want = hf_logits(model, prompts)  # the multimodal model, text alone
     capsys.readouterr()  # save_pretrained's progress bars
@@ -109,6 +120,8 @@ def test_multimodal_folder_reads_and_writes_its_text_model(model_type, tmp_path,
     assert sorted(before) == sorted(after)
     assert sorted(p.name for p in (tmp_path / "mm").iterdir()) == \
         sorted(p.name for p in (tmp_path / "back").iterdir())
+    if model.config.tie_word_embeddings:
+        assert np.array_equal(after[head], after[embed])
     for name, t in before.items():  # the skipped parts as they were, the text model not
         assert np.array_equal(after[name], t) == name.startswith(SKIPPED[model_type]), name
 
