@@ -8,7 +8,8 @@ prompt, a one-layer vision tower) saved with save_pretrained, then
   logits, under the text model's own model type;
 - its params changed (noise) and written back by to_hf(into=the folder), stacked: the copy
   loads as the multimodal model, whose text logits are ours, its vision tower and
-  projector tensors untouched (the Mistral 3 folder sharded, with its index);
+  projector tensors untouched (the Mistral 3 folder sharded, with its index; Gemma 3's
+  tied head saved beside the embedding, and written as the new embedding);
 - the same from the command line (to-hf RUN OUT --into FOLDER);
 - a folder whose text model jaxformer lacks, a write-back into a folder of another config or
   into a text-only folder: one ConfigError line (exit 2 on the command line).
