@@ -148,8 +148,9 @@ def test_training_reads_hf_folders_without_the_converter():
     assert not arrows, arrows
 
 
-# one row per Hugging Face model_type: in families.py, or in a layout module's ROWS (hybrids)
-ROWS = {PACKAGE / "hf" / "families.py"} | {
+# one row per Hugging Face model_type: in families.py, or in a layout module's ROWS (the
+# families since the hybrids), or the multimodal folders' (hf/multimodal.py)
+ROWS = {PACKAGE / "hf" / "families.py", PACKAGE / "hf" / "multimodal.py"} | {
     p for p in (PACKAGE / "hf").glob("*_layout.py") if re.search(r"^ROWS\b", p.read_text(), re.M)}
 
 
