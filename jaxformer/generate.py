@@ -6,8 +6,10 @@
 
 Loads the run's config, tokenizer and latest checkpoint (or the best, with --best).
 --weights int8 / bfloat16 reads the weights in that format (jaxformer.model.quantize); --draft
-decodes speculatively (a proposer's name, such as prompt_lookup, or another run's
-directory: a draft model with the same tokenizer) and prints the acceptance rate to stderr.
+decodes speculatively (a proposer's name, such as prompt_lookup, or mtp: the run's own
+multi-token prediction modules, --draft-len defaulting to its model.mtp_depth; or another
+run's directory: a draft model with the same tokenizer) and prints the acceptance rate to
+stderr.
 --min-new-tokens and --no-repeat-ngram-size constrain it (jaxformer.decode.constraints).
 """
 
@@ -38,8 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--member", type=int, default=None, help="a sweep run's adapter")
     p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
     p.add_argument("--draft", default=None,
-                   help="speculative decoding: prompt_lookup, or a draft run's directory")
-    p.add_argument("--draft-len", type=int, default=4)
+                   help="speculative decoding: prompt_lookup, mtp, or a draft run's directory")
+    p.add_argument("--draft-len", type=int, default=None,
+                   help="drafts per round (default 4; with --draft mtp, model.mtp_depth)")
     p.add_argument("--no-repeat-ngram-size", type=int, default=0,
                    help="n > 0: no n-gram twice in the prompt and its continuation")
     p.add_argument("--min-new-tokens", type=int, default=0,
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
 
     from jaxformer.decode.constraints import Constraints
     from jaxformer.decode.loops import beam_search, generate
-    from jaxformer.decode.speculative import PROPOSERS
+    from jaxformer.decode.speculative import PROPOSERS, default_draft_len
     from jaxformer.model.quantize import quantize
     from jaxformer.training.checkpoint import CheckpointError
     from jaxformer.training.loop import continuation_text
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
         if prompt.shape[1] == 0:
             raise ValueError("the prompt is empty; give at least one character")
         constraints = Constraints(a.min_new_tokens, a.no_repeat_ngram_size)
+        draft_len = default_draft_len(model.cfg, draft) if a.draft_len is None else a.draft_len
         if a.beam_width:
             out = beam_search(model, params, prompt, beam_width=a.beam_width,
                               max_new_tokens=a.max_new_tokens, eos_id=tok.eot_id,
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
             out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
                            rng=jax.random.key(a.seed), temperature=a.temperature,
                            top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, eos_id=tok.eot_id,
-                           draft=draft, draft_len=a.draft_len, constraints=constraints)
+                           draft=draft, draft_len=draft_len, constraints=constraints)
             if draft is not None:
                 print(f"draft acceptance rate: {out.acceptance_rate:.3f}", file=sys.stderr)
     except (FileNotFoundError, ValueError, CheckpointError) as e:

@@ -4,9 +4,10 @@ with plus one token of its own (jaxformer.decode.sampling.accept_drafts): greedy
 model's greedy output token for token, sampled output follows its distribution exactly.
 
 Drafts come from a proposer (PROPOSERS): a smaller jaxformer model with the same
-vocabulary and its own KV cache, or prompt lookup: the k tokens that followed the latest
+vocabulary and its own KV cache, prompt lookup: the k tokens that followed the latest
 earlier occurrence of the context's last n-gram (no second model; strong on repetitive
-text such as code).
+text such as code), or mtp: the model's own multi-token prediction modules
+(model.mtp_depth, jaxformer.model.mtp) reading its last hidden states (mtp_proposer).
 
 Each row decodes alone (vmapped over the batch) in caches whose slot is the position, so
 a row takes back its refused tokens by emptying their slots (kv_cache.rolled_back), and
@@ -24,12 +25,13 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.attention.kv_cache import rolled_back
+from jaxformer.attention.kv_cache import init_cache, rolled_back
 from jaxformer.core.logprobs import target_logprobs
 from jaxformer.decode.cached_forward import Generated, decode_jit, looped, prefill
 from jaxformer.decode.sampling import (Branches, Sampling, accept_drafts, branches_of,
                                        sample_and_filter, sample_logits)
 from jaxformer.model.mixers import MIXERS
+from jaxformer.model.mtp import init_module_cache
 from jaxformer.model.transformer import Transformer
 
 LOOKUP_NGRAM = 3  # prompt lookup matches the last 3 tokens, else 2, else 1
@@ -49,16 +51,21 @@ class RowState(NamedTuple):
     drafted: jax.Array    # int32 []: tokens proposed
     accepted: jax.Array   # int32 []: of those, the ones the model kept
     rng: jax.Array
+    hidden: Any = ()      # float [max_len + 1, D]: the model's last hidden state at each
+    #                       position (before the final norm), for a proposer that reads it
 
 
 class Proposer(NamedTuple):
     """How a row's k drafts are made, each round.
-    start(dparams, prompt [W], length [], max_len, cache_dtype, windowed) -> its state;
-    propose(dparams, state, row: RowState, pos, rng, sampling, branches) -> (drafts int32
-    [k], draft_probs [k, V]: the distribution each was drawn from, state); pos: cur's
-    position; sampling: the row's; branches: the batch's (jaxformer.decode.sampling.Branches)."""
+    start(dparams, prompt [W], length [], max_len, cache_dtype, windowed, hidden) -> its
+    state; propose(dparams, state, row: RowState, pos, rng, sampling, branches) -> (drafts
+    int32 [k], draft_probs [k, V]: the distribution each was drawn from, state); pos: cur's
+    position; sampling: the row's; branches: the batch's (jaxformer.decode.sampling.Branches).
+    target: it drafts with the model's own params (dparams) and reads its hidden states
+    (hidden: the prompt's [W, D] at start, row.hidden after); else hidden is None."""
     start: Callable
     propose: Callable
+    target: bool = False
 
 
 def lookup_drafts(context, end, k: int, ngram: int = LOOKUP_NGRAM):
@@ -91,12 +98,56 @@ def prompt_lookup_proposer(draft, k: int, vocab: int) -> Proposer:
     return Proposer(lambda *_: (), propose)
 
 
+def mtp_proposer(model, k: int, vocab: int) -> Proposer:
+    """Drafts from the model's MTP modules (model.mtp_depth = D): draft m (the token at
+    cur's position + m) is module m's prediction at the position before cur, from h^{m-1}
+    there (h^0: the model's own hidden state) and the embedding of the token m - 1 after
+    it (cur, then the drafts). Past D the last module is chained (draft m > D runs module
+    D on draft m - 1's hidden state). Each draft keeps its module's KV cache (slot =
+    position): each round it is rolled back and rewritten over the window of k + 1
+    positions that ends before cur, which holds every element whose token or hidden state
+    the last round drafted; what lies after cur is taken back."""
+    cfg = model.cfg
+    depths = [min(m, cfg.mtp_depth) for m in range(1, k + 1)]
+
+    def start(params, prompt, length, max_len, cache_dtype, windowed, hidden):
+        w, keep = prompt.shape[0], jnp.maximum(length - 1 - k, 0)
+        tokens = jnp.concatenate([prompt, jnp.zeros(k, prompt.dtype)])
+        real = (jnp.arange(w) < length).astype(jnp.int32)[None]
+        h, caches = hidden[None], []
+        for m, depth in enumerate(depths, 1):  # each module over the prompt, chained
+            cache = init_module_cache(cfg, 1, max_len, cache_dtype)
+            _, h, cache = model.apply({"params": params}, tokens[None, m:m + w],
+                                      jnp.arange(w)[None], real, cache=cache, depth=depth,
+                                      previous=h)
+            caches.append(rolled_back(cache, keep))  # the elements whose tokens it read
+        return tuple(caches)
+
+    def propose(params, caches, row, pos, rng, sampling, branches):
+        s = jnp.maximum(pos - 1 - k, 0)  # the window: positions s .. s + k, pos - 1 among them
+        idx = (s + jnp.arange(k + 1))[None]
+        spec = jnp.concatenate([row.context, jnp.zeros(k + 1, jnp.int32)])  # + the drafts
+        h = jax.lax.dynamic_slice_in_dim(row.hidden, s, k + 1)[None]  # [1, k + 1, D]
+        drafts, probs, out = [], [], []
+        for m, (depth, key) in enumerate(zip(depths, jax.random.split(rng, k)), 1):
+            toks = jax.lax.dynamic_slice_in_dim(spec, s + m, k + 1)[None]  # t_{j+m}
+            logits, h, cache = model.apply({"params": params}, toks, idx, cache=rolled_back(
+                caches[m - 1], s), depth=depth, previous=h)
+            tok, z = sample_and_filter(key, logits[0, pos - 1 - s], sampling, branches)
+            spec = spec.at[pos + m].set(tok)
+            drafts.append(tok)
+            probs.append(jax.nn.softmax(z))
+            out.append(rolled_back(cache, pos))  # past cur: drafts' elements, taken back
+        return jnp.stack(drafts), jnp.stack(probs), tuple(out)
+    return Proposer(start, propose, target=True)
+
+
 def draft_model_proposer(draft, k: int, vocab: int) -> Proposer:
     """k tokens drawn from `draft` (a looped Transformer) with the row's sampling, in a KV
     cache of its own. At a round's start its cache is rolled back to the positions before
     prev's (pos - 1): it reads prev and cur (re-writing prev is harmless: slot =
     position), then k - 1 more."""
-    def start(dparams, prompt, length, max_len, cache_dtype, windowed):
+    def start(dparams, prompt, length, max_len, cache_dtype, windowed, hidden=None):
         return prefill(draft, dparams, prompt[None], length[None], max_len, cache_dtype,
                        windowed, k)[1]
 
@@ -122,7 +173,20 @@ def draft_model_proposer(draft, k: int, vocab: int) -> Proposer:
 
 DRAFT_MODEL = "draft_model"  # the proposer of generate's draft=(model, params)
 # the proposers, by name: generate's draft names one of the others
-PROPOSERS = {DRAFT_MODEL: draft_model_proposer, "prompt_lookup": prompt_lookup_proposer}
+PROPOSERS = {DRAFT_MODEL: draft_model_proposer, "prompt_lookup": prompt_lookup_proposer,
+             "mtp": mtp_proposer}
+# what a proposer drafting with the model itself needs of it: (whether cfg has it, the line
+# refusing it otherwise, its draft_len by default)
+NEEDS = {mtp_proposer: (lambda cfg: cfg.mtp_depth > 0,
+                        "draft=mtp drafts with the model's multi-token prediction modules, "
+                        "and this model has none (model.mtp_depth=0)",
+                        lambda cfg: cfg.mtp_depth)}
+
+
+def default_draft_len(cfg, draft) -> int:
+    """A proposer's drafts per round when none is asked for: 4, or its NEEDS entry's."""
+    need = NEEDS.get(PROPOSERS.get(draft)) if isinstance(draft, str) else None
+    return 4 if need is None or not need[0](cfg) else need[2](cfg)
 
 
 def checked_draft(cfg, draft, k: int):
@@ -133,6 +197,9 @@ def checked_draft(cfg, draft, k: int):
     check_rolls_back(cfg, "the model")
     names = [n for n in PROPOSERS if n != DRAFT_MODEL]
     if isinstance(draft, str) and draft in names:
+        has, refusal, _ = NEEDS.get(PROPOSERS[draft], (lambda cfg: True, "", None))
+        if not has(cfg):
+            raise ValueError(refusal)
         return draft, None, None
     if not (isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[0], Transformer)):
         raise ValueError(f"draft must be a (jaxformer Transformer, params) pair or one of "
@@ -178,19 +245,38 @@ def _first_row(model, params, proposer, dparams, prompt, length, rng, sampling: 
     max_new, k, eos_id, cache_dtype, windowed = settings
     w = prompt.shape[0]
     max_len = w + max_new + k
-    last, cache = prefill(model, params, prompt[None], length[None], max_len, cache_dtype,
-                          windowed[0], k)
+    last, cache, hidden = prefill_hidden(model, params, prompt, length, max_len, cache_dtype,
+                                         windowed[0], k, proposer.target)
     rng, key = jax.random.split(rng)
-    first = sample_logits(key, last[0], sampling, branches)
+    first = sample_logits(key, last, sampling, branches)
     return RowState(
         cache=rolled_back(cache, length),
-        draft_state=proposer.start(dparams, prompt, length, max_len, cache_dtype, windowed[1]),
+        draft_state=proposer.start(dparams, prompt, length, max_len, cache_dtype, windowed[1],
+                                   hidden),
         context=jnp.zeros(max_len + 1, jnp.int32).at[:w].set(prompt).at[length].set(first),
         out=jnp.zeros(max_new + k + 1, jnp.int32).at[0].set(first),
-        logp=jnp.zeros(max_new + k + 1).at[0].set(target_logprobs(last[0], first)),
+        logp=jnp.zeros(max_new + k + 1).at[0].set(target_logprobs(last, first)),
         n=jnp.int32(1), cur=first, prev=prompt[length - 1],
         done=jnp.asarray(max_new == 1) | (eos_id is not None and first == eos_id),
-        drafted=jnp.int32(0), accepted=jnp.int32(0), rng=rng)
+        drafted=jnp.int32(0), accepted=jnp.int32(0), rng=rng,
+        hidden=() if hidden is None else jnp.zeros((max_len + 1, hidden.shape[-1]),
+                                                   hidden.dtype).at[:w].set(hidden))
+
+
+def prefill_hidden(model, params, prompt, length, max_len, cache_dtype, windowed, k,
+                   hidden: bool):
+    """One row's prefill (cached_forward.prefill): (the last real token's logits [V], the
+    cache, with `hidden` the prompt's last hidden states [W, D], else None)."""
+    if not hidden:
+        last, cache = prefill(model, params, prompt[None], length[None], max_len, cache_dtype,
+                              windowed, k)
+        return last[0], cache, None
+    w = prompt.shape[0]
+    cache = init_cache(model.cfg, 1, max_len, cache_dtype, windowed=windowed, spare=k)
+    real = (jnp.arange(w) < length).astype(jnp.int32)[None]
+    logits, h, cache = model.apply({"params": params}, prompt[None], jnp.arange(w)[None], real,
+                                   cache=cache, hidden=True)
+    return logits[0, length - 1], cache, h[0]
 
 
 @functools.lru_cache(maxsize=32)
@@ -202,7 +288,7 @@ def speculative_fn(cfg, proposer: str, draft_cfg, k: int, max_new, eos_id, pad_i
     read by the rows' conds as the whole batch's Branches."""
     model, unstack = looped(cfg)
     draft, draft_unstack = looped(draft_cfg) if draft_cfg else (None, lambda p: p)
-    drafting = PROPOSERS[proposer](draft, k, cfg.vocab_size)
+    drafting = PROPOSERS[proposer](draft or model, k, cfg.vocab_size)
 
     def row(params, dparams, prompt, length, rng, sampling: Sampling, branches: Branches):
         def one_round(r: RowState) -> RowState:
@@ -211,8 +297,9 @@ def speculative_fn(cfg, proposer: str, draft_cfg, k: int, max_new, eos_id, pad_i
             drafts, q, draft_state = drafting.propose(dparams, r.draft_state, r, pos, kd,
                                                       sampling, branches)
             seq = jnp.concatenate([r.cur[None], drafts])  # [k + 1]
-            logits, cache = model.apply({"params": params}, seq[None],
-                                        (pos + jnp.arange(k + 1))[None], cache=r.cache)
+            out = model.apply({"params": params}, seq[None], (pos + jnp.arange(k + 1))[None],
+                              cache=r.cache, hidden=drafting.target)
+            logits, cache, hidden = (out[0], out[-1], out[1] if drafting.target else None)
             a, toks = accept_drafts(ka, logits[0], drafts, q, sampling, branches)
             logp = target_logprobs(logits[0], toks)  # [k + 1]
             m, done = _emitted(r, toks, a, max_new, eos_id)
@@ -221,7 +308,8 @@ def speculative_fn(cfg, proposer: str, draft_cfg, k: int, max_new, eos_id, pad_i
                 cache=rolled_back(cache, pos + a + 1), draft_state=draft_state,
                 context=upd(r.context, toks, (pos + 1,)), out=upd(r.out, toks, (r.n,)),
                 logp=upd(r.logp, logp, (r.n,)), n=r.n + m, cur=toks[a], prev=seq[a],
-                done=done, drafted=r.drafted + k, accepted=r.accepted + a, rng=rng)
+                done=done, drafted=r.drafted + k, accepted=r.accepted + a, rng=rng,
+                hidden=r.hidden if hidden is None else upd(r.hidden, hidden[0], (pos, 0)))
 
         r = _first_row(model, params, drafting, dparams, prompt, length, rng, sampling,
                        branches, (max_new, k, eos_id, cache_dtype, windowed))
@@ -231,7 +319,8 @@ def speculative_fn(cfg, proposer: str, draft_cfg, k: int, max_new, eos_id, pad_i
                          jnp.where(kept, r.logp[:max_new], 0.0), r.n, r.drafted, r.accepted)
 
     def run(params, dparams, prompts, lengths, rng, sampling):
-        params, dparams = unstack(params), draft_unstack(dparams)
+        params = unstack(params)
+        dparams = params if drafting.target else draft_unstack(dparams)
         keys = jax.random.split(rng, prompts.shape[0])
         branches = branches_of(sampling)  # the batch's, outside the vmap: conds stay conds
         if prompts.shape[0] == 1:  # one row: no vmap, so the cache writes stay in place
