@@ -28,6 +28,19 @@ layer itself; the slots' positions and index serve the attention layers. A layer
 parallel mixer beside its attention (model.layer_kinds.<kind>.parallel: Falcon-H1) holds
 both: its keys and values and that mixer's entries, in one dict.
 
+A paged cache (init_pages; jaxformer.serve runs it) holds each attention layer's keys
+and values in a pool of fixed-size pages, ``k`` [pages, page_size, rows per batch row, H]
+(MLA: the rotated key and the latent, as cache_widths says), shared by every sequence; a
+sequence owns a page table, the pages of its tokens in order, so that its token at logical
+index j (position j) sits in page table[j // page_size] at offset j % page_size. A
+recurrent layer's entries keep one row per sequence slot [slots, ...]. For one forward,
+paged_cache hands each attention layer the pool and the forward's rows' ``table`` [R, M],
+``starts`` [R] (tokens already held: where the new ones go) and ``counts`` [R] (the real
+new tokens; the rest of a row is padding, never written); the layer writes its new keys
+(write_pages) and attends over its rows' pages laid out in logical order (page_view), the
+slots past a row's tokens masked as EMPTY_SLOT. A sliding window is a mask there, not a
+ring. paged_pool takes the pool back out of the forward's cache.
+
 One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
 matmuls, and the reshape that then sits between the in-place cache update and the matmul
 made XLA:CPU copy each layer's K four times and transpose V on every decode step
@@ -164,7 +177,10 @@ def take_rows(cache, rows, n_kv_heads: int):
 
 def key_positions(cache, positions, segment_ids):
     """The cache's slot positions [B, S] with the new tokens' written at its index
-    (padding, segment id 0, as EMPTY_SLOT: never attended to)."""
+    (padding, segment id 0, as EMPTY_SLOT: never attended to); a paged cache's
+    (paged_positions) from its rows' starts and counts."""
+    if "counts" in cache:
+        return paged_positions(cache)
     new = positions if segment_ids is None else jnp.where(segment_ids != 0, positions,
                                                           EMPTY_SLOT)
     return jax.lax.dynamic_update_slice(cache["positions"], new, (0, cache["index"]))
@@ -249,3 +265,119 @@ def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None, sinks=None)
     hv = v.shape[-1]
     out = out.reshape(b, n_kv, g, t, hv).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Hv]
     return out.reshape(b, t, n, hv).astype(q.dtype)
+
+
+# ---- the paged layout (see the module docstring) -----------------------------------------
+
+PAGED_ENTRIES = ("table", "starts", "counts")  # a forward's rows, handed to each paged layer
+
+
+def init_pages(cfg, pages: int, page_size: int, slots: int, dtype=None):
+    """An empty paged cache: each attention layer's ``k``, ``v`` [pages, page_size, rows per
+    batch row, width] (cache_widths), each recurrent layer's entries [slots, ...] (zeros);
+    unscanned layers (``block_i``)."""
+    check_generates(cfg)
+    if cfg.scan_layers:
+        raise ValueError("a paged KV cache needs unscanned layers; use scan_layers=false "
+                         "(jaxformer.decode.cached_forward.decoding_config)")
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    per_row, k_width, v_width = cache_widths(cfg)
+    layers = {}
+    for i in range(cfg.n_layers):
+        own = {n: jnp.zeros((slots, *shape), d or dtype)
+               for n, (shape, d) in (cfg.recurrent_cache(i) or {}).items()}
+        keys = {} if _recurrent_mixer(cfg, i) else {
+            "k": jnp.zeros((pages, page_size, per_row, k_width), dtype),
+            "v": jnp.zeros((pages, page_size, per_row, v_width), dtype)}
+        layers[f"block_{i}"] = {**keys, **own}
+    return {"layers": layers}
+
+
+def paged_cache(pool, table, starts, counts, rows):
+    """The cache one forward over R rows reads: the pool's pages with the rows' page
+    tables table [R, M] (an entry past a row's pages: any id >= pages), starts and counts
+    [R]; each recurrent entry the rows' slots `rows` [R] (zeros where a row starts at 0: a
+    new sequence; a row id >= slots: none, zeros)."""
+    def layer(entries):
+        out = {}
+        for name, x in entries.items():
+            if name in ROW_ENTRIES:  # [slots, ...] -> the rows' [R, ...]
+                got = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
+                fresh = (starts == 0).reshape(-1, *(1,) * (x.ndim - 1))
+                out[name] = jnp.where(fresh, jnp.zeros_like(got), got)
+            else:
+                out[name] = x
+        if "k" in entries:
+            out.update(table=table, starts=starts, counts=counts)
+        return out
+
+    return {"layers": {n: layer(x) for n, x in pool["layers"].items()},
+            "table": table, "starts": starts, "counts": counts,
+            "index": jnp.zeros([], jnp.int32)}
+
+
+def paged_pool(pool, cache, rows, counts):
+    """The pool after a forward over paged_cache(pool, ..., counts, rows): its pages as
+    the layers wrote them, each recurrent entry's rows written back to their slots where
+    the row ran (count > 0; a row id >= slots: dropped)."""
+    def layer(old, new):
+        out = {}
+        for name, x in old.items():
+            if name in ROW_ENTRIES:
+                ran = (counts > 0).reshape(-1, *(1,) * (x.ndim - 1))
+                kept = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
+                out[name] = x.at[rows].set(jnp.where(ran, new[name].astype(x.dtype), kept),
+                                           mode="drop")
+            else:
+                out[name] = new[name]
+        return out
+
+    return {"layers": {n: layer(x, cache["layers"][n]) for n, x in pool["layers"].items()}}
+
+
+def paged_positions(cache):
+    """A paged forward's key positions [R, M * page_size]: logical index j where the row
+    holds it after the forward (j < starts + counts), else EMPTY_SLOT."""
+    page_size = next((x["k"].shape[1] for x in cache["layers"].values() if "k" in x), 1)
+    m = cache["table"].shape[1] * page_size
+    j = jnp.arange(m, dtype=jnp.int32)
+    return jnp.where(j < (cache["starts"] + cache["counts"])[:, None], j, EMPTY_SLOT)
+
+
+def is_paged(layer) -> bool:
+    """Whether a layer's cache is a paged one's (paged_cache)."""
+    return "table" in layer
+
+
+def write_pages(layer, k, v):
+    """A paged layer with k, v [R, T, K, H] written: row r's token t (t < counts[r]) at
+    logical index starts[r] + t of its pages; padding and indices past its table dropped."""
+    pages, page_size = layer["k"].shape[:2]
+    r, t = k.shape[:2]
+    index = layer["starts"][:, None] + jnp.arange(t)  # [R, T]: logical
+    logical = index // page_size
+    m = layer["table"].shape[1]
+    page = jnp.take_along_axis(layer["table"], jnp.minimum(logical, m - 1), axis=1)
+    real = (jnp.arange(t) < layer["counts"][:, None]) & (logical < m)
+    page = jnp.where(real, page, pages)  # page `pages`: out of range, dropped
+
+    def put(pool, new):  # pool [P, ps, K, H] at (page, offset) [R, T] <- new [R, T, K, H]
+        return pool.at[page, index % page_size].set(new.astype(pool.dtype), mode="drop")
+
+    return dict(layer, k=put(layer["k"], k), v=put(layer["v"], v))
+
+
+def page_view(pages, table):
+    """The pages of each row's table [R, M] from a pool [P, ps, K, H], in logical order, as
+    a cache layer's rows [R * K, M * ps, H] (an id past the pool reads its last page,
+    masked by the positions)."""
+    x = jnp.take(pages, table, axis=0, mode="clip")  # [R, M, ps, K, H]
+    r, m, ps, n_kv, h = x.shape
+    return x.reshape(r, m * ps, n_kv, h).swapaxes(1, 2).reshape(r * n_kv, m * ps, h)
+
+
+def paged_keys(layer, k, v):
+    """A paged layer's cache with k, v [R, T, K, H] written, and the keys and values its
+    rows attend over [R * K, M * ps, H] (paged_positions mark which are held)."""
+    layer = write_pages(layer, k, v)
+    return page_view(layer["k"], layer["table"]), page_view(layer["v"], layer["table"]), layer

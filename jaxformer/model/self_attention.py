@@ -20,7 +20,7 @@ from jaxformer.attention.backends import (dot_product_attention, prefill_impl,  
 from jaxformer.attention.masks import (MaskRule, causal_mask, make_attention_mask,  # noqa: F401
                                        padding_mask, segment_mask, sliding_window_mask)
 from jaxformer.core.hooks import active, hook_point
-from jaxformer.core.matmul import flat_dot_general, promote_kernel
+from jaxformer.core.matmul import projection_dot, promote_kernel
 from jaxformer.core.reference import (and_causal, as_4d, attention_weights,  # noqa: F401
                                       group_heads, grouped_logits, mix, softmax)
 from jaxformer.core.sharding import constrain, init_with_names
@@ -43,7 +43,8 @@ def projection_layer(c: ModelConfig, feats, axis, name: str, names, bias: bool,
         feats, axis=axis, use_bias=bias, dtype=c.dtype, param_dtype=c.param_dtype,
         kernel_init=init_with_names(dense_init(std), *names),
         bias_init=init_with_names(nn.initializers.zeros, *names[len(axis):]),
-        dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
+        dot_general=projection_dot(c.matmul_precision), promote_dtype=promote_kernel,
+        name=name)
 
 
 def query_temperature(positions, floor, scale):
@@ -256,6 +257,9 @@ class Attention(nn.Module):
         A full-length layer's keys are its slots. A ring (a windowed layer) is written by
         position; a single token then attends over the ring, a chunk over the ring as it
         was followed by the chunk itself."""
+        if kv_cache.is_paged(cache):  # a pool of pages, read through the rows' tables
+            keys, values, cache = kv_cache.paged_keys(cache, k, v)
+            return keys, values, rule, cache
         if "positions" not in cache:
             cache = kv_cache.write_layer(cache, k, v, cache_index)
             return cache["k"], cache["v"], rule, cache

@@ -1,0 +1,274 @@
+"""The serving engine: continuous batching over a paged KV cache.
+
+Requests wait in a queue (FIFO) and are admitted between steps into free slots of a
+fixed-shape batch; a prompt goes through in chunks of `prefill_chunk` tokens (a few
+prompts' chunks per step) beside the other slots' decode steps; a request's pages are
+released the moment it ends or is cancelled. The keys and values live in a pool of pages
+(jaxformer.attention.kv_cache's paged layout, jaxformer.serve.pages' bookkeeping), so
+memory follows the tokens held, and a prompt's full pages are shared with every later
+request that starts with the same tokens (prefix caching; not for models with recurrent
+layers, whose state at the end of a prefix is not kept).
+
+Each token is sampled with its request's own settings (jaxformer.decode.sampling) and its
+own key stream: fold_in(the seed's key, the token's number), so a seeded request gives the
+same tokens whatever runs beside it; its log-prob is the model's log-softmax, as
+generate's (jaxformer.core.logprobs).
+
+When the pool runs short in a decode step, the request admitted last is preempted: its
+pages are released and it goes back to the front of the queue, to be fed again (prompt
+and tokens so far) when pages are free; what it emitted stands. A waiting request is
+admitted only when its whole prompt's pages are available.
+
+Programs compiled (jaxformer.serve.paged_step): per page-table width (powers of two up to
+max_seq_len / page_size), one for a decode step of every slot and one for PREFILL_ROWS
+prompt chunks. Not thread-safe: one thread calls submit, cancel and step.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.attention.kv_cache import init_pages
+from jaxformer.core.sharding import param_shardings, resolve_rules
+from jaxformer.decode.cached_forward import looped
+from jaxformer.decode.sampling import Sampling
+from jaxformer.model.archs import ARCHS
+from jaxformer.model.transformer import Transformer
+from jaxformer.serve.pages import PagePool, chain_hashes
+from jaxformer.serve.paged_step import step_program
+from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSettings,  # noqa: F401
+                                      checked_request)
+
+PREFILL_ROWS = 4  # prompts whose next chunk runs in one step (fewer slots: as many)
+
+
+def table_width(pages: int, longest: int) -> int:
+    """The page-table width a forward runs: the power of two >= the pages its longest row
+    holds, at most `longest` (a sequence's most pages)."""
+    return min(longest, 1 << max(pages - 1, 0).bit_length())
+
+
+class Engine:
+    """Continuous batching over a paged KV cache (the module docstring says how)."""
+
+    def __init__(self, model, params, *, slots: int = 32, page_size: int = 16,
+                 pages: int | None = None, prefill_chunk: int = 128, mesh=None):
+        cfg = model.cfg
+        if ARCHS[cfg.arch].module != Transformer.__name__ or not cfg.generates:
+            raise ValueError(f"model.arch={cfg.arch} is not served (the engine runs a decoder, "
+                             "model.arch=decoder)")
+        for name, value in (("slots", slots), ("page_size", page_size),
+                            ("prefill_chunk", prefill_chunk)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.vocab_size, self.max_seq_len = cfg.vocab_size, cfg.max_seq_len
+        self.slots, self.page_size, self.prefill_chunk = slots, page_size, prefill_chunk
+        self.max_pages = -(-cfg.max_seq_len // page_size)  # a sequence's most pages
+        pages = slots * self.max_pages if pages is None else pages
+        if not isinstance(pages, int) or pages < self.max_pages:
+            raise ValueError(f"pages={pages!r} cannot hold one sequence of max_seq_len="
+                             f"{cfg.max_seq_len}; pass pages >= {self.max_pages}")
+        decoding, unstack = looped(cfg)
+        self.cfg = decoding.cfg
+        self.params = unstack(params)
+        rules = None
+        if mesh is not None:
+            rules = resolve_rules()
+            self.params = jax.device_put(self.params, param_shardings(decoding, mesh, rules))
+        self.host = PagePool(pages, page_size)
+        self.pool = init_pages(self.cfg, pages, page_size, slots)
+        self.tables = np.full((slots, self.max_pages), pages, np.int32)  # pages: none
+        self.prefix = not cfg.recurrent  # a recurrent state is not kept per prefix
+        self.program = step_program(self.cfg, min(TOP_LOGPROBS, cfg.vocab_size), mesh, rules)
+        self.by_slot: list[Request | None] = [None] * slots
+        self.running: list[Request] = []  # in order of admission
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.requests: dict[int, Request] = {}
+        self.pending: list[Event] = []  # cancellations, reported by the next step
+        self.next_id, self.steps, self.shapes = 0, 0, set()
+        self.rng = np.random.default_rng()  # the seeds of requests that give none
+        self.no_bans: dict[int, jax.Array] = {}
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], settings: RequestSettings) -> int:
+        """Queue a request; its id. A ValueError of one line names a bad prompt or setting."""
+        ids = checked_request(prompt, settings, self.vocab_size, self.max_seq_len)
+        seed = int(self.rng.integers(2**63)) if settings.seed is None else settings.seed
+        req = Request(self.next_id, settings, ids, len(ids), (seed & 0xFFFFFFFF, seed >> 32))
+        self.next_id += 1
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return req.id
+
+    def cancel(self, request_id: int) -> None:
+        """End a request now: its slot and pages are freed; the next step reports it
+        (token -1, finished "cancelled"). A request ended already: nothing."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req.slot is None:
+            self.waiting.remove(req)
+        self.end(req)
+        self.pending.append(Event(request_id, -1, 0.0, (), "cancelled"))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pending)
+
+    def stats(self) -> dict:
+        """{"slots", "running", "waiting", "pages_total", "pages_free", "pages_cached",
+        "pages_held", "steps", "programs" (the shapes run, each a compiled program)}."""
+        return {"slots": self.slots, "running": len(self.running),
+                "waiting": len(self.waiting), **self.host.counts(), "steps": self.steps,
+                "programs": len(self.shapes)}
+
+    # ---- slots and pages -----------------------------------------------------------------
+
+    def end(self, req: Request) -> None:
+        """A request leaves: its pages released, its slot freed."""
+        self.unslot(req)
+        del self.requests[req.id]
+
+    def unslot(self, req: Request) -> None:
+        """A running request leaves its slot and pages (nothing for a waiting one)."""
+        if req.slot is None:
+            return
+        self.host.release(req.pages)
+        self.tables[req.slot] = self.host.pages
+        self.by_slot[req.slot] = None
+        self.running.remove(req)
+        req.slot, req.pages, req.hashes, req.held = None, [], [], 0
+
+    def admit(self) -> None:
+        """Waiting requests into free slots, first come first served, while the pool has
+        their prompts' pages (a prefix cached already: held, not computed again)."""
+        while self.waiting and None in self.by_slot:
+            req = self.waiting[0]
+            ps = self.page_size
+            hashes = chain_hashes(req.tokens[:-1], ps) if self.prefix else []
+            shared = self.host.lookup(hashes)  # (the last token always runs: its logits)
+            new = self.host.take(-(-len(req.tokens) // ps) - len(shared))
+            if new is None:
+                self.host.release(shared)
+                return
+            self.waiting.popleft()
+            req.slot = self.by_slot.index(None)
+            self.by_slot[req.slot] = req
+            self.running.append(req)
+            req.pages, req.hashes, req.held = shared + new, hashes[:len(shared)], len(shared) * ps
+            self.tables[req.slot, :len(req.pages)] = req.pages
+
+    def grow(self, req: Request, length: int) -> bool:
+        """Pages for req's first `length` tokens, preempting the requests admitted last
+        while the pool is short; False when req itself was preempted."""
+        while len(req.pages) < -(-length // self.page_size):
+            page = self.host.take(1)
+            if page is None:
+                victim = self.running[-1]
+                self.unslot(victim)
+                self.waiting.appendleft(victim)
+                if victim is req:
+                    return False
+                continue
+            self.tables[req.slot, len(req.pages)] = page[0]
+            req.pages.append(page[0])
+        return True
+
+    def learn_pages(self, req: Request) -> None:
+        """req's pages filled since the last call, known to the prefix cache."""
+        full = req.held // self.page_size
+        previous = req.hashes[-1] if req.hashes else None
+        new = chain_hashes(req.tokens[:full * self.page_size], self.page_size,
+                           len(req.hashes), previous)
+        for i, h in enumerate(new, len(req.hashes)):
+            if self.prefix:
+                self.host.register(req.pages[i], h)
+        req.hashes += new
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """One iteration: admit waiting requests, run a chunk of up to PREFILL_ROWS prompts,
+        then one decode step of every slot with a token to feed; the events of both."""
+        events, self.pending = self.pending, []
+        self.admit()
+        prefill = [r for r in self.running if len(r.tokens) - r.held > 1]
+        if prefill:
+            events += self.run(prefill[:min(PREFILL_ROWS, self.slots)], self.prefill_chunk,
+                               min(PREFILL_ROWS, self.slots))
+        decode = [r for r in self.running if len(r.tokens) - r.held == 1]
+        if decode:
+            events += self.run(decode, 1, self.slots)
+        self.steps += 1
+        return events
+
+    def run(self, reqs: list[Request], chunk: int, rows: int) -> list[Event]:
+        """One program over `rows` rows: each of reqs' next `chunk` tokens at most (the
+        rest padding), a token sampled for those that reach their last."""
+        counts = {r.id: min(chunk, len(r.tokens) - r.held) for r in reqs}
+        reqs = [r for r in reqs if r.slot is not None and self.grow(r, r.held + counts[r.id])]
+        reqs = [r for r in reqs if r.slot is not None]  # (a later one may have preempted it)
+        if not reqs:
+            return []
+        args = self.arguments(reqs, counts, chunk, rows)
+        self.shapes.add((rows, chunk, args[3].shape[1]))
+        self.pool, out = self.program(self.params, self.pool, *args)
+        tokens, logps, top_ids, top_logps = jax.device_get(out)
+        events = []
+        for i, req in enumerate(reqs):
+            req.held += counts[req.id]
+            self.learn_pages(req)
+            if req.held == len(req.tokens):
+                events.append(self.emitted(req, int(tokens[i]), float(logps[i]),
+                                           top_ids[i], top_logps[i]))
+        return events
+
+    def arguments(self, reqs, counts, chunk: int, rows: int) -> tuple:
+        """The program's inputs after (params, pool) for reqs in rows 0.. (padding after)."""
+        n = len(reqs)
+        tokens = np.zeros((rows, chunk), np.int32)
+        starts, count = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        for i, r in enumerate(reqs):
+            feed = r.tokens[r.held:r.held + counts[r.id]]
+            tokens[i, :len(feed)], starts[i], count[i] = feed, r.held, len(feed)
+        width = table_width(max(len(r.pages) for r in reqs), self.max_pages)
+        slot_of = np.array([r.slot for r in reqs] + [self.slots] * (rows - n), np.int32)
+        table = np.full((rows, width), self.host.pages, np.int32)
+        table[:n] = self.tables[slot_of[:n], :width]
+        s = [r.settings for r in reqs] + [RequestSettings(temperature=0.0)] * (rows - n)
+        sampling = Sampling(np.array([x.temperature for x in s], np.float32),
+                            np.array([x.top_k for x in s], np.int32),
+                            np.array([x.top_p for x in s], np.float32),
+                            np.array([x.min_p for x in s], np.float32))
+        seeds = np.array([r.seed for r in reqs] + [(0, 0)] * (rows - n), np.uint32)
+        index = np.array([r.generated for r in reqs] + [0] * (rows - n), np.int32)
+        return (tokens, starts, count, table, slot_of, sampling, seeds, index,
+                self.bans(reqs, rows))
+
+    def bans(self, reqs, rows: int):
+        """bool [rows, V]: the tokens each request may not emit next (its constraints)."""
+        banned = [r.bans() for r in reqs]
+        if not any(banned):
+            if rows not in self.no_bans:
+                self.no_bans[rows] = jnp.zeros((rows, self.vocab_size), bool)
+            return self.no_bans[rows]
+        out = np.zeros((rows, self.vocab_size), bool)
+        for i, b in enumerate(banned):
+            out[i, list(b)] = True
+        return out
+
+    def emitted(self, req: Request, token: int, logp: float, top_ids, top_logps) -> Event:
+        """req's new token recorded; its event (and its end, when it ends)."""
+        req.append(token)
+        k = req.settings.logprobs
+        top = tuple((int(t), float(p)) for t, p in zip(top_ids[:k], top_logps[:k]))
+        finished = req.finish_reason()
+        if finished:
+            self.end(req)
+        return Event(req.id, token, logp, top, finished)

@@ -1,0 +1,76 @@
+"""The engine's one compiled program: a forward of R rows (each a slot's next chunk of
+tokens: a prompt's chunk, or one token of a decode step) over the paged KV cache
+(jaxformer.attention.kv_cache: init_pages, paged_cache), then a token sampled per row from
+the logits of its last real token, each row with its own settings and random key.
+
+One program per (rows, chunk width, page-table width): the engine runs two shapes of
+rows (every slot for a decode step, a few for prompt chunks) and page-table widths in
+powers of two, so a program attends over at most twice the pages its longest row holds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.attention import kv_cache
+from jaxformer.core.logprobs import target_logprobs
+from jaxformer.core.sharding import traced_under
+from jaxformer.decode.sampling import Sampling, branches_of, sample_and_filter
+from jaxformer.model.transformer import Transformer
+
+
+def row_keys(seeds, index):
+    """Each row's key for its token number `index` [R] of the stream of its seed [R, 2]
+    (the seed's low and high 32 bits): the same key whatever rows run beside it."""
+    def one(seed, i):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed[0]), seed[1])
+        return jax.random.fold_in(key, i)
+    return jax.vmap(one)(seeds, index)
+
+
+def sampled_rows(logits, sampling: Sampling, seeds, index, bans, top: int):
+    """A token per row of logits [R, V] (float32): the banned ones (bans [R, V]) never
+    drawn, each row drawn with its own settings and key (row_keys); its log-prob under the
+    model's own distribution (the log-softmax of the logits: generate's contract), and the
+    `top` likeliest tokens' ids and log-probs [R, top]."""
+    allowed = jnp.where(bans, -jnp.inf, logits)
+    branches = branches_of(sampling)  # the batch's: each row's cond would run both sides
+
+    def one(key, z, s):
+        return sample_and_filter(key, z, s, branches)[0]
+
+    tokens = jax.vmap(one)(row_keys(seeds, index), allowed, sampling)
+    logp = target_logprobs(logits, tokens)
+    top_logp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top)
+    return tokens, logp, top_ids.astype(jnp.int32), top_logp
+
+
+def paged_forward(model, params, pool, tokens, starts, counts, table, rows):
+    """The logits [R, V] of each row's last real token and the pool after tokens [R, T]
+    (counts [R] real ones each, at positions starts + 0, 1, ...) went through the model
+    over the paged cache; rows [R]: each row's slot (its recurrent state)."""
+    r, t = tokens.shape
+    cache = kv_cache.paged_cache(pool, table, starts, counts, rows)
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [R, T]
+    segments = (jnp.arange(t) < counts[:, None]).astype(jnp.int32)  # 0: padding
+    logits, cache = model.apply({"params": params}, tokens, positions, segments, cache=cache)
+    last = logits[jnp.arange(r), jnp.maximum(counts - 1, 0)]  # [R, V]
+    return last.astype(jnp.float32), kv_cache.paged_pool(pool, cache, rows, counts)
+
+
+@functools.lru_cache(maxsize=16)
+def step_program(cfg, top: int, mesh=None, rules=None):
+    """The jitted step(params, pool, tokens, starts, counts, table, rows, sampling, seeds,
+    index, bans) -> (pool, (tokens, logprobs, top ids, top log-probs)) of the model of cfg
+    (a decoding config: cached_forward.decoding_config), the pool donated (updated in
+    place); traced inside the sharding context of `mesh` and `rules` when given."""
+    model = Transformer(cfg)
+
+    def step(params, pool, tokens, starts, counts, table, rows, sampling, seeds, index, bans):
+        last, pool = paged_forward(model, params, pool, tokens, starts, counts, table, rows)
+        return pool, sampled_rows(last, sampling, seeds, index, bans, top)
+
+    return jax.jit(traced_under(mesh, rules, step), donate_argnums=(1,))
