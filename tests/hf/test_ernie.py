@@ -128,6 +128,28 @@ def test_sparse_layers_as_transformers_chooses_them(start, end, every):
     assert config_from_hf(config_to_hf(cfg)).sparse_layers == want
 
 
+@pytest.mark.parametrize("model_type, keys", [
+    ("ernie4_5", {}), ("ernie4_5_moe", dict(moe_num_experts=8, moe_intermediate_size=16))])
+def test_a_config_json_of_sizes_alone_reads_as_transformers_reads_it(model_type, keys):
+    """The row's defaults are transformers' (head_dim, kv heads, tie, RoPE base, epsilon,
+    biases; the sparse layers, experts per token and shared experts' width)."""
+    hf = dict(model_type=model_type, vocab_size=V, hidden_size=64, intermediate_size=48,
+              num_hidden_layers=4, num_attention_heads=8, **keys)
+    config = transformers.AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    cfg, attn = config_from_hf(hf), model.model.layers[0].self_attn
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.tie_embeddings, cfg.norm_eps, cfg.rope_theta) == \
+        (attn.head_dim, config.num_key_value_heads, config.tie_word_embeddings,
+         config.rms_norm_eps, config.rope_parameters["rope_theta"])
+    assert not cfg.use_bias and not cfg.qkv_bias and attn.q_proj.bias is None
+    if keys:
+        mlp = model.model.layers[-1].mlp
+        assert cfg.sparse_layers == tuple(hasattr(x.mlp, "experts") for x in model.model.layers)
+        assert (cfg.moe.top_k, cfg.shared_d_ff) == (config.num_experts_per_tok,
+                                                    mlp.shared_experts.gate_proj.out_features)
+
+
 @pytest.mark.parametrize("keys, words", [
     (dict(moe_norm_min=1e-6), ["moe_norm_min=1e-06", "ernie4_5_moe"]),
     (dict(moe_layer_interval=0), ["moe_layer_interval=0", "ernie4_5_moe"]),

@@ -73,6 +73,22 @@ def test_bias_keys_are_written_by_the_family_that_reads_them(qkv, out, family):
     assert differences(cfg, config_from_hf(written)) == []
 
 
+def test_a_config_json_of_sizes_alone_reads_as_transformers_reads_it():
+    """The row's defaults are transformers' (head_dim, kv heads, tie, RoPE base, epsilon,
+    the biases on q, k, v alone)."""
+    hf = dict(model_type="seed_oss", vocab_size=V, hidden_size=64, intermediate_size=48,
+              num_hidden_layers=2, num_attention_heads=16)
+    config = transformers.AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    cfg, attn = config_from_hf(hf), model.model.layers[0].self_attn
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.tie_embeddings, cfg.norm_eps, cfg.rope_theta) == \
+        (attn.head_dim, config.num_key_value_heads, config.tie_word_embeddings,
+         config.rms_norm_eps, config.rope_parameters["rope_theta"])
+    assert (cfg.qkv_bias, cfg.use_bias) == (attn.q_proj.bias is not None,
+                                            attn.o_proj.bias is not None) == (True, False)
+
+
 def test_unsupported_bias_pair_names_the_keys_and_the_family():
     with pytest.raises(ConfigError) as e:
         config_from_hf(dict(SEED_OSS, attention_out_bias=True, mlp_bias=False))
