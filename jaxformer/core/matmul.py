@@ -13,6 +13,7 @@ batch split over data/fsdp or heads split over tensor stays one contiguous block
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -20,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen import dtypes
 from jax import lax
+
+from jaxformer.core.low_precision import MATMUL_PRECISIONS, default_dot
 
 
 class Int8Kernel(NamedTuple):
@@ -49,10 +52,12 @@ def promote_kernel(*args, dtype=None, inexact=True):
             for x, p in zip((inputs, kernel, *rest), promoted)]
 
 
-def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                     *, matmul=default_dot):
     """lax.dot_general for a projection, computed as a 2-D dot: the last k axes of lhs
     contracted with the first k of rhs (a kernel [in..., out...]) or its last k (a table
-    [out..., in...], e.g. a tied embedding), no batch axes. Anything else goes to
+    [out..., in...], e.g. a tied embedding), no batch axes, by `matmul` (a
+    jaxformer.core.low_precision.MatmulPrecision's dot). Anything else goes to
     lax.dot_general as given."""
     if isinstance(rhs, Int8Kernel):
         return _int8_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
@@ -68,10 +73,16 @@ def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
     rows, inner = lhs.shape[:lhs.ndim - k], math.prod(lhs.shape[lhs.ndim - k:])
     out = rhs.shape[k:] if kernel_first else rhs.shape[:rhs.ndim - k]
     rhs = rhs.reshape(inner, -1) if kernel_first else rhs.reshape(-1, inner)  # [in, out] | [out, in]
-    y = lax.dot_general(lhs.reshape(math.prod(rows), inner), rhs,
-                        (((1,), (0 if kernel_first else 1,)), ((), ())),
-                        precision=precision, preferred_element_type=preferred_element_type)
+    y = matmul(lhs.reshape(math.prod(rows), inner), rhs, 0 if kernel_first else 1,
+               precision, preferred_element_type)  # [M, out]
     return y.reshape(*rows, *out)  # [B, T, ...out]
+
+
+@functools.cache
+def projection_dot(matmul_precision: str = "default"):
+    """flat_dot_general with the 2-D dot of model.matmul_precision (MATMUL_PRECISIONS): a
+    projection's dot_general, one function per precision."""
+    return functools.partial(flat_dot_general, matmul=MATMUL_PRECISIONS[matmul_precision].dot)
 
 
 def _int8_dot(lhs, rhs: Int8Kernel, dimension_numbers, precision, preferred_element_type):

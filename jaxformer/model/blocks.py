@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxformer.attention.masks import pick_rule
 from jaxformer.core.hooks import active, hook_point
-from jaxformer.core.matmul import flat_dot_general, promote_kernel
+from jaxformer.core.matmul import projection_dot, promote_kernel
 from jaxformer.core.sharding import constrain, init_with_names
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.cross_attention import CrossAttention
@@ -69,7 +69,8 @@ class FeedForward(nn.Module):
             y = nn.Dense(feats, use_bias=c.use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
                          kernel_init=init_with_names(dense_init(std), *names),
                          bias_init=init_with_names(nn.initializers.zeros, names[1]),
-                         dot_general=flat_dot_general, promote_dtype=promote_kernel,
+                         dot_general=projection_dot(c.matmul_precision),
+                         promote_dtype=promote_kernel,
                          name=name)(x)
             return adapted(self, c.lora, name, y, x, 1, names, c.dtype, c.param_dtype,
                            self.deterministic)

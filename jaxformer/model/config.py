@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from jaxformer.attention.backends import AUTO, BACKENDS, check_model
 from jaxformer.attention.mla import MLAConfig
+from jaxformer.core.low_precision import MATMUL_PRECISIONS
 from jaxformer.core.validation import (ConfigError, Section, check_choice,  # noqa: F401
                                        check_number, coerce, type_names)
 from jaxformer.model.archs import ARCHS
@@ -26,7 +27,8 @@ from jaxformer.positions.schemes import (LEGACY_KEYS, POSITION_SCHEMES, check_po
 DTYPES = ("float32", "bfloat16", "float16")
 # the fields that change how a model runs, not what it computes: a converted or
 # initialised-from model may set them freely
-RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "attention_impl", "dropout")
+RUNTIME = ("dtype", "param_dtype", "matmul_precision", "scan_layers", "remat",
+           "attention_impl", "dropout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,7 @@ class ModelConfig(Section):
     head_transform: before the LM head, a dense d_model -> d_model, the FFN's activation and
     the model's norm (BERT's MLM head transform); head_bias: a bias [vocab] on the logits.
 
+    matmul_precision: default, float32, bf16, fp8, int8 (jaxformer.core.low_precision).
     lora (jaxformer.model.lora.LoRAConfig): low-rank adapters on the projections; rank 0: none.
     moe (jaxformer.moe.experts.MoEConfig): mixture-of-experts feed-forward layers; experts 0: none.
     mla (jaxformer.attention.mla.MLAConfig): multi-head latent attention; kv_lora_rank 0: none.
@@ -123,6 +126,7 @@ class ModelConfig(Section):
     dropout: float = 0.0
     dtype: str = "float32"
     param_dtype: str = "float32"
+    matmul_precision: str = "default"  # the projections' dots (core.low_precision's table)
     scan_layers: bool = False
     remat: str = "none"
     sliding_window: int | None = None
@@ -156,12 +160,9 @@ class ModelConfig(Section):
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        if isinstance(self.lora, Mapping):
-            set_("lora", LoRAConfig.from_dict(self.lora))
-        if isinstance(self.moe, Mapping):
-            set_("moe", MoEConfig.from_dict(self.moe))
-        if isinstance(self.mla, Mapping):
-            set_("mla", MLAConfig.from_dict(self.mla))
+        for name, section in (("lora", LoRAConfig), ("moe", MoEConfig), ("mla", MLAConfig)):
+            if isinstance(getattr(self, name), Mapping):
+                set_(name, section.from_dict(getattr(self, name)))
         if isinstance(self.rope_scaling, Mapping):
             set_("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         elif isinstance(self.rope_scaling, str):
@@ -206,8 +207,9 @@ class ModelConfig(Section):
         check_choice(o, "ffn", self.ffn, FFNS)
         check_choice(o, "remat", self.remat, REMATS)
         check_choice(o, "attention_impl", self.attention_impl, (AUTO, *BACKENDS))
-        check_choice(o, "dtype", self.dtype, DTYPES)
-        check_choice(o, "param_dtype", self.param_dtype, DTYPES)
+        for name, table in (("dtype", DTYPES), ("param_dtype", DTYPES),
+                            ("matmul_precision", MATMUL_PRECISIONS)):
+            check_choice(o, name, getattr(self, name), table)
         check_choice(o, "qk_norm", self.qk_norm, QK_NORMS)
         check_number(o, "rope_fraction", self.rope_fraction, float, low=0, low_open=True, high=1)
         check_number(o, "p_rope", self.p_rope, float, low=0, high=1)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.core.hooks import hook_point
-from jaxformer.core.matmul import flat_dot_general, promote_kernel
+from jaxformer.core.matmul import projection_dot, promote_kernel
 from jaxformer.core.sharding import constrain, init_with_names
 from jaxformer.core.validation import ConfigError, Section, check_number
 from jaxformer.recurrent.conv import causal_conv
@@ -126,7 +126,8 @@ def heads_projection(cfg, shape, names, name: str, bias: bool, axis=(-1,), std: 
                            kernel_init=init_with_names(nn.initializers.normal(std), *names),
                            bias_init=init_with_names(nn.initializers.zeros,
                                                      *names[len(axis):]),
-                           dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
+                           dot_general=projection_dot(cfg.matmul_precision),
+                           promote_dtype=promote_kernel, name=name)
 
 
 def dt_bias_init(s: Mamba2Settings):

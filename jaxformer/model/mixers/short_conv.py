@@ -11,7 +11,7 @@ import math
 import flax.linen as nn
 
 from jaxformer.core.hooks import hook_point
-from jaxformer.core.matmul import flat_dot_general, promote_kernel
+from jaxformer.core.matmul import projection_dot, promote_kernel
 from jaxformer.core.sharding import constrain, init_with_names
 from jaxformer.core.validation import Section, check_number
 from jaxformer.recurrent.conv import causal_conv
@@ -47,7 +47,8 @@ def projection(cfg, feats: int, names, bias: bool, name: str, std: float = 0.02)
     return nn.Dense(feats, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                     kernel_init=init_with_names(nn.initializers.normal(std), *names),
                     bias_init=init_with_names(nn.initializers.zeros, names[-1]),
-                    dot_general=flat_dot_general, promote_dtype=promote_kernel, name=name)
+                    dot_general=projection_dot(cfg.matmul_precision),
+                    promote_dtype=promote_kernel, name=name)
 
 
 class ShortConvMixer(nn.Module):

@@ -1,0 +1,191 @@
+"""Low-precision training matmuls: model.matmul_precision, a table (MATMUL_PRECISIONS) with
+one entry per precision, each owning the 2-D dot a projection runs (jaxformer.core.matmul's
+flat_dot_general hands it its flattened operands a [M, K] and b, a kernel [K, N] or a
+table [N, K]) and the recipe for the experts' grouped matmuls.
+
+- default: the dot in the model's compute dtype (model.dtype: float32 or bfloat16), as
+  ever.
+- float32: the operands in float32, at full precision (lax.Precision.HIGHEST: no TF32 or
+  bfloat16 passes on a GPU or TPU), whatever model.dtype is.
+- bf16: the operands rounded to bfloat16, the products summed in float32 (torch's
+  autocast): model.dtype=float32 with bfloat16 matmuls.
+- fp8: Transformer Engine's / torchtitan's float8 recipe with current ("tensorwise")
+  scaling: each operand scaled by a per-tensor scale = format max / amax of the tensor,
+  computed each step (no state), rounded to nearest even into float8_e4m3fn (activations
+  and weights, forward) or float8_e5m2 (the incoming gradient, backward), saturated at
+  the format's max; the dots take the float8 operands with float32 accumulation and the
+  scales are divided out after. The backward reuses the forward's e4m3 operands: dx =
+  g_e5m2 w_e4m3^T, dw = x_e4m3^T g_e5m2.
+- int8: AQT's symmetric per-channel int8 (MaxText's int8): activations scaled per row
+  (token), weights per output channel, scale = 127 / amax, rounded to nearest even,
+  clipped to [-127, 127]; int8 x int8 -> int32 dot, the scales divided out after. The
+  backward is straight-through in float32: the quantiser's gradient is the identity (no
+  clipping happens, as the scale maps amax to 127), and both gradient dots run in
+  float32 with the other operand at its quantised value (dx = g deq(w)^T, dw = deq(x)^T
+  g), as AQT with fwd_bits=8 and no backward bits.
+
+The master weights stay in model.param_dtype (float32): each step quantises the kernel as
+the projection reads it. Quantised: every projection of attention, the feed-forward
+network, the recurrent mixers, and the routed experts. Not: the LM head (tied or not),
+the router, LoRA's adapters and the MTP modules' projections stay in the model's dtype,
+the standard choice (torchtitan and Transformer Engine keep the output layer and the
+router in high precision). Int8Kernel weights (jaxformer.model.quantize, inference) keep
+their own path.
+
+On a CPU the float8 dots run as simulated rounding (the numerics, not the speed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+INT8_MAX = 127.0
+TINY = 1e-12  # an all-zero tensor's amax: its scale is finite, its values stay 0
+
+
+def format_max(dtype) -> float:
+    """The largest finite value of a quantised format (float8: 448 or 57344; int8: 127)."""
+    return INT8_MAX if jnp.dtype(dtype) == jnp.int8 else float(jnp.finfo(dtype).max)
+
+
+def quantise(x, dtype, axis=None):
+    """x scaled into dtype's grid: (q, scale), x ~ q / scale. scale [float32, x's rank,
+    size 1 on `axis` (None: every axis, one per tensor)] = format max / amax over axis; q
+    = x scale rounded to nearest even, saturated at the format's max, in dtype."""
+    top = format_max(dtype)
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    scale = lax.stop_gradient(top / jnp.maximum(amax, TINY))
+    y = jnp.clip(x * scale, -top, top)
+    return (jnp.round(y) if jnp.dtype(dtype) == jnp.int8 else y).astype(dtype), scale
+
+
+def _dot(a, b, contract, out=jnp.float32):
+    """a and b's 2-D product over the axes `contract` (a's, b's), accumulated in `out`."""
+    return lax.dot_general(a, b, ((contract[0], contract[1]), ((), ())),
+                           preferred_element_type=out)
+
+
+def _backward_dots(qg, a, b, c, out=jnp.float32):
+    """The gradient's two dots for a [M, K] and b ([K, N], c = 0, or [N, K], c = 1), g [M, N]:
+    (dg a: [M, K], db: b's shape)."""
+    da = _dot(qg, b, ((1,), (1 - c,)), out)  # [M, K]
+    db = _dot(a, qg, ((0,), (0,)), out) if c == 0 else _dot(qg, a, ((0,), (0,)), out)
+    return da, db
+
+
+# ---- fp8: e4m3 forward, e5m2 gradients, per-tensor current scaling -------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_dot(a, b, c: int):
+    """a [M, K] float32 times b (kernel [K, N], c = 0, or table [N, K], c = 1) -> [M, N]
+    float32, by the fp8 recipe (module docstring)."""
+    return _fp8_fwd(a, b, c)[0]
+
+
+def _fp8_fwd(a, b, c):
+    qa, sa = quantise(a, E4M3)
+    qb, sb = quantise(b, E4M3)
+    y = _dot(qa, qb, ((1,), (c,))) / (sa * sb)  # [M, N]
+    return y, (qa, sa, qb, sb)
+
+
+def _fp8_bwd(c, saved, g):
+    qa, sa, qb, sb = saved
+    qg, sg = quantise(g, E5M2)
+    da, db = _backward_dots(qg, qa, qb, c)
+    return da / (sg * sb), db / (sg * sa)
+
+
+fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+# ---- int8: per-channel symmetric, int32 accumulation, straight-through float backward ------
+
+
+def _int8_operands(a, b, c):
+    """(qa, sa [M, 1]) per row of a, (qb, sb) per output channel of b, and sb as a row [1, N]."""
+    qa, sa = quantise(a, jnp.int8, axis=1)
+    qb, sb = quantise(b, jnp.int8, axis=c)  # [1, N] (c = 0) or [N, 1] (c = 1)
+    return qa, sa, qb, sb, sb.reshape(1, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def int8_dot(a, b, c: int):
+    """a [M, K] float32 times b (kernel [K, N], c = 0, or table [N, K], c = 1) -> [M, N]
+    float32, by the int8 recipe (module docstring)."""
+    return _int8_fwd(a, b, c)[0]
+
+
+def _int8_fwd(a, b, c):
+    qa, sa, qb, sb, row = _int8_operands(a, b, c)
+    y = _dot(qa, qb, ((1,), (c,)), jnp.int32).astype(jnp.float32) / (sa * row)  # [M, N]
+    return y, (qa, sa, qb, sb)
+
+
+def _int8_bwd(c, saved, g):
+    qa, sa, qb, sb = saved
+    return _backward_dots(g, qa.astype(jnp.float32) / sa, qb.astype(jnp.float32) / sb, c)
+
+
+int8_dot.defvjp(_int8_fwd, _int8_bwd)
+
+
+# ---- the table --------------------------------------------------------------------------------
+
+
+def _result_type(a, b, preferred):
+    return preferred or jnp.result_type(a.dtype, b.dtype)
+
+
+def default_dot(a, b, c, precision=None, preferred_element_type=None):
+    """The dot in the operands' dtype (the model's compute dtype), as ever."""
+    return lax.dot_general(a, b, (((1,), (c,)), ((), ())), precision=precision,
+                           preferred_element_type=preferred_element_type)
+
+
+def cast_dot(dtype, precision=None):
+    """A dot with both operands cast to dtype, float32 accumulation, the result in the
+    operands' own result type."""
+    def dot(a, b, c, _precision=None, preferred_element_type=None):
+        y = lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (c,)), ((), ())),
+                            precision=precision, preferred_element_type=jnp.float32)
+        return y.astype(_result_type(a, b, preferred_element_type))
+    return dot
+
+
+def quantised_dot(recipe):
+    """A dot by recipe (fp8_dot or int8_dot: float32 in and out), the result in the
+    operands' own result type."""
+    def dot(a, b, c, _precision=None, preferred_element_type=None):
+        y = recipe(a.astype(jnp.float32), b.astype(jnp.float32), c)
+        return y.astype(_result_type(a, b, preferred_element_type))
+    return dot
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulPrecision:
+    """One matmul precision: its 2-D dot (a [M, K], b, c: the contracted axis of b (0: a
+    kernel [K, N], 1: a table [N, K]), precision, preferred_element_type) -> [M, N]."""
+    dot: Callable
+    about: str
+
+
+MATMUL_PRECISIONS = {
+    "default": MatmulPrecision(default_dot, "the model's compute dtype (model.dtype)"),
+    "float32": MatmulPrecision(cast_dot(jnp.float32, lax.Precision.HIGHEST),
+                               "float32 operands at full precision"),
+    "bf16": MatmulPrecision(cast_dot(jnp.bfloat16), "bfloat16 operands, float32 sums"),
+    "fp8": MatmulPrecision(quantised_dot(fp8_dot),
+                           "e4m3 forward, e5m2 gradients, per-tensor current scaling"),
+    "int8": MatmulPrecision(quantised_dot(int8_dot),
+                            "per-channel int8, int32 sums, straight-through float backward"),
+}
