@@ -1,0 +1,128 @@
+"""Serve a model over OpenAI's HTTP API (jaxformer.serve.server):
+
+    python -m jaxformer.serve RUN|HF_FOLDER [--port 8000 --host 127.0.0.1 --slots 32
+        --page-size 16 --pages N --prefill-chunk 128 --max-queue 256 --model-name NAME
+        --best --weights int8]
+
+RUN is a training run directory (its config.yaml, latest checkpoint, or the best with --best,
+and tokenizer.json); HF_FOLDER a Hugging Face model folder (config.json, safetensors,
+tokenizer.json). The folder's chat template (tokenizer_config.json or chat_template.jinja)
+serves /v1/chat/completions. The engine is compiled by a first request before the server
+listens, so /health answers once it is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxformer.serve",
+                                description="An OpenAI-compatible server for a model.")
+    p.add_argument("model", help="a training run directory or a Hugging Face model folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
+    p.add_argument("--pages", type=int, default=None, help="KV-cache pages (default: enough "
+                   "for every slot at the model's context)")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot; one more is answered 429")
+    p.add_argument("--model-name", default=None, help="the name clients ask for (default: "
+                   "the folder's name)")
+    p.add_argument("--best", action="store_true", help="a run's best checkpoint")
+    p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def tokenizer_of(folder: pathlib.Path, vocab_size: int):
+    """The folder's tokenizer.json, else bytes (as python -m jaxformer.eval reads them);
+    one larger than the model's vocabulary is refused."""
+    from jaxformer.data import ByteTokenizer, load_tokenizer
+    tok = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else ByteTokenizer()
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"{folder}/tokenizer.json has {tok.vocab_size} tokens, more than the "
+                         f"model's vocab_size={vocab_size}; add the model's tokenizer.json")
+    return tok
+
+
+def load(path: str, best: bool):
+    """(model, params, tokenizer) of a run directory or a Hugging Face folder."""
+    from jaxformer.hf import from_hf
+    from jaxformer.model import lora
+    from jaxformer.model.archs import ARCHS
+    from jaxformer.model.transformer import Transformer
+    from jaxformer.training.saved_run import load_run_params
+
+    folder = pathlib.Path(path)
+    if (folder / "config.yaml").is_file():
+        run, params = load_run_params(folder, best=best)
+        cfg = run.model
+        member, params = lora.pick_member(cfg.lora, params, None)
+        cfg = cfg.replace(lora=member)
+    elif (folder / "config.json").is_file():
+        cfg, params = from_hf(folder)
+    else:
+        raise FileNotFoundError(f"{path} is neither a jaxformer run dir (with config.yaml) nor "
+                                "a Hugging Face model folder (with config.json)")
+    if ARCHS[cfg.arch].encoder:
+        raise ValueError(f"{path} is an encoder-decoder (model.arch={cfg.arch}), which "
+                         "continues no prompt; serve a decoder")
+    return Transformer(cfg), params, tokenizer_of(folder, cfg.vocab_size)
+
+
+def warm_up(engine, end_ids) -> None:
+    """Compile the engine's step by serving two short requests (greedy and sampled)."""
+    from jaxformer.serve.engine import RequestSettings
+    engine.submit([0], RequestSettings(max_tokens=2, temperature=0.0, stop_token_ids=end_ids))
+    engine.submit([0, 0], RequestSettings(max_tokens=2, seed=0, logprobs=1))
+    while engine.has_work():
+        engine.step()
+
+
+def served_of(a: argparse.Namespace):
+    """The Served model of the command line: loaded, its engine built and compiled."""
+    from jaxformer.model.quantize import quantize
+    from jaxformer.serve.async_engine import AsyncEngine
+    from jaxformer.serve.engine import Engine
+    from jaxformer.serve.prompts import ChatTemplate, end_ids, special_token_encoder
+    from jaxformer.serve.server import Served
+
+    model, params, tok = load(a.model, a.best)
+    engine = Engine(model, quantize(params, a.weights), slots=a.slots, page_size=a.page_size,
+                    pages=a.pages, prefill_chunk=a.prefill_chunk)
+    folder = pathlib.Path(a.model)
+    ends = end_ids(folder, tok)
+    warm_up(engine, ends)
+    name = a.model_name or folder.resolve().name
+    return Served(AsyncEngine(engine, max_queue=a.max_queue, slots=a.slots), tok, name,
+                  engine.max_seq_len, ends, ChatTemplate.of_folder(folder),
+                  special_token_encoder(tok),
+                  no_chat=f"{name} has no chat template (no chat_template in {folder}/"
+                          "tokenizer_config.json nor a chat_template.jinja); use "
+                          "/v1/completions, or add a template to the folder")
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    from jaxformer.training.checkpoint import CheckpointError
+    try:
+        served = served_of(a)
+    except (FileNotFoundError, ValueError, CheckpointError) as e:  # a DataError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+    from jaxformer.serve.server import make_app
+    print(f"serving {served.model_name} at http://{a.host}:{a.port}/v1", file=sys.stderr,
+          flush=True)
+    uvicorn.run(make_app(served), host=a.host, port=a.port, log_level=a.log_level,
+                access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

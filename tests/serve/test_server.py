@@ -1,0 +1,351 @@
+"""The OpenAI-compatible server (python -m jaxformer.serve: jaxformer.serve.server, its
+engine thread jaxformer.serve.async_engine, the request shapes jaxformer.serve.protocol,
+chat templates jaxformer.serve.prompts, text and stop strings jaxformer.serve.text_stream),
+started once as a real process on a tiny random model saved as a Hugging Face folder and
+driven by the `openai` client. References: jaxformer's generate (greedy tokens), a float64
+log-softmax of the model's forward (log-probs), transformers' apply_chat_template."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import secrets
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+from jaxformer.data.tokenizer import ByteTokenizer, train_bpe
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SLOTS, MAX_QUEUE = 30, 2      # 32 requests held at most
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. "
+
+
+# --- the model folder and the server process ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny random Llama-like model saved as a Hugging Face folder with a BPE tokenizer
+    and a chat template: (path, model, params, tokenizer)."""
+    from jaxformer.convert import to_hf
+    from jaxformer.hf import from_hf
+    from jaxformer import ModelConfig
+    from jaxformer.model.build import param_shapes
+    from jaxformer.model.transformer import Transformer
+
+    seed = secrets.randbits(32)
+    print(f"model seed {seed}")
+    draw = np.random.default_rng(seed)
+    path = tmp_path_factory.mktemp("tiny_hf")
+    tok = train_bpe(iter([TEXT] * 20), 300)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2, norm="rmsnorm", ffn="swiglu", use_bias=False,
+                      tie_embeddings=False, max_seq_len=128)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: ((p[-1].key == "scale") + draw.normal(0, 0.3, x.shape)).astype(x.dtype),
+        param_shapes(cfg))
+    to_hf(cfg, params, path)
+    tok.save(path)
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"}))
+    cfg, params = from_hf(path)
+    return path, Transformer(cfg), params, tok
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    """The base URL of `python -m jaxformer.serve FOLDER`, running until the module ends."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxformer.serve", str(folder[0]), "--port", str(port),
+         "--slots", str(SLOTS), "--max-queue", str(MAX_QUEUE), "--page-size", "8",
+         "--model-name", "tiny"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start in 600 s"
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+# --- references ----------------------------------------------------------------------------
+
+def greedy(folder, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """jaxformer's generate, greedy, all prompts in one batch: each one's new tokens (its
+    end-of-text dropped)."""
+    from jaxformer.decode.loops import generate
+    _, model, params, tok = folder
+    width = max(map(len, prompts))
+    padded = np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)
+    out = generate(model, params, padded, prompt_lengths=np.array([len(p) for p in prompts]),
+                   max_new_tokens=n, rng=jax.random.key(0), temperature=0.0,
+                   eos_id=tok.eot_id)
+    rows = [np.asarray(out.tokens)[i, :int(out.lengths[i])].tolist() for i in range(len(prompts))]
+    return [[t for t in r if t != tok.eot_id] for r in rows]
+
+
+def log_softmax64(folder, ids: list[int]) -> np.ndarray:
+    """[len(ids), vocab] float64 log-softmax of the model's logits at each position."""
+    _, model, params, _ = folder
+    logits = np.asarray(model.apply({"params": params}, np.array([ids], np.int32))[0],
+                        np.float64)
+    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+
+
+def random_prompt(folder, n: int) -> list[int]:
+    tok = folder[3]
+    return [int(i) for i in rng.integers(1, tok.vocab_size, n)]
+
+
+rng = np.random.default_rng()  # rebound to each test's by tests/conftest.py
+
+
+# --- tests -----------------------------------------------------------------------------------
+
+def test_models_health_and_metrics(server, client):
+    """/v1/models lists the served name with its context, /health answers, /metrics counts."""
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server + "/v1/models").json()["data"][0]["max_model_len"] == 128
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    m = httpx.get(server + "/metrics").json()
+    assert m["slots"] == SLOTS and m["pages"]["free"] <= m["pages"]["total"]
+    assert set(m["time_to_first_token_ms"]) == {"p50", "p90", "p99"}
+
+
+def test_completion_is_greedy_generate_with_its_logprobs(folder, client):
+    """A greedy completion (prompt as text, then as token ids) is generate's tokens as
+    text; its log-probs, top alternatives and text offsets are the float64 forward's."""
+    tok = folder[3]
+    text = TEXT[:int(rng.integers(5, 40))]
+    ids = tok.encode(text).tolist()
+    want = greedy(folder, [ids], 12)[0]
+    ref = log_softmax64(folder, ids + want)[len(ids) - 1:-1]  # [new, vocab]
+    for prompt in (text, ids):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                      temperature=0, logprobs=3)
+        c = r.choices[0]
+        assert c.text == tok.decode(want), (c.text, tok.decode(want))
+        assert r.usage.prompt_tokens == len(ids)
+        lp = c.logprobs
+        assert lp.tokens == [tok.decode([t]) for t in want]
+        np.testing.assert_allclose(lp.token_logprobs, ref[np.arange(len(want)), want],
+                                   atol=1e-5)
+        for got, row in zip(lp.top_logprobs, ref):
+            want_top = {}
+            for i in np.argsort(-row)[:3]:  # by text, the likelier of two that read the same
+                want_top.setdefault(tok.decode([i]), row[i])
+            assert got.keys() == want_top.keys()
+            np.testing.assert_allclose([got[k] for k in want_top], list(want_top.values()),
+                                       atol=1e-5)
+        assert lp.text_offset == np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
+
+
+def test_chat_renders_the_folders_template(folder, client):
+    """A chat completion continues the prompt transformers' apply_chat_template renders
+    with the folder's template; its log-probs come in the chat shape."""
+    from transformers import PreTrainedTokenizerFast
+    path, _, _, tok = folder
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": TEXT[:int(rng.integers(3, 30))]}]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    text = hf.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                  add_generation_prompt=True)
+    ids = hf(text, add_special_tokens=False)["input_ids"]
+    want = greedy(folder, [ids], 10)[0]
+    ref = log_softmax64(folder, ids + want)[len(ids) - 1:-1]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content == tok.decode(want)
+    assert r.usage.prompt_tokens == len(ids)
+    content = c.logprobs.content
+    assert [e.token for e in content] == [tok.decode([t]) for t in want]
+    np.testing.assert_allclose([e.logprob for e in content], ref[np.arange(len(want)), want],
+                               atol=1e-5)
+    assert all(len(e.top_logprobs) == 2 for e in content)
+
+
+def test_streaming_gives_the_same_text(folder, client):
+    """Streamed completions and chats (server-sent events) add up to the whole reply."""
+    tok = folder[3]
+    ids = random_prompt(folder, int(rng.integers(3, 20)))
+    want = tok.decode(greedy(folder, [ids], 16)[0])
+    stream = client.completions.create(model="tiny", prompt=ids, max_tokens=16,
+                                       temperature=0, stream=True)
+    chunks = [c.choices[0] for c in stream]
+    assert "".join(c.text for c in chunks) == want
+    assert chunks[-1].finish_reason in ("length", "stop") and len(chunks) > 2
+    messages = [{"role": "user", "content": "jumps over"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                           temperature=0).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True)]
+    assert "".join(parts) == whole
+
+
+def test_stop_strings_cut_the_text(folder, client):
+    """A stop string ends the request: the text is cut before it, streamed or not."""
+    tok = folder[3]
+    for _ in range(20):  # a prompt whose greedy text has a stop string to pick
+        ids = random_prompt(folder, 6)
+        full = tok.decode(greedy(folder, [ids], 24)[0])
+        if len(full) >= 8 and "\ufffd" not in full:
+            break
+    at = int(rng.integers(1, len(full) - 3))
+    stop = full[at:at + 3]
+    want = full[:full.index(stop)]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0,
+                                  stop=[stop, "never seen \u2603"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    streamed = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt=ids, max_tokens=24, temperature=0, stop=stop, stream=True)]
+    assert "".join(c.text for c in streamed) == want
+    assert streamed[-1].finish_reason == "stop"
+
+
+def test_32_concurrent_streaming_clients(folder, server):
+    """32 streaming clients at once each get the tokens greedy generate gives their prompt."""
+    tok = folder[3]
+    prompts = [random_prompt(folder, int(n)) for n in rng.integers(1, 24, 32)]
+    want = [tok.decode(t) for t in greedy(folder, prompts, 10)]
+
+    async def one(c, prompt):
+        s = await c.completions.create(model="tiny", prompt=prompt, max_tokens=10,
+                                       temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in s])
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", max_retries=0,
+                               timeout=300)
+        return await asyncio.gather(*[one(c, p) for p in prompts])
+    assert asyncio.run(run()) == want
+
+
+def error_of(server, route: str, body: dict) -> tuple[int, dict]:
+    r = httpx.post(server + route, json=body, timeout=30)
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(prompt=list(range(1, 200))), "max_seq_len"),       # longer than the context
+    (dict(model="gpt-17"), "gpt-17"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(n=2), "n=2"),
+    (dict(prompt=None), "prompt"),
+])
+def test_bad_requests_get_400_in_one_line(server, change, words):
+    """Bad input is HTTP 400, OpenAI's error shape, one line naming the problem."""
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 4, **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    status, answer = error_of(server, "/v1/completions", body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "\n" not in error["message"] and words in error["message"], error
+
+
+def test_a_model_without_chat_template_refuses_chat():
+    """Without a template, /v1/chat/completions is 400 in one line (no engine touched)."""
+    from fastapi.testclient import TestClient
+    from jaxformer.serve.server import Served, make_app
+    app = make_app(Served(None, ByteTokenizer(), "m", 64, no_chat="m has no chat template"))
+    r = TestClient(app).post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "m has no chat template"
+
+
+def test_an_overloaded_queue_answers_429_within_a_second(folder, server):
+    """With 30 slots and --max-queue 2, 40 requests at once: the 8 past 32 are answered
+    429 within a second; the others complete."""
+    async def one(c, prompt):
+        start = time.monotonic()
+        r = await c.post(server + "/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 24, "min_tokens": 24,
+            "temperature": 0})
+        return r.status_code, time.monotonic() - start
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*[one(c, random_prompt(folder, 4)) for _ in range(40)])
+    answers = asyncio.run(run())
+    refused = [t for status, t in answers if status == 429]
+    assert len(refused) == 40 - SLOTS - MAX_QUEUE, answers
+    assert max(refused) < 1.0, refused
+    assert sorted({s for s, _ in answers}) == [200, 429]
+
+
+def test_a_disconnecting_client_frees_its_slot(folder, server):
+    """A streaming client that goes away mid-reply has its request cancelled: /metrics
+    shows nothing running and every page free again."""
+    before = httpx.get(server + "/metrics").json()
+    body = {"model": "tiny", "prompt": random_prompt(folder, 5), "max_tokens": 100,
+            "min_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+    deadline = time.monotonic() + 10
+    while True:
+        m = httpx.get(server + "/metrics").json()
+        if m["requests"]["cancelled"] > before["requests"]["cancelled"] and \
+                m["requests"]["held"] == 0 and m["requests"]["running"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    assert m["pages"]["free"] + (m["pages"]["cached"] or 0) == m["pages"]["total"], m
+
+
+def test_text_stream_waits_for_whole_characters_and_holds_back_stops():
+    """Bytes of one character are sent together; text that may start a stop string waits."""
+    from jaxformer.serve.text_stream import TextStream
+
+    class E:
+        def __init__(self, token):
+            self.token, self.logprob, self.top, self.finished = token, 0.0, (), None
+    text = TextStream(ByteTokenizer(), stop=("ab!",))
+    pieces = [text.add(E(b)) for b in "xé aab".encode()]
+    assert pieces == ["", "", "", "x", "é", " ", "a"]
+    assert text.finish() == "ab" and not text.stopped
+    text = TextStream(ByteTokenizer(), stop=("ab",))
+    out = "".join(text.add(E(b)) for b in b"xyzabc")
+    assert (out + text.finish(), text.stopped) == ("xyz", True)
