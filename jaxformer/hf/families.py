@@ -21,6 +21,7 @@ from jaxformer.hf import (afmoe_layout, apertus_layout, bart, bert, ernie_layout
                           hunyuan_layout, lfm2_layout, llama4_layout, mamba2_layout,
                           minimax_layout, multimodal, nemotron_layout, scales, seed_oss_layout,
                           t5, twists)
+from jaxformer.hf import llama_layout, mla_layout
 from jaxformer.hf.model_type import HFModelType
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.model.kinds import CLAMP_ALPHA, CLAMP_LIMIT
@@ -248,11 +249,12 @@ MODEL_TYPES: dict[str, HFModelType] = {row.name: row for row in [
                       routed_scaling_factor=2.5, n_group=8, topk_group=4,
                       first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True,
                       num_nextn_predict_layers=1),
-        biases="none", mla=True,
+        biases="none", mla=True, tensor_rules=mla_layout.with_mtp(llama_layout.tensor_rules),
+        extra=mla_layout.mtp_keys, extra_to_hf=lambda c: dict(num_nextn_predict_layers=c.mtp_depth),
         refuse=twists.DEEPSEEK_REFUSE + (("rope_interleave", (True,), "jaxformer reads DeepSeek's "
                                     "rotary weights with their pairs interleaved"),),
-        extra_layers="DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), "
-        "which jaxformer does not run",
+        extra_layers="DeepSeek-V3's multi-token-prediction layers past num_nextn_predict_layers "
+        "(or without eh_proj), which jaxformer does not read",
         moe=MoEFormat("mlp", "gate", ("n_routed_experts", "num_local_experts"), "sigmoid",
                       "norm_topk_prob", "moe_intermediate_size",
                       first_dense_key="first_k_dense_replace", shared_count_key="n_shared_experts",

@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxformer.hf.config_json import config_from_hf, model_type_row
+from jaxformer.hf.mla_layout import mtp_held
 from jaxformer.hf.multimodal import folder_row
 from jaxformer.model.build import param_shapes
 from jaxformer.model.config import ModelConfig
@@ -219,9 +220,10 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
     cfg = config_from_hf(hf).replace(param_dtype=jnp.dtype(dtype or "float32").name,
                                      scan_layers=scan_layers)
     row = folder_row(hf, model_type_row(hf))  # a multimodal folder: its text model's
-    rules = row.tensor_rules(cfg, row, rope_layout)
     reader = SafetensorsReader(folder)
     try:
+        cfg = mtp_held(cfg, reader.files, row.tensor_prefix)  # MTP modules if it holds them
+        rules = row.tensor_rules(cfg, row, rope_layout)
         names = _resolve(reader, rules, row, folder)
         loaders = _leaf_loaders(rules, reader, names)
         if scan_layers:

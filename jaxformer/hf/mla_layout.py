@@ -8,12 +8,16 @@ Theirs, under model.layers.N.self_attn.: q_a_proj [q_lora_rank, D], q_a_layernor
 [D, N v]. Ours: jaxformer.model.latent_attention.MLAttention's params. DeepSeek stores the rotated
 slices' pairs interleaved (rope_interleave; V2's complex rotation likewise): they are
 permuted to jaxformer's half rotation on the way in and back on the way out.
+
+Multi-token prediction (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers; model.mtp_depth,
+jaxformer.model.mtp): module k is the checkpoint's layer n_layers + k - 1 (with_mtp's rules).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -97,3 +101,50 @@ def mla_rules(cfg: ModelConfig, a: Path, p: str) -> list[Rule]:
               linear(a + ("out", "kernel"), f"{p}o_proj.weight", (d, n * m.v_head_dim),
                      (n, m.v_head_dim, d))]
     return rules
+
+
+def mtp_held(cfg: ModelConfig, names, prefix: str) -> ModelConfig:
+    """cfg with no MTP modules where the folder's tensor names hold none (transformers saves
+    DeepSeek-V3 and GLM-4.5 without them, num_nextn_predict_layers or not)."""
+    first = f"layers.{cfg.n_layers}.eh_proj.weight"
+    if cfg.mtp_depth and not {prefix + first, first} & set(names):
+        return cfg.replace(mtp_depth=0)
+    return cfg
+
+
+def mtp_rules(cfg: ModelConfig, row, main: list[Rule]) -> list[Rule]:
+    """The MTP modules' rules: module k <-> layer n_layers + k - 1: enorm, hnorm, eh_proj
+    [D, 2D] (the embedding's half first), the last layer's tensors as its block,
+    shared_head.norm as its output norm; and its copies of the embedding (embed_tokens) and
+    head (shared_head.head), written from the model's own and read where the model's
+    own come later (main's rules)."""
+    t, d, v, last = row.tensor_prefix, cfg.d_model, cfg.vocab_size, cfg.n_layers - 1
+    rules = []
+    for k in range(1, cfg.mtp_depth + 1):
+        m, p, was = f"mtp_{k}", f"{t}layers.{last + k}.", f"{t}layers.{last}."
+        rules += [copied((m, "enorm", "scale"), f"{p}enorm.weight", (d,)),
+                  copied((m, "hnorm", "scale"), f"{p}hnorm.weight", (d,)),
+                  linear((m, "eh_proj", "kernel"), f"{p}eh_proj.weight", (d, 2 * d), (2 * d, d)),
+                  copied((m, "norm", "scale"), f"{p}shared_head.norm.weight", (d,)),
+                  copied(("embed", "embedding"), f"{p}embed_tokens.weight", (v, d)),
+                  copied(("embed", "embedding"), f"{p}shared_head.head.weight", (v, d))
+                  if cfg.tie_embeddings else
+                  linear(("lm_head", "kernel"), f"{p}shared_head.head.weight", (v, d), (d, v))]
+        rules += [dataclasses.replace(r, ours=tuple((m, "block") + o[1:] for o in r.ours),
+                                      hf=tuple(h.replace(was, p, 1) for h in r.hf))
+                  for r in main if r.ours[0][0] == f"block_{last}"]
+    return rules
+
+
+def with_mtp(tensor_rules: Callable) -> Callable:
+    """A row's tensor_rules with the MTP modules' (mtp_rules) before them."""
+    def rules(cfg: ModelConfig, row, rope_layout: str = "half") -> list[Rule]:
+        main = tensor_rules(cfg, row, rope_layout)
+        return mtp_rules(cfg, row, main) + main
+    return rules
+
+
+def mtp_keys(get) -> dict[str, Any]:
+    """model.mtp_depth from num_nextn_predict_layers (mtp_held drops it where the folder
+    holds no such layer)."""
+    return dict(mtp_depth=get("num_nextn_predict_layers") or 0)
