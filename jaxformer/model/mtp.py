@@ -23,6 +23,7 @@ jaxformer.decode.speculative (mtp).
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxformer.attention.kv_cache import init_cache
@@ -39,7 +40,8 @@ def shifted(tokens, k: int, fill: int = 0):
     """tokens [B, T] moved k to the left: out[:, i] = tokens[:, i + k], `fill` past the end."""
     b, t = tokens.shape
     pad = jnp.full((b, min(k, t)), fill, tokens.dtype)
-    return jnp.concatenate([tokens[:, k:], pad], axis=1)  # [B, T]
+    rest = jax.lax.slice_in_dim(tokens, min(k, t), t, axis=1)  # (an abstract input too)
+    return jnp.concatenate([rest, pad], axis=1)  # [B, T]
 
 
 def embedded(cfg: ModelConfig, table, tokens):
