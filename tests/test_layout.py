@@ -99,6 +99,7 @@ WINGS = (
     "moe",          # routers, dispatches, grouped matmuls, expert parallelism, balancing
     "model",        # ModelConfig, the kind tables, the Flax modules, presets, LoRA, quantize
     "decode",       # sampling, constraints, the cached forward, loops, speculative, seq2seq
+    "serve",        # the continuous-batching engine over a paged KV cache
     "hf",           # one row per Hugging Face model type: read and write folders
     "data",         # tokenizers, sources, mixtures, batches
     "training",     # the loop, objectives, optimizers, checkpoints, saved runs

@@ -34,12 +34,12 @@ and values in a pool of fixed-size pages, ``k`` [pages, page_size, rows per batc
 sequence owns a page table, the pages of its tokens in order, so that its token at logical
 index j (position j) sits in page table[j // page_size] at offset j % page_size. A
 recurrent layer's entries keep one row per sequence slot [slots, ...]. For one forward,
-paged_cache hands each attention layer the pool and the forward's rows' ``table`` [R, M],
-``starts`` [R] (tokens already held: where the new ones go) and ``counts`` [R] (the real
-new tokens; the rest of a row is padding, never written); the layer writes its new keys
-(write_pages) and attends over its rows' pages laid out in logical order (page_view), the
-slots past a row's tokens masked as EMPTY_SLOT. A sliding window is a mask there, not a
-ring. paged_pool takes the pool back out of the forward's cache.
+paged_cache hands each attention layer the pool and the forward's rows' ``page_table``
+[R, M], ``starts`` [R] (tokens already held: where the new ones go) and ``counts`` [R]
+(the real new tokens; the rest of a row is padding, never written); the layer writes its
+new keys (write_pages) and attends over its rows' pages laid out in logical order
+(page_view), the slots past a row's tokens masked as EMPTY_SLOT. A sliding window is a
+mask there, not a ring. paged_pool takes the pool back out of the forward's cache.
 
 One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
 matmuls, and the reshape that then sits between the in-place cache update and the matmul
@@ -269,9 +269,6 @@ def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None, sinks=None)
 
 # ---- the paged layout (see the module docstring) -----------------------------------------
 
-PAGED_ENTRIES = ("table", "starts", "counts")  # a forward's rows, handed to each paged layer
-
-
 def init_pages(cfg, pages: int, page_size: int, slots: int, dtype=None):
     """An empty paged cache: each attention layer's ``k``, ``v`` [pages, page_size, rows per
     batch row, width] (cache_widths), each recurrent layer's entries [slots, ...] (zeros);
@@ -308,11 +305,11 @@ def paged_cache(pool, table, starts, counts, rows):
             else:
                 out[name] = x
         if "k" in entries:
-            out.update(table=table, starts=starts, counts=counts)
+            out.update(page_table=table, starts=starts, counts=counts)
         return out
 
     return {"layers": {n: layer(x) for n, x in pool["layers"].items()},
-            "table": table, "starts": starts, "counts": counts,
+            "page_table": table, "starts": starts, "counts": counts,
             "index": jnp.zeros([], jnp.int32)}
 
 
@@ -339,14 +336,14 @@ def paged_positions(cache):
     """A paged forward's key positions [R, M * page_size]: logical index j where the row
     holds it after the forward (j < starts + counts), else EMPTY_SLOT."""
     page_size = next((x["k"].shape[1] for x in cache["layers"].values() if "k" in x), 1)
-    m = cache["table"].shape[1] * page_size
+    m = cache["page_table"].shape[1] * page_size
     j = jnp.arange(m, dtype=jnp.int32)
     return jnp.where(j < (cache["starts"] + cache["counts"])[:, None], j, EMPTY_SLOT)
 
 
 def is_paged(layer) -> bool:
     """Whether a layer's cache is a paged one's (paged_cache)."""
-    return "table" in layer
+    return "page_table" in layer
 
 
 def write_pages(layer, k, v):
@@ -356,8 +353,8 @@ def write_pages(layer, k, v):
     r, t = k.shape[:2]
     index = layer["starts"][:, None] + jnp.arange(t)  # [R, T]: logical
     logical = index // page_size
-    m = layer["table"].shape[1]
-    page = jnp.take_along_axis(layer["table"], jnp.minimum(logical, m - 1), axis=1)
+    m = layer["page_table"].shape[1]
+    page = jnp.take_along_axis(layer["page_table"], jnp.minimum(logical, m - 1), axis=1)
     real = (jnp.arange(t) < layer["counts"][:, None]) & (logical < m)
     page = jnp.where(real, page, pages)  # page `pages`: out of range, dropped
 
@@ -380,4 +377,5 @@ def paged_keys(layer, k, v):
     """A paged layer's cache with k, v [R, T, K, H] written, and the keys and values its
     rows attend over [R * K, M * ps, H] (paged_positions mark which are held)."""
     layer = write_pages(layer, k, v)
-    return page_view(layer["k"], layer["table"]), page_view(layer["v"], layer["table"]), layer
+    table = layer["page_table"]
+    return page_view(layer["k"], table), page_view(layer["v"], table), layer

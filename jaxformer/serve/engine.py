@@ -19,9 +19,10 @@ pages are released and it goes back to the front of the queue, to be fed again (
 and tokens so far) when pages are free; what it emitted stands. A waiting request is
 admitted only when its whole prompt's pages are available.
 
-Programs compiled (jaxformer.serve.paged_step): per page-table width (powers of two up to
-max_seq_len / page_size), one for a decode step of every slot and one for PREFILL_ROWS
-prompt chunks. Not thread-safe: one thread calls submit, cancel and step.
+Programs compiled (jaxformer.serve.paged_step): per page-table width (powers of two from
+LEAST_KEYS / page_size up to max_seq_len / page_size), one for a decode step of every slot
+and one for PREFILL_ROWS prompt chunks: two for max_seq_len <= LEAST_KEYS. Not
+thread-safe: one thread calls submit, cancel and step.
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSetti
                                       checked_request)
 
 PREFILL_ROWS = 4  # prompts whose next chunk runs in one step (fewer slots: as many)
+# a forward reads at least this many keys per row: below it, reading masked keys costs less
+# than compiling another program
+LEAST_KEYS = 256
 
 
-def table_width(pages: int, longest: int) -> int:
+def table_width(pages: int, longest: int, least: int = 1) -> int:
     """The page-table width a forward runs: the power of two >= the pages its longest row
-    holds, at most `longest` (a sequence's most pages)."""
-    return min(longest, 1 << max(pages - 1, 0).bit_length())
+    holds (and >= `least`), at most `longest` (a sequence's most pages)."""
+    return min(longest, max(least, 1 << max(pages - 1, 0).bit_length()))
 
 
 class Engine:
@@ -91,9 +95,10 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.requests: dict[int, Request] = {}
         self.pending: list[Event] = []  # cancellations, reported by the next step
-        self.next_id, self.steps, self.shapes = 0, 0, set()
+        self.next_id, self.steps, self.preempted, self.shapes = 0, 0, 0, set()
         self.rng = np.random.default_rng()  # the seeds of requests that give none
         self.no_bans: dict[int, jax.Array] = {}
+        self.computing: set[int] = set()  # hashes of prompt pages admitted, not yet computed
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -123,10 +128,11 @@ class Engine:
 
     def stats(self) -> dict:
         """{"slots", "running", "waiting", "pages_total", "pages_free", "pages_cached",
-        "pages_held", "steps", "programs" (the shapes run, each a compiled program)}."""
+        "pages_held", "steps", "preempted" (requests sent back to the queue), "programs"
+        (the shapes run, each a compiled program)}."""
         return {"slots": self.slots, "running": len(self.running),
                 "waiting": len(self.waiting), **self.host.counts(), "steps": self.steps,
-                "programs": len(self.shapes)}
+                "preempted": self.preempted, "programs": len(self.shapes)}
 
     # ---- slots and pages -----------------------------------------------------------------
 
@@ -140,6 +146,7 @@ class Engine:
         if req.slot is None:
             return
         self.host.release(req.pages)
+        self.computing.difference_update(chain_hashes(req.tokens[:-1], self.page_size))
         self.tables[req.slot] = self.host.pages
         self.by_slot[req.slot] = None
         self.running.remove(req)
@@ -147,11 +154,14 @@ class Engine:
 
     def admit(self) -> None:
         """Waiting requests into free slots, first come first served, while the pool has
-        their prompts' pages (a prefix cached already: held, not computed again)."""
+        their prompts' pages (a prefix cached already: held, not computed again; one that a
+        running prompt is computing: the request waits for it, a step or a few)."""
         while self.waiting and None in self.by_slot:
             req = self.waiting[0]
             ps = self.page_size
             hashes = chain_hashes(req.tokens[:-1], ps) if self.prefix else []
+            if any(h in self.computing for h in hashes):
+                return  # a running prompt is computing its next page: shared once it is
             shared = self.host.lookup(hashes)  # (the last token always runs: its logits)
             new = self.host.take(-(-len(req.tokens) // ps) - len(shared))
             if new is None:
@@ -163,6 +173,7 @@ class Engine:
             self.running.append(req)
             req.pages, req.hashes, req.held = shared + new, hashes[:len(shared)], len(shared) * ps
             self.tables[req.slot, :len(req.pages)] = req.pages
+            self.computing.update(hashes[len(shared):])
 
     def grow(self, req: Request, length: int) -> bool:
         """Pages for req's first `length` tokens, preempting the requests admitted last
@@ -172,6 +183,7 @@ class Engine:
             if page is None:
                 victim = self.running[-1]
                 self.unslot(victim)
+                self.preempted += 1
                 self.waiting.appendleft(victim)
                 if victim is req:
                     return False
@@ -189,6 +201,7 @@ class Engine:
         for i, h in enumerate(new, len(req.hashes)):
             if self.prefix:
                 self.host.register(req.pages[i], h)
+            self.computing.discard(h)
         req.hashes += new
 
     # ---- steps ---------------------------------------------------------------------------
@@ -237,7 +250,8 @@ class Engine:
         for i, r in enumerate(reqs):
             feed = r.tokens[r.held:r.held + counts[r.id]]
             tokens[i, :len(feed)], starts[i], count[i] = feed, r.held, len(feed)
-        width = table_width(max(len(r.pages) for r in reqs), self.max_pages)
+        width = table_width(max(len(r.pages) for r in reqs), self.max_pages,
+                            -(-LEAST_KEYS // self.page_size))
         slot_of = np.array([r.slot for r in reqs] + [self.slots] * (rows - n), np.int32)
         table = np.full((rows, width), self.host.pages, np.int32)
         table[:n] = self.tables[slot_of[:n], :width]
