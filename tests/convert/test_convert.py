@@ -574,7 +574,9 @@ def test_llama_configs_of_both_transformers_generations():
     (dict(norm="rmsnorm", ffn="relu", use_bias=False), "model.ffn='relu'"),
     (dict(norm="layernorm", ffn="swiglu", use_bias=False), "model.norm='layernorm'"),
     (dict(norm="rmsnorm", ffn="swiglu", rope_scaling="ntk"), "model.rope_scaling.kind='ntk'"),
-    (dict(norm="rmsnorm", ffn="swiglu", use_bias=True, qkv_bias=False), "model.qkv_bias"),
+    # biases on o and the MLP but not q/k/v are Seed-OSS's, which has no window
+    (dict(norm="rmsnorm", ffn="swiglu", use_bias=True, qkv_bias=False, sliding_window=8),
+     "model.use_bias=True"),
     (dict(position="learned", n_kv_heads=2), "model.n_kv_heads=2"),
     (dict(n_kv_heads=2), "model.n_kv_heads=2 .*nearest, gpt_neox, differs in n_kv_heads"),
     (dict(use_bias=False), "model.use_bias=False .*gpt_neox, differs in use_bias"),
