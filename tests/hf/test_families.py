@@ -199,8 +199,8 @@ def test_presets_count_what_transformers_counts(preset):
 
 
 @pytest.mark.parametrize("config, words", [
-    (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
-     ["'gemma3'", "vision", "gemma3_text"]),
+    (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),  # no text_config
+     ["'gemma3'", "text_config", "gemma3_text"]),
     (dict(model_type="phimoe", architectures=["PhimoeForCausalLM"]),
      ["'phimoe'", "mixture of experts"]),
     (dict(COMMON, model_type="gemma3_text", use_bidirectional_attention=True),
