@@ -198,7 +198,7 @@ def test_every_page_is_free_after_a_thousand_requests_some_cancelled():
 
 
 @pytest.mark.parametrize("prompt, settings, words", [
-    ([], RequestSettings(), "empty"),
+    ([], RequestSettings(), "the prompt is empty"),
     ([3, 64], RequestSettings(), "[0, 64)"),
     (list(range(30)), RequestSettings(max_tokens=3), "max_seq_len=32"),
     ([1], RequestSettings(temperature=-1.0), "settings.temperature"),
