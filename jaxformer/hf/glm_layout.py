@@ -14,14 +14,15 @@ DeepSeek-V3's experts: sigmoid scores with the selection bias (e_score_correctio
 group-limited choice (n_group, topk_group), renormalised (norm_topk_prob) and scaled
 (routed_scaling_factor), the first first_k_dense_replace layers dense, n_shared_experts
 ungated shared experts. Its multi-token-prediction layers, stored as layers past the last,
-are skipped on import.
+are model.mtp_depth's modules (jaxformer.hf.mla_layout.mtp_rules), read where the folder
+holds them and written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxformer.hf import llama_layout, twists
+from jaxformer.hf import llama_layout, mla_layout, twists
 from jaxformer.hf.model_type import HFModelType
 from jaxformer.hf.moe_layout import MoEFormat
 from jaxformer.hf.tensors import Rule, split_rows
@@ -78,8 +79,8 @@ def _groups_to_hf(m) -> dict:
 
 
 def _glm4_moe_to_hf(cfg: ModelConfig) -> dict:
-    # the written folder has no multi-token-prediction layers
-    return dict(_attention_to_hf(cfg), num_nextn_predict_layers=0)
+    # the multi-token-prediction layers written: model.mtp_depth's (mla_layout.mtp_rules)
+    return dict(_attention_to_hf(cfg), num_nextn_predict_layers=cfg.mtp_depth)
 
 
 ROWS = [
@@ -102,9 +103,11 @@ ROWS = [
                       first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=1,
                       **twists.ROUTER_LOSS),
         biases="none", rotary_fraction_key="partial_rotary_factor",
-        extra=_attention_keys, extra_to_hf=_glm4_moe_to_hf,
-        extra_layers="GLM-4.5's multi-token-prediction layers (num_nextn_predict_layers), "
-        "which jaxformer does not run",
+        tensor_rules=mla_layout.with_mtp(llama_layout.tensor_rules),
+        extra=lambda get: {**_attention_keys(get), **mla_layout.mtp_keys(get)},
+        extra_to_hf=_glm4_moe_to_hf,
+        extra_layers="GLM-4.5's multi-token-prediction layers past num_nextn_predict_layers "
+        "(or without eh_proj), which jaxformer does not read",
         moe=MoEFormat("mlp", "gate", ("n_routed_experts", "num_local_experts"), "sigmoid",
                       "norm_topk_prob", "moe_intermediate_size",
                       first_dense_key="first_k_dense_replace", shared_count_key="n_shared_experts",

@@ -1,10 +1,14 @@
-"""DeepSeek-V3's multi-token-prediction layers (jaxformer.hf.mla_layout's mtp_rules, the
-deepseek_v3 row of jaxformer.hf.families): transformers builds none (num_nextn_predict_layers
-or not), so a random one (std 0.1) is written by hand beside a random model's tensors as
-layer n_layers; from_hf reads it as model.mtp_depth=1, and its predictions equal a float64
-forward of the paper's module (enorm, hnorm, eh_proj over [embedding; hidden state], the
-layer as transformers' DeepseekV3DecoderLayer runs it, shared_head's norm and head); to_hf
-writes it back tensor for tensor. A folder without the layer reads as mtp_depth=0."""
+"""DeepSeek-V3's and GLM-4.5's multi-token-prediction layers (jaxformer.hf.mla_layout's
+mtp_rules; the deepseek_v3 row of jaxformer.hf.families, glm4_moe's of jaxformer.hf.glm_layout):
+transformers builds none (num_nextn_predict_layers or not), so a random one (std 0.1) is
+written by hand beside a random model's tensors as layer n_layers (its block the last layer
+of a random 3-layer model); from_hf reads it as model.mtp_depth=1, and its predictions equal
+a float64 forward of the paper's module (enorm, hnorm, eh_proj over [embedding; hidden
+state], the layer as transformers' decoder layer runs it, shared_head's norm and head);
+to_hf writes it back tensor for tensor. A folder without the layer reads as mtp_depth=0."""
+
+import json
+
 
 import numpy as np
 import pytest
@@ -15,20 +19,28 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 import jax  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds  # noqa: E402
+from transformers.models.glm4_moe import modeling_glm4_moe as glm  # noqa: E402
 
 from jaxformer import Transformer  # noqa: E402
 from jaxformer.convert import from_hf, to_hf  # noqa: E402
 from tests.hf.test_families import redraw, rel_err  # noqa: E402
+from tests.hf.test_glm import GLM4_MOE, glm_model  # noqa: E402
 from tests.hf.test_moe_families import V, hf_model  # noqa: E402
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+# model type: (a random 3-layer model, a sparse layer last; its RMSNorm class)
+FAMILIES = {"deepseek_v3": (lambda: hf_model("deepseek_v3", num_hidden_layers=3,
+                                             first_k_dense_replace=1), ds.DeepseekV3RMSNorm),
+            "glm4_moe": (lambda: glm_model(**dict(GLM4_MOE, num_hidden_layers=3)),
+                         glm.Glm4MoeRMSNorm)}
 
 
-def mtp_parts(d: int):
-    """A random MTP module's own norms and projection (std 0.1; norms 1 + 0.1 noise)."""
+def mtp_parts(config, norm):
+    """A random MTP module's own norms (at the model's epsilon) and projection (std 0.1;
+    norms 1 + 0.1 noise)."""
     torch.manual_seed(int(rng.integers(1 << 31)))
-    parts = {"enorm": ds.DeepseekV3RMSNorm(d), "hnorm": ds.DeepseekV3RMSNorm(d),
-             "shared_head.norm": ds.DeepseekV3RMSNorm(d),
+    d, eps = config.hidden_size, config.rms_norm_eps
+    parts = {"enorm": norm(d, eps), "hnorm": norm(d, eps), "shared_head.norm": norm(d, eps),
              "eh_proj": torch.nn.Linear(2 * d, d, bias=False)}
     for name, part in parts.items():
         redraw(part.named_parameters(), lambda _: "norm" in name)
@@ -57,9 +69,11 @@ def reference(model, layer, parts, tokens):
         return model.lm_head(parts["shared_head.norm"](x)).numpy()
 
 
-def test_deepseek_v3_mtp_layer_read_run_and_written(tmp_path):
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_mtp_layer_read_run_and_written(model_type, tmp_path):
     # a random 3-layer model: its last layer becomes the MTP module's block, the rest the model
-    model = hf_model("deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1)
+    build, norm = FAMILIES[model_type]
+    model = build()
     model.save_pretrained(tmp_path / "three")
     tensors = load_file(tmp_path / "three" / "model.safetensors")  # layer 2's under its names
     layer = model.model.layers[2]
@@ -67,13 +81,15 @@ def test_deepseek_v3_mtp_layer_read_run_and_written(tmp_path):
     model.config.num_hidden_layers = 2
     model.save_pretrained(tmp_path / "plain")
     assert from_hf(tmp_path / "plain")[0].mtp_depth == 0  # transformers' own folder
-    parts = mtp_parts(model.config.hidden_size)
+    parts = mtp_parts(model.config, norm)
     tensors.update({f"model.layers.2.{k}.{w}": t.numpy() for k, p in parts.items()
                     for w, t in p.state_dict().items()})
     tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
     tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"]
     (tmp_path / "mtp").mkdir()
-    (tmp_path / "mtp" / "config.json").write_text((tmp_path / "plain/config.json").read_text())
+    keys = json.loads((tmp_path / "plain/config.json").read_text())
+    keys["num_nextn_predict_layers"] = 1
+    (tmp_path / "mtp" / "config.json").write_text(json.dumps(keys))
     save_file(tensors, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
 
     cfg, params = from_hf(tmp_path / "mtp")
@@ -85,7 +101,7 @@ def test_deepseek_v3_mtp_layer_read_run_and_written(tmp_path):
     assert rel_err(np.asarray(more[0, :, :-1]), want) < 1e-5, rel_err(more[0, :, :-1], want)
 
     written = to_hf(cfg, params, tmp_path / "out")
-    assert (written["model_type"], written["num_nextn_predict_layers"]) == ("deepseek_v3", 1)
+    assert (written["model_type"], written["num_nextn_predict_layers"]) == (model_type, 1)
     back = load_file(tmp_path / "out" / "model.safetensors")
     for name in (n for n in tensors if n.startswith("model.layers.2.")):
         np.testing.assert_allclose(back[name], tensors[name], rtol=1e-6, atol=1e-7,
