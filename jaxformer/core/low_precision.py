@@ -55,16 +55,22 @@ def format_max(dtype) -> float:
     return INT8_MAX if jnp.dtype(dtype) == jnp.int8 else float(jnp.finfo(dtype).max)
 
 
+def to_grid(y, dtype):
+    """y (float32) in dtype: saturated at the format's max, rounded to nearest even (the
+    cast to float8 rounds so; jnp.round for int8)."""
+    top = format_max(dtype)
+    y = jnp.clip(y, -top, top)
+    return (jnp.round(y) if jnp.dtype(dtype) == jnp.int8 else y).astype(dtype)
+
+
 def quantise(x, dtype, axis=None):
     """x scaled into dtype's grid: (q, scale), x ~ q / scale. scale [float32, x's rank,
-    size 1 on `axis` (None: every axis, one per tensor)] = format max / amax over axis; q
-    = x scale rounded to nearest even, saturated at the format's max, in dtype."""
-    top = format_max(dtype)
+    size 1 on `axis` (None: every axis, one per tensor)] = format max / amax over axis
+    (current scaling); q = to_grid(x scale)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    scale = lax.stop_gradient(top / jnp.maximum(amax, TINY))
-    y = jnp.clip(x * scale, -top, top)
-    return (jnp.round(y) if jnp.dtype(dtype) == jnp.int8 else y).astype(dtype), scale
+    scale = lax.stop_gradient(format_max(dtype) / jnp.maximum(amax, TINY))
+    return to_grid(x * scale, dtype), scale
 
 
 def _dot(a, b, contract, out=jnp.float32):
@@ -139,6 +145,59 @@ def _int8_bwd(c, saved, g):
 int8_dot.defvjp(_int8_fwd, _int8_bwd)
 
 
+# ---- the experts' grouped matmuls: the same recipes, on values on the grid -------------------
+
+
+def on_grid(x, dtype, axis):
+    """x quantised (quantise) and back: float32 values on dtype's grid over their scales."""
+    q, scale = quantise(x, dtype, axis)
+    return q.astype(jnp.float32) / scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def straight_through(x, dtype, axis):
+    """on_grid(x) forward; its gradient passes through as it is (the straight-through
+    estimator: the scale maps amax to the format's max, so nothing is clipped)."""
+    return on_grid(x, dtype, axis)
+
+
+straight_through.defvjp(lambda x, dtype, axis: (on_grid(x, dtype, axis), None),
+                        lambda dtype, axis, _, g: (g,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gradient_on_grid(y, dtype):
+    """y forward; its incoming gradient put on dtype's grid (one scale per tensor)."""
+    return y
+
+
+gradient_on_grid.defvjp(lambda y, dtype: (y, None),
+                        lambda dtype, _, g: (on_grid(g, dtype, None).astype(g.dtype),))
+
+
+def grouped_recipe(operands, gradient=None, rows=None, channels=None):
+    """A recipe for a bilinear product(h [..., in], kernel [G, in, out]) (an experts' grouped
+    matmul, whatever its dispatch): both operands on the `operands` grid (h's scales over
+    `rows`' axis, the kernel's over `channels`' axis; None: one per tensor), the product in
+    float32 of those values, and the incoming gradient on the `gradient` grid (None:
+    as it is). Its gradients are the product's own: straight through the quantisers.
+    Numerically the 2-D dot's recipe, up to float32 rounding of the values over scales."""
+    def product(matmul, h, kernel):
+        if jnp.issubdtype(kernel.dtype, jnp.integer):  # an Int8Kernel's values: its own path
+            return matmul(h, kernel)
+        hq = straight_through(h.astype(jnp.float32), operands, rows)
+        kq = straight_through(kernel.astype(jnp.float32), operands, channels)
+        y = matmul(hq, kq)  # [..., out] float32
+        y = y if gradient is None else gradient_on_grid(y, gradient)
+        return y.astype(h.dtype)
+    return product
+
+
+def cast_grouped(dtype):
+    """product(h, kernel) with both operands cast to dtype, the result in h's dtype."""
+    return lambda matmul, h, kernel: matmul(h.astype(dtype), kernel.astype(dtype)).astype(h.dtype)
+
+
 # ---- the table --------------------------------------------------------------------------------
 
 
@@ -174,18 +233,24 @@ def quantised_dot(recipe):
 @dataclasses.dataclass(frozen=True)
 class MatmulPrecision:
     """One matmul precision: its 2-D dot (a [M, K], b, c: the contracted axis of b (0: a
-    kernel [K, N], 1: a table [N, K]), precision, preferred_element_type) -> [M, N]."""
+    kernel [K, N], 1: a table [N, K]), precision, preferred_element_type) -> [M, N], and
+    its grouped product (matmul, h [..., in], kernel [G, in, out]) -> matmul(h, kernel)
+    in that precision (the experts')."""
     dot: Callable
+    grouped: Callable
     about: str
 
 
 MATMUL_PRECISIONS = {
-    "default": MatmulPrecision(default_dot, "the model's compute dtype (model.dtype)"),
+    "default": MatmulPrecision(default_dot, lambda matmul, h, kernel: matmul(h, kernel),
+                               "the model's compute dtype (model.dtype)"),
     "float32": MatmulPrecision(cast_dot(jnp.float32, lax.Precision.HIGHEST),
-                               "float32 operands at full precision"),
-    "bf16": MatmulPrecision(cast_dot(jnp.bfloat16), "bfloat16 operands, float32 sums"),
-    "fp8": MatmulPrecision(quantised_dot(fp8_dot),
+                               cast_grouped(jnp.float32), "float32 operands at full precision"),
+    "bf16": MatmulPrecision(cast_dot(jnp.bfloat16), cast_grouped(jnp.bfloat16),
+                            "bfloat16 operands, float32 sums"),
+    "fp8": MatmulPrecision(quantised_dot(fp8_dot), grouped_recipe(E4M3, E5M2),
                            "e4m3 forward, e5m2 gradients, per-tensor current scaling"),
     "int8": MatmulPrecision(quantised_dot(int8_dot),
+                            grouped_recipe(jnp.int8, rows=-1, channels=-2),
                             "per-channel int8, int32 sums, straight-through float backward"),
 }

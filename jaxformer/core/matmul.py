@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax.linen import dtypes
 from jax import lax
 
-from jaxformer.core.low_precision import MATMUL_PRECISIONS, default_dot
+from jaxformer.core.low_precision import MATMUL_PRECISIONS, default_dot  # noqa: F401 (moe reads it)
 
 
 class Int8Kernel(NamedTuple):

@@ -159,7 +159,8 @@ class MoEFeedForward(nn.Module):
         rows = (h, weights, experts) if not m.row.scales_input else \
             scaled_inputs(h, weights, experts)  # Llama 4: a row per assignment, k per token
         y, dropped = dispatch_for(dispatch_of(m))(rows[0].astype(c.dtype), *rows[1:], w,
-                                                  FFNS[c.ffn], capacity_factor=m.capacity_factor)
+                                                  FFNS[c.ffn], capacity_factor=m.capacity_factor,
+                                                  precision=c.matmul_precision)
         y = jnp.sum(y.reshape(b, t, -1, d), axis=2)  # each token's rows (one, or k) summed
 
         load = expert_load(experts, m.experts)

@@ -93,9 +93,12 @@ def weight_specs(w, mesh):
     return {name: jax.tree.map(functools.partial(spec, name), v) for name, v in w.items()}
 
 
-def expert_parallel_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None, mesh):
+def expert_parallel_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None, mesh,
+                             precision="default"):
     """moe.ragged_dispatch with the experts split over mesh's expert axis. x [N, D],
-    weights and experts [N, k], w {name: [E, ...]} (global arrays) -> (y [N, D], 0)."""
+    weights and experts [N, k], w {name: [E, ...]} (global arrays) -> (y [N, D], 0). A
+    quantised precision (model.matmul_precision) scales each device's operands by its own
+    amax."""
     n_experts = jax.tree.leaves(w)[0].shape[0]
     check_expert_split(n_experts, mesh.shape[AXIS])
     rows = token_axes(x.shape[0], mesh)
@@ -104,21 +107,22 @@ def expert_parallel_dispatch(x, weights, experts, w, ffn, *, capacity_factor=Non
     if set(mlp) & set(rows):
         raise ValueError(f"expert parallelism: the experts' hidden axis (expert_mlp -> {mlp}) "
                          f"and the tokens (act_batch, act_seq -> {rows}) share mesh axes")
-    local = functools.partial(_local, ffn=ffn, n_experts=n_experts, specs=specs, mlp=mlp)
+    local = functools.partial(_local, ffn=ffn, n_experts=n_experts, specs=specs, mlp=mlp,
+                              precision=precision)
     tokens = P(rows or None)
     y = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, specs),
                       out_specs=tokens, check_vma=False)(x, weights, experts, w)
     return y, jnp.float32(0)
 
 
-def _local(x, weights, experts, w, *, ffn, n_experts, specs, mlp):
+def _local(x, weights, experts, w, *, ffn, n_experts, specs, mlp, precision="default"):
     """One device: its tokens x [n, D], weights / experts [n, k]; its experts' params."""
     w = {name: jax.tree.map(functools.partial(_gathered, names=param_axes(name)), v, specs[name])
          for name, v in w.items()}
     if mlp and "wo_bias" in w:  # added once, not on every shard of the partial sums
         first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in mlp])
         w["wo_bias"] = jnp.where(first, w["wo_bias"], 0)
-    y = exchange(x, weights, experts, w, ffn, n_experts)
+    y = exchange(x, weights, experts, w, ffn, n_experts, precision)
     return jax.lax.psum(y, mlp) if mlp else y
 
 
@@ -131,7 +135,7 @@ def _gathered(v, spec, names):
     return v
 
 
-def exchange(x, weights, experts, w, ffn, n_experts: int):
+def exchange(x, weights, experts, w, ffn, n_experts: int, precision: str = "default"):
     """Inside shard_map: this device's tokens x [n, D] to the devices of their experts
     (w: the local experts' params [E / X, ...]) and back -> y [n, D]."""
     n, k = experts.shape
@@ -153,7 +157,8 @@ def exchange(x, weights, experts, w, ffn, n_experts: int):
     # each received row through its local expert (padding rows: expert E/X, none: zeros)
     out, _ = ragged_dispatch(recv.reshape(devices * cap, -1),
                              jnp.ones((devices * cap, 1), jnp.float32),
-                             mine.reshape(-1, 1), w, ffn)  # [X C, D]
+                             mine.reshape(-1, 1), w, ffn,
+                             precision=precision)  # [X C, D]
     back = jax.lax.all_to_all(out.reshape(devices, cap, -1), AXIS, 0, 0, tiled=True)
     ys = back[dest, slot]  # [n k, D]: where each sorted assignment's row went
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # token order again

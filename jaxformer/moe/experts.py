@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxformer.core.matmul import Int8Kernel
+from jaxformer.core.matmul import MATMUL_PRECISIONS, Int8Kernel
 from jaxformer.core.validation import ConfigError, Section, check_choice, check_number
 from jaxformer.moe.grouped_matmul import grouped_matmul
 from jaxformer.moe.grouped_vmap import over_rows
@@ -230,7 +230,7 @@ def dense_weights(weights, experts, n_experts: int):
 # ---- the experts' feed-forward network --------------------------------------------------
 
 
-def expert_mlp(x, w, ffn, matmul, rows=None):
+def expert_mlp(x, w, ffn, matmul, rows=None, precision: str = "default"):
     """The experts' FFN on rows x [M, D]: matmul(x, kernel [E, in, out]) multiplies each row
     by its own expert's kernel; rows [M] (each row's expert) picks the biases ({name}_bias
     [E, out]) where the experts have them. w: wi_gate, wi_up, wo (gated) or wi, wo.
@@ -238,7 +238,7 @@ def expert_mlp(x, w, ffn, matmul, rows=None):
     A kernel may be a jaxformer.core.matmul.Int8Kernel (int8 values [E, in, out], a scale per
     expert and output channel [E, 1, out]: jaxformer.model.quantize): matmul reads the values,
     converted to the compute dtype in the product, and each row's output is times its
-    expert's scale."""
+    expert's scale. precision: model.matmul_precision (MATMUL_PRECISIONS' grouped recipe)."""
     def per_expert(t):  # t [E, out] as each row's (rows None: broadcast over the rows)
         return t if rows is None else t[rows]
 
@@ -249,7 +249,7 @@ def expert_mlp(x, w, ffn, matmul, rows=None):
         if kernel.dtype.itemsize < h.dtype.itemsize:  # widened in the product: tied to the
             # input, so that XLA cannot hoist it out of a decode loop (matmul._int8_dot)
             kernel, h = jax.lax.optimization_barrier((kernel, h))
-        y = matmul(h, kernel)
+        y = MATMUL_PRECISIONS[precision].grouped(matmul, h, kernel)  # int8 values: as given
         if scale is not None:
             y = y * per_expert(scale).astype(y.dtype)
         bias = w.get(name + "_bias")
@@ -285,7 +285,7 @@ def _take_rows_bwd(k, inverse, g):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def ragged_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None):
+def ragged_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None, precision="default"):
     """Dropless: the N k assignments sorted by expert, each expert's rows one group of a
     grouped matmul, then back in token order and summed with their weights. The sort and
     un-sort are gathers both ways (take_rows), the group sizes read from the sorted
@@ -302,7 +302,7 @@ def ragged_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None):
     def matmul(h, kernel):  # vmap batches it over the rows alone (jaxformer.moe.grouped_vmap)
         return GROUPED(h, kernel, sizes)  # widened where it is read
 
-    ys = expert_mlp(xs, w, ffn, matmul, rows)  # [N k, D]
+    ys = expert_mlp(xs, w, ffn, matmul, rows, precision)  # [N k, D]
     ys = take_rows(ys, inverse, order, 1).reshape(n, k, -1)  # token order again
     y = jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
     return y, jnp.float32(0)
@@ -317,7 +317,7 @@ def capacity_slots(experts, n_experts: int, capacity: int):
     return slot, slot < capacity
 
 
-def capacity_dispatch(x, weights, experts, w, ffn, *, capacity_factor):
+def capacity_dispatch(x, weights, experts, w, ffn, *, capacity_factor, precision="default"):
     """A buffer of C = ceil(factor N k / E) rows per expert [E, C, D]; assignments past an
     expert's C are dropped. x [N, D] -> (y [N, D], the fraction of assignments dropped)."""
     n, k = experts.shape
@@ -333,13 +333,13 @@ def capacity_dispatch(x, weights, experts, w, ffn, *, capacity_factor):
         return jnp.einsum("eci,eio->eco", h, kernel.astype(h.dtype))
 
     rows = jnp.broadcast_to(jnp.arange(n_experts)[:, None], (n_experts, capacity))
-    out = expert_mlp(buffer, w, ffn, matmul, rows)  # [E, C, D]
+    out = expert_mlp(buffer, w, ffn, matmul, rows, precision)  # [E, C, D]
     ys = out.at[where].get(mode="fill", fill_value=0)  # [N, k, D]
     y = jnp.einsum("nkd,nk->nd", ys, (weights * kept).astype(ys.dtype))
     return y, 1.0 - jnp.mean(kept.astype(jnp.float32))
 
 
-def dense_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None):
+def dense_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None, precision="default"):
     """The reference: every expert on every token, summed with the routing's dense weights
     (0 where not chosen). x [N, D] -> (y [N, D], 0). E times the routed work."""
     n_experts = jax.tree.leaves(w)[0].shape[0]
@@ -349,7 +349,7 @@ def dense_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None):
         return jnp.einsum("eni,eio->eno", h, kernel.astype(h.dtype))
 
     rows = jnp.broadcast_to(jnp.arange(n_experts)[:, None], every.shape[:2])
-    out = expert_mlp(every, w, ffn, matmul, rows)  # [E, N, D]
+    out = expert_mlp(every, w, ffn, matmul, rows, precision)  # [E, N, D]
     dense = dense_weights(weights, experts, n_experts)  # [N, E]
     return jnp.einsum("end,ne->nd", out, dense.astype(out.dtype)), jnp.float32(0)
 

@@ -1,0 +1,249 @@
+"""model.matmul_precision (jaxformer.core.low_precision): the fp8 and int8 recipes against a
+float64 NumPy fake quantisation of the same recipe (scales, round to nearest even onto the
+format's grid, saturation at its max), forward and gradients, in a projection's dot and in
+the experts' grouped matmul; a model's loss and gradients in fp8 scanned and rematerialised
+equal the unscanned; 8 devices equal one (tests/core/low_precision_worker.py); a short fp8
+training run ends near bf16's."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.core.low_precision import E4M3, E5M2, MATMUL_PRECISIONS, to_grid
+from jaxformer.core.matmul import projection_dot
+from jaxformer.model.config import ConfigError
+from jaxformer.model.layer_runs import stack_layers
+from jaxformer.moe.grouped_matmul import grouped_matmul
+from jaxformer.training.optim import OptimConfig, make_optimizer
+from jaxformer.training.step import init_state, make_train_step
+from tests.conftest import REPO
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
+F32 = np.float32
+
+
+def float_step(mantissa: int, min_exp: int):
+    """The spacing of a float format's values at v: 2^(e - mantissa), e v's exponent (at
+    least min_exp: the subnormals' spacing below)."""
+    return lambda v: 2.0 ** (np.maximum(np.floor(np.log2(np.maximum(np.abs(v), 1e-300))),
+                                        min_exp) - mantissa)
+
+
+def on_grid(step, top: float):
+    """Rounding in float64: saturated at top, then to the nearest multiple of step(v), ties
+    to even (np.round)."""
+    def grid(v):
+        v = np.clip(v, -top, top)
+        return np.round(v / step(v)) * step(v)
+    return grid
+
+
+STEPS = {"e4m3": float_step(3, -6), "e5m2": float_step(2, -14), "int8": lambda v: np.ones_like(v)}
+GRIDS = {  # name: (jnp dtype, the float64 rounding, the format's max)
+    "e4m3": (E4M3, on_grid(STEPS["e4m3"], 448.0), 448.0),
+    "e5m2": (E5M2, on_grid(STEPS["e5m2"], 57344.0), 57344.0),
+    "int8": (jnp.int8, on_grid(STEPS["int8"], 127.0), 127.0),
+}
+
+
+def np_quantise(x, fmt, axis=None):
+    """The recipe's quantiser in NumPy: (q on the grid, float64; scale, float64). The scale
+    and x * scale in float32, as the model computes them (one correctly rounded op each)."""
+    x = np.asarray(x, F32)
+    top = F32(GRIDS[fmt][2])
+    amax = np.max(np.abs(x), axis=axis, keepdims=True)
+    scale = top / np.maximum(amax, F32(1e-12))
+    return GRIDS[fmt][1]((x * scale).astype(np.float64)), scale.astype(np.float64)
+
+
+def heavy(*shape):
+    """Normal draws times a log-normal spread: values over several binades (some in the
+    float8 subnormals once scaled)."""
+    return rng.normal(size=shape) * np.exp(1.5 * rng.normal(size=shape))
+
+
+# ---- the grid -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", list(GRIDS))
+def test_to_grid_rounds_to_nearest_even_and_saturates(fmt):
+    dtype, grid, top = GRIDS[fmt]
+    n = 512
+    v = np.sign(rng.normal(size=n)) * np.exp2(rng.uniform(-14, np.log2(top) + 3, n))  # past top
+    g = grid(v)[np.abs(grid(v)) < top]
+    ties = g + np.sign(g) * STEPS[fmt](g) / 2  # halfway between two values of the grid
+    v = np.concatenate([v, ties, [0.0, top, -top, 10 * top]]).astype(F32)
+    out = np.asarray(to_grid(jnp.asarray(v), dtype).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(out, grid(v.astype(np.float64)))
+
+
+# ---- the projection's dot -------------------------------------------------------------------
+
+
+def np_fp8(a, b, r):
+    """y = a b and (da, db) for the cotangent r, by the fp8 recipe in float64."""
+    qa, sa = np_quantise(a, "e4m3")
+    qb, sb = np_quantise(b, "e4m3")
+    qg, sg = np_quantise(r, "e5m2")
+    return qa @ qb / (sa * sb), qg @ qb.T / (sg * sb), qa.T @ qg / (sg * sa)
+
+
+def np_int8(a, b, r):
+    """y = a b and (da, db) for the cotangent r, by the int8 recipe in float64 (per row of
+    a, per output channel of b; the backward straight through in float)."""
+    qa, sa = np_quantise(a, "int8", axis=1)
+    qb, sb = np_quantise(b, "int8", axis=0)
+    return qa @ qb / (sa * sb), r @ (qb / sb).T, (qa / sa).T @ r
+
+
+RECIPES = {"fp8": np_fp8, "int8": np_int8}
+
+
+def close(out, ref, rtol=1e-5):
+    """Equal up to float32 sums: within rtol of the largest value."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("precision", list(RECIPES))
+def test_projection_dot_is_the_recipe_forward_and_backward(precision):
+    """A q/k/v-shaped projection: x [B, T, D] times a kernel [D, N, H] (flattened to 2-D
+    inside), and the tied head's layout, x times a table [V, D]."""
+    dot = projection_dot(precision)
+    x, kernel, table = heavy(2, 4, 16), heavy(16, 3, 4), heavy(10, 16)
+    for w, dims, w2 in [(kernel, (((2,), (0,)), ((), ())), kernel.reshape(16, 12)),
+                        (table, (((2,), (1,)), ((), ())), table.T)]:
+        y, vjp = jax.vjp(lambda a, b: dot(a, b, dims), jnp.asarray(x, jnp.float32),
+                         jnp.asarray(w, jnp.float32))
+        r = rng.normal(size=y.shape)
+        dx, dw = vjp(jnp.asarray(r, jnp.float32))
+        ref_y, ref_dx, ref_dw = RECIPES[precision](x.reshape(8, 16), w2, r.reshape(8, -1))
+        close(y.reshape(8, -1), ref_y)
+        close(dx.reshape(8, 16), ref_dx)
+        close(np.asarray(dw).reshape(w2.T.shape if w is table else w2.shape),
+              ref_dw.T if w is table else ref_dw)
+
+
+# ---- the experts' grouped matmul --------------------------------------------------------------
+
+
+def np_grouped(precision, h, k, sizes, r):
+    """The grouped product's y and (dh, dk) by the recipe in float64: group e's rows times
+    k[e]; fp8 one scale per tensor (h, the kernels, the gradient), int8 per row of h and
+    per expert and output channel of k."""
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    if precision == "fp8":
+        (qh, sh), (qk, sk), (qg, sg) = (np_quantise(h, "e4m3"), np_quantise(k, "e4m3"),
+                                        np_quantise(r, "e5m2"))
+        hv, kv, gv = qh / sh, qk / sk, qg / sg
+    else:
+        (qh, sh), (qk, sk) = np_quantise(h, "int8", axis=-1), np_quantise(k, "int8", axis=-2)
+        hv, kv, gv = qh / sh, qk / sk, np.asarray(r, np.float64)
+    y = np.einsum("mi,mio->mo", hv, kv[group])
+    dh = np.einsum("mo,mio->mi", gv, kv[group])
+    dk = np.stack([hv[group == e].T @ gv[group == e] for e in range(len(sizes))])
+    return y, dh, dk
+
+
+@pytest.mark.parametrize("precision", list(RECIPES))
+def test_grouped_matmul_is_the_recipe_forward_and_backward(precision):
+    sizes = np.array([5, 0, 9, 2])
+    h, k = heavy(16, 8), heavy(4, 8, 6)
+    grouped = MATMUL_PRECISIONS[precision].grouped
+    y, vjp = jax.vjp(lambda a, b: grouped(lambda x, w: grouped_matmul(x, w, jnp.asarray(sizes)),
+                                          a, b), jnp.asarray(h, jnp.float32),
+                     jnp.asarray(k, jnp.float32))
+    r = rng.normal(size=y.shape)
+    dh, dk = vjp(jnp.asarray(r, jnp.float32))
+    for out, ref in zip((y, dh, dk), np_grouped(precision, h, k, sizes, r)):
+        close(out, ref)
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
+                  ffn="swiglu", d_ff=64, norm="rmsnorm", matmul_precision="fp8")
+
+
+def loss_and_grads(cfg, params, tokens):
+    def loss(p):
+        logits = Transformer(cfg).apply({"params": p}, tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_fp8_model_scanned_and_rematerialised_equals_unscanned():
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 13)))
+    params = Transformer(CFG).init(jax.random.key(int(rng.integers(1 << 30))),
+                                   tokens[:, :-1])["params"]
+    loss, grads = loss_and_grads(CFG, params, tokens)
+    loss_s, grads_s = loss_and_grads(CFG.replace(scan_layers=True, remat="full"),
+                                     stack_layers(params, CFG.n_layers), tokens)
+    np.testing.assert_allclose(float(loss_s), float(loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(stack_layers(grads, CFG.n_layers)), jax.tree.leaves(grads_s)):
+        close(b, a, rtol=1e-4)
+
+
+def test_unknown_matmul_precision_names_the_choices():
+    with pytest.raises(ConfigError, match="model.matmul_precision='fp4' is not one of "
+                       "default, float32, bf16, fp8, int8"):
+        ModelConfig(matmul_precision="fp4")
+
+
+def test_fp8_on_eight_devices_equals_one(tmp_path):
+    out = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), SEED=str(int(rng.integers(1 << 30))))
+    proc = subprocess.run([sys.executable, "-m", "tests.core.low_precision_worker", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["devices"] == 8
+    one, mesh = res["one"], res["mesh"]
+    np.testing.assert_allclose(mesh["loss"], one["loss"], rtol=1e-5)
+    close(mesh["grads"], one["grads"], rtol=1e-4)
+
+
+def chain_batches(n: int, batch: int = 16, t: int = 16):
+    """n batches of a learnable text: each row follows a random permutation of the vocabulary
+    from a random first token (the model learns the bigram table)."""
+    perm = rng.permutation(CFG.vocab_size)
+    out = []
+    for _ in range(n):
+        x = np.empty((batch, t + 1), np.int32)
+        x[:, 0] = rng.integers(0, CFG.vocab_size, batch)
+        for i in range(t):
+            x[:, i + 1] = perm[x[:, i]]
+        out.append(dict(inputs=x[:, :-1], targets=x[:, 1:], loss_mask=np.ones((batch, t), F32)))
+    return out
+
+
+def train_losses(cfg, data, seed: int):
+    model = Transformer(cfg)
+    tx, schedule = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=2), cfg, len(data))
+    state, step = init_state(model, tx, seed), make_train_step(model, tx, schedule)
+    losses = []
+    for b in data:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_fp8_trains_like_bf16():
+    """20 steps of a bfloat16 model, its matmuls in fp8 and not, on the same data from the
+    same init: both learn (the loss falls below 0.6 of its start), and fp8's last three
+    steps' loss is within 2% of bf16's. Measured over seeds: within 0.1% (the 200-step
+    runs of bench/low_precision.py: the issue's 2%); a planted recipe bug is far outside."""
+    cfg = CFG.replace(dtype="bfloat16", scan_layers=True, matmul_precision="default")
+    data, seed = chain_batches(20), int(rng.integers(1 << 16))
+    bf16 = train_losses(cfg, data, seed)
+    fp8 = train_losses(cfg.replace(matmul_precision="fp8"), data, seed)
+    assert np.mean(bf16[-3:]) < 0.6 * bf16[0]
+    np.testing.assert_allclose(np.mean(fp8[-3:]), np.mean(bf16[-3:]), rtol=0.02)
