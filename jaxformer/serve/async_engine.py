@@ -23,22 +23,15 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
+
+from jaxformer.serve.engine import Event
 
 
 class Overloaded(Exception):
     """The server holds as many requests as it may (its slots and its waiting queue)."""
-
-
-class Ended(NamedTuple):
-    """The end a server gives a request without a token from the engine (an Event's shape)."""
-    request_id: int
-    token: int
-    logprob: float
-    top: tuple
-    finished: str
 
 
 @dataclasses.dataclass(eq=False)
@@ -180,7 +173,7 @@ class AsyncEngine:
         if self._owned.pop(stream.request_id, None) is None:
             return []  # ended already
         self.engine.cancel(stream.request_id)
-        return [(stream, Ended(stream.request_id, -1, 0.0, (), "cancelled"))]
+        return [(stream, Event(stream.request_id, -1, 0.0, (), "cancelled"))]
 
     def _step(self) -> list:
         """One engine step's (stream, event) pairs, a stream dropped at its last event; on
@@ -189,7 +182,7 @@ class AsyncEngine:
             events = list(self.engine.step())
         except Exception:
             traceback.print_exc(file=sys.stderr)
-            events = [Ended(i, -1, 0.0, (), "error") for i in self._owned]
+            events = [Event(i, -1, 0.0, (), "error") for i in self._owned]
             for i in self._owned:
                 self.engine.cancel(i)
         batch = []

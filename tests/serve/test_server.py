@@ -108,16 +108,20 @@ def client(server):
 # --- references ----------------------------------------------------------------------------
 
 def greedy(folder, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """jaxformer's generate, greedy, all prompts in one batch: each one's new tokens (its
-    end-of-text dropped)."""
+    """jaxformer's generate, greedy, the prompts in one batch: each one's first n new
+    tokens (its end-of-text dropped). One shape (32 rows of 64, 24 new tokens) for every
+    call: compiled once."""
     from jaxformer.decode.loops import generate
     _, model, params, tok = folder
-    width = max(map(len, prompts))
-    padded = np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)
-    out = generate(model, params, padded, prompt_lengths=np.array([len(p) for p in prompts]),
-                   max_new_tokens=n, rng=jax.random.key(0), temperature=0.0,
-                   eos_id=tok.eot_id)
-    rows = [np.asarray(out.tokens)[i, :int(out.lengths[i])].tolist() for i in range(len(prompts))]
+    assert len(prompts) <= 32 and max(map(len, prompts)) <= 64 and n <= 24
+    padded = np.zeros((32, 64), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    lengths = np.array([len(p) for p in prompts] + [1] * (32 - len(prompts)))
+    out = generate(model, params, padded, prompt_lengths=lengths, max_new_tokens=24,
+                   rng=jax.random.key(0), temperature=0.0, eos_id=tok.eot_id)
+    rows = [np.asarray(out.tokens)[i, :min(int(out.lengths[i]), n)].tolist()
+            for i in range(len(prompts))]
     return [[t for t in r if t != tok.eot_id] for r in rows]
 
 
@@ -253,9 +257,26 @@ def test_32_concurrent_streaming_clients(folder, server):
 
     async def run():
         c = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", max_retries=0,
-                               timeout=300)
-        return await asyncio.gather(*[one(c, p) for p in prompts])
+                               timeout=60)
+        return await asyncio.wait_for(asyncio.gather(*[one(c, p) for p in prompts]), 60)
+    before = httpx.get(server + "/metrics").json()
     assert asyncio.run(run()) == want
+    after = httpx.get(server + "/metrics").json()
+    assert after["requests"]["served"] - before["requests"]["served"] == 32
+    assert after["tokens"]["total"] - before["tokens"]["total"] >= 32
+    assert after["time_to_first_token_ms"]["p50"] > 0 and after["inter_token_latency_ms"]["p99"]
+
+
+def test_a_seed_repeats_a_sampled_completion(folder, client):
+    """A sampled request with a seed gives the same text again; another seed another."""
+    def sample(seed):
+        return client.completions.create(model="tiny", prompt="The quick", max_tokens=16,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"min_tokens": 16, "top_k": 50}
+                                         ).choices[0].text
+    seed = int(rng.integers(2**31))
+    first = sample(seed)
+    assert sample(seed) == first and sample(seed + 1) != first
 
 
 def error_of(server, route: str, body: dict) -> tuple[int, dict]:
@@ -303,7 +324,7 @@ def test_an_overloaded_queue_answers_429_within_a_second(folder, server):
         return r.status_code, time.monotonic() - start
 
     async def run():
-        async with httpx.AsyncClient(timeout=300) as c:
+        async with httpx.AsyncClient(timeout=60) as c:
             return await asyncio.gather(*[one(c, random_prompt(folder, 4)) for _ in range(40)])
     answers = asyncio.run(run())
     refused = [t for status, t in answers if status == 429]
