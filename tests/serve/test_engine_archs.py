@@ -1,9 +1,10 @@
 """The serving engine (jaxformer.serve.engine over kv_cache's paged layout) on each kind
 of decoder the library decodes, against generate alone: sliding windows (a mask over the
-pages, where generate keeps a ring), a mixture of experts, latent attention (MLA: latent
-pages) and a recurrent mixer beside attention (a state per slot, reset on admission and
-on preemption). Greedy requests arriving at random steps through a pool short enough to
-preempt; a table of small configs, two engine programs each."""
+pages, where generate keeps a ring) with a mixture of experts, latent attention (MLA:
+latent pages) and a recurrent mixer beside attention (a state per slot, reset on admission
+and on preemption). Greedy requests arriving at random steps through a pool short enough
+to preempt; a table of small configs, two engine programs each (dense attention: the
+model of tests/serve/test_engine.py)."""
 
 import jax
 import numpy as np
@@ -18,12 +19,12 @@ rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixtur
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
             max_seq_len=16, norm="rmsnorm", ffn="swiglu", position="rope")
 ARCHS = {
-    "window": dict(layer_pattern=["l", "g"], layer_kinds={"l": {"window": 3}, "g": {}}),
-    "moe": dict(moe=dict(experts=4, top_k=2)),
+    "window_moe": dict(layer_pattern=["l", "g"], layer_kinds={"l": {"window": 3}, "g": {}},
+                       moe=dict(experts=4, top_k=2)),
     "mla": dict(mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
                          qk_rope_head_dim=4, v_head_dim=6), n_kv_heads=None,
                 tie_embeddings=False),
-    "gated_delta": dict(n_layers=3, layer_pattern=["r", "r", "a"],
+    "gated_delta": dict(layer_pattern=["r", "a"],
                         layer_kinds={"r": {"mixer": "gated_delta"}, "a": {}},
                         mixer={"gated_delta": dict(heads=2, key_dim=8, value_dim=8, conv=3,
                                                    chunk=4)}),
