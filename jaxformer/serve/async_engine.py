@@ -119,14 +119,13 @@ class AsyncEngine:
         stream = Stream(asyncio.Queue(), time.monotonic())
         self._active += 1
         future = concurrent.futures.Future()
+        future.add_done_callback(lambda f: f.exception() is not None and
+                                 self._loop.call_soon_threadsafe(self._release, stream))
         self._commands.put(("submit", stream, list(prompt), settings, future))
-        try:
-            await asyncio.wrap_future(future)
+        try:  # shielded: the engine's thread submits it whatever becomes of this caller
+            await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
-            self.cancel(stream)  # submitted all the same: its end frees it
-            raise
-        except BaseException:
-            self._active -= 1
+            self.cancel(stream)  # its end frees it
             raise
         return stream
 
@@ -150,7 +149,10 @@ class AsyncEngine:
             for command in commands:
                 if command[0] == "stop":
                     return
-                batch += self._obey(command)
+                try:
+                    batch += self._obey(command)
+                except Exception:  # the engine refused a cancel: the thread goes on
+                    traceback.print_exc(file=sys.stderr)
             if self.engine.has_work():
                 batch += self._step()
             self.stats = dict(self.engine.stats())
@@ -204,6 +206,11 @@ class AsyncEngine:
                 self.metrics.token(stream, now)
             stream.queue.put_nowait(e)
             if e.finished is not None:
-                stream.done = True
-                self._active -= 1
+                self._release(stream)
                 self.metrics.finished[e.finished] += 1
+
+    def _release(self, stream: Stream) -> None:
+        """On the loop: a request's place in the server given back (once)."""
+        if not stream.done:
+            stream.done = True
+            self._active -= 1

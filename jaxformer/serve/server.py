@@ -227,6 +227,8 @@ def _error(e: RequestError) -> JSONResponse:
 def _invalid(_, exc: RequestValidationError) -> JSONResponse:
     """A body that does not parse: 400 with its first problem in one line."""
     first = (exc.errors() or [{}])[0]
+    if first.get("type") == "json_invalid":
+        return _error(RequestError("the body is not JSON; send a JSON object", param="body"))
     where = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
     return _error(RequestError(f"{where}: {first.get('msg', 'invalid')}", param=where))
 

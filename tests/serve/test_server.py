@@ -315,7 +315,10 @@ def test_a_model_without_chat_template_refuses_chat():
 
 def test_an_overloaded_queue_answers_429_within_a_second(folder, server):
     """With 30 slots and --max-queue 2, 40 requests at once: the 8 past 32 are answered
-    429 within a second; the others complete."""
+    429 within a second; the others complete. Requests the engine refused (400) before
+    hold no place."""
+    for _ in range(3):
+        assert error_of(server, "/v1/completions", {"prompt": "a", "top_p": 0.0})[0] == 400
     async def one(c, prompt):
         start = time.monotonic()
         r = await c.post(server + "/v1/completions", json={
@@ -337,8 +340,8 @@ def test_a_disconnecting_client_frees_its_slot(folder, server):
     """A streaming client that goes away mid-reply has its request cancelled: /metrics
     shows nothing running and every page free again."""
     before = httpx.get(server + "/metrics").json()
-    body = {"model": "tiny", "prompt": random_prompt(folder, 5), "max_tokens": 100,
-            "min_tokens": 100, "temperature": 0, "stream": True}
+    body = {"model": "tiny", "prompt": random_prompt(folder, 5), "max_tokens": 120,
+            "min_tokens": 120, "temperature": 0, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
         seen = 0
         for line in r.iter_lines():
