@@ -313,21 +313,13 @@ def paged_cache(pool, table, starts, counts, rows):
             "index": jnp.zeros([], jnp.int32)}
 
 
-def paged_pool(pool, cache, rows, counts):
-    """The pool after a forward over paged_cache(pool, ..., counts, rows): its pages as
-    the layers wrote them, each recurrent entry's rows written back to their slots where
-    the row ran (count > 0; a row id >= slots: dropped)."""
+def paged_pool(pool, cache, rows):
+    """The pool after a forward over paged_cache(pool, ..., rows): its pages as the layers
+    wrote them, each recurrent entry's rows written back to their slots (a row id >= slots,
+    a padding row's: dropped)."""
     def layer(old, new):
-        out = {}
-        for name, x in old.items():
-            if name in ROW_ENTRIES:
-                ran = (counts > 0).reshape(-1, *(1,) * (x.ndim - 1))
-                kept = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
-                out[name] = x.at[rows].set(jnp.where(ran, new[name].astype(x.dtype), kept),
-                                           mode="drop")
-            else:
-                out[name] = new[name]
-        return out
+        return {name: x.at[rows].set(new[name].astype(x.dtype), mode="drop")
+                if name in ROW_ENTRIES else new[name] for name, x in old.items()}
 
     return {"layers": {n: layer(x, cache["layers"][n]) for n, x in pool["layers"].items()}}
 

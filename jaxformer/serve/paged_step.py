@@ -51,14 +51,15 @@ def sampled_rows(logits, sampling: Sampling, seeds, index, bans, top: int):
 def paged_forward(model, params, pool, tokens, starts, counts, table, rows):
     """The logits [R, V] of each row's last real token and the pool after tokens [R, T]
     (counts [R] real ones each, at positions starts + 0, 1, ...) went through the model
-    over the paged cache; rows [R]: each row's slot (its recurrent state)."""
+    over the paged cache; rows [R]: each row's slot (its recurrent state; a padding row's
+    an id >= slots)."""
     r, t = tokens.shape
     cache = kv_cache.paged_cache(pool, table, starts, counts, rows)
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [R, T]
     segments = (jnp.arange(t) < counts[:, None]).astype(jnp.int32)  # 0: padding
     logits, cache = model.apply({"params": params}, tokens, positions, segments, cache=cache)
     last = logits[jnp.arange(r), jnp.maximum(counts - 1, 0)]  # [R, V]
-    return last.astype(jnp.float32), kv_cache.paged_pool(pool, cache, rows, counts)
+    return last.astype(jnp.float32), kv_cache.paged_pool(pool, cache, rows)
 
 
 @functools.lru_cache(maxsize=16)
