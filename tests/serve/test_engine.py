@@ -1,8 +1,8 @@
 """The serving engine (jaxformer.serve.engine, jaxformer.serve.requests,
 jaxformer.serve.paged_step) against generate and the training forward: greedy requests
 arriving at random steps get generate's tokens alone and the forward's log-probs; a
-seeded request samples the same tokens alone and in a busy batch; the constraints are
-generate's; after a thousand requests, cancellations among them, every page is free
+seeded request samples the same tokens alone and in a busy batch; the top alternatives
+are the forward's likeliest; the constraints are generate's; after a thousand requests, cancellations among them, every page is free
 again; bad input is one line. One tiny model; its programs compile once per process."""
 
 import functools
@@ -143,6 +143,33 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_busy_batch():
                                                          [busy[0]])[0], atol=1e-5, rtol=0)
     other_seed = (mine[0], RequestSettings(**{**mine[1].__dict__, "seed": seed + 1}))
     assert run([other_seed], [0])[0][0] != by_itself[0]
+
+
+def test_the_top_alternatives_are_the_forwards_likeliest_tokens():
+    """settings.logprobs k > 0: each event lists the k likeliest tokens and their
+    log-probs under the training forward (its log-softmax, within 1e-5), likeliest first."""
+    model, params = tiny()
+    prompts = [random_prompt() for _ in range(4)]
+    ks = [1, 3, 20, 0]
+    engine = Engine(model, params, slots=SLOTS, page_size=PAGE, prefill_chunk=CHUNK)
+    ids = [engine.submit(p, RequestSettings(max_tokens=4, logprobs=k)) for p, k in
+           zip(prompts, ks)]
+    events = {i: [] for i in ids}
+    while engine.has_work():
+        for e in engine.step():
+            events[e.request_id].append(e)
+    seqs = np.zeros((len(prompts), W + N), np.int32)
+    for r, (p, i) in enumerate(zip(prompts, ids)):
+        seqs[r, :len(p) + 4] = p + [e.token for e in events[i]]
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, seqs), np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for r, (p, i, k) in enumerate(zip(prompts, ids, ks)):
+        for t, e in enumerate(events[i]):
+            row = logp[r, len(p) - 1 + t]
+            assert len(e.top) == k and [x for x, _ in e.top] == list(np.argsort(-row)[:k])
+            np.testing.assert_allclose([v for _, v in e.top], row[[x for x, _ in e.top]],
+                                       atol=1e-5, rtol=0)
+            assert abs(e.logprob - row[e.token]) < 1e-5
 
 
 def test_stop_tokens_min_tokens_and_the_ngram_ban_are_generates_constraints():
