@@ -27,8 +27,8 @@ from jaxformer.data.tokenizer import ByteTokenizer, train_bpe
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SLOTS, MAX_QUEUE = 30, 2      # 32 requests held at most
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. "
 
 
@@ -183,15 +183,18 @@ def test_completion_is_greedy_generate_with_its_logprobs(folder, client):
 
 def test_chat_renders_the_folders_template(folder, client):
     """A chat completion continues the prompt transformers' apply_chat_template renders
-    with the folder's template; its log-probs come in the chat shape."""
+    with the folder's template (its special tokens read as their ids); its log-probs come
+    in the chat shape."""
     from transformers import PreTrainedTokenizerFast
     path, _, _, tok = folder
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": TEXT[:int(rng.integers(3, 30))]}]
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
+                                 eos_token="<|endoftext|>")
     text = hf.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
                                   add_generation_prompt=True)
     ids = hf(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(tok.eot_id) == 2  # the template's end-of-text read as its id
     want = greedy(folder, [ids], 10)[0]
     ref = log_softmax64(folder, ids + want)[len(ids) - 1:-1]
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
