@@ -230,10 +230,10 @@ def test_streaming_gives_the_same_text(folder, client):
 def test_stop_strings_cut_the_text(folder, client):
     """A stop string ends the request: the text is cut before it, streamed or not."""
     tok = folder[3]
-    for _ in range(20):  # a prompt whose greedy text has a stop string to pick
+    for _ in range(20):  # a prompt whose greedy text is long enough to pick a stop from
         ids = random_prompt(folder, 6)
         full = tok.decode(greedy(folder, [ids], 24)[0])
-        if len(full) >= 8 and "\ufffd" not in full:
+        if len(full) >= 8:
             break
     at = int(rng.integers(1, len(full) - 3))
     stop = full[at:at + 3]
@@ -325,7 +325,7 @@ def test_an_overloaded_queue_answers_429_within_a_second(folder, server):
     async def one(c, prompt):
         start = time.monotonic()
         r = await c.post(server + "/v1/completions", json={
-            "model": "tiny", "prompt": prompt, "max_tokens": 24, "min_tokens": 24,
+            "model": "tiny", "prompt": prompt, "max_tokens": 96, "min_tokens": 96,
             "temperature": 0})
         return r.status_code, time.monotonic() - start
 
