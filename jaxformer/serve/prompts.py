@@ -68,8 +68,9 @@ class ChatTemplate:
             return self._compiled().render(
                 messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
                 add_generation_prompt=True, **variables)
-        except TemplateError as e:
-            raise ValueError(f"the chat template refused the messages: {e}") from None
+        except (TemplateError, TypeError, ValueError) as e:
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"the chat template refused the messages: {message}") from None
 
     def _compiled(self):
         import jinja2.ext

@@ -175,7 +175,10 @@ async def chat_completion(served: Served, body: ChatRequest, request: Request):
     _check_model(served, body.model)
     if served.chat is None:
         raise RequestError(served.no_chat, param="messages")
-    ids = served.encode_chat(served.chat.render(body.plain_messages()))
+    try:
+        ids = served.encode_chat(served.chat.render(body.plain_messages()))
+    except ValueError as e:
+        raise RequestError(str(e), param="messages") from None
     limit = body.max_completion_tokens or body.max_tokens
     limit = max(served.max_seq_len - len(ids), 1) if limit is None else limit
     top = body.top_logprobs or 0

@@ -214,11 +214,13 @@ def test_streaming_gives_the_same_text(folder, client):
     tok = folder[3]
     ids = random_prompt(folder, int(rng.integers(3, 20)))
     want = tok.decode(greedy(folder, [ids], 16)[0])
-    stream = client.completions.create(model="tiny", prompt=ids, max_tokens=16,
-                                       temperature=0, stream=True)
-    chunks = [c.choices[0] for c in stream]
+    stream = list(client.completions.create(model="tiny", prompt=ids, max_tokens=16,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    chunks = [c.choices[0] for c in stream[:-1]]
     assert "".join(c.text for c in chunks) == want
     assert chunks[-1].finish_reason in ("length", "stop") and len(chunks) > 2
+    assert stream[-1].usage.prompt_tokens == len(ids) and stream[-1].choices == []
     messages = [{"role": "user", "content": "jumps over"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
                                            temperature=0).choices[0].message.content
@@ -306,14 +308,25 @@ def test_bad_requests_get_400_in_one_line(server, change, words):
     assert "\n" not in error["message"] and words in error["message"], error
 
 
-def test_a_model_without_chat_template_refuses_chat():
-    """Without a template, /v1/chat/completions is 400 in one line (no engine touched)."""
+def test_chat_without_a_template_or_refused_by_it_is_400():
+    """Without a template, /v1/chat/completions is 400 in one line; so is a template's own
+    refusal (raise_exception) and a message part other than text (no engine touched)."""
     from fastapi.testclient import TestClient
+    from jaxformer.serve.prompts import ChatTemplate
     from jaxformer.serve.server import Served, make_app
-    app = make_app(Served(None, ByteTokenizer(), "m", 64, no_chat="m has no chat template"))
-    r = TestClient(app).post("/v1/chat/completions", json={
-        "model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and r.json()["error"]["message"] == "m has no chat template"
+
+    def answer(chat, content="hi"):
+        app = make_app(Served(None, ByteTokenizer(), "m", 64, chat=chat, encode_chat=list,
+                              no_chat="m has no chat template"))
+        r = TestClient(app).post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": content}]})
+        return r.status_code, r.json()["error"]["message"]
+    assert answer(None) == (400, "m has no chat template")
+    refusing = ChatTemplate("{{ raise_exception('one user message, please') }}")
+    assert answer(refusing) == (400, "the chat template refused the messages: one user "
+                                     "message, please")
+    status, message = answer(refusing, [{"type": "image_url", "image_url": {"url": "x"}}])
+    assert status == 400 and "image_url" in message and "\n" not in message
 
 
 def test_an_overloaded_queue_answers_429_within_a_second(folder, server):
