@@ -2,7 +2,7 @@
 
     python -m jaxformer.serve RUN|HF_FOLDER [--port 8000 --host 127.0.0.1 --slots 32
         --page-size 16 --pages N --prefill-chunk 128 --max-queue 256 --model-name NAME
-        --best --weights int8]
+        --tensor 2 --best --weights int8]
 
 RUN is a training run directory (its config.yaml, latest checkpoint, or the best with --best,
 and tokenizer.json); HF_FOLDER a Hugging Face model folder (config.json, safetensors,
@@ -33,6 +33,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="requests waiting for a slot; one more is answered 429")
     p.add_argument("--model-name", default=None, help="the name clients ask for (default: "
                    "the folder's name)")
+    p.add_argument("--tensor", type=int, default=1, help="devices the weights are split "
+                   "over (tensor parallel; the first N devices)")
     p.add_argument("--best", action="store_true", help="a run's best checkpoint")
     p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
     p.add_argument("--log-level", default="warning")
@@ -93,8 +95,13 @@ def served_of(a: argparse.Namespace):
     from jaxformer.serve.server import Served
 
     model, params, tok = load(a.model, a.best)
+    mesh = None
+    if a.tensor > 1:
+        import jax
+        from jaxformer.core.sharding import make_mesh
+        mesh = make_mesh(1, 1, a.tensor, devices=jax.devices()[:a.tensor])
     engine = Engine(model, quantize(params, a.weights), slots=a.slots, page_size=a.page_size,
-                    pages=a.pages, prefill_chunk=a.prefill_chunk)
+                    pages=a.pages, prefill_chunk=a.prefill_chunk, mesh=mesh)
     folder = pathlib.Path(a.model)
     ends = end_ids(folder, tok)
     warm_up(engine, ends)
