@@ -2,8 +2,9 @@
 are the MTP modules' of the full training forward (Transformer(...)(mtp=True)) over the
 context, round after round of taken-back drafts, chained past mtp_depth; greedy decoding
 with it is plain greedy decoding (random models, ragged rows, and a model trained a few
-steps with model.mtp_depth=1, decoded from the command line too); a model without MTP
-modules is refused in one line (exit 2 from the command line)."""
+steps with model.mtp_depth=1, decoded from the command line too), each round drafting from
+the model's hidden states; sampling with it follows the model's conditionals; a model
+without MTP modules is refused in one line (exit 2 from the command line)."""
 
 import json
 
@@ -20,6 +21,7 @@ from jaxformer.decode.speculative import RowState, mtp_proposer
 from jaxformer.generate import main as generate_main
 from jaxformer.training import train
 from jaxformer.training.saved_run import load_run
+from tests.decode.test_loops import assert_follows_conditionals
 from tests.training.test_loop import config, corpus  # noqa: F401 (the fixture)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -129,6 +131,19 @@ def test_rounds_draft_from_the_models_hidden_states():
         ahead = np.argmax(model.apply({"params": params}, seq[None], mtp=True)[1][0, 0], -1)
         assert (int(out.drafted[r]), int(out.accepted[r])) == replayed(ahead, seq, n, 30)
     assert np.sum(out.accepted) >= 4  # (a test of something)
+
+
+def test_sampling_with_mtp_drafts_follows_the_models_conditionals():
+    """20,000 rows of one prompt, 3 tokens each at temperature 0.9 and top-k 4, drafting 2
+    a round (module 1, then chained): the joint frequencies of the continuations match the
+    model's own filtered conditionals (test_loops.assert_follows_conditionals)."""
+    model, params = make(vocab_size=5, mtp_depth=1)
+    prompt = rng.integers(0, 5, (1, 4)).astype(np.int32)
+    out = generate(model, params, np.repeat(prompt, 20_000, 0), max_new_tokens=3,
+                   rng=jax.random.key(int(rng.integers(1 << 30))),
+                   sampling=Sampling(0.9, 4, None, None), draft="mtp", draft_len=2)
+    assert 0 < out.acceptance_rate < 1
+    assert_follows_conditionals(model, params, prompt, out.tokens, 0.9, 4, None)
 
 
 def test_a_model_without_modules_is_refused():
