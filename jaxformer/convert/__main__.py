@@ -131,7 +131,7 @@ def one_member(cfg, params, member: int | None):
 
 
 def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layout="half",
-              max_shard_bytes=None, member=None, into=None, log=print) -> dict:
+              max_shard_bytes=None, member=None, into=None, model_type=None, log=print) -> dict:
     import json
 
     from jaxformer.convert import to_hf
@@ -143,7 +143,8 @@ def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layou
     hf_tok = isinstance(tok, HFTokenizer)  # the byte tokenizer has no HF form
     extra = {"eos_token_id": tok.eot_id} if hf_tok and tok.eot_id is not None else {}
     hf = to_hf(cfg.model, params, hf_dir, dtype=dtype, rope_layout=rope_layout,
-               max_shard_bytes=max_shard_bytes, config_overrides=extra, into=into)
+               max_shard_bytes=max_shard_bytes, config_overrides=extra, into=into,
+               model_type=model_type)
     if hf_tok:
         shutil.copyfile(run / "tokenizer.json", pathlib.Path(hf_dir) / "tokenizer.json")
     log(f"{path} -> {hf_dir} ({hf['architectures'][0]}); config.json:")
@@ -156,7 +157,7 @@ def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layou
 
 
 def to_peft_run(path: str, peft_dir: str, *, best=False, base_model=None, rope_layout="half",
-                member=None, log=print) -> dict:
+                member=None, model_type=None, log=print) -> dict:
     import json
 
     from jaxformer.convert.peft import to_peft
@@ -164,7 +165,8 @@ def to_peft_run(path: str, peft_dir: str, *, best=False, base_model=None, rope_l
     cfg, params, run = load_run_params(path, best=best)
     cfg, params = one_member(cfg, params, member)
     base_model = base_model or cfg.train.init_from
-    config = to_peft(cfg.model, params, peft_dir, base_model=base_model, rope_layout=rope_layout)
+    config = to_peft(cfg.model, params, peft_dir, base_model=base_model, rope_layout=rope_layout,
+                     model_type=model_type)
     log(f"{path} -> {peft_dir}: adapter_config.json, adapter_model.safetensors")
     log(json.dumps({k: config[k] for k in ("r", "lora_alpha", "fan_in_fan_out",
                                            "base_model_name_or_path")}, sort_keys=True))
@@ -201,6 +203,9 @@ def main(argv=None) -> int:
     for s in (b, c):
         s.add_argument("--member", type=int, default=None,
                        help="a sweep run's adapter (model.lora.sweep_rank / sweep_seeds)")
+        s.add_argument("--model-type", default=None, help="write as this model type (e.g. "
+                       "ernie4_5 for a model that is llama's computation too); default: the "
+                       "first by export rank that reads back as the same model")
     for s in (a, b):
         s.add_argument("--dtype", default=None, help="weights dtype (default float32)")
         s.add_argument("--rope-layout", default="half", choices=("half", "interleaved"),
@@ -215,12 +220,13 @@ def main(argv=None) -> int:
                         scan_layers=args.scan_layers, rope_layout=args.rope_layout)
         elif args.command == "to-peft":
             to_peft_run(args.run, args.peft_dir, best=args.best, base_model=args.base_model,
-                        rope_layout=args.rope_layout, member=args.member)
+                        rope_layout=args.rope_layout, member=args.member,
+                        model_type=args.model_type)
         else:
             shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
             to_hf_run(args.run, args.hf_dir, best=args.best, dtype=args.dtype or "float32",
                       rope_layout=args.rope_layout, max_shard_bytes=shard, member=args.member,
-                      into=args.into)
+                      into=args.into, model_type=args.model_type)
     except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -378,6 +378,9 @@ def test_cli_from_hf_makes_a_run_and_to_hf_exports_it(tmp_path, capsys):
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
     assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "r2"), "model.d_model=32"]) == 2
     assert "model.d_model" in capsys.readouterr().err
+    # --model-type: a model type that cannot say this model is one line, exit 2
+    assert main(["to-hf", str(run), str(tmp_path / "o2"), "--model-type", "qwen3"]) == 2
+    assert "qwen3" in capsys.readouterr().err and not (tmp_path / "o2" / "config.json").exists()
 
 
 def test_cli_to_hf_exports_the_tiny_preset_as_gpt_neox(tmp_path, capsys):
