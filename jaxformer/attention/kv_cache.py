@@ -41,6 +41,12 @@ new keys (write_pages) and attends over its rows' pages laid out in logical orde
 (page_view), the slots past a row's tokens masked as EMPTY_SLOT. A sliding window is a
 mask there, not a ring. paged_pool takes the pool back out of the forward's cache.
 
+The keys and values are held in a format (jaxformer.attention.cache_formats, chosen by
+init_cache's dtype): a float dtype, or int8, where each entry is a Quantised pair, int8
+values [..., S, H] and float32 scales [..., S, 1] (one per row, slot: per token and K/V
+head); writes quantise the new tokens alone (encoded), attention reads the entry
+dequantised (``.astype``). The paged layout holds floats only.
+
 One row axis, not [B, K, S, H]: at batch 1 XLA drops the size-1 batch axis from the
 matmuls, and the reshape that then sits between the in-place cache update and the matmul
 made XLA:CPU copy each layer's K four times and transpose V on every decode step
@@ -55,6 +61,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention.cache_formats import cache_format, encoded
 from jaxformer.core.reference import group_sinks, scale_and_mask, softmax
 from jaxformer.core.sharding import constrain
 from jaxformer.core.validation import ConfigError
@@ -83,16 +90,19 @@ def cache_widths(cfg) -> tuple[int, int, int]:
 
 def kv_cache_bytes(cfg, batch: int, seq_len: int, dtype=None, windowed: bool = False) -> int:
     """(k's width + v's width) * rows (kv_heads, or 1 for MLA) * bytes per value * batch *
-    the layers' slots (seq_len each, or a windowed layer's window: layer_slots)."""
-    itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
+    the layers' slots (seq_len each, or a windowed layer's window: layer_slots); with
+    dtype "int8", one byte per value plus two float32 scales per (row, slot)."""
+    fmt = cache_format(dtype or cfg.dtype)
     rows, k_width, v_width = cache_widths(cfg)
+    per_slot = fmt.entry_bytes(k_width) + fmt.entry_bytes(v_width)
+    state_dtype = fmt.state_dtype(cfg.dtype)
     total = 0
     for i, slots in enumerate(layer_slots(cfg, seq_len, windowed)):
         own = cfg.recurrent_cache(i)
         if not _recurrent_mixer(cfg, i):
-            total += (k_width + v_width) * rows * slots * itemsize * batch
+            total += per_slot * rows * slots * batch
         if own is not None:  # a recurrent state: the same bytes at any length
-            total += sum(math.prod(shape) * jnp.dtype(d or dtype or cfg.dtype).itemsize
+            total += sum(math.prod(shape) * jnp.dtype(d or state_dtype).itemsize
                          for shape, d in own.values()) * batch
     return total
 
@@ -114,9 +124,12 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
                spare: int = 0):
     """An empty cache for `batch` rows of up to `max_len` tokens. windowed: layers with a
     window shorter than max_len keep a ring of window + spare slots (unscanned layers
-    only; spare >= T - 1 lets a chunk of T tokens be written and then taken back)."""
+    only; spare >= T - 1 lets a chunk of T tokens be written and then taken back).
+    dtype: the keys' and values' format (cache_formats.CACHE_FORMATS; int8: Quantised
+    entries), default the model's dtype."""
     check_generates(cfg)
-    dtype = jnp.dtype(dtype or cfg.dtype)
+    fmt = cache_format(dtype or cfg.dtype)
+    dtype = fmt.state_dtype(cfg.dtype)
     per_row, k_width, v_width = cache_widths(cfg)
     rows = batch * per_row
     def own(i, lead):  # a recurrent mixer's entries, each [*lead, batch, ...]
@@ -126,8 +139,8 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
     def keys(i, lead, s):  # an attention layer's keys and values, each [*lead, rows, s, H]
         if _recurrent_mixer(cfg, i):
             return {}
-        return {"k": jnp.zeros((*lead, rows, s, k_width), dtype),
-                "v": jnp.zeros((*lead, rows, s, v_width), dtype)}
+        return {"k": fmt.empty((*lead, rows, s, k_width)),
+                "v": fmt.empty((*lead, rows, s, v_width))}
 
     if cfg.scan_layers:
         if windowed:
@@ -167,9 +180,10 @@ def take_rows(cache, rows, n_kv_heads: int):
     ring's positions one row; a recurrent layer's entries one row each, unscanned)."""
     kv_rows = (rows[:, None] * n_kv_heads + jnp.arange(n_kv_heads)).reshape(-1)
 
-    def take(layer):  # keys and values [(L,) R * K, S, H]; a row's own entries [R, ...]
-        return {name: jnp.take(x, rows, axis=0) if name in ROW_ENTRIES
-                else jnp.take(x, kv_rows, axis=-3) for name, x in layer.items()}
+    def take(layer):  # keys and values [(L,) R * K, S, H] (a scale's H: 1); a row's own
+        return {name: jnp.take(x, rows, axis=0) if name in ROW_ENTRIES  # entries [R, ...]
+                else jax.tree.map(lambda e: jnp.take(e, kv_rows, axis=-3), x)
+                for name, x in layer.items()}
 
     return dict(cache, layers={n: take(layer) for n, layer in cache["layers"].items()},
                 positions=jnp.take(cache["positions"], rows, axis=0))
@@ -197,15 +211,15 @@ def write_layer(layer, k, v, index):
     [B, K, S, H], rows over batch, then heads."""
     b, t, n_kv, _ = k.shape
 
-    def update(cache, new):  # k's and v's widths may differ (MLA)
+    def update(cache, new):  # k's and v's widths may differ (MLA); a scale's is 1
         h = new.shape[-1]
         cache = jax.lax.dynamic_update_slice(
-            cache, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, h).astype(cache.dtype),
-            (0, index, 0))
+            cache, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, h), (0, index, 0))
         return constrain(cache.reshape(b, n_kv, -1, h), "act_batch", "act_kv_heads",
                          "act_seq", "head_dim").reshape(cache.shape)
 
-    return {"k": update(layer["k"], k), "v": update(layer["v"], v)}
+    return {name: jax.tree.map(update, layer[name], encoded(layer[name], new))
+            for name, new in (("k", k), ("v", v))}
 
 
 def write_ring(layer, k, v, k_positions):
@@ -222,11 +236,13 @@ def write_ring(layer, k, v, k_positions):
         slot = jnp.where(jnp.take_along_axis(latest, slot, 1) == k_positions, slot, s)
 
     def put(cache, new):  # cache [B * K, S, H] seen as [B, K, S, H]; new [B, T, K, H]
-        c = cache.reshape(b, n_kv, s, -1).at[row, :, slot].set(new.astype(cache.dtype),
-                                                              mode="drop")
+        c = cache.reshape(b, n_kv, s, -1).at[row, :, slot].set(new, mode="drop")
         return c.reshape(cache.shape)
 
-    return {"k": put(layer["k"], k), "v": put(layer["v"], v),
+    def entry(name, new):  # a Quantised entry's values and scales, each put in its slots
+        return jax.tree.map(put, layer[name], encoded(layer[name], new))
+
+    return {"k": entry("k", k), "v": entry("v", v),
             "positions": layer["positions"].at[row, slot].set(k_positions, mode="drop")}
 
 
@@ -236,8 +252,12 @@ def ring_keys(layer, k, v, k_positions):
     over before it is written (its first queries may see keys the write replaces)."""
     b, t, n_kv, _ = k.shape
     rows = lambda x, new: jnp.concatenate(  # noqa: E731
-        [x, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, -1).astype(x.dtype)], axis=1)
-    return (rows(layer["k"], k), rows(layer["v"], v),
+        [x, jnp.swapaxes(new, 1, 2).reshape(b * n_kv, t, -1)], axis=1)
+
+    def joined(x, new):  # a Quantised entry's values and scales, each joined
+        return jax.tree.map(rows, x, encoded(x, new))
+
+    return (joined(layer["k"], k), joined(layer["v"], v),
             jnp.concatenate([layer["positions"], k_positions], axis=1))
 
 
