@@ -3,7 +3,9 @@ lm-eval as "jaxformer" (`lm_eval --model jaxformer --model_args path=RUN` once t
 is imported). Requests are handled as lm-eval's `hf` model handles them: a continuation is
 the tokens of context + continuation past the context's (encoded whole, then split), a
 request longer than max_seq_len + 1 tokens loses its left end, an empty context is the
-prefix token (the tokenizer's end-of-text)."""
+prefix token (the tokenizer's end-of-text). With `engine=true` generate_until runs through
+the serving engine (jaxformer.serve: continuous batching, `batch_size` slots), so a short
+continuation does not wait for the longest of its batch; the greedy tokens are the same."""
 
 from __future__ import annotations
 
@@ -30,12 +32,13 @@ BYTES_PREFIX = 10  # the byte tokenizer has no end-of-text: an empty context is 
 @register_model("jaxformer")
 class JaxformerLM(TemplateLM):
     """loglikelihood, loglikelihood_rolling and generate_until (greedy, KV-cached:
-    jaxformer.decode.loops.generate) for a jaxformer run dir (RUN or RUN@STEP) or an HF folder,
-    batched `batch_size` rows at a time into a few bucketed, jitted shapes."""
+    jaxformer.decode.loops.generate, or with engine=true jaxformer.serve's Engine) for a
+    jaxformer run dir (RUN or RUN@STEP) or an HF folder, batched `batch_size` rows at a time
+    into a few bucketed, jitted shapes."""
 
     def __init__(self, path: str | None = None, batch_size: int | str = 8,
                  max_gen_toks: int = 256, best: bool = False, loaded: Loaded | None = None,
-                 **_ignored):
+                 engine: bool | str = False, **_ignored):
         super().__init__()
         if loaded is None and path is None:
             raise ValueError("JaxformerLM needs path=RUN_DIR (or an HF folder)")
@@ -43,6 +46,8 @@ class JaxformerLM(TemplateLM):
         self.tok = self.loaded.tokenizer
         self.scorer = Scorer(self.loaded, int(batch_size))
         self._max_gen_toks = int(max_gen_toks)
+        self.engine = None  # built at the first generate_until when engine=true
+        self.use_engine = str(engine).lower() in ("1", "true", "yes")
 
     # ---- what lm-eval asks of a model ------------------------------------------------
 
@@ -136,6 +141,8 @@ class JaxformerLM(TemplateLM):
             raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in "
                              f"max_seq_len={self.max_length}; lower max_gen_toks")
         prompts = [self.tok_encode(c)[-room:] or [self.prefix_token_id] for c in contexts]
+        if self.use_engine:
+            return [self._text(ids) for ids in self._served(prompts, max_new)]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         rows, texts = self.scorer.rows, [None] * len(prompts)
         for start in tqdm(range(0, len(order), rows), disable=disable_tqdm,
@@ -143,11 +150,32 @@ class JaxformerLM(TemplateLM):
             chunk = order[start:start + rows]
             tokens, lengths = self._decode([prompts[i] for i in chunk], room, max_new)
             for j, i in enumerate(chunk):
-                ids = tokens[j, :lengths[j]].tolist()
-                if ids and ids[-1] == self.tok.eot_id:
-                    ids = ids[:-1]
-                texts[i] = self.tok.decode(ids)
+                texts[i] = self._text(tokens[j, :lengths[j]].tolist())
         return texts
+
+    def _text(self, ids: list[int]) -> str:
+        """A continuation's text, without its end-of-text."""
+        if ids and ids[-1] == self.tok.eot_id:
+            ids = ids[:-1]
+        return self.tok.decode(ids)
+
+    def _served(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """Each prompt's greedy tokens (up to max_new, ending at end-of-text) through the
+        serving engine: every prompt submitted at once, `batch_size` decoded together."""
+        from jaxformer.serve.engine import Engine, RequestSettings
+
+        if self.engine is None:
+            mesh = self.loaded.mesh if self.loaded.mesh.size > 1 else None
+            self.engine = Engine(self.loaded.model, self.loaded.params,
+                                 slots=self.scorer.rows, mesh=mesh)
+        ends = () if self.tok.eot_id is None else (self.tok.eot_id,)
+        settings = RequestSettings(max_tokens=max_new, temperature=0.0, stop_token_ids=ends)
+        ids = [self.engine.submit(p, settings) for p in prompts]
+        made: dict[int, list[int]] = {i: [] for i in ids}
+        while self.engine.has_work():
+            for event in self.engine.step():
+                made[event.request_id].append(event.token)
+        return [made[i] for i in ids]
 
     def _decode(self, prompts: list[list[int]], room: int, max_new: int):
         """generate's greedy tokens [rows, max_new] and lengths [rows] for these prompts,

@@ -131,6 +131,29 @@ def test_generate_until_keeps_a_long_contexts_last_tokens_as_lm_evals_hf(exporte
     assert any(m.strip() for m in mine)  # the model goes on counting somewhere
 
 
+def test_generate_until_through_the_engine_is_lm_evals_hf_greedy_text(exported, rng):
+    """engine=true (the serving engine, 3 slots for two groups of 4 requests of mixed
+    lengths, so a request is admitted as another ends): the same continuations as lm-eval's `hf` model on the
+    export, and as the generate path; stop strings cut some of them."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from jaxformer.eval import JaxformerLM
+    run, hf = exported
+    ours = JaxformerLM(str(run), batch_size=3, engine="true")
+    static, theirs = JaxformerLM(loaded=ours.loaded, batch_size=3), HFLM(
+        pretrained=str(hf), dtype="float32", device="cpu")
+    texts = [" ".join(WORDS[(s + i) % 12] for i in range(int(rng.integers(1, 12))))
+             for s in rng.integers(0, 12, 8)]
+    stops, gen = ["zzz", str(rng.choice(WORDS))], int(rng.integers(4, 9))
+    requests = [Instance("generate_until", {}, (t, {"until": [stops[i % 2]], "max_gen_toks": gen}),
+                         i) for i, t in enumerate(texts)]
+    mine = ours.generate_until(requests, disable_tqdm=True)
+    assert mine == theirs.generate_until(requests, disable_tqdm=True)
+    assert mine == static.generate_until(requests, disable_tqdm=True)
+    assert ours.engine.stats()["running"] == 0 and any(m.strip() for m in mine)
+
+
 def test_an_unknown_run_dir_is_one_line_naming_what_it_wants(tmp_path, capsys, monkeypatch):
     from jaxformer.eval.__main__ import main
     assert main([str(tmp_path / "nothing"), "--tasks", "jaxformer_choice"]) == 2
