@@ -133,8 +133,8 @@ def test_generate_until_keeps_a_long_contexts_last_tokens_as_lm_evals_hf(exporte
 
 def test_generate_until_through_the_engine_is_lm_evals_hf_greedy_text(exported, rng):
     """engine=true (the serving engine, 3 slots for two groups of 4 requests of mixed
-    lengths, so a request is admitted as another ends): the same continuations as lm-eval's `hf` model on the
-    export, and as the generate path; stop strings cut some of them."""
+    lengths, so a request is admitted as another ends): the same continuations as
+    lm-eval's `hf` model on the export, and as the generate path; stop strings cut some."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
