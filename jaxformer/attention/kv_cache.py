@@ -29,7 +29,7 @@ parallel mixer beside its attention (model.layer_kinds.<kind>.parallel: Falcon-H
 both: its keys and values and that mixer's entries, in one dict.
 
 A paged cache (init_pages; jaxformer.serve runs it) holds each attention layer's keys
-and values in a pool of fixed-size pages, ``k`` [pages, page_size, rows per batch row, H]
+and values in a pool of fixed-size pages, ``k`` [pages, rows per batch row, page_size, H]
 (MLA: the rotated key and the latent, as cache_widths says), shared by every sequence; a
 sequence owns a page table, the pages of its tokens in order, so that its token at logical
 index j (position j) sits in page table[j // page_size] at offset j % page_size. A
@@ -290,9 +290,10 @@ def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None, sinks=None)
 # ---- the paged layout (see the module docstring) -----------------------------------------
 
 def init_pages(cfg, pages: int, page_size: int, slots: int, dtype=None):
-    """An empty paged cache: each attention layer's ``k``, ``v`` [pages, page_size, rows per
-    batch row, width] (cache_widths), each recurrent layer's entries [slots, ...] (zeros);
-    unscanned layers (``block_i``)."""
+    """An empty paged cache: each attention layer's ``k``, ``v`` [pages, rows per batch
+    row, page_size, width] (cache_widths: a page holds each head's slots together, so that
+    page_view reads a row's heads in one gather), each recurrent layer's entries [slots,
+    ...] (zeros); unscanned layers (``block_i``)."""
     check_generates(cfg)
     if cfg.scan_layers:
         raise ValueError("a paged KV cache needs unscanned layers; use scan_layers=false "
@@ -304,8 +305,8 @@ def init_pages(cfg, pages: int, page_size: int, slots: int, dtype=None):
         own = {n: jnp.zeros((slots, *shape), d or dtype)
                for n, (shape, d) in (cfg.recurrent_cache(i) or {}).items()}
         keys = {} if _recurrent_mixer(cfg, i) else {
-            "k": jnp.zeros((pages, page_size, per_row, k_width), dtype),
-            "v": jnp.zeros((pages, page_size, per_row, v_width), dtype)}
+            "k": jnp.zeros((pages, per_row, page_size, k_width), dtype),
+            "v": jnp.zeros((pages, per_row, page_size, v_width), dtype)}
         layers[f"block_{i}"] = {**keys, **own}
     return {"layers": layers}
 
@@ -347,7 +348,7 @@ def paged_pool(pool, cache, rows):
 def paged_positions(cache):
     """A paged forward's key positions [R, M * page_size]: logical index j where the row
     holds it after the forward (j < starts + counts), else EMPTY_SLOT."""
-    page_size = next((x["k"].shape[1] for x in cache["layers"].values() if "k" in x), 1)
+    page_size = next((x["k"].shape[2] for x in cache["layers"].values() if "k" in x), 1)
     m = cache["page_table"].shape[1] * page_size
     j = jnp.arange(m, dtype=jnp.int32)
     return jnp.where(j < (cache["starts"] + cache["counts"])[:, None], j, EMPTY_SLOT)
@@ -361,7 +362,7 @@ def is_paged(layer) -> bool:
 def write_pages(layer, k, v):
     """A paged layer with k, v [R, T, K, H] written: row r's token t (t < counts[r]) at
     logical index starts[r] + t of its pages; padding and indices past its table dropped."""
-    pages, page_size = layer["k"].shape[:2]
+    pages, _, page_size = layer["k"].shape[:3]
     r, t = k.shape[:2]
     index = layer["starts"][:, None] + jnp.arange(t)  # [R, T]: logical
     logical = index // page_size
@@ -370,19 +371,21 @@ def write_pages(layer, k, v):
     real = (jnp.arange(t) < layer["counts"][:, None]) & (logical < m)
     page = jnp.where(real, page, pages)  # page `pages`: out of range, dropped
 
-    def put(pool, new):  # pool [P, ps, K, H] at (page, offset) [R, T] <- new [R, T, K, H]
-        return pool.at[page, index % page_size].set(new.astype(pool.dtype), mode="drop")
+    def put(pool, new):  # pool [P, K, ps, H] at (page, :, offset) [R, T] <- new [R, T, K, H]
+        return pool.at[page, :, index % page_size].set(new.astype(pool.dtype), mode="drop")
 
     return dict(layer, k=put(layer["k"], k), v=put(layer["v"], v))
 
 
 def page_view(pages, table):
-    """The pages of each row's table [R, M] from a pool [P, ps, K, H], in logical order, as
-    a cache layer's rows [R * K, M * ps, H] (an id past the pool reads its last page,
-    masked by the positions)."""
-    x = jnp.take(pages, table, axis=0, mode="clip")  # [R, M, ps, K, H]
-    r, m, ps, n_kv, h = x.shape
-    return x.reshape(r, m * ps, n_kv, h).swapaxes(1, 2).reshape(r * n_kv, m * ps, h)
+    """The pages of each row's table [R, M] from a pool [P, K, ps, H], in logical order, as
+    a cache layer's rows [R * K, M * ps, H], in one gather (an id past the pool reads its
+    last page, masked by the positions)."""
+    _, n_kv, ps, h = pages.shape
+    r, m = table.shape
+    heads = jnp.arange(n_kv)[None, :, None]  # [1, K, 1]
+    x = pages.at[table[:, None, :], heads].get(mode="clip")  # [R, K, M, ps, H]
+    return x.reshape(r * n_kv, m * ps, h)
 
 
 def paged_keys(layer, k, v):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxformer.attention import kv_cache
 from jaxformer.core.logprobs import target_logprobs
 from jaxformer.core.sharding import traced_under
+from jaxformer.decode.cached_forward import CPU_DECODE_OPTIONS
 from jaxformer.decode.sampling import Sampling, branches_of, sample_and_filter
 from jaxformer.model.transformer import Transformer
 
@@ -67,11 +68,14 @@ def step_program(cfg, top: int, mesh=None, rules=None):
     """The jitted step(params, pool, tokens, starts, counts, table, rows, sampling, seeds,
     index, bans) -> (pool, (tokens, logprobs, top ids, top log-probs)) of the model of cfg
     (a decoding config: cached_forward.decoding_config), the pool donated (updated in
-    place); traced inside the sharding context of `mesh` and `rules` when given."""
+    place), compiled as the decoders are (CPU_DECODE_OPTIONS on CPU); traced inside the
+    sharding context of `mesh` and `rules` when given."""
     model = Transformer(cfg)
 
     def step(params, pool, tokens, starts, counts, table, rows, sampling, seeds, index, bans):
         last, pool = paged_forward(model, params, pool, tokens, starts, counts, table, rows)
         return pool, sampled_rows(last, sampling, seeds, index, bans, top)
 
-    return jax.jit(traced_under(mesh, rules, step), donate_argnums=(1,))
+    options = CPU_DECODE_OPTIONS if jax.default_backend() == "cpu" else None
+    return jax.jit(traced_under(mesh, rules, step), donate_argnums=(1,),
+                   compiler_options=options)
