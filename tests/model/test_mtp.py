@@ -110,14 +110,14 @@ def test_mtp_loss_equals_float64_reference():
     rng = np.random.default_rng(0)
     params, batch = random_params(CFG, 0), packed_batch(rng)
     model = Transformer(CFG)
-    total, count, _, sums, counts = mtp_terms(model, params, jax.tree.map(jnp.asarray, batch))
+    total, count, _, sums, counts = jax.jit(lambda p, b: mtp_terms(model, p, b))(params, batch)
     main, each = reference_losses(params, batch["inputs"], batch["targets"],
                                   batch["loss_mask"], batch["positions"],
                                   batch["segment_ids"], CFG.mtp_depth)
     np.testing.assert_allclose(float(total / count), main, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(sums / counts), each, rtol=2e-5)
-    train, (_, _, metric_sums) = MultiTokenLM(weight=0.1).train_loss(
-        model, params, jax.tree.map(jnp.asarray, batch))
+    train, (_, _, metric_sums) = jax.jit(lambda p, b: MultiTokenLM(weight=0.1).train_loss(
+        model, p, b))(params, batch)
     np.testing.assert_allclose(float(train / count), main + 0.1 * np.mean(each), rtol=2e-5)
     got = MultiTokenLM().metrics(metric_sums, count)
     np.testing.assert_allclose([got["mtp_loss_1"], got["mtp_loss_2"]], each, rtol=2e-5)
