@@ -131,17 +131,13 @@ class ChatRequest(Sampling):
         return out
 
 
-def completion_logprobs(tokens: list[TokenLogprob], decode, offset: int) -> dict:
-    """Log-probs in the completions shape; text_offset counts from `offset` (the chars of
-    the completion sent before these tokens)."""
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t.text)
+def completion_logprobs(tokens: list[TokenLogprob], decode) -> dict:
+    """Log-probs in the completions shape (text_offset: where each token's text starts in
+    the completion, counted over the tokens decoded one by one)."""
     return {"tokens": [t.text for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [_by_text(t.top, decode) for t in tokens],
-            "text_offset": offsets}
+            "text_offset": [t.offset for t in tokens]}
 
 
 def _by_text(top, decode) -> dict[str, float]:

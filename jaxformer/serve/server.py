@@ -146,18 +146,15 @@ async def completion(served: Served, body: CompletionRequest, request: Request):
     reply = await _start(served, ids, body.settings(served.end_ids, body.max_tokens, top or 0),
                          body.stops())
 
-    def logprobs(tokens, offset):
-        return None if top is None else completion_logprobs(tokens, served.tokenizer.decode,
-                                                            offset)
+    def logprobs(tokens):
+        return None if top is None else completion_logprobs(tokens, served.tokenizer.decode)
     if body.stream:
         async def chunks():
-            sent = 0
             async for piece, tokens in reply.chunks():
                 if piece or tokens or reply.finish:
                     yield _envelope(served, reply, "text_completion", [{
-                        "index": 0, "text": piece, "logprobs": logprobs(tokens, sent),
+                        "index": 0, "text": piece, "logprobs": logprobs(tokens),
                         "finish_reason": reply.finish}])
-                sent += len(piece)
             if body.include_usage():
                 yield _envelope(served, reply, "text_completion", [], usage=reply.usage())
         return _sse(chunks())
@@ -165,7 +162,7 @@ async def completion(served: Served, body: CompletionRequest, request: Request):
     async for piece, new in reply.chunks(request.is_disconnected):
         text, tokens = text + piece, tokens + new
     return _envelope(served, reply, "text_completion", [{
-        "index": 0, "text": text, "logprobs": logprobs(tokens, 0),
+        "index": 0, "text": text, "logprobs": logprobs(tokens),
         "finish_reason": reply.finish}], usage=reply.usage())
 
 

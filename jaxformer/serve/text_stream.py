@@ -21,7 +21,8 @@ REPLACEMENT = "\ufffd"  # what decoding gives for bytes that end inside a charac
 class TokenLogprob:
     """One generated token with its log-prob and its top alternatives (id, log-prob)."""
     token: int
-    text: str
+    text: str                  # the token decoded alone
+    offset: int                # where it starts: the chars of the tokens before it alone
     logprob: float
     top: tuple[tuple[int, float], ...]
 
@@ -40,6 +41,7 @@ class TextStream:
         self.prefix_offset = 0    # ids[prefix_offset:read_offset] decode to the text's tail
         self.read_offset = 0
         self.stopped = False
+        self.ended = False        # finish() was called
         self.tokens: list[TokenLogprob] = []   # every token whose text was (or will be) sent
         self.generated = 0                     # tokens the engine gave, the skipped ones too
         self.reported = 0                      # tokens returned by new_tokens
@@ -52,13 +54,17 @@ class TextStream:
         if event.token in self.skip_ids:  # an end-of-text token: not part of the text
             return ""
         self.ids.append(int(event.token))
-        self.tokens.append(TokenLogprob(int(event.token), self.tok.decode([event.token]),
-                                        float(event.logprob), tuple(event.top)))
+        last = self.tokens[-1] if self.tokens else None
+        self.tokens.append(TokenLogprob(
+            int(event.token), self.tok.decode([event.token]),
+            last.offset + len(last.text) if last else 0, float(event.logprob),
+            tuple(event.top)))
         self._decode(final=False)
         return self._release(final=False)
 
     def finish(self) -> str:
         """The text held back, at the request's end."""
+        self.ended = True
         if not self.stopped:
             self._decode(final=True)
         return self._release(final=True)
@@ -94,16 +100,12 @@ class TextStream:
         string cut it: the stop string's own tokens are not the text's)."""
         if not self.stopped:
             return list(self.tokens)
-        kept, offset = [], 0
-        for t in self.tokens:
-            if offset >= len(self.text):
-                break
-            kept.append(t)
-            offset += len(t.text)
-        return kept
+        return [t for t in self.tokens if t.offset < len(self.text)]
 
     def new_tokens(self) -> list[TokenLogprob]:
-        """The kept tokens not returned by an earlier call (a streamed chunk's)."""
+        """The kept tokens whose text starts in the text released (all, once finished)
+        and that no earlier call returned: a streamed chunk's."""
         kept = self.kept_tokens()
-        fresh, self.reported = kept[self.reported:], max(len(kept), self.reported)
+        ready = len(kept) if self.ended else sum(t.offset < self.sent for t in kept)
+        fresh, self.reported = kept[self.reported:ready], max(ready, self.reported)
         return fresh

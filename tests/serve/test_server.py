@@ -234,19 +234,29 @@ def test_stop_strings_cut_the_text(folder, client):
     tok = folder[3]
     for _ in range(20):  # a prompt whose greedy text is long enough to pick a stop from
         ids = random_prompt(folder, 6)
-        full = tok.decode(greedy(folder, [ids], 24)[0])
+        new = greedy(folder, [ids], 24)[0]
+        full = tok.decode(new)
         if len(full) >= 8:
             break
     at = int(rng.integers(1, len(full) - 3))
     stop = full[at:at + 3]
     want = full[:full.index(stop)]
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0,
-                                  stop=[stop, "never seen \u2603"])
+                                  stop=[stop, "never seen \u2603"], logprobs=1)
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    lp = r.choices[0].logprobs  # greedy's first tokens, those that start before the cut
+    n = len(lp.tokens)
+    assert lp.tokens == [tok.decode([t]) for t in new[:n]]
+    assert (n == 0) == (want == "")
+    if n and len(full) == sum(len(tok.decode([t])) for t in new):  # no character split
+        assert len(tok.decode(new[:n - 1])) < len(want) <= len(tok.decode(new[:n])), n
     streamed = [c.choices[0] for c in client.completions.create(
-        model="tiny", prompt=ids, max_tokens=24, temperature=0, stop=stop, stream=True)]
+        model="tiny", prompt=ids, max_tokens=24, temperature=0, stop=stop, stream=True,
+        logprobs=1)]
     assert "".join(c.text for c in streamed) == want
     assert streamed[-1].finish_reason == "stop"
+    for field in ("tokens", "token_logprobs", "text_offset"):  # streamed as they were sent
+        assert sum((getattr(c.logprobs, field) for c in streamed), []) == getattr(lp, field)
 
 
 def test_32_concurrent_streaming_clients(folder, server):
