@@ -2,14 +2,15 @@
 
     python -m jaxformer.generate --run runs/tiny --prompt "def " [--max-new-tokens 200
         --temperature 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 --seed 0 --beam-width 4
-        --best --weights int8 --draft prompt_lookup --draft-len 4]
+        --best --weights int8 --draft prompt_lookup --draft-len 4 --cache-dtype int8]
 
 Loads the run's config, tokenizer and latest checkpoint (or the best, with --best).
 --weights int8 / bfloat16 reads the weights in that format (jaxformer.model.quantize); --draft
 decodes speculatively (a proposer's name, such as prompt_lookup, or mtp: the run's own
 multi-token prediction modules, --draft-len defaulting to its model.mtp_depth; or another
 run's directory: a draft model with the same tokenizer) and prints the acceptance rate to
-stderr.
+stderr. --cache-dtype int8 keeps the KV cache in int8 with a scale per token and head
+(jaxformer.attention.cache_formats: about half bf16's bytes).
 --min-new-tokens and --no-repeat-ngram-size constrain it (jaxformer.decode.constraints).
 """
 
@@ -22,6 +23,7 @@ import types
 import jax
 import numpy as np
 
+from jaxformer.attention.cache_formats import CACHE_FORMATS
 from jaxformer.training.saved_run import load_run
 
 
@@ -39,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
     p.add_argument("--member", type=int, default=None, help="a sweep run's adapter")
     p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
+    p.add_argument("--cache-dtype", default=None, choices=tuple(CACHE_FORMATS),
+                   help="the KV cache's format (default: the model's dtype)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding: prompt_lookup, mtp, or a draft run's directory")
     p.add_argument("--draft-len", type=int, default=None,
@@ -67,6 +71,8 @@ def main(argv=None) -> int:
             raise ValueError("the prompt is empty; give at least one character")
         constraints = Constraints(a.min_new_tokens, a.no_repeat_ngram_size)
         draft_len = default_draft_len(model.cfg, draft) if a.draft_len is None else a.draft_len
+        if a.beam_width and a.cache_dtype is not None:
+            raise ValueError("--cache-dtype applies to sampling and --draft, not --beam-width")
         if a.beam_width:
             out = beam_search(model, params, prompt, beam_width=a.beam_width,
                               max_new_tokens=a.max_new_tokens, eos_id=tok.eot_id,
@@ -75,7 +81,8 @@ def main(argv=None) -> int:
             out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
                            rng=jax.random.key(a.seed), temperature=a.temperature,
                            top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, eos_id=tok.eot_id,
-                           draft=draft, draft_len=draft_len, constraints=constraints)
+                           draft=draft, draft_len=draft_len, constraints=constraints,
+                           cache_dtype=a.cache_dtype)
             if draft is not None:
                 print(f"draft acceptance rate: {out.acceptance_rate:.3f}", file=sys.stderr)
     except (FileNotFoundError, ValueError, CheckpointError) as e:

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention.cache_formats import cache_format_name
 from jaxformer.attention.kv_cache import init_cache, kv_cache_bytes  # noqa: F401
 from jaxformer.core.hooks import session
 from jaxformer.core.logprobs import target_logprobs
@@ -129,9 +130,12 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     (jaxformer.decode.sampling). They are values: a new setting runs the same compiled decoder.
     After `eos_id` a row emits `pad_id` and its length stops growing. `logprobs` are log
     p(token) under the model's unmodified distribution. Compiles once per (config, shapes,
-    eos_id, pad_id); jittable and vmappable. cache_dtype: the KV cache's dtype (default the
-    compute dtype; bf16 halves its memory). windowed_cache: a layer whose sliding window is
-    shorter than the sequence keeps only a window of slots (a ring: jaxformer.attention.kv_cache),
+    eos_id, pad_id); jittable and vmappable. cache_dtype: the KV cache's format (default
+    the compute dtype): float32, bfloat16 (half float32's bytes), float16, or int8 (keys
+    and values in int8 with a float32 scale per token and K/V head, dequantised as attention
+    reads them: 1/2 + 2/head_dim of bf16's bytes; jaxformer.attention.cache_formats).
+    windowed_cache: a layer whose sliding window is shorter than the sequence keeps only a
+    window of slots (a ring: jaxformer.attention.kv_cache),
     e.g. Gemma 3's local layers; False keeps every layer at full length (always, for a
     contextual scheme: CoPE counts keys in row order, which a ring does not keep). hooks:
     {name: fn} as jaxformer.model.inspect.run_with_hooks takes them, applied through the
@@ -152,7 +156,7 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     """
     cfg = model.cfg
     keywords = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    cache = None if cache_dtype is None else jnp.dtype(cache_dtype).name
+    cache = None if cache_dtype is None else cache_format_name(cache_dtype)
     constraints = checked_constraints(constraints, cfg.vocab_size, eos_id)
     if draft is not None:
         for refused, what in ((hooks, "hook"), (constraints != Constraints(), "constrain")):
