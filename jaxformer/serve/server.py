@@ -55,8 +55,8 @@ class Reply:
         self.id = uuid.uuid4().hex[:24]
 
     async def chunks(self, disconnected=None) -> AsyncIterator[tuple[str, list]]:
-        """(text piece, the tokens it carries) per batch of events, until the request
-        ends (self.finish); the request is cancelled if the caller stops early."""
+        """(text piece, the tokens it carries) per event, until the request ends
+        (self.finish); the request is cancelled if the caller stops early."""
         try:
             while self.finish is None:
                 events = await self._events(disconnected)
