@@ -74,8 +74,19 @@ def _special_float(obj: dict):
 
 def read_hf_config(path) -> ModelConfig:
     """The ModelConfig of a Hugging Face model folder, without reading any weights (e.g. to
-    build shardings for from_hf)."""
-    return config_from_hf(read_hf_json(path))
+    build shardings for from_hf); MTP modules only where its tensor names hold them."""
+    hf = read_hf_json(path)
+    cfg = config_from_hf(hf)
+    if not cfg.mtp_depth:
+        return cfg
+    try:
+        reader = SafetensorsReader(model_folder(path))
+    except FileNotFoundError:  # a config alone
+        return cfg
+    try:
+        return mtp_held(cfg, reader.files, folder_row(hf, model_type_row(hf)).tensor_prefix)
+    finally:
+        reader.close()
 
 
 class SafetensorsReader:

@@ -5,7 +5,8 @@ written by hand beside a random model's tensors as layer n_layers (its block the
 of a random 3-layer model); from_hf reads it as model.mtp_depth=1, and its predictions equal
 a float64 forward of the paper's module (enorm, hnorm, eh_proj over [embedding; hidden
 state], the layer as transformers' decoder layer runs it, shared_head's norm and head);
-to_hf writes it back tensor for tensor. A folder without the layer reads as mtp_depth=0."""
+to_hf writes it back tensor for tensor. A folder without the layer reads as mtp_depth=0
+(from_hf, and read_hf_config from its tensor names)."""
 
 import json
 
@@ -22,7 +23,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds  # noqa: 
 from transformers.models.glm4_moe import modeling_glm4_moe as glm  # noqa: E402
 
 from jaxformer import Transformer  # noqa: E402
-from jaxformer.convert import from_hf, to_hf  # noqa: E402
+from jaxformer.convert import from_hf, read_hf_config, to_hf  # noqa: E402
 from tests.hf.test_families import redraw, rel_err  # noqa: E402
 from tests.hf.test_glm import GLM4_MOE, glm_model  # noqa: E402
 from tests.hf.test_moe_families import V, hf_model  # noqa: E402
@@ -81,6 +82,7 @@ def test_mtp_layer_read_run_and_written(model_type, tmp_path):
     model.config.num_hidden_layers = 2
     model.save_pretrained(tmp_path / "plain")
     assert from_hf(tmp_path / "plain")[0].mtp_depth == 0  # transformers' own folder
+    assert read_hf_config(tmp_path / "plain").mtp_depth == 0
     parts = mtp_parts(model.config, norm)
     tensors.update({f"model.layers.2.{k}.{w}": t.numpy() for k, p in parts.items()
                     for w, t in p.state_dict().items()})
@@ -93,7 +95,7 @@ def test_mtp_layer_read_run_and_written(model_type, tmp_path):
     save_file(tensors, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
 
     cfg, params = from_hf(tmp_path / "mtp")
-    assert cfg.mtp_depth == 1
+    assert cfg.mtp_depth == 1 == read_hf_config(tmp_path / "mtp").mtp_depth
     tokens = rng.integers(0, V, (2, 12))
     apply = jax.jit(lambda p, x: Transformer(cfg).apply({"params": p}, x, mtp=True))
     logits, more = apply(params, tokens)
