@@ -363,7 +363,7 @@ def write_pages(layer, k, v):
     """A paged layer with k, v [R, T, K, H] written: row r's token t (t < counts[r]) at
     logical index starts[r] + t of its pages; padding and indices past its table dropped."""
     pages, _, page_size = layer["k"].shape[:3]
-    r, t = k.shape[:2]
+    t = k.shape[1]
     index = layer["starts"][:, None] + jnp.arange(t)  # [R, T]: logical
     logical = index // page_size
     m = layer["page_table"].shape[1]

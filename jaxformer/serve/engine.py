@@ -28,7 +28,6 @@ thread-safe: one thread calls submit, cancel and step.
 from __future__ import annotations
 
 import collections
-import math
 from typing import Sequence
 
 import jax
@@ -43,7 +42,7 @@ from jaxformer.model.archs import ARCHS
 from jaxformer.model.transformer import Transformer
 from jaxformer.serve.pages import PagePool, chain_hashes
 from jaxformer.serve.paged_step import step_program
-from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSettings,  # noqa: F401
+from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSettings,
                                       checked_request)
 
 PREFILL_ROWS = 4  # prompts whose next chunk runs in one step (fewer slots: as many)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 TOP_LOGPROBS = 20  # the most alternatives a token's log-probs list (settings.logprobs)
 

@@ -10,7 +10,7 @@ from jaxformer import ModelConfig
 from jaxformer.attention.kv_cache import kv_cache_bytes
 from jaxformer.serve import Engine, RequestSettings
 from jaxformer.serve.pages import PagePool, chain_hashes
-from tests.serve.test_engine import CFG, PAGE, CHUNK, alone, drive, tiny
+from tests.serve.test_engine import CFG, CHUNK, PAGE, alone, tiny
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
