@@ -33,8 +33,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. "
 
 
-# --- the model folder and the server process ---------------------------------------------
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny random Llama-like model saved as a Hugging Face folder with a BPE tokenizer
@@ -45,8 +43,7 @@ def folder(tmp_path_factory):
     from jaxformer.model.build import param_shapes
     from jaxformer.model.transformer import Transformer
 
-    seed = secrets.randbits(32)
-    print(f"model seed {seed}")
+    print(f"model seed {(seed := secrets.randbits(32))}")
     draw = np.random.default_rng(seed)
     path = tmp_path_factory.mktemp("tiny_hf")
     tok = train_bpe(iter([TEXT] * 20), 300)
@@ -64,27 +61,23 @@ def folder(tmp_path_factory):
     return path, Transformer(cfg), params, tok
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(folder):
     """The base URL of `python -m jaxformer.serve FOLDER`, running until the module ends."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = folder[0] / "server.log"  # a file: a pipe nobody reads would block the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxformer.serve", str(folder[0]), "--port", str(port),
          "--slots", str(SLOTS), "--max-queue", str(MAX_QUEUE), "--page-size", "8",
-         "--model-name", "tiny"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+         "--model-name", "tiny"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
     try:
-        deadline = time.monotonic() + 600
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"the server exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+                pytest.fail(f"the server exited {proc.returncode}: {log.read_text()[-3000:]}")
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
@@ -105,8 +98,6 @@ def server(folder):
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
 
-
-# --- references ----------------------------------------------------------------------------
 
 def greedy(folder, prompts: list[list[int]], n: int) -> list[list[int]]:
     """jaxformer's generate, greedy, the prompts in one batch: each one's first n new
@@ -149,8 +140,6 @@ def random_prompt(folder, n: int) -> list[int]:
 
 rng = np.random.default_rng()  # rebound to each test's by tests/conftest.py
 
-
-# --- tests -----------------------------------------------------------------------------------
 
 def test_models_health_and_metrics(server, client):
     """/v1/models lists the served name with its context, /health answers, /metrics counts."""
