@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxformer import ModelConfig
 from jaxformer.attention.kv_cache import kv_cache_bytes
+from jaxformer.decode import generate
 from jaxformer.serve import Engine, RequestSettings
 from jaxformer.serve.pages import PagePool, chain_hashes
 from tests.serve.test_engine import CFG, CHUNK, PAGE, alone, tiny
@@ -97,7 +98,8 @@ def test_a_prefix_shared_by_32_requests_is_held_once():
 def test_32_sequences_of_100_tokens_hold_under_a_tenth_of_32_full_slots():
     """A model of max_seq_len 2048: 32 requests of 100 tokens (90 of prompt, 10 new) run
     together in a pool of 256 pages of 16; the pages they hold at the most, and the pool's
-    bytes, are under a tenth of a cache of 32 rows of max_seq_len."""
+    bytes, are under a tenth of a cache of 32 rows of max_seq_len. Then one of 302 tokens
+    (a wider page table) gets generate's tokens."""
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32,
                       max_seq_len=2048, position="rope")
     model, params = tiny(cfg)
@@ -118,3 +120,11 @@ def test_32_sequences_of_100_tokens_hold_under_a_tenth_of_32_full_slots():
     assert together == 32 and all(len(t) == 10 for t in out.values())
     assert most <= 32 * 7 < full / 10
     assert pool_bytes < kv_cache_bytes(cfg, 32, cfg.max_seq_len) / 10
+    # a longer one crosses into a wider page table (19 pages of 16): generate's tokens
+    long = rng.integers(0, 64, 290).tolist()
+    rid = engine.submit(long, RequestSettings(max_tokens=12, temperature=0.0))
+    got = [e.token for _ in range(40) for e in engine.step() if e.request_id == rid]
+    want = generate(model, params, np.array([long]), max_new_tokens=12, rng=jax.random.key(0),
+                    temperature=0.0)
+    assert got == np.asarray(want.tokens[0]).tolist() and not engine.has_work()
+    assert {w for _, _, w in engine.shapes} == {16, 32}  # table widths run
