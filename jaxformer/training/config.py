@@ -24,7 +24,7 @@ from jaxformer.data import DataConfig
 from jaxformer.model.archs import ARCHS
 from jaxformer.model.config import NESTED, PRESETS, ModelConfig
 from jaxformer.positions.schemes import POSITION_SCHEMES
-from jaxformer.training import objectives
+from jaxformer.training import objectives, profiling
 from jaxformer.training.init_from import initial_sections
 from jaxformer.training.optim import OptimConfig
 
@@ -52,6 +52,10 @@ class TrainConfig:
     wandb: str | None = None  # a W&B project: metrics and config logged there (training/tracking.py)
     wandb_mode: str = "offline"  # offline: files in run_dir/wandb (wandb sync uploads them); online
     mtp_weight: float = 0.3  # lambda of the multi-token prediction loss (model.mtp_depth > 0)
+    # model.loss_chunk, typed under model (RunConfig.from_dict moves it here: ModelConfig
+    # describes the network, this the loss): positions per block of training.chunked_loss
+    loss_chunk: int = 0
+    profile: str | None = None  # START:STOP: a trace of those steps in RUN/profile (profiling)
 
     def __post_init__(self):
         o = "train"
@@ -67,6 +71,8 @@ class TrainConfig:
         check_number(o, "sample_tokens", self.sample_tokens, int, low=0)
         check_number(o, "sample_temperature", self.sample_temperature, float, low=0)
         check_number(o, "mtp_weight", self.mtp_weight, float, low=0)
+        check_number("model", "loss_chunk", self.loss_chunk, int, low=0)
+        profiling.traced_steps(self.profile)  # a bad START:STOP now, in one line
         check_choice(o, "resume", self.resume, RESUME)
         check_choice(o, "wandb_mode", self.wandb_mode, WANDB_MODES)
         if self.wandb is not None and (not isinstance(self.wandb, str) or not self.wandb or
@@ -215,6 +221,7 @@ class RunConfig:
             raise ConfigError(f"unknown config section(s) {', '.join(unknown)}; sections are: "
                               f"{', '.join(SECTIONS)}")
         values = initial_sections(values)  # train.init_from: the model it starts from
+        values = moved_loss_chunk(values)
         sections = {}
         for name, section_cls in SECTIONS.items():
             raw = dict(values.get(name) or {})
@@ -228,6 +235,15 @@ class RunConfig:
                 section_cls, raw, name, nested=NESTED,
                 extra=" (or preset)" if name == "model" else "")
         return cls(**sections)
+
+
+def moved_loss_chunk(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The sections with model.loss_chunk (where it is typed) moved to train.loss_chunk."""
+    model = dict(values.get("model") or {})
+    if "loss_chunk" not in model:
+        return dict(values)
+    train = {**(values.get("train") or {}), "loss_chunk": model.pop("loss_chunk")}
+    return {**values, "model": model, "train": train}
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:

@@ -26,7 +26,7 @@ from jaxformer.model.config import ConfigError
 from jaxformer.model.encoder_decoder import EncoderDecoder
 from jaxformer.model.transformer import flops_per_token
 from jaxformer.moe.balancing import layer_records, sparse_ids
-from jaxformer.training import objectives, tracking
+from jaxformer.training import objectives, profiling, tracking
 from jaxformer.training.adapter_checkpoint import keep_base, run_checkpointer
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
@@ -250,9 +250,10 @@ class _Run:
         """Train to train.steps, evaluating and saving on the way; True when stopped early
         by SIGTERM / Ctrl-C. A step's metrics are read once the next step is queued."""
         t, every = self.cfg.train, self.cfg.checkpoint.every
-        with _StopFlag() as stop:
+        with _StopFlag() as stop, profiling.StepTrace(t.profile, self.run_dir) as trace:
             step, pending = self.start, None
             while step < t.steps and not stop.requested:
+                trace.at(step, self.state)  # train.profile: starts or stops the trace
                 # the steps before this one are done (or, with asynchronous dispatch, all
                 # but the one in flight): the end of the window that `pending` closes
                 dispatched = time.perf_counter()
@@ -268,6 +269,7 @@ class _Run:
                     self.window["t0"] += time.perf_counter() - eval_t0  # tokens/s: training
                 if step % every == 0:
                     self.ckpt.save(step, self.state, self.cfg.model)
+            trace.stop(self.state)
             if pending is not None:
                 self.summary["final_loss"] = self.record(*pending, end=None)
             return stop.requested

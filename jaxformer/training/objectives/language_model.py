@@ -22,6 +22,7 @@ from jaxformer.core.validation import ConfigError
 from jaxformer.model.archs import ARCHS, ENCODER_DECODER
 from jaxformer.model.mtp import MAX_DEPTH, shifted
 from jaxformer.moe import balancing
+from jaxformer.training import chunked_loss
 from jaxformer.training.objectives.entry import Objective, fixed_name
 from jaxformer.training.seq2seq import Seq2Seq
 from jaxformer.training.step import LanguageModel, joined
@@ -113,16 +114,19 @@ class MultiTokenLM(LanguageModel):
 
 def build(cfg, tokenizer=None):
     """The step hooks: the encoder-decoder's (Seq2Seq) or the decoder's (LanguageModel;
-    MultiTokenLM with model.mtp_depth > 0)."""
+    MultiTokenLM with model.mtp_depth > 0; ChunkedLanguageModel with model.loss_chunk)."""
     if ARCHS[cfg.model.arch].encoder:  # an encoder stack of its own: source/target pairs
         return Seq2Seq(cfg.optim.label_smoothing)
     if cfg.model.mtp_depth:
         return MultiTokenLM(cfg.optim.grad_accum, cfg.train.mtp_weight)
+    if cfg.train.loss_chunk:  # model.loss_chunk: the head and loss a block at a time
+        return chunked_loss.ChunkedLanguageModel(cfg.optim.grad_accum, cfg.train.loss_chunk)
     return LanguageModel(cfg.optim.grad_accum)
 
 
 def check(cfg) -> None:
     """MTP trains one model (no LoRA sweep) on whole rows (no context split): one line."""
+    chunked_loss.check(cfg)  # model.loss_chunk: the plain loss of one model
     if cfg.model.mtp_depth and (len(cfg.model.lora.members()) > 1 or cfg.mesh.context > 1):
         raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth} trains one model on whole "
                           "rows; drop model.lora.sweep_* and use mesh.context=1")

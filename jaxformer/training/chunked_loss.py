@@ -1,0 +1,154 @@
+"""model.loss_chunk=N: the LM head and the cross entropy over blocks of N positions of every
+row, forward and backward, so no step holds the [B, T, V] logits (0: the plain loss).
+
+The model gives its last block's output x [B, T, D] (Transformer(..., hidden=True); the full
+logits it also returns are dead code under jit and compiled away); a lax.scan then runs,
+block by block, the model's own head (Head: the final norm, the LM head tied or not, its
+bias, multiplier and soft-cap: Transformer.logits itself) and the loss on [B, N] tokens, the
+block under jax.checkpoint, so the backward recomputes each block's logits [B, N, V] instead
+of keeping them: peak memory holds one block's logits and their gradient, B N V float32
+each, not B T V. The price is the head's forward matmul once more (2 B T D V FLOPs).
+
+Blocks run over positions, not over the vocabulary (MaxText's vocab tiling and torchtitan's
+chunked loss split tokens too; levanter's fused loss blocks both): every op of the head is
+per token, so a token block is the model's head unchanged (the final norm, soft-cap, a BERT
+head transform), each block's log-sum-exp is exact in one pass, and the batch axis (the
+data-parallel split) stays whole. A vocabulary split would need an online log-sum-exp, the
+head's weight cut by rows, and would recompute the final norm per block.
+
+token_losses is the loss of one block: the cross entropy, with optional label smoothing e
+(targets (1 - e) one-hot + e / V, optax's convention) and z-loss z (z * logsumexp^2, PaLM's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer.attention.ring import zigzag_batch
+from jaxformer.core.sharding import sequence_split
+from jaxformer.core.validation import ConfigError
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.transformer import Transformer
+from jaxformer.moe import balancing
+from jaxformer.training.step import LanguageModel, joined
+
+HEAD_PARAMS = ("embed", "final_norm", "head_transform", "head_norm", "lm_head", "head_bias")
+
+
+class Head(nn.Module):
+    """The Transformer's head on its own: x [B, N, D] (the last block's output) -> float32
+    logits [B, N, V], read from the Transformer's params of the same names (HEAD_PARAMS)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
+                         name="embed")  # the tied head's table (its params, as the model's)
+        return Transformer.logits(self, embed, x)
+
+
+def token_losses(logits, targets, label_smoothing: float = 0.0, z_loss: float = 0.0):
+    """Per-token loss: logits [..., V] float32, targets int [...] -> float32 [...]: the cross
+    entropy against (1 - e) one-hot + e / V, plus z_loss * logsumexp(logits)^2."""
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [...]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    loss = lse - picked
+    if label_smoothing:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - jnp.mean(logits, -1))
+    if z_loss:
+        loss = loss + z_loss * jnp.square(lse)
+    return loss
+
+
+def chunked_sums(head, head_params, x, targets, mask, chunk: int, *,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0):
+    """(sum of token_losses x mask, sum of mask) with logits = head(head_params, x block),
+    `chunk` positions of every row at a time: x [B, T, D], targets [B, T], mask [B, T].
+    T is padded to a multiple of chunk with masked positions."""
+    b, t = targets.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    mask = mask.astype(jnp.float32)
+    x, targets, mask = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+                        for a in (x, targets, mask))
+
+    def blocks(a):  # [B, n * N, ...] -> [n, B, N, ...]
+        return jnp.moveaxis(a.reshape(b, n, chunk, *a.shape[2:]), 1, 0)
+
+    @jax.checkpoint  # the backward recomputes the block's logits
+    def block(hp, xb, tb, mb):
+        logits = head(hp, xb)  # [B, N, V] float32
+        return jnp.sum(token_losses(logits, tb, label_smoothing, z_loss) * mb)
+
+    def body(total, xs):
+        return total + block(head_params, *xs), None
+
+    total = jax.lax.scan(body, jnp.zeros([], jnp.float32),
+                         (blocks(x), blocks(targets), blocks(mask)))[0]
+    return total, jnp.sum(mask)
+
+
+def hidden_of(model, params, batch, dropout_rng=None, sown: bool = False):
+    """As training.step.logits_of, the last block's output x [B, T, D] in place of the
+    logits: (x, the batch it is of (zigzag order under context parallelism), the "moe"
+    collection or None)."""
+    deterministic = dropout_rng is None
+    split = sequence_split()
+    if split is not None:
+        batch = zigzag_batch(batch, split[0].shape[split[1]])
+    out = model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
+                      segment_ids=batch.get("segment_ids"), deterministic=deterministic,
+                      rngs=None if deterministic else {"dropout": dropout_rng},
+                      mutable=["moe"] if sown else False, hidden=True)
+    (_, x), collections = out if sown else (out, None)  # the full logits go unused
+    return x, batch, collections
+
+
+def chunked_terms(model, params, batch, chunk: int, *, dropout_rng=None):
+    """As training.step.loss_terms (summed cross entropy on the loss mask, its count, the
+    sparse layers' statistics), the head and the loss run `chunk` positions at a time."""
+    sparse = any(model.cfg.sparse_layers)
+    x, batch, sown = hidden_of(model, params, batch, dropout_rng, sparse)
+    head = Head(model.cfg)
+    total, count = chunked_sums(lambda hp, h: head.apply({"params": hp}, h),
+                                {k: params[k] for k in HEAD_PARAMS if k in params}, x,
+                                batch["targets"], batch["loss_mask"], chunk)
+    stats = balancing.layer_stats(model.cfg, sown["moe"]) if sparse else {}
+    return total, count, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedLanguageModel(LanguageModel):
+    """The lm objective's hooks (training.step.LanguageModel) with the chunked loss:
+    chunk = model.loss_chunk positions per block."""
+
+    chunk: int = 0
+
+    def gradient_sums(self, model, trained, frozen, batch, rng, reference=None):
+        dropout_rng = rng if model.cfg.dropout > 0 else None
+
+        def loss(t):
+            total, count, stats = chunked_terms(model, joined(t, frozen), batch, self.chunk,
+                                                dropout_rng=dropout_rng)
+            train = total + count * balancing.penalty(model.cfg.moe, stats)
+            return train, (total, count, balancing.step_sums(stats, count))
+        (_, (total, count, sums)), grads = jax.value_and_grad(loss, has_aux=True)(trained)
+        return total, count, grads, sums
+
+    def eval_sums(self, model, params, batch, reference=None):
+        return chunked_terms(model, params, batch, self.chunk)[:2]
+
+
+def check(cfg) -> None:
+    """model.loss_chunk runs the decoder's plain next-token loss: refused with multi-token
+    prediction or a LoRA sweep, in one line."""
+    chunk = cfg.train.loss_chunk
+    if chunk and (cfg.model.mtp_depth or len(cfg.model.lora.members()) > 1):
+        raise ConfigError(f"model.loss_chunk={chunk} chunks the plain next-token loss; set "
+                          "model.mtp_depth=0 and drop model.lora.sweep_*, or model.loss_chunk=0")

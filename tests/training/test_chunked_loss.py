@@ -1,0 +1,133 @@
+"""model.loss_chunk: the blockwise head and loss equal a float64 NumPy loss (z-loss, label
+smoothing, a mask, a soft-capped head) and the model's plain loss, values and gradients;
+the compiled chunked step holds no [B, T, V] buffer; bad settings are refused."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.core.validation import ConfigError
+from jaxformer.model.transformer import Transformer
+from jaxformer.training import load_config, objectives
+from jaxformer.training.chunked_loss import ChunkedLanguageModel, chunked_sums, chunked_terms
+from jaxformer.training.step import loss_terms
+
+CAP, SMOOTH, Z = 3.0, 0.1, 0.01
+
+
+def np_loss_and_grads(x, w, targets, mask):
+    """float64: sum over the mask of the smoothed cross entropy + Z lse^2 of the logits
+    CAP tanh(x w / CAP), and its gradients with respect to x [B, T, D] and w [D, V]."""
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    raw = x @ w  # [B, T, V]
+    logits = CAP * np.tanh(raw / CAP)
+    top = logits.max(-1, keepdims=True)
+    lse = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[..., 0]  # [B, T]
+    v = logits.shape[-1]
+    onehot = np.eye(v)[targets]  # [B, T, V]
+    q = (1 - SMOOTH) * onehot + SMOOTH / v
+    loss = lse - (q * logits).sum(-1) + Z * lse**2  # [B, T]
+    p = np.exp(logits - lse[..., None])
+    dlogits = (p - q + 2 * Z * lse[..., None] * p) * mask[..., None]
+    draw = dlogits * (1 - np.tanh(raw / CAP) ** 2)
+    return (loss * mask).sum(), draw @ w.T, np.einsum("btd,btv->dv", x, draw)
+
+
+def test_chunked_sums_equal_a_float64_loss_and_gradients():
+    """Blocks of 4 positions over T = 11 (a padded last block): the value and the gradients
+    of x and the head's weight equal the float64 ones within float32 rounding."""
+    rng = np.random.default_rng()
+    b, t, d, v = 2, 11, 8, 37
+    x = rng.normal(size=(b, t, d)).astype(np.float32)
+    w = rng.normal(size=(d, v)).astype(np.float32)
+    targets = rng.integers(0, v, (b, t)).astype(np.int32)
+    mask = (rng.random((b, t)) < 0.7).astype(np.float32)
+
+    def head(hp, h):
+        return CAP * jnp.tanh(jnp.einsum("bnd,dv->bnv", h, hp) / CAP)  # [B, N, V]
+
+    def total(x, w):
+        return chunked_sums(head, w, x, targets, mask, 4, label_smoothing=SMOOTH, z_loss=Z)
+
+    (value, count), grads = jax.jit(jax.value_and_grad(total, (0, 1), has_aux=True))(x, w)
+    want, dx, dw = np_loss_and_grads(x, w, targets, mask)
+    assert float(count) == mask.sum()
+    np.testing.assert_allclose(float(value), want, rtol=2e-6)
+    np.testing.assert_allclose(grads[0], dx, rtol=1e-4, atol=2e-6)
+    np.testing.assert_allclose(grads[1], dw, rtol=1e-4, atol=2e-6)
+
+
+def packed_batch(rng, b, t, v):
+    """Random tokens packed as two documents a row, the second starting at a random place;
+    a random loss mask, zero on the last document's padding."""
+    tokens = rng.integers(0, v, (b, t + 1)).astype(np.int32)
+    cut = rng.integers(2, t - 2, b)
+    idx = np.arange(t)
+    seg = np.where(idx < cut[:, None], 1, 2).astype(np.int32)
+    seg[:, -2:] = 0  # padding
+    pos = np.where(seg == 1, idx, idx - cut[:, None]).astype(np.int32)
+    mask = ((rng.random((b, t)) < 0.8) & (seg > 0)).astype(np.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask,
+            "segment_ids": seg, "positions": pos}
+
+
+def test_the_model_chunked_loss_equals_its_plain_loss():
+    """model.loss_chunk=5 read from the config (under model.) picks the chunked hooks; on a
+    packed batch with a mask, an untied head with bias, multiplier and soft-cap, the summed
+    loss and every parameter's gradient equal the plain loss's (training.step.loss_terms)."""
+    cfg = load_config(None, ["model.vocab_size=97", "model.d_model=32", "model.n_layers=1",
+                             "model.n_heads=2", "model.norm=rmsnorm", "model.final_softcap=4.0",
+                             "model.logits_multiplier=0.7", "model.tie_embeddings=false",
+                             "model.head_bias=true", "model.loss_chunk=5"])
+    assert objectives.build(cfg) == ChunkedLanguageModel(1, 5)
+    rng = np.random.default_rng()
+    batch = packed_batch(rng, 2, 13, 97)
+    model = Transformer(cfg.model)
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    params = jax.jit(model.init)(key, batch["inputs"])["params"]
+    params["head_bias"] = jnp.asarray(rng.normal(size=97), jnp.float32)  # not its zeros
+    plain = jax.jit(jax.value_and_grad(lambda p: loss_terms(model, p, batch)[0]))(params)
+    chunked = jax.jit(jax.value_and_grad(lambda p: chunked_terms(model, p, batch, 5)[0]))(
+        params)
+    np.testing.assert_allclose(float(chunked[0]), float(plain[0]), rtol=2e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(chunked[1]),
+                            jax.tree.leaves(plain[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+def largest_buffer(fn, *args) -> int:
+    """The most elements of any float32 array in fn's compiled (optimised) HLO."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return max(int(np.prod([int(s) for s in dims.split(",")])) if dims else 1
+               for dims in re.findall(r"f32\[([\d,]*)\]", text))
+
+
+def test_the_chunked_step_holds_no_full_logits():
+    """The compiled gradient of the chunked loss (blocks of 16 of T = 64) has no float32
+    array of B x T x V elements or more; the plain loss's has (the check sees them)."""
+    b, t, v = 2, 64, 512
+    cfg = load_config(None, ["model.vocab_size=512", "model.d_model=32", "model.n_layers=1",
+                             "model.n_heads=2", f"model.max_seq_len={t}"]).model
+    model = Transformer(cfg)
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, v, (b, t + 1)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": np.ones((b, t), np.float32)}
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch["inputs"]))["params"]
+    chunked = largest_buffer(jax.grad(lambda p: chunked_terms(model, p, batch, 16)[0]), params)
+    plain = largest_buffer(jax.grad(lambda p: loss_terms(model, p, batch)[0]), params)
+    assert plain >= b * t * v
+    assert chunked < b * t * v // 2, chunked
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["model.loss_chunk=-1"], "model.loss_chunk=-1"),
+    (["model.loss_chunk=8", "model.mtp_depth=1"], "model.loss_chunk=8"),
+])
+def test_bad_loss_chunks_are_refused_in_one_line(extra, names):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, extra)
+    assert names in str(err.value) and "\n" not in str(err.value)
