@@ -47,11 +47,13 @@ class ChatTemplate:
 
     @classmethod
     def of_folder(cls, folder) -> ChatTemplate | None:
-        """The folder's template: chat_template.jinja, else tokenizer_config.json's
-        chat_template (a string, or named templates: the "default" one); None if none."""
+        """The folder's template: chat_template.jinja, else chat_template.json's, else
+        tokenizer_config.json's chat_template (a string, or named templates: the "default"
+        one); None if none."""
         folder = pathlib.Path(folder)
         config = _json(folder / CONFIG_FILE)
-        source = config.get("chat_template")
+        source = _json(folder / "chat_template.json").get("chat_template") or \
+            config.get("chat_template")
         if (folder / TEMPLATE_FILE).is_file():
             source = (folder / TEMPLATE_FILE).read_text()
         if isinstance(source, list):
