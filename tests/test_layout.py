@@ -81,9 +81,12 @@ def package_of(module: str) -> str:
 
 def test_no_package_circle():
     """Nor do the packages: with each subpackage of jaxformer/ one node (its modules
-    together) and each top module one, the imports between them have no cycle."""
+    together) and each top module one, the imports between them have no cycle. A
+    wing's __main__ is a command line (see wing_arrows), no part of its wing."""
     graph = {}
     for m, deps in module_graph().items():
+        if m.endswith(".__main__"):
+            m = m.replace(".", "_")  # a node of its own, at the top
         graph.setdefault(package_of(m), set()).update(
             package_of(d) for d in deps if package_of(d) != package_of(m))
     found = circle(graph)
