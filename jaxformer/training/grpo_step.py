@@ -20,11 +20,21 @@ rollout and update, whose times are logged (rollout_s, reward_s, update_s);
 bench/posttrain.py measures both forms. The lr schedule runs over train.steps x
 inner_steps optimizer updates. On a mesh the params keep their shardings; the rollouts
 are replicated (every device computes every sequence), not split.
+
+objective.rollout (ROLLOUTS) says where the rollout runs: "generate" (the default) as
+above, inside the jitted step with a task reward; "engine" through the serving engine
+(jaxformer.serve.Engine: continuous batching over a paged KV cache, a group's shared
+prompt pages held once) on the host before the jitted program(s), so a short completion
+frees its slot instead of waiting for the longest. A fresh engine each step (the policy
+has moved: no stale prefix pages), its compiled programs reused. Its log-probs are the
+model's log-softmax, as generate's; greedy rollouts (temperature 0) give generate's
+tokens, so the same run. A step with it logs rollout_s, its engine time.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +48,7 @@ from jaxformer.core.sharding import traced_under
 from jaxformer.decode.loops import generate
 from jaxformer.model.config import ConfigError
 from jaxformer.model.lora import base_only
+from jaxformer.serve.engine import Engine, RequestSettings
 from jaxformer.training.grpo import group_advantages, grpo_loss
 from jaxformer.training.match import byte_table, encode_targets, task_rewards, token_pieces
 from jaxformer.training.optim import make_optimizer
@@ -85,6 +96,47 @@ def reward_stats(rewards, counts, group_size):
     return {"reward_mean": jnp.mean(rewards),
             "reward_std": jnp.mean(jnp.std(rewards.reshape(-1, group_size), axis=1)),
             "completion_len": jnp.mean(counts.astype(jnp.float32))}
+
+
+def engine_rollout(rollouts, params, prompts, lengths, key):
+    """(tokens int32 [N, M], log-probs [N, M], counts [N]) of the prompts [N, W] (lengths
+    [N]) continued through a serving engine of N slots (at most 64), each row's seed drawn
+    from `key`; zeros past each row's count (the update masks them)."""
+    o, n, m = rollouts.o, len(lengths), rollouts.o.max_new_tokens
+    engine = Engine(rollouts.model, params, slots=min(n, 64), mesh=rollouts.mesh,
+                    prefill_chunk=max(16, 1 << (rollouts.width - 1).bit_length()))
+    eot = rollouts.tokenizer.eot_id
+    seeds = np.asarray(jax.random.randint(key, (n,), 0, 2**31 - 1))
+    ids = [engine.submit(prompts[r, :lengths[r]].tolist(), RequestSettings(
+        max_tokens=m, temperature=o.temperature, seed=int(seeds[r]),
+        stop_token_ids=() if eot is None else (eot,))) for r in range(n)]
+    row = {i: r for r, i in enumerate(ids)}
+    tokens, logps = np.zeros((n, m), np.int32), np.zeros((n, m), np.float32)
+    counts = np.zeros(n, np.int32)
+    while engine.has_work():
+        for e in engine.step():
+            r = row[e.request_id]
+            tokens[r, counts[r]], logps[r, counts[r]] = e.token, e.logprob
+            counts[r] += 1
+    return tokens, logps, counts
+
+
+def generate_rollout(rollouts, params, prompts, lengths, key):
+    """generate's rollout, fetched to the host (the Python reward's form)."""
+    return tuple(np.asarray(x) for x in jax.device_get(
+        rollouts.rollout(params, prompts, lengths, key)))
+
+
+class Rollout(NamedTuple):
+    """objective.rollout: `host` makes a step's (tokens, logps, counts) on the host for a
+    Python reward; `ahead`: also for a task reward, before its jitted program (else the
+    rollout is traced inside it)."""
+    host: Callable
+    ahead: bool
+
+
+ROLLOUTS = {"generate": Rollout(generate_rollout, ahead=False),
+            "engine": Rollout(engine_rollout, ahead=True)}
 
 
 class GroupPolicy:
@@ -154,6 +206,7 @@ class Rollouts:
     def __init__(self, policy, model, data, reference, mesh, rules, shardings):
         cfg, o = policy.cfg, policy.o
         self.policy, self.model, self.o, self.seed = policy, model, o, cfg.train.seed
+        self.mesh, self.kind = mesh, ROLLOUTS[o.rollout]
         self.batch_size, self.tokenizer = cfg.train.batch_size, data.tokenizer
         self.prompts, self.answers = record_prompts(data.train, data.tokenizer.eot_id)
         if not self.prompts:
@@ -193,8 +246,9 @@ class Rollouts:
     def one_program(self, update):
         """step(state, batch, *reference): rollout, task reward, update, as one function."""
         def step(state, batch, *reference):
-            tokens, logps, counts = self.rollout(state.params, batch["prompts"],
-                                                 batch["lengths"], batch["key"])
+            made = batch.get("made")  # the rollout made before the step (objective.rollout)
+            tokens, logps, counts = made if made is not None else self.rollout(
+                state.params, batch["prompts"], batch["lengths"], batch["key"])
             rewards = task_rewards(tokens, counts, batch["table"], batch["table_lengths"],
                                    self.tokenizer.eot_id, batch["target"], batch["target_len"])
             rollout = dict(prompts=batch["prompts"], lengths=batch["lengths"], tokens=tokens,
@@ -240,14 +294,24 @@ class Rollouts:
                          table_lengths=self.table_lengths,
                          target=np.repeat(target, self.o.group_size, axis=0),
                          target_len=np.repeat(target_len, self.o.group_size))
+            if self.kind.ahead:
+                return self.ahead(state, batch)
             return self.step_fn(state, batch, *self.extra)
         return self.hosted(state, prompts, lengths, rows, key)
+
+    def ahead(self, state, batch):
+        """The task reward's step with the rollout made first (objective.rollout=engine)."""
+        t0 = time.perf_counter()
+        batch["made"] = self.kind.host(self, state.params, batch["prompts"], batch["lengths"],
+                                       batch["key"])
+        rollout_s = time.perf_counter() - t0
+        state, m = self.step_fn(state, batch, *self.extra)
+        return state, {**m, "rollout_s": rollout_s}
 
     def hosted(self, state, prompts, lengths, rows, key):
         """The step with a Python reward: rollout (jitted), reward (host), update (jitted)."""
         o, t0 = self.o, time.perf_counter()
-        tokens, logps, counts = (np.asarray(x) for x in jax.device_get(
-            self.rollout(state.params, prompts, lengths, key)))
+        tokens, logps, counts = self.kind.host(self, state.params, prompts, lengths, key)
         t1 = time.perf_counter()
         texts, answers = self.texts(rows)
         rewards = np.asarray(self.policy.reward(texts, self.completion_texts(tokens, counts),

@@ -51,6 +51,10 @@ def boom(prompt, completion):
     raise ValueError("no\\nway")
 def nothing(prompt, completion):
     return None
+CALLS = []
+def counted(prompt, completion):
+    CALLS.append(completion)
+    return float(len(CALLS) % 4 + len(completion))
 '''
 
 
@@ -325,6 +329,28 @@ def test_the_one_program_step_on_a_mesh_equals_one_device(sft, one_program, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "out.json").read_text()) == {"devices": 8}
     same_run(one_program[0], tmp_path / "mesh", 1e-5, 3e-4, later_tol=5e-3)
+
+
+GREEDY = [*ONE_PROGRAM[:-1], "objective.temperature=0", "optim.eps=1.0"]
+
+
+@pytest.mark.parametrize("reward", ["task:addition", "grpo_rewards_mod:counted"])
+def test_rollouts_through_the_engine_make_generates_run(sft, tmp_path, reward):
+    """objective.rollout=engine (the serving engine before the jitted program) with greedy
+    rollouts: the run objective.rollout=generate makes, with a task reward (one program)
+    and with a Python reward on the host; the latter's rewards differ within a group (they
+    count its calls), so the update moves the params by the rollouts' tokens and
+    log-probs; the first inner step's ratio is 1 (the engine's log-probs are the training
+    forward's)."""
+    _, _, grpo = sft
+    for name in ("generate", "engine"):
+        sys.modules.get("grpo_rewards_mod", sys).__dict__.get("CALLS", []).clear()
+        train(load_config(None, [*grpo, *GREEDY, f"objective.reward={reward}",
+                                 f"objective.rollout={name}", f"train.run_dir={tmp_path / name}"]),
+              log=lambda *a: None)
+    rows = [r for r in read_metrics(tmp_path / "engine") if "reward_mean" in r]
+    assert all(r["rollout_s"] > 0 and abs(r["ratio_first"] - 1) < 1e-5 for r in rows)
+    same_run(tmp_path / "generate", tmp_path / "engine", 1e-5, 1e-5)
 
 
 def test_bad_input_stops_in_one_line(sft, capsys):

@@ -6,14 +6,17 @@ prompt (train.batch_size prompts a step), sampled at temperature up to max_new_t
 (the ratio and KL read the model's own, temperature-1 log-probs: a temperature other than
 1 samples off-policy); reward task:NAME (training/rewards.py) or MODULE:FUNCTION of
 (prompt, completion) -> float; inner_steps optimizer steps per rollout; clip / clip_high
-the ratio's range [1 - clip, 1 + clip_high] (None: clip)."""
+the ratio's range [1 - clip, 1 + clip_high] (None: clip); rollout: where the completions
+are sampled (grpo_step.ROLLOUTS: "generate" inside the jitted step, "engine" through the
+serving engine before it); temperature 0 samples greedily (each group's completions
+alike: for checks, not training)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxformer.core.validation import ConfigError, check_number
-from jaxformer.training.grpo_step import GroupPolicy
+from jaxformer.core.validation import ConfigError, check_choice, check_number
+from jaxformer.training.grpo_step import ROLLOUTS, GroupPolicy
 from jaxformer.training.objectives.entry import Objective, dense_only, fixed_name
 
 METRICS = ("reward_mean", "reward_std", "completion_len", "ratio_first", "ratio_mean",
@@ -34,16 +37,18 @@ class GRPOSettings:
     inner_steps: int = 1
     clip: float = 0.2
     clip_high: float | None = None
+    rollout: str = "generate"
 
     def __post_init__(self):
         o = "objective"
         check_number(o, "beta", self.beta, float, low=0)
         check_number(o, "group_size", self.group_size, int, low=2)
-        check_number(o, "temperature", self.temperature, float, low=0, low_open=True)
+        check_number(o, "temperature", self.temperature, float, low=0)
         check_number(o, "max_new_tokens", self.max_new_tokens, int, low=1)
         check_number(o, "inner_steps", self.inner_steps, int, low=1)
         check_number(o, "clip", self.clip, float, low=0, low_open=True, high=1, high_open=True)
         check_number(o, "clip_high", self.clip_high, float, low=0, low_open=True, optional=True)
+        check_choice(o, "rollout", self.rollout, ROLLOUTS)
         if not isinstance(self.reward, str) or ":" not in self.reward:
             raise ConfigError(f"objective.name=grpo needs objective.reward (got {self.reward!r}): "
                               "task:NAME (task:addition, task:copy, task:exact) or "
