@@ -213,3 +213,16 @@ def test_bad_cache_dtype_is_refused_in_one_line():
                  rng=jax.random.key(0), cache_dtype="int4")
     assert str(e.value) == ("cache_dtype='int4' is not a KV cache format; choose one of "
                             "float32, bfloat16, float16, int8")
+
+
+def test_speculative_rollback_over_an_int8_ring_gives_plain_greedy_tokens():
+    """Prompt lookup over an int8 cache (rings with spare slots, refused drafts rolled
+    back) gives the tokens of plain greedy decoding over an int8 cache."""
+    model, params = make(layer_pattern=("local", "global"),
+                         layer_kinds={"local": {"window": 3}, "global": {}})
+    prompts = np.tile(rng.integers(1, 37, (2, 3)), (1, 3)).astype(np.int32)  # repeats: drafts
+    run = functools.partial(generate, model, params, prompts, max_new_tokens=8,
+                            rng=jax.random.key(0), temperature=0.0, cache_dtype="int8")
+    plain, drafted = run(), run(draft="prompt_lookup", draft_len=3)
+    assert int(np.sum(drafted.drafted)) > 0
+    np.testing.assert_array_equal(drafted.tokens, plain.tokens)
