@@ -104,7 +104,7 @@ class Engine:
     def submit(self, prompt: Sequence[int], settings: RequestSettings) -> int:
         """Queue a request; its id. A ValueError of one line names a bad prompt or setting."""
         ids = checked_request(prompt, settings, self.vocab_size, self.max_seq_len)
-        seed = int(self.rng.integers(2**63)) if settings.seed is None else settings.seed
+        seed = int(self.rng.integers(2**63) if settings.seed is None else settings.seed)
         req = Request(self.next_id, settings, ids, len(ids), (seed & 0xFFFFFFFF, seed >> 32))
         self.next_id += 1
         self.requests[req.id] = req

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import NamedTuple
 
 TOP_LOGPROBS = 20  # the most alternatives a token's log-probs list (settings.logprobs)
@@ -37,12 +38,12 @@ class Event(NamedTuple):
 
 
 def _integer(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def settings_problem(s: RequestSettings, vocab: int) -> str | None:
     """The first thing wrong with settings s, in words with the fix, or None."""
-    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) \
+    number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool) \
         and math.isfinite(x)  # noqa: E731
     rules = [
         ("max_tokens", _integer(s.max_tokens) and s.max_tokens >= 1, "an integer >= 1"),
