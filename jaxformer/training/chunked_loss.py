@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxformer.attention.ring import zigzag_batch
 from jaxformer.core.sharding import sequence_split
 from jaxformer.core.validation import ConfigError
+from jaxformer.model.archs import ARCHS
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.transformer import Transformer
 from jaxformer.moe import balancing
@@ -147,8 +148,9 @@ class ChunkedLanguageModel(LanguageModel):
 
 def check(cfg) -> None:
     """model.loss_chunk runs the decoder's plain next-token loss: refused with multi-token
-    prediction or a LoRA sweep, in one line."""
-    chunk = cfg.train.loss_chunk
-    if chunk and (cfg.model.mtp_depth or len(cfg.model.lora.members()) > 1):
-        raise ConfigError(f"model.loss_chunk={chunk} chunks the plain next-token loss; set "
-                          "model.mtp_depth=0 and drop model.lora.sweep_*, or model.loss_chunk=0")
+    prediction, a LoRA sweep or an encoder-decoder, in one line."""
+    chunk, m = cfg.train.loss_chunk, cfg.model
+    if chunk and (m.mtp_depth or len(m.lora.members()) > 1 or ARCHS[m.arch].encoder):
+        raise ConfigError(f"model.loss_chunk={chunk} chunks a decoder's plain next-token loss; "
+                          "set model.mtp_depth=0, drop model.lora.sweep_* and use "
+                          "model.arch=decoder, or model.loss_chunk=0")
