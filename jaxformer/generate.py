@@ -10,7 +10,7 @@ decodes speculatively (a proposer's name, such as prompt_lookup, or mtp: the run
 multi-token prediction modules, --draft-len defaulting to its model.mtp_depth; or another
 run's directory: a draft model with the same tokenizer) and prints the acceptance rate to
 stderr. --cache-dtype int8 keeps the KV cache in int8 with a scale per token and head
-(jaxformer.attention.cache_formats: about half bf16's bytes).
+(jaxformer.attention.cache_formats: about half bf16's bytes); beam search keeps the model's.
 --min-new-tokens and --no-repeat-ngram-size constrain it (jaxformer.decode.constraints).
 """
 
@@ -41,8 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
     p.add_argument("--member", type=int, default=None, help="a sweep run's adapter")
     p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
-    p.add_argument("--cache-dtype", default=None, choices=tuple(CACHE_FORMATS),
-                   help="the KV cache's format (default: the model's dtype)")
+    p.add_argument("--cache-dtype", choices=tuple(CACHE_FORMATS), help="KV cache format")
     p.add_argument("--draft", default=None,
                    help="speculative decoding: prompt_lookup, mtp, or a draft run's directory")
     p.add_argument("--draft-len", type=int, default=None,
@@ -71,8 +70,6 @@ def main(argv=None) -> int:
             raise ValueError("the prompt is empty; give at least one character")
         constraints = Constraints(a.min_new_tokens, a.no_repeat_ngram_size)
         draft_len = default_draft_len(model.cfg, draft) if a.draft_len is None else a.draft_len
-        if a.beam_width and a.cache_dtype is not None:
-            raise ValueError("--cache-dtype applies to sampling and --draft, not --beam-width")
         if a.beam_width:
             out = beam_search(model, params, prompt, beam_width=a.beam_width,
                               max_new_tokens=a.max_new_tokens, eos_id=tok.eot_id,

@@ -131,9 +131,8 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     After `eos_id` a row emits `pad_id` and its length stops growing. `logprobs` are log
     p(token) under the model's unmodified distribution. Compiles once per (config, shapes,
     eos_id, pad_id); jittable and vmappable. cache_dtype: the KV cache's format (default
-    the compute dtype): float32, bfloat16 (half float32's bytes), float16, or int8 (keys
-    and values in int8 with a float32 scale per token and K/V head, dequantised as attention
-    reads them: 1/2 + 2/head_dim of bf16's bytes; jaxformer.attention.cache_formats).
+    the compute dtype): float32, bfloat16, float16 or int8 (a float32 scale per token and
+    K/V head: 1/2 + 2/head_dim of bf16's bytes; jaxformer.attention.cache_formats).
     windowed_cache: a layer whose sliding window is shorter than the sequence keeps only a
     window of slots (a ring: jaxformer.attention.kv_cache),
     e.g. Gemma 3's local layers; False keeps every layer at full length (always, for a
