@@ -4,7 +4,7 @@ same model, data and seed for --steps steps in each precision, through train.py'
 model.dtype=bfloat16, the same batches in the same order).
 
     python bench/low_precision.py [--steps 200 --precisions default,fp8,int8 --batch 16
-        --seq 128 --lr 3e-3]
+        --seq 128 --lr 3e-3 --seed 0]
 
 `default` is plain bf16 training (the dots in the compute dtype, bfloat16). On a CPU the
 float8 and int8 dots run as simulated rounding: the losses are what a GPU or TPU would
@@ -34,7 +34,7 @@ def run(precision: str, args, run_dir: pathlib.Path) -> dict:
                  f"train.steps={args.steps}", f"train.batch_size={args.batch}",
                  f"train.seq_len={args.seq}", f"optim.lr={args.lr}", "train.log_every=1",
                  f"train.eval_every={args.steps}", f"checkpoint.every={args.steps}",
-                 f"train.run_dir={run_dir}", "train.sample_tokens=0", "train.seed=0"]
+                 f"train.run_dir={run_dir}", "train.sample_tokens=0", f"train.seed={args.seed}"]
     start = time.perf_counter()
     summary = train(load_config("configs/tiny.yaml", overrides), log=lambda *a, **k: None)
     seconds = time.perf_counter() - start
@@ -72,6 +72,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)  # train.seed: the init and the batches
     args = p.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +80,7 @@ def main():
             rows[name] = run(name, args, pathlib.Path(tmp) / name)
             print(f"{name}: {rows[name]}", flush=True)
     print(f"\n{args.steps} steps, batch {args.batch} x {args.seq} bytes, model.dtype=bfloat16, "
-          f"on {cpu_name()}")
+          f"seed {args.seed}, on {cpu_name()}")
     print(table(rows))
 
 

@@ -30,7 +30,10 @@ network, the recurrent mixers, and the routed experts. Not: the LM head (tied or
 the router, LoRA's adapters and the MTP modules' projections stay in the model's dtype,
 the standard choice (torchtitan and Transformer Engine keep the output layer and the
 router in high precision). Int8Kernel weights (jaxformer.model.quantize, inference) keep
-their own path.
+their own path. The experts' grouped matmuls (grouped_recipe) run the same recipes on
+values on the grid (quantised, divided by their scales) in float32: the same numbers up
+to float32 rounding, not yet float8 operands inside ragged_dot. The float32 entry's
+grouped product casts its operands only (the grouped matmuls take no precision).
 
 On a CPU the float8 dots run as simulated rounding (the numerics, not the speed).
 """

@@ -6,7 +6,8 @@ model.matmul_precision=fp8 (tests/core/mesh_worker.py's, scanned) on one device 
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
 
 import json  # noqa: E402
 
