@@ -1,0 +1,400 @@
+"""Serving under load: python -m jaxformer.serve against a static-batch generate and
+transformers' continuous batching, on the same random model and the same workload.
+
+    python bench/serve.py [--clients 1,8,32 --requests 96 --prompt 16,256 --output 16,128
+        --rate 0 --seed 0 --d-model 256 --layers 4 --systems serve,static,hf]
+
+The model: a random Llama-shaped decoder (RMSNorm, SwiGLU, RoPE, GQA 8 heads over 2, an
+untied head; d_model 256 x 4 layers, vocab 2048, max_seq_len 512, float32 by default)
+written as a Hugging Face folder (jaxformer.convert.to_hf) with a byte-level BPE
+tokenizer, so all three systems read the same weights. The workload (seeded): each
+request's prompt length uniform in --prompt and its output length uniform in --output
+(random token ids; every request runs to its output length: min_tokens = max_tokens, no
+end-of-text); --clients clients in a closed loop (each sends its next request when its last
+is answered), or with --rate R > 0 Poisson arrivals at R requests/s with at most --clients
+in flight.
+
+- serve: `python -m jaxformer.serve FOLDER --slots C` as a subprocess, driven by C
+  streaming clients over HTTP (httpx, server-sent events, /v1/completions with the prompt
+  as token ids); time to first token (TTFT) and inter-token latency (ITL) as the client sees
+  the chunks arrive.
+- static: jaxformer.decode.generate in batches of C requests in arrival order, each batch
+  to its longest output (its prompts right-padded to the longest prompt); a batch starts
+  when its last request has arrived and the previous batch is done (batch times measured
+  on a compiled generate, the compile not counted); a request's tokens arrive together
+  when its batch ends, so its TTFT is that wait and its ITL is the batch's seconds per step.
+- hf: transformers' ContinuousBatchingManager in this process on the CPU (sdpa, which it
+  runs over its paged cache; max_batch_tokens its default), requests added as they
+  arrive, TTFT and ITL from its token timestamps.
+
+Prints one table (output tokens/s, requests/s; TTFT and ITL p50/p90/p99 in ms) and the
+CPU; --profile adds the engine alone in this process (engine_profile); asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+PAGE = 16  # tokens per KV-cache page (the server's default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One request of the workload: when it arrives (seconds from the start; 0 in a
+    closed loop), its prompt's token ids and its output length."""
+    arrival: float
+    prompt: tuple[int, ...]
+    new: int
+
+
+@dataclasses.dataclass
+class Timing:
+    """What one request saw: its wait for the first token, the gaps between later ones,
+    the tokens it got and when it ended (seconds from the start)."""
+    ttft: float
+    itl: list[float]
+    tokens: int
+    end: float
+
+
+def workload(a, vocab: int) -> list[Job]:
+    """--requests jobs drawn from --seed: lengths uniform in --prompt / --output, Poisson
+    arrivals at --rate (0: every job ready at once, the clients' closed loop paces them)."""
+    draw = np.random.default_rng(a.seed)
+    gaps = draw.exponential(1 / a.rate, a.requests) if a.rate > 0 else np.zeros(a.requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    return [Job(float(t), tuple(int(x) for x in draw.integers(1, vocab, int(p))), int(n))
+            for t, p, n in zip(arrivals, draw.integers(a.prompt[0], a.prompt[1] + 1, a.requests),
+                               draw.integers(a.output[0], a.output[1] + 1, a.requests))]
+
+
+def model_folder(a, folder: pathlib.Path) -> pathlib.Path:
+    """The random Llama-shaped model (module docstring) as a Hugging Face folder."""
+    import jax
+    from jaxformer import ModelConfig
+    from jaxformer.convert import to_hf
+    from jaxformer.data.tokenizer import train_bpe
+    from jaxformer.model.build import param_shapes
+
+    cfg = ModelConfig(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.layers, n_heads=8,
+                      n_kv_heads=2, norm="rmsnorm", ffn="swiglu", use_bias=False,
+                      tie_embeddings=False, max_seq_len=a.max_seq_len, position="rope")
+    draw = np.random.default_rng(a.seed)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: ((p[-1].key == "scale") + draw.normal(0, 0.05, x.shape)).astype(x.dtype),
+        param_shapes(cfg))
+    to_hf(cfg, params, folder, config_overrides={"eos_token_id": 0, "bos_token_id": 0})
+    words = [" ".join(str(i * j) for j in range(40)) for i in range(200)]
+    train_bpe(iter(words), min(a.vocab, 1024)).save(folder)
+    return folder
+
+
+def summary(name: str, clients: int, timings: list[Timing], wall: float) -> dict:
+    """A row of the table: throughput and latency percentiles (ms)."""
+    ttft, itl = [t.ttft for t in timings], [x for t in timings for x in t.itl]
+    tokens = sum(t.tokens for t in timings)
+    row = {"system": name, "clients": clients, "requests": len(timings), "tokens": tokens,
+           "tokens_per_s": tokens / wall, "requests_per_s": len(timings) / wall, "wall_s": wall}
+    for kind, xs in (("ttft", ttft), ("itl", itl)):
+        row.update({f"{kind}_p{q}": float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
+                    for q in (50, 90, 99)})
+    return row
+
+
+# ---- serve: the HTTP server, driven by streaming clients -------------------------------
+
+def start_server(folder: pathlib.Path, slots: int, log: pathlib.Path):
+    """(the process, its base URL) of python -m jaxformer.serve FOLDER, once /health answers."""
+    import httpx
+    with socket.socket() as s:
+        port = s.bind(("127.0.0.1", 0)) or s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxformer.serve", str(folder), "--port",
+                             str(port), "--slots", str(slots), "--max-queue", "4096",
+                             "--model-name", "m"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not answer /health within 600 s")
+
+
+async def one_request(http, url: str, job: Job, t0: float) -> Timing:
+    """Send one streaming completion; the client's view of its tokens' arrivals (a chunk
+    may carry several tokens, counted by its log-probs' entries; ITL: the gaps between
+    chunks, as vLLM's benchmark counts them)."""
+    body = {"model": "m", "prompt": list(job.prompt), "max_tokens": job.new,
+            "min_tokens": job.new, "temperature": 0.0, "stream": True, "logprobs": 0}
+    sent = time.perf_counter()
+    stamps, tokens = [], 0
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            made = len((choices[0].get("logprobs") or {}).get("tokens") or ())
+            if made:
+                stamps.append(time.perf_counter())
+                tokens += made
+    return Timing(stamps[0] - sent, list(np.diff(stamps)), tokens, stamps[-1] - t0)
+
+
+async def drive(url: str, jobs: list[Job], clients: int) -> tuple[list[Timing], float]:
+    """Every job through `clients` concurrent streams, each job sent at its arrival."""
+    import httpx
+    gate = asyncio.Semaphore(clients)
+    t0 = time.perf_counter()
+
+    async def run(http, job):
+        await asyncio.sleep(max(0.0, job.arrival - (time.perf_counter() - t0)))
+        async with gate:
+            return await one_request(http, url, job, t0)
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        timings = await asyncio.gather(*(run(http, j) for j in jobs))
+    return list(timings), time.perf_counter() - t0
+
+
+def served(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
+    """The serve row: the server started with `clients` slots, warmed, then driven."""
+    proc, url = start_server(folder, clients, folder / f"server_{clients}.log")
+    try:
+        asyncio.run(drive(url, jobs[:clients], clients))  # the remaining shapes compiled
+        timings, wall = asyncio.run(drive(url, jobs, clients))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return summary("serve (jaxformer)", clients, timings, wall)
+
+
+def engine_profile(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
+    """The engine alone in this process (no HTTP), every job submitted at once into
+    `clients` slots: its wall seconds split into the compiled programs' (decode steps and
+    prompt chunks, each call waited for) and the host's (the rest of Engine.step), after a
+    first pass that compiles. What dominates a slow serve row."""
+    import jax
+    from jaxformer.hf import from_hf
+    from jaxformer.model.transformer import Transformer
+    from jaxformer.serve.engine import Engine, RequestSettings
+
+    cfg, params = from_hf(folder)
+    engine = Engine(Transformer(cfg), params, slots=clients)
+    spent = {"decode": [0.0, 0], "prefill": [0.0, 0]}
+    program = engine.program
+
+    def timed(params, pool, tokens, *rest):
+        t = time.perf_counter()
+        pool, out = program(params, pool, tokens, *rest)
+        out = jax.block_until_ready(out)
+        kind = spent["decode" if tokens.shape[1] == 1 else "prefill"]
+        kind[0] += time.perf_counter() - t
+        kind[1] += 1
+        return pool, out
+    engine.program = timed
+    for batch in (jobs[:clients], jobs):  # the first compiles
+        spent.update(decode=[0.0, 0], prefill=[0.0, 0])
+        t0, made = time.perf_counter(), 0
+        for j in batch:
+            engine.submit(list(j.prompt), RequestSettings(max_tokens=j.new, min_tokens=j.new,
+                                                          temperature=0.0))
+        while engine.has_work():
+            made += len(engine.step())
+        wall = time.perf_counter() - t0
+    (dec, calls), (pre, chunks) = spent["decode"], spent["prefill"]
+    return {"clients": clients, "tokens_per_s": made / wall, "wall_s": wall, "decode_s": dec,
+            "decode_calls": calls, "decode_ms_per_call": 1e3 * dec / max(calls, 1),
+            "prefill_s": pre, "prefill_calls": chunks, "host_s": wall - dec - pre}
+
+
+# ---- static: generate in batches of `clients` -------------------------------------------
+
+def static_batches(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
+    """The static row: generate over batches of `clients` jobs in arrival order (module
+    docstring); each batch's shape compiled by a first call, the second one timed."""
+    import jax
+    from jaxformer.decode.loops import generate
+    from jaxformer.hf import from_hf
+    from jaxformer.model.transformer import Transformer
+
+    cfg, params = from_hf(folder)
+    model = Transformer(cfg)
+    width = max(len(j.prompt) for j in jobs)
+    timings, clock = [], 0.0
+    for start in range(0, len(jobs), clients):
+        batch = jobs[start:start + clients]
+        prompts = np.zeros((len(batch), width), np.int32)
+        lengths = np.array([len(j.prompt) for j in batch], np.int32)
+        for r, j in enumerate(batch):
+            prompts[r, :len(j.prompt)] = j.prompt
+        new = max(j.new for j in batch)
+
+        def run():
+            out = generate(model, params, prompts, prompt_lengths=lengths, max_new_tokens=new,
+                           rng=jax.random.key(0), temperature=0.0)
+            return jax.block_until_ready(out.tokens)
+        run()
+        t = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - t
+        begin = max(clock, max(j.arrival for j in batch))
+        clock = begin + seconds
+        timings += [Timing(clock - j.arrival, [seconds / new] * (j.new - 1), j.new, clock)
+                    for j in batch]
+    return summary("static generate", clients, timings, clock)
+
+
+# ---- hf: transformers' continuous batching in this process -------------------------------
+
+def hf_batching(folder: pathlib.Path, jobs: list[Job], clients: int, threads: int) -> dict:
+    """The hf row: ContinuousBatchingManager, jobs added at their arrival with at most
+    `clients` in flight, timed by its token timestamps (a first pass over `clients` jobs
+    warms it up); its cache sized as the engine's (else it takes 90% of free memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                              max_new_tokens=max(j.new for j in jobs))
+    longest = max(len(j.prompt) + j.new for j in jobs)
+    budget = ContinuousBatchingConfig(  # the engine's: 16-token pages, 4 x 128 prompt tokens
+        page_size=PAGE, num_blocks=clients * -(-longest // PAGE) + clients,
+        max_batch_tokens=4 * 128, max_requests_per_batch=clients)
+    manager = model.init_continuous_batching(generation_config=config,
+                                             continuous_batching_config=budget)
+    manager.start()
+    try:
+        hf_pass(manager, jobs[:clients], clients)
+        timings, wall = hf_pass(manager, jobs, clients)
+    finally:
+        manager.stop(block=True)
+    return summary("transformers CB", clients, timings, wall)
+
+
+def hf_pass(manager, jobs: list[Job], clients: int) -> tuple[list[Timing], float]:
+    """Every job through the running manager; (their timings, the wall seconds)."""
+    t0, pending, sent, timings = time.perf_counter(), list(jobs), {}, []
+    while pending or sent:
+        now = time.perf_counter() - t0
+        while pending and len(sent) < clients and pending[0].arrival <= now:
+            job = pending.pop(0)
+            rid = manager.add_request(list(job.prompt), max_new_tokens=job.new,
+                                      record_timestamps=True, eos_token_id=-1)
+            sent[rid] = (job, time.perf_counter())
+        out = manager.get_result(timeout=0.01)
+        if out is None or not out.is_finished():
+            continue
+        job, at = sent.pop(out.request_id)
+        stamps = out.timestamps or [time.perf_counter()]
+        timings.append(Timing(stamps[0] - at, list(np.diff(stamps)),
+                              len(out.generated_tokens), stamps[-1] - t0))
+    return timings, time.perf_counter() - t0
+
+
+# ---- the table ------------------------------------------------------------------------
+
+SYSTEMS = {"serve": lambda a, f, jobs, c: served(f, jobs, c),
+           "static": lambda a, f, jobs, c: static_batches(f, jobs, c),
+           "hf": lambda a, f, jobs, c: hf_batching(f, jobs, c, a.torch_threads)}
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    names = [x.split(":", 1)[1].strip() for x in out.splitlines() if x.startswith("Model name")]
+    return f"{names[0] if names else platform.processor()}, {os.cpu_count()} CPUs"
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'system':<18}{'clients':>8}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p90':>8}"
+            f"{'p99':>8}{'ITL p50':>9}{'p90':>7}{'p99':>7}  (ms)")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['system']:<18}{r['clients']:>8}{r['tokens_per_s']:>9.1f}"
+                     f"{r['requests_per_s']:>8.2f}{r['ttft_p50']:>10.0f}{r['ttft_p90']:>8.0f}"
+                     f"{r['ttft_p99']:>8.0f}{r['itl_p50']:>9.1f}{r['itl_p90']:>7.1f}"
+                     f"{r['itl_p99']:>7.1f}")
+    return "\n".join(lines)
+
+
+def parsed(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    pair = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    p.add_argument("--clients", type=pair, default=(1, 8, 32))
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--prompt", type=pair, default=(16, 256), help="prompt lengths: lo,hi")
+    p.add_argument("--output", type=pair, default=(16, 128), help="output lengths: lo,hi")
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second "
+                   "(0: a closed loop of --clients clients)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--torch-threads", type=int, default=os.cpu_count())
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--out", default=None, help="also write the rows here as JSON")
+    p.add_argument("--profile", action="store_true", help="also the engine alone in this "
+                   "process: its time in programs and on the host")
+    a = p.parse_args(argv)
+    a.systems = [s for s in a.systems.split(",") if s]
+    if set(a.systems) - set(SYSTEMS):
+        p.error(f"--systems: pick from {', '.join(SYSTEMS)}")
+    return a
+
+
+def main(argv=None) -> list[dict]:
+    a = parsed(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = model_folder(a, pathlib.Path(tmp) / "model")
+        jobs = workload(a, min(a.vocab, 1024))
+        for clients in a.clients:
+            for name in a.systems:
+                rows.append(SYSTEMS[name](a, folder, jobs, clients))
+                if rows[-1]["tokens"] != sum(j.new for j in jobs):
+                    print(f"({name}: {rows[-1]['tokens']} tokens for "
+                          f"{sum(j.new for j in jobs)} asked)")
+                print(table(rows[-1:]).splitlines()[1], flush=True)
+        profiles = [engine_profile(folder, jobs, c) for c in (a.clients if a.profile else ())]
+    print(f"\n{a.requests} requests, prompts {a.prompt[0]}..{a.prompt[1]} tokens, outputs "
+          f"{a.output[0]}..{a.output[1]} (uniform, seed {a.seed}), "
+          + (f"Poisson arrivals at {a.rate}/s" if a.rate > 0 else "closed loop")
+          + f"; d_model {a.d_model} x {a.layers} layers, vocab {a.vocab}; CPU: {cpu_name()}")
+    print(table(rows))
+    for p in profiles:
+        print("engine alone:", json.dumps({k: round(v, 3) for k, v in p.items()}))
+    if a.out:
+        pathlib.Path(a.out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
