@@ -1,6 +1,6 @@
 """The GPU suite: attention backends, the train step and decoding, measured in one command.
 
-    python bench/gpu.py [--out DIR] [--smoke] [--sections attention,tests,train,decode]
+    python bench/gpu.py [--out DIR] [--smoke] [--sections attention,tests,train,decode,serve]
         [--batch N] [--repeats N] [--masks causal,alibi,...] [--seqs 2048,8192]
 
 1. attention: cuDNN vs XLA vs the reference in bf16 on every mask kind (causal, padding,
@@ -15,6 +15,8 @@
 4. decode: generate() on the 1B config with bf16 params and cache at batch 1 and 64,
    against the memory roofline: (param bytes + KV cache bytes) read per step over a
    copy bandwidth measured in the same run.
+5. serve: the serving engine (jaxformer.serve.Engine) on the same config at 1, 16 and 64
+   concurrent sequences: tokens/s and its fraction of the same roofline.
 
 Writes DIR/results.json and DIR/results.md (default DIR: bench/results/<device>) and
 prints the tables. --smoke runs every section at tiny sizes on whatever backend is there
@@ -40,10 +42,11 @@ from gpu_suite.backends import (ATTENTION_IMPLS, MASK_KINDS, attention_rows,  # 
 from gpu_suite.decoding import decode_rows  # noqa: E402
 from gpu_suite.device import device_info  # noqa: E402
 from gpu_suite.report import markdown  # noqa: E402
+from gpu_suite.serving import serve_rows  # noqa: E402
 from gpu_suite.sizes import NO_GPU, SMOKE, Sizes  # noqa: E402, F401
 from gpu_suite.train_step import train_models, train_rows  # noqa: E402, F401
 
-SECTIONS = ("attention", "tests", "train", "decode")
+SECTIONS = ("attention", "tests", "train", "decode", "serve")
 
 
 def parsed(argv=None):
@@ -85,6 +88,8 @@ def main(argv=None) -> dict:
         res["train"] = train_rows(sizes, a.batch, peaks)
     if "decode" in a.sections:
         res["decode"] = decode_rows(sizes, d["copy_bytes_per_s_measured"], repeats)
+    if "serve" in a.sections:
+        res["serve"] = serve_rows(sizes, d["copy_bytes_per_s_measured"], repeats)
 
     out = pathlib.Path(a.out or REPO / "bench" / "results" /
                        d["device_kind"].replace(" ", "_").replace("/", "_"))

@@ -65,8 +65,18 @@ def decode_table(rows: list[dict]) -> str:
                      f"{r['of_roofline']:.1%}", f"{r['compile_s']:.1f}"])
 
 
+def serve_table(rows: list[dict]) -> str:
+    return table("Serving engine (greedy, bf16 params, continuous batching, paged cache)",
+                 ["model", "sequences", "prompt + new", "tokens/s", "roofline tokens/s",
+                  "of roofline", "compile s"], rows, lambda r: [
+                     r["model"], str(r["sequences"]), f"{r['prompt']} + {r['new_tokens']}",
+                     f"{r['tokens_per_s']:,.0f}", f"{r['roofline_tokens_per_s']:,.0f}",
+                     f"{r['of_roofline']:.1%}", f"{r['compile_s']:.1f}"])
+
+
 SECTION_TABLES = {"attention": attention_table, "tests": tests_section, "train": train_table,
-                  "decode": decode_table}  # each section's results -> its Markdown
+                  "decode": decode_table,
+                  "serve": serve_table}  # each section's results -> its Markdown
 
 
 def markdown(res: dict) -> str:

@@ -25,6 +25,7 @@ class Sizes:
     steps: int = 10
     remats: tuple = ("none", "dots", "full")
     decode_batches: tuple = (1, 64)
+    serve_batches: tuple = (1, 16, 64)  # concurrent sequences in the serving engine
     prompt: int = 128
     new_tokens: int = 256
     tiny: bool = False
@@ -32,7 +33,7 @@ class Sizes:
 
 SMOKE = Sizes(attn_batch=2, attn_heads=4, attn_head_dim=32, attn_seqs=(64,), window=16,
               matmul_n=256, copy_bytes=2**22, max_batch=2, steps=2, remats=("dots",),
-              decode_batches=(1, 2), prompt=8, new_tokens=8, tiny=True)
+              decode_batches=(1, 2), serve_batches=(1, 2), prompt=8, new_tokens=8, tiny=True)
 
 
 def on_gpu() -> bool:

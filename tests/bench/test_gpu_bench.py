@@ -26,7 +26,8 @@ def test_writes_json_and_markdown_of_every_section(smoke):
     gpu, out, res = smoke
     assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(res))
     md = (out / "results.md").read_text()
-    for section in ("## Attention", "## cuDNN tests", "## Train step", "## Decode"):
+    for section in ("## Attention", "## cuDNN tests", "## Train step", "## Decode",
+                    "## Serving engine"):
         assert section in md
     assert set(gpu.SECTIONS) <= set(res)
 
@@ -72,9 +73,25 @@ def test_decode_roofline_is_param_and_cache_bytes_over_bandwidth(smoke):
         assert math.isclose(r["of_roofline"], r["tokens_per_s"] / r["roofline_tokens_per_s"])
 
 
+def test_serve_rows_make_every_token_against_the_decode_roofline(smoke):
+    """The engine's rows: every sequence made its new tokens, and the roofline is the
+    decode section's (param and cache bytes over bandwidth) at the same batch."""
+    gpu, _, res = smoke
+    _, cfg, _ = gpu.train_models(gpu.SMOKE)[1]
+    bandwidth = res["device"]["copy_bytes_per_s_measured"]
+    assert [r["sequences"] for r in res["serve"]] == list(gpu.SMOKE.serve_batches)
+    for r in res["serve"]:
+        assert r["tokens_made"] == r["sequences"] * r["new_tokens"]
+        tokens = r["prompt"] + r["new_tokens"]
+        cache = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * tokens * 2 * r["sequences"]
+        assert r["bytes_per_step"] == count_params(cfg) * 2 + cache
+        assert math.isclose(r["of_roofline"], r["tokens_per_s"] / r["roofline_tokens_per_s"])
+
+
 def test_unknown_section_is_refused(smoke, capsys):
     gpu, _, _ = smoke
     with pytest.raises(SystemExit):
         gpu.main(["--smoke", "--sections", "attention,speed"])
-    assert "unknown section(s) speed; sections are: attention, tests, train, decode" in \
+    assert "unknown section(s) speed; sections are: attention, tests, train, decode, " \
+        "serve" in \
         capsys.readouterr().err
