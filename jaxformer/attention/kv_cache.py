@@ -379,13 +379,13 @@ def write_pages(layer, k, v):
 
 def page_view(pages, table):
     """The pages of each row's table [R, M] from a pool [P, K, ps, H], in logical order, as
-    a cache layer's rows [R * K, M * ps, H], in one gather (an id past the pool reads its
-    last page, masked by the positions)."""
+    a cache layer's rows [R * K, M * ps, H]: whole pages gathered, then heads moved ahead
+    (XLA:CPU gathers a page of every head ~10x faster than a head's slice of each page); an
+    id past the pool reads its last page, masked by the positions."""
     _, n_kv, ps, h = pages.shape
     r, m = table.shape
-    heads = jnp.arange(n_kv)[None, :, None]  # [1, K, 1]
-    x = pages.at[table[:, None, :], heads].get(mode="clip")  # [R, K, M, ps, H]
-    return x.reshape(r * n_kv, m * ps, h)
+    x = jnp.take(pages, table, axis=0, mode="clip")  # [R, M, K, ps, H]
+    return x.swapaxes(1, 2).reshape(r * n_kv, m * ps, h)
 
 
 def paged_keys(layer, k, v):

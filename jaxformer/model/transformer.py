@@ -80,7 +80,7 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, deterministic: bool = True,
                  cache=None, *, hidden: bool = False, mtp: bool = False, depth: int = 0,
-                 previous=None):
+                 previous=None, last=None):
         """tokens [B, T] -> logits [B, T, V] float32.
 
         With a KV cache (``jaxformer.attention.kv_cache.init_cache``) the tokens are the next ones of
@@ -94,6 +94,7 @@ class Transformer(nn.Module):
         (logits, the last block's output [B, T, D] before the final norm[, cache]); ``depth``
         k runs module k alone on ``previous`` (h^{k-1} [B, T, D]) and the embeddings of
         ``tokens`` (its t_{i+k}): (its logits, h^k[, its cache: mtp.init_module_cache]).
+        ``last`` [B]: the LM head runs at token last[b] of each row alone (logits [B, 1, V]).
         """
         c = self.cfg
         b, t, positions, by_index = self.checked_inputs(tokens, positions, cache)
@@ -135,6 +136,8 @@ class Transformer(nn.Module):
             logits, more = self.mtp_logits(embed, tokens, x, rest, segments, deterministic, impl)
             return (logits, more) if mtp else logits
 
+        if last is not None:  # one token's hidden state per row through the head
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
         logits = self.logits(embed, x)
         out = (logits, x) if hidden else (logits,)
         return out + (cache,) if cache is not None else out if hidden else logits

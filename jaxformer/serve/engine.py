@@ -20,9 +20,11 @@ and tokens so far) when pages are free; what it emitted stands. A waiting reques
 admitted only when its whole prompt's pages are available.
 
 Programs compiled (jaxformer.serve.paged_step): per page-table width (powers of two from
-LEAST_KEYS / page_size up to max_seq_len / page_size), one for a decode step of every slot
-and one for PREFILL_ROWS prompt chunks: two for max_seq_len <= LEAST_KEYS. Not
-thread-safe: one thread calls submit, cancel and step.
+LEAST_KEYS / page_size up to max_seq_len / page_size), one for PREFILL_ROWS prompt chunks
+and one per decode row count (powers of two from LEAST_ROWS up to the slots: a decode step
+runs its decoding slots alone, packed into the first rows); two for max_seq_len <=
+LEAST_KEYS and slots <= LEAST_ROWS. Not thread-safe: one thread calls submit, cancel and
+step.
 """
 
 from __future__ import annotations
@@ -46,14 +48,15 @@ from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSetti
                                       checked_request)
 
 PREFILL_ROWS = 4  # prompts whose next chunk runs in one step (fewer slots: as many)
-# a forward reads at least this many keys per row: below it, reading masked keys costs less
-# than compiling another program
-LEAST_KEYS = 256
+# a forward reads at least this many keys per row, and a decode step runs at least this
+# many rows: below them, masked keys and padding rows cost less than compiling another program
+LEAST_KEYS, LEAST_ROWS = 32, 8
 
 
 def table_width(pages: int, longest: int, least: int = 1) -> int:
     """The page-table width a forward runs: the power of two >= the pages its longest row
-    holds (and >= `least`), at most `longest` (a sequence's most pages)."""
+    holds (and >= `least`), at most `longest` (a sequence's most pages); as well the rows
+    a decode step runs (pages: its rows, longest: the slots)."""
     return min(longest, max(least, 1 << max(pages - 1, 0).bit_length()))
 
 
@@ -216,7 +219,7 @@ class Engine:
                                min(PREFILL_ROWS, self.slots))
         decode = [r for r in self.running if len(r.tokens) - r.held == 1]
         if decode:
-            events += self.run(decode, 1, self.slots)
+            events += self.run(decode, 1, table_width(len(decode), self.slots, LEAST_ROWS))
         self.steps += 1
         return events
 

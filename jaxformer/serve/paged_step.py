@@ -3,9 +3,10 @@ tokens: a prompt's chunk, or one token of a decode step) over the paged KV cache
 (jaxformer.attention.kv_cache: init_pages, paged_cache), then a token sampled per row from
 the logits of its last real token, each row with its own settings and random key.
 
-One program per (rows, chunk width, page-table width): the engine runs two shapes of
-rows (every slot for a decode step, a few for prompt chunks) and page-table widths in
+One program per (rows, chunk width, page-table width): the engine runs a few shapes of
+rows (powers of two for a decode step, a few for prompt chunks) and page-table widths in
 powers of two, so a program attends over at most twice the pages its longest row holds.
+The LM head runs at each row's last real token alone ([R, V] logits, not [R, T, V]).
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ def paged_forward(model, params, pool, tokens, starts, counts, table, rows):
     (counts [R] real ones each, at positions starts + 0, 1, ...) went through the model
     over the paged cache; rows [R]: each row's slot (its recurrent state; a padding row's
     an id >= slots)."""
-    r, t = tokens.shape
+    t = tokens.shape[1]
     cache = kv_cache.paged_cache(pool, table, starts, counts, rows)
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [R, T]
     segments = (jnp.arange(t) < counts[:, None]).astype(jnp.int32)  # 0: padding
-    logits, cache = model.apply({"params": params}, tokens, positions, segments, cache=cache)
-    last = logits[jnp.arange(r), jnp.maximum(counts - 1, 0)]  # [R, V]
-    return last.astype(jnp.float32), kv_cache.paged_pool(pool, cache, rows)
+    logits, cache = model.apply({"params": params}, tokens, positions, segments, cache=cache,
+                                last=jnp.maximum(counts - 1, 0))  # the head at one token
+    return logits[:, 0].astype(jnp.float32), kv_cache.paged_pool(pool, cache, rows)  # [R, V]
 
 
 @functools.lru_cache(maxsize=16)

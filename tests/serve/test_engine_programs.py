@@ -1,0 +1,49 @@
+"""The serving engine's compiled programs (jaxformer.serve.paged_step, the paged layout of
+jaxformer.attention.kv_cache): a decode step runs the decoding rows alone, not every slot;
+the LM head runs at each row's last token alone ([R, V], not [R * T, V]); the pool is
+donated and updated in place (no copy of it); page_view gathers whole pages. Read from the
+compiled HLO of one tiny engine's two programs, not from timings."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer import ModelConfig, Transformer
+from jaxformer.serve import Engine, RequestSettings
+
+CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                  max_seq_len=32, norm="rmsnorm", ffn="swiglu", position="rope")
+
+
+def compiled_programs():
+    """The engine's shapes run and the compiled HLO text of each program it called, for one
+    request of 12 tokens (two prompt chunks of 8) and 2 new ones in 16 slots."""
+    model = Transformer(CFG)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    engine = Engine(model, params, slots=16, page_size=8, prefill_chunk=8)
+    program, calls = engine.program, {}
+
+    def spy(params, pool, *args):
+        calls[args[0].shape] = (params, pool, *args)
+        return program(params, pool, *args)
+    engine.program = spy
+    engine.submit(list(range(1, 13)), RequestSettings(max_tokens=2, temperature=0.0))
+    while engine.has_work():
+        engine.step()
+    texts = {shape: program.lower(*args).compile().as_text() for shape, args in calls.items()}
+    return engine.shapes, texts
+
+
+def test_programs_run_the_decoding_rows_the_last_tokens_head_and_the_pool_in_place():
+    shapes, texts = compiled_programs()
+    assert {(rows, chunk) for rows, chunk, _ in shapes} == {(4, 8), (8, 1)}  # not 16 rows
+    v, pool = CFG.vocab_size, r"f32\[\d+,2,8,8\]"  # [pages, K, page_size, head_dim]
+    for (rows, chunk), hlo in texts.items():
+        head = [line for line in hlo.splitlines() if " dot(" in line and "logits" in line]
+        assert head and all(re.search(rf"= f32\[{rows},1?,?{v}\]", x) for x in head), head
+        assert "input_output_alias" in hlo
+        assert not re.search(rf"= {pool}\S* copy\(", hlo)  # the pool is not copied
+        # each layer's k and v read as whole pages: [R, M, K, page_size, H]
+        gathers = re.findall(rf"= f32\[{rows},\d+,2,8,8\]\S* gather\(", hlo)
+        assert len(gathers) == 2 * CFG.n_layers, hlo.count("gather(")
