@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.attention import kv_cache
+from jaxformer.attention import kv_cache, paged_cache
 from jaxformer.attention.backends import (dot_product_attention, prefill_impl,  # noqa: F401
                                           resolve_impl, rule_attention, takes_structure)
 from jaxformer.attention.masks import (MaskRule, causal_mask, make_attention_mask,  # noqa: F401
@@ -257,8 +257,8 @@ class Attention(nn.Module):
         A full-length layer's keys are its slots. A ring (a windowed layer) is written by
         position; a single token then attends over the ring, a chunk over the ring as it
         was followed by the chunk itself."""
-        if kv_cache.is_paged(cache):  # a pool of pages, read through the rows' tables
-            keys, values, cache = kv_cache.paged_keys(cache, k, v)
+        if paged_cache.is_paged(cache):  # a pool of pages, read through the rows' tables
+            keys, values, cache = paged_cache.paged_keys(cache, k, v)
             return keys, values, rule, cache
         if "positions" not in cache:
             cache = kv_cache.write_layer(cache, k, v, cache_index)

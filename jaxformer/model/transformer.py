@@ -94,7 +94,6 @@ class Transformer(nn.Module):
         (logits, the last block's output [B, T, D] before the final norm[, cache]); ``depth``
         k runs module k alone on ``previous`` (h^{k-1} [B, T, D]) and the embeddings of
         ``tokens`` (its t_{i+k}): (its logits, h^k[, its cache: mtp.init_module_cache]).
-        ``last`` [B]: the LM head runs at token last[b] of each row alone (logits [B, 1, V]).
         """
         c = self.cfg
         b, t, positions, by_index = self.checked_inputs(tokens, positions, cache)
@@ -136,9 +135,7 @@ class Transformer(nn.Module):
             logits, more = self.mtp_logits(embed, tokens, x, rest, segments, deterministic, impl)
             return (logits, more) if mtp else logits
 
-        if last is not None:  # one token's hidden state per row through the head
-            x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
-        logits = self.logits(embed, x)
+        logits = self.logits(embed, x, last=last)
         out = (logits, x) if hidden else (logits,)
         return out + (cache,) if cache is not None else out if hidden else logits
 
@@ -254,12 +251,15 @@ class Transformer(nn.Module):
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         return constrain(x, "act_batch", "act_seq", "act_embed")
 
-    def logits(self, embed, x, more=(), final: bool = True):
+    def logits(self, embed, x, more=(), final: bool = True, last=None):
         """The final norm (all but post-LN blocks; not with final=False), the LM head (tied to
         `embed` or not), its multiplier and soft-cap: float32 logits. more: hidden states
         already normed (the MTP modules') through the same head, in one call: then a list
-        of logits, x's first."""
+        of logits, x's first. last [B] (__call__'s): the head at token last[b] of each row
+        alone, logits [B, 1, V]."""
         c = self.cfg
+        if last is not None:  # one token's hidden state per row through the head
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
         if final and not BLOCKS[c.block].ends_in_norm:  # post-LN blocks already end in a norm
             x = apply_norm(c, make_norm(c, "final_norm"), x)
         if more:

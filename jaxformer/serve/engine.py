@@ -4,7 +4,7 @@ Requests wait in a queue (FIFO) and are admitted between steps into free slots o
 fixed-shape batch; a prompt goes through in chunks of `prefill_chunk` tokens (a few
 prompts' chunks per step) beside the other slots' decode steps; a request's pages are
 released the moment it ends or is cancelled. The keys and values live in a pool of pages
-(jaxformer.attention.kv_cache's paged layout, jaxformer.serve.pages' bookkeeping), so
+(jaxformer.attention.paged_cache's layout, jaxformer.serve.pages' bookkeeping), so
 memory follows the tokens held, and a prompt's full pages are shared with every later
 request that starts with the same tokens (prefix caching; not for models with recurrent
 layers, whose state at the end of a prefix is not kept).
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.attention.kv_cache import init_pages
+from jaxformer.attention.paged_cache import init_pages
 from jaxformer.core.sharding import param_shardings, resolve_rules
 from jaxformer.decode.cached_forward import looped
 from jaxformer.decode.sampling import Sampling

@@ -1,6 +1,6 @@
 """The engine's one compiled program: a forward of R rows (each a slot's next chunk of
 tokens: a prompt's chunk, or one token of a decode step) over the paged KV cache
-(jaxformer.attention.kv_cache: init_pages, paged_cache), then a token sampled per row from
+(jaxformer.attention.paged_cache: init_pages, paged_cache), then a token sampled per row from
 the logits of its last real token, each row with its own settings and random key.
 
 One program per (rows, chunk width, page-table width): the engine runs a few shapes of
@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxformer.attention import kv_cache
+from jaxformer.attention import paged_cache
 from jaxformer.core.logprobs import target_logprobs
 from jaxformer.core.sharding import traced_under
 from jaxformer.decode.cached_forward import CPU_DECODE_OPTIONS
@@ -56,12 +56,12 @@ def paged_forward(model, params, pool, tokens, starts, counts, table, rows):
     over the paged cache; rows [R]: each row's slot (its recurrent state; a padding row's
     an id >= slots)."""
     t = tokens.shape[1]
-    cache = kv_cache.paged_cache(pool, table, starts, counts, rows)
+    cache = paged_cache.paged_cache(pool, table, starts, counts, rows)
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [R, T]
     segments = (jnp.arange(t) < counts[:, None]).astype(jnp.int32)  # 0: padding
     logits, cache = model.apply({"params": params}, tokens, positions, segments, cache=cache,
                                 last=jnp.maximum(counts - 1, 0))  # the head at one token
-    return logits[:, 0].astype(jnp.float32), kv_cache.paged_pool(pool, cache, rows)  # [R, V]
+    return logits[:, 0].astype(jnp.float32), paged_cache.paged_pool(pool, cache, rows)  # [R, V]
 
 
 @functools.lru_cache(maxsize=16)

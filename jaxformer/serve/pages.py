@@ -31,7 +31,7 @@ def chain_hashes(tokens: Sequence[int], page_size: int, start: int = 0,
 
 class PagePool:
     """The pages' bookkeeping (no arrays of keys: those live on the device, in
-    jaxformer.attention.kv_cache's paged layout, at the ids handed out here)."""
+    jaxformer.attention.paged_cache's layout, at the ids handed out here)."""
 
     def __init__(self, pages: int, page_size: int):
         self.pages, self.page_size = pages, page_size

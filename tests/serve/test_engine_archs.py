@@ -1,4 +1,4 @@
-"""The serving engine (jaxformer.serve.engine over kv_cache's paged layout) on each kind
+"""The serving engine (jaxformer.serve.engine over paged_cache's layout) on each kind
 of decoder the library decodes, against generate alone: sliding windows (a mask over the
 pages, where generate keeps a ring) with a mixture of experts, latent attention (MLA:
 latent pages) and a recurrent mixer beside attention (a state per slot, reset on admission

@@ -1,5 +1,5 @@
 """The serving engine's compiled programs (jaxformer.serve.paged_step, the paged layout of
-jaxformer.attention.kv_cache): a decode step runs the decoding rows alone, not every slot;
+jaxformer.attention.paged_cache): a decode step runs the decoding rows alone, not every slot;
 the LM head runs at each row's last token alone ([R, V], not [R * T, V]); the pool is
 donated and updated in place (no copy of it); page_view gathers whole pages. Read from the
 compiled HLO of one tiny engine's two programs, not from timings."""

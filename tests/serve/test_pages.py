@@ -1,4 +1,4 @@
-"""The pages of the serving engine (jaxformer.serve.pages, kv_cache's paged layout): the
+"""The pages of the serving engine (jaxformer.serve.pages, paged_cache's layout): the
 pool's bookkeeping against a plain count, a prompt prefix shared by 32 requests held once
 (and read right: generate's tokens), and the memory of 32 sequences of 100 tokens under a
 tenth of 32 max_seq_len slots'."""
