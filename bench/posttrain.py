@@ -6,10 +6,12 @@
   share of a step spent in the rollout (jitted generate), the reward (host Python) and
   the update (jitted inner_steps of the loss);
 - the same reward as task:addition: rollout, reward and update one jitted program, its
-  step seconds (the loop's tokens/s over the step's train.batch_size x seq_len).
+  step seconds (the loop's tokens/s over the step's train.batch_size x seq_len);
+- the host form again with objective.rollout=engine: the rollout through the serving
+  engine (continuous batching over a paged KV cache) instead of generate; its stages.
 
     python bench/posttrain.py [--d-model 64 --layers 2 --prompts 16 --group 8
-        --new 5 --inner 2 --steps 12]
+        --new 5 --inner 2 --steps 12 --temperature 1.0]
 
 A one-step fine-tune on 2-digit addition records (jaxformer.experiments.grpo_addition)
 gives the starting weights; then --steps GRPO steps with task:addition. Reports the
@@ -51,9 +53,11 @@ def run(args, tmp: pathlib.Path) -> dict[str, list[dict]]:
                              "train.steps=1", "train.batch_size=8",
                              f"train.run_dir={tmp / 'sft'}"]), log=quiet)
     out = {}
-    for form, reward in (("host", "jaxformer.training.rewards:addition"),
-                         ("one", "task:addition")):
+    for form, reward, rollout in (("host", "jaxformer.training.rewards:addition", "generate"),
+                                  ("one", "task:addition", "generate"),
+                                  ("engine", "jaxformer.training.rewards:addition", "engine")):
         train(load_config(None, [
+            f"objective.rollout={rollout}", f"objective.temperature={args.temperature}",
             *base, "model.max_seq_len=32", f"train.init_from={tmp / 'sft'}",
             "objective.name=grpo", f"objective.reward={reward}",
             f"objective.group_size={args.group}", f"objective.max_new_tokens={args.new}",
@@ -73,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=5)
     p.add_argument("--inner", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--temperature", type=float, default=1.0)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         forms = run(args, pathlib.Path(tmp))
@@ -90,6 +95,13 @@ def main(argv=None) -> int:
     one = statistics.median(args.prompts * SEQ_LEN / r["tokens_per_s"] for r in forms["one"])
     made = statistics.median(r["completion_len"] for r in forms["one"]) * args.prompts * args.group
     print(f"{'host total':<10}{total:>10.4f}")
+    engine = {k: statistics.median(r[k] for r in forms["engine"])
+              for k in ("rollout_s", "reward_s", "update_s", "rollout_tokens_per_s")}
+    e_total = engine["rollout_s"] + engine["reward_s"] + engine["update_s"]
+    print(f"{'engine':<10}{engine['rollout_s']:>10.4f}{engine['rollout_s'] / total:>8.1%}"
+          f"{engine['rollout_tokens_per_s']:>12,.0f}  (objective.rollout=engine: its rollout; "
+          "share: of the host form's step)")
+    print(f"{'eng total':<10}{e_total:>10.4f}{e_total / total:>8.1%}")
     print(f"{'one program':<10}{one:>10.4f}{one / total:>8.1%}{made / one:>12,.0f}  "
           f"(task:addition, one jitted step: its share is of the host form's "
           f"step; tokens/s: sampled per step second)")

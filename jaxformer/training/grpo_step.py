@@ -100,10 +100,10 @@ def reward_stats(rewards, counts, group_size):
 
 def engine_rollout(rollouts, params, prompts, lengths, key):
     """(tokens int32 [N, M], log-probs [N, M], counts [N]) of the prompts [N, W] (lengths
-    [N]) continued through a serving engine of N slots (at most 64), each row's seed drawn
-    from `key`; zeros past each row's count (the update masks them)."""
+    [N]) continued through a serving engine of N slots (all start together), each row's
+    seed drawn from `key`; zeros past each row's count (the update masks them)."""
     o, n, m = rollouts.o, len(lengths), rollouts.o.max_new_tokens
-    engine = Engine(rollouts.model, params, slots=min(n, 64), mesh=rollouts.mesh,
+    engine = Engine(rollouts.model, params, slots=n, mesh=rollouts.mesh,
                     prefill_chunk=max(16, 1 << (rollouts.width - 1).bit_length()))
     eot = rollouts.tokenizer.eot_id
     seeds = np.asarray(jax.random.randint(key, (n,), 0, 2**31 - 1))
