@@ -20,11 +20,12 @@ and tokens so far) when pages are free; what it emitted stands. A waiting reques
 admitted only when its whole prompt's pages are available.
 
 Programs compiled (jaxformer.serve.paged_step): per page-table width (powers of two from
-LEAST_KEYS / page_size up to max_seq_len / page_size), one for PREFILL_ROWS prompt chunks
-and one per decode row count (powers of two from LEAST_ROWS up to the slots: a decode step
-runs its decoding slots alone, packed into the first rows); two for max_seq_len <=
-LEAST_KEYS and slots <= LEAST_ROWS. Not thread-safe: one thread calls submit, cancel and
-step.
+LEAST_KEYS / page_size up to max_seq_len / page_size), one per prompt chunk width
+(PREFILL_ROWS rows; powers of two from LEAST_CHUNK up to prefill_chunk: a chunk as wide as
+its longest row's rest) and one per decode row count (powers of two from LEAST_ROWS up to
+the slots: a decode step runs its decoding slots alone, packed into the first rows); two
+for max_seq_len <= LEAST_KEYS, slots <= LEAST_ROWS and prefill_chunk <= LEAST_CHUNK. Not
+thread-safe: one thread calls submit, cancel and step.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSetti
                                       checked_request)
 
 PREFILL_ROWS = 4  # prompts whose next chunk runs in one step (fewer slots: as many)
-# a forward reads at least this many keys per row, and a decode step runs at least this
-# many rows: below them, masked keys and padding rows cost less than compiling another program
-LEAST_KEYS, LEAST_ROWS = 32, 8
+# a forward reads at least this many keys per row, a decode step runs at least this many
+# rows, a prompt chunk is at least this wide: below them, masked keys and padding cost less
+# than compiling another program
+LEAST_KEYS, LEAST_ROWS, LEAST_CHUNK = 32, 8, 32
 
 
 def table_width(pages: int, longest: int, least: int = 1) -> int:
@@ -214,9 +216,11 @@ class Engine:
         events, self.pending = self.pending, []
         self.admit()
         prefill = [r for r in self.running if len(r.tokens) - r.held > 1]
-        if prefill:
-            events += self.run(prefill[:min(PREFILL_ROWS, self.slots)], self.prefill_chunk,
-                               min(PREFILL_ROWS, self.slots))
+        if prefill:  # a chunk as wide as its longest row's rest needs (a power of two)
+            prefill = prefill[:min(PREFILL_ROWS, self.slots)]
+            chunk = table_width(max(len(r.tokens) - r.held for r in prefill),
+                                self.prefill_chunk, LEAST_CHUNK)
+            events += self.run(prefill, chunk, min(PREFILL_ROWS, self.slots))
         decode = [r for r in self.running if len(r.tokens) - r.held == 1]
         if decode:
             events += self.run(decode, 1, table_width(len(decode), self.slots, LEAST_ROWS))
@@ -252,7 +256,10 @@ class Engine:
         for i, r in enumerate(reqs):
             feed = r.tokens[r.held:r.held + counts[r.id]]
             tokens[i, :len(feed)], starts[i], count[i] = feed, r.held, len(feed)
-        width = table_width(max(len(r.pages) for r in reqs), self.max_pages,
+        # the keys the longest row reads after this chunk (a prompt holds all its pages from
+        # admission on: its first chunks read fewer)
+        longest = max(r.held + counts[r.id] for r in reqs)
+        width = table_width(-(-longest // self.page_size), self.max_pages,
                             -(-LEAST_KEYS // self.page_size))
         slot_of = np.array([r.slot for r in reqs] + [self.slots] * (rows - n), np.int32)
         table = np.full((rows, width), self.host.pages, np.int32)

@@ -1,8 +1,9 @@
 """The serving engine's compiled programs (jaxformer.serve.paged_step, the paged layout of
-jaxformer.attention.paged_cache): a decode step runs the decoding rows alone, not every slot;
-the LM head runs at each row's last token alone ([R, V], not [R * T, V]); the pool is
-donated and updated in place (no copy of it); page_view gathers whole pages. Read from the
-compiled HLO of one tiny engine's two programs, not from timings."""
+jaxformer.attention.paged_cache): a decode step runs the decoding rows alone, not every
+slot, and a prompt chunk is as wide as the prompt's rest needs, not prefill_chunk; the LM
+head runs at each row's last token alone ([R, V], not [R * T, V]); the pool is donated and
+updated in place (no copy of it); page_view gathers whole pages. Read from the compiled HLO
+of one tiny engine's two programs, not from timings."""
 
 import re
 
@@ -18,10 +19,11 @@ CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2
 
 def compiled_programs():
     """The engine's shapes run and the compiled HLO text of each program it called, for one
-    request of 12 tokens (two prompt chunks of 8) and 2 new ones in 16 slots."""
+    request of 12 tokens (one prompt chunk of 32, the least, not 64) and 2 new ones in 16
+    slots."""
     model = Transformer(CFG)
     params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    engine = Engine(model, params, slots=16, page_size=8, prefill_chunk=8)
+    engine = Engine(model, params, slots=16, page_size=8, prefill_chunk=64)
     program, calls = engine.program, {}
 
     def spy(params, pool, *args):
@@ -37,7 +39,7 @@ def compiled_programs():
 
 def test_programs_run_the_decoding_rows_the_last_tokens_head_and_the_pool_in_place():
     shapes, texts = compiled_programs()
-    assert {(rows, chunk) for rows, chunk, _ in shapes} == {(4, 8), (8, 1)}  # not 16 rows
+    assert {(rows, chunk) for rows, chunk, _ in shapes} == {(4, 32), (8, 1)}  # not 16 rows
     v, pool = CFG.vocab_size, r"f32\[\d+,2,8,8\]"  # [pages, K, page_size, head_dim]
     for (rows, chunk), hlo in texts.items():
         head = [line for line in hlo.splitlines() if " dot(" in line and "logits" in line]

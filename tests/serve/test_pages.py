@@ -127,4 +127,4 @@ def test_32_sequences_of_100_tokens_hold_under_a_tenth_of_32_full_slots():
     want = generate(model, params, np.array([long]), max_new_tokens=12, rng=jax.random.key(0),
                     temperature=0.0)
     assert got == np.asarray(want.tokens[0]).tolist() and not engine.has_work()
-    assert {w for _, _, w in engine.shapes} == {8, 32}  # table widths run (of 2 at least)
+    assert {w for _, _, w in engine.shapes} == {8, 16, 32}  # widths run: the pages filled
