@@ -274,6 +274,28 @@ class Engine:
         return (tokens, starts, count, table, slot_of, sampling, seeds, index,
                 self.bans(reqs, rows))
 
+    def warm(self) -> int:
+        """Compile every program a step may run (each shape once, its rows all padding:
+        nothing written), so that no request waits for a compile; how many shapes."""
+        least = -(-LEAST_KEYS // self.page_size)
+        widths = {table_width(p, self.max_pages, least) for p in range(1, self.max_pages + 1)}
+        chunks = {table_width(n, self.prefill_chunk, LEAST_CHUNK)
+                  for n in range(2, self.prefill_chunk + 1)} or {1}
+        rows = {table_width(n, self.slots, LEAST_ROWS) for n in range(1, self.slots + 1)}
+        prefill = min(PREFILL_ROWS, self.slots)
+        shapes = {(prefill, c, w) for c in chunks for w in widths} | {
+            (r, 1, w) for r in rows for w in widths}
+        for r, c, w in sorted(shapes):
+            none = np.full(r, self.slots, np.int32)  # a padding row's slot and page: none
+            greedy = Sampling(np.zeros(r, np.float32), np.zeros(r, np.int32),
+                              np.ones(r, np.float32), np.zeros(r, np.float32))
+            self.pool, out = self.program(
+                self.params, self.pool, np.zeros((r, c), np.int32), np.zeros(r, np.int32),
+                np.zeros(r, np.int32), np.full((r, w), self.host.pages, np.int32), none,
+                greedy, np.zeros((r, 2), np.uint32), np.zeros(r, np.int32), self.bans([], r))
+            jax.block_until_ready(out)
+        return len(shapes)
+
     def bans(self, reqs, rows: int):
         """bool [rows, V]: the tokens each request may not emit next (its constraints)."""
         banned = [r.bans() for r in reqs]

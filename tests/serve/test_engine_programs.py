@@ -3,7 +3,8 @@ jaxformer.attention.paged_cache): a decode step runs the decoding rows alone, no
 slot, and a prompt chunk is as wide as the prompt's rest needs, not prefill_chunk; the LM
 head runs at each row's last token alone ([R, V], not [R * T, V]); the pool is donated and
 updated in place (no copy of it); page_view gathers whole pages. Read from the compiled HLO
-of one tiny engine's two programs, not from timings."""
+of one tiny engine's programs, not from timings; Engine.warm compiles every program a
+step may run beforehand."""
 
 import re
 
@@ -25,6 +26,8 @@ def compiled_programs():
     params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     engine = Engine(model, params, slots=16, page_size=8, prefill_chunk=64)
     program, calls = engine.program, {}
+    warmed = engine.warm()  # rows 8, 16 of a decode step; chunks 32, 64; one table width
+    compiled = program._cache_size()
 
     def spy(params, pool, *args):
         calls[args[0].shape] = (params, pool, *args)
@@ -34,6 +37,7 @@ def compiled_programs():
     while engine.has_work():
         engine.step()
     texts = {shape: program.lower(*args).compile().as_text() for shape, args in calls.items()}
+    assert (warmed, program._cache_size()) == (4, compiled)  # warm compiled every one
     return engine.shapes, texts
 
 
