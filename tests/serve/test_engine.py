@@ -2,8 +2,9 @@
 jaxformer.serve.paged_step) against generate and the training forward: greedy requests
 arriving at random steps get generate's tokens alone and the forward's log-probs; a
 seeded request samples the same tokens alone and in a busy batch; the top alternatives
-are the forward's likeliest; the constraints are generate's; after a thousand requests, cancellations among them, every page is free
-again; bad input is one line. One tiny model; its programs compile once per process."""
+are the forward's likeliest; the constraints are generate's; after a thousand requests,
+cancellations among them, every page is free again; bad input is one line. One tiny model;
+its programs compile once per process."""
 
 import functools
 
