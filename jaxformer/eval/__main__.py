@@ -29,6 +29,8 @@ def parse_args(argv):
     p.add_argument("--num_fewshot", type=int, default=None)
     p.add_argument("--max_gen_toks", type=int, default=256)
     p.add_argument("--best", action="store_true", help="a run's best checkpoint, not its latest")
+    p.add_argument("--engine", action="store_true", help="generate_until through the serving "
+                   "engine (continuous batching over --batch_size slots)")
     p.add_argument("--output", default=None, help="the results JSON (default MODEL/lm_eval.json)")
     return p.parse_args(argv)
 
@@ -52,7 +54,8 @@ def evaluate(args) -> dict:
     from jaxformer.eval.lm import JaxformerLM
 
     lm = JaxformerLM(args.model.rstrip("/"), batch_size=args.batch_size,
-                     max_gen_toks=args.max_gen_toks, best=args.best)
+                     max_gen_toks=args.max_gen_toks, best=args.best,
+                     engine=getattr(args, "engine", False))
     names = [t for t in args.tasks.split(",") if t]
     tasks = task_manager(args.include_path, names)
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
