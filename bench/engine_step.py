@@ -82,12 +82,13 @@ def decode_ms(m, params, active: int, steps: int = 20) -> tuple[float, float]:
 
 
 def prefill_rate(m, params, prompts: int = 8, length: int = 256) -> float:
-    """Prompt tokens/s: `prompts` prompts of `length` tokens, one new token each."""
+    """Prompt tokens/s: `prompts` prompts of `length` tokens, one new token each (the
+    second round's, its prompts new: no prefix cached)."""
     engine = Engine(m, params, slots=32)
     for rounds in range(2):
         t = time.perf_counter()
         for i in range(prompts):
-            engine.submit([1 + (i * 7 + j) % 500 for j in range(length)],
+            engine.submit([1 + (i * 7 + j + 61 * rounds) % 500 for j in range(length)],
                           RequestSettings(max_tokens=1, temperature=0.0))
         while engine.has_work():
             engine.step()
@@ -101,9 +102,10 @@ def workload(n: int, seed: int = 0):
 
 
 def engine_run(m, params, jobs) -> tuple[float, dict]:
-    """(seconds, seconds in programs) for jobs submitted together into len(jobs) slots."""
-    engine = Engine(m, params, slots=len(jobs))
+    """(seconds, seconds in programs) for jobs submitted together into len(jobs) slots: the
+    second of two runs, each on a fresh engine (no prefix cached; the programs compiled)."""
     for rounds in range(2):
+        engine = Engine(m, params, slots=len(jobs))
         spent = {"decode": 0.0, "prefill": 0.0}
         if rounds:
             timed_program(engine, spent)
