@@ -22,19 +22,20 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
+import jax
 
-from jaxformer import ModelConfig, Transformer  # noqa: E402
-from jaxformer.decode import generate  # noqa: E402
-from jaxformer.serve import Engine, RequestSettings  # noqa: E402
+from jaxformer import ModelConfig, Transformer
+from jaxformer.decode import generate
+from jaxformer.serve import Engine, RequestSettings
 
 
 def cpu_name() -> str:
     """lscpu's model name, or the platform's processor."""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor()

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxformer.attention.kv_cache import (ROW_ENTRIES, cache_widths, check_generates,
-                                          recurrent_mixer)
+from jaxformer.attention.kv_cache import (
+    ROW_ENTRIES,
+    cache_widths,
+    check_generates,
+    recurrent_mixer,
+)
 
 
 def init_pages(cfg, pages: int, page_size: int, slots: int, dtype=None):
