@@ -2,13 +2,14 @@
 
     python -m jaxformer.serve RUN|HF_FOLDER [--port 8000 --host 127.0.0.1 --slots 32
         --page-size 16 --pages N --prefill-chunk 128 --max-queue 256 --model-name NAME
-        --tensor 2 --best --weights int8]
+        --tensor 2 --best --weights int8 --compile all]
 
 RUN is a training run directory (its config.yaml, latest checkpoint, or the best with --best,
 and tokenizer.json); HF_FOLDER a Hugging Face model folder (config.json, safetensors,
 tokenizer.json). The folder's chat template (tokenizer_config.json or chat_template.jinja)
-serves /v1/chat/completions. The engine is compiled by a first request before the server
-listens, so /health answers once it is ready.
+serves /v1/chat/completions. The engine compiles every program a step may run before the
+server listens (--compile first: those of two short requests), so /health answers once it is
+ready and no request waits for a compile.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def parse(argv=None) -> argparse.Namespace:
                    "over (tensor parallel; the first N devices)")
     p.add_argument("--best", action="store_true", help="a run's best checkpoint")
     p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
+    p.add_argument("--compile", default="all", choices=("all", "first"),
+                   help="all: every program a step may run before listening (no request "
+                   "waits for a compile); first: the programs of two short requests")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -77,9 +81,12 @@ def load(path: str, best: bool):
     return Transformer(cfg), params, tokenizer_of(folder, cfg.vocab_size)
 
 
-def warm_up(engine, end_ids) -> None:
-    """Compile the engine's step by serving two short requests (greedy and sampled)."""
+def warm_up(engine, end_ids, every: bool) -> None:
+    """Compile the engine's step: every program it may run (Engine.warm), then by
+    serving two short requests (greedy and sampled), which alone `every` false runs."""
     from jaxformer.serve.engine import RequestSettings
+    if every:
+        engine.warm()
     engine.submit([0], RequestSettings(max_tokens=2, temperature=0.0, stop_token_ids=end_ids))
     engine.submit([0, 0], RequestSettings(max_tokens=2, seed=0, logprobs=1))
     while engine.has_work():
@@ -104,7 +111,7 @@ def served_of(a: argparse.Namespace):
                     pages=a.pages, prefill_chunk=a.prefill_chunk, mesh=mesh)
     folder = pathlib.Path(a.model)
     ends = end_ids(folder, tok)
-    warm_up(engine, ends)
+    warm_up(engine, ends, a.compile == "all")
     name = a.model_name or folder.resolve().name
     return Served(AsyncEngine(engine, max_queue=a.max_queue, slots=a.slots), tok, name,
                   engine.max_seq_len, ends, ChatTemplate.of_folder(folder),
