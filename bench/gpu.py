@@ -1,6 +1,7 @@
 """The GPU suite: attention backends, the train step and decoding, measured in one command.
 
-    python bench/gpu.py [--out DIR] [--smoke] [--sections attention,tests,train,decode,serve]
+    python bench/gpu.py [--out DIR] [--smoke] [--sections attention,tests,train,decode,serve,
+        precision,loss_chunk,moe,mla_decode]
         [--batch N] [--repeats N] [--masks causal,alibi,...] [--seqs 2048,8192]
 
 1. attention: cuDNN vs XLA vs the reference in bf16 on every mask kind (causal, padding,
@@ -17,6 +18,16 @@
    copy bandwidth measured in the same run.
 5. serve: the serving engine (jaxformer.serve.Engine) on the same config at 1, 16 and 64
    concurrent sequences: tokens/s and its fraction of the same roofline.
+6. precision: the 1B train step (T 2,048, remat dots, one fixed batch) at
+   model.matmul_precision bf16 (the baseline), fp8 and int8: tokens/s, MFU, the loss after
+   20 steps on one learnable batch stream, and each one's speed over bf16's.
+7. loss_chunk: the 1B train step at vocab 152,064 and T 4,096 with model.loss_chunk 0 (the
+   plain loss) and 256: the compiled step's peak memory, tokens/s.
+8. moe: the train step of a Mixtral-shaped and a Qwen3-MoE-shaped model that fit one GPU
+   (dropless, ragged_dot): tokens/s, MFU on the active parameters; ragged_dot and tiles
+   checked against a float64 reference of the grouped matmul, forward and gradients.
+9. mla_decode: generate() of the 1B config with MLA (absorbed, latent cache) against its
+   GQA at batch 1 and 64: ms per step, cache bytes, fraction of the memory roofline.
 
 Writes DIR/results.json and DIR/results.md (default DIR: bench/results/<device>) and
 prints the tables. --smoke runs every section at tiny sizes on whatever backend is there
@@ -41,12 +52,17 @@ from gpu_suite.backends import (ATTENTION_IMPLS, MASK_KINDS, attention_rows,  # 
                                 cudnn_tests)
 from gpu_suite.decoding import decode_rows  # noqa: E402
 from gpu_suite.device import device_info  # noqa: E402
+from gpu_suite.loss_chunk import chunk_rows  # noqa: E402
+from gpu_suite.mla_decode import attention_models, mla_decode_rows  # noqa: E402, F401
+from gpu_suite.moe import MOE_SHAPES, moe_config, moe_rows  # noqa: E402, F401
+from gpu_suite.precision import precision_rows  # noqa: E402
 from gpu_suite.report import markdown  # noqa: E402
 from gpu_suite.serving import serve_rows  # noqa: E402
 from gpu_suite.sizes import NO_GPU, SMOKE, Sizes  # noqa: E402, F401
 from gpu_suite.train_step import train_models, train_rows  # noqa: E402, F401
 
-SECTIONS = ("attention", "tests", "train", "decode", "serve")
+SECTIONS = ("attention", "tests", "train", "decode", "serve", "precision", "loss_chunk", "moe",
+            "mla_decode")
 
 
 def parsed(argv=None):
@@ -90,6 +106,14 @@ def main(argv=None) -> dict:
         res["decode"] = decode_rows(sizes, d["copy_bytes_per_s_measured"], repeats)
     if "serve" in a.sections:
         res["serve"] = serve_rows(sizes, d["copy_bytes_per_s_measured"], repeats)
+    if "precision" in a.sections:
+        res["precision"] = precision_rows(sizes, a.batch, peaks)
+    if "loss_chunk" in a.sections:
+        res["loss_chunk"] = chunk_rows(sizes)
+    if "moe" in a.sections:
+        res["moe"] = moe_rows(sizes, a.batch, peaks)
+    if "mla_decode" in a.sections:
+        res["mla_decode"] = mla_decode_rows(sizes, d["copy_bytes_per_s_measured"], repeats)
 
     out = pathlib.Path(a.out or REPO / "bench" / "results" /
                        d["device_kind"].replace(" ", "_").replace("/", "_"))

@@ -31,29 +31,39 @@ def median_seconds(run, repeats: int) -> tuple[float, float]:
     return first, statistics.median(times)
 
 
-def decode_rows(sizes: Sizes, bandwidth: float, repeats: int) -> list[dict]:
-    """generate() tokens/s on the 1B config, bf16 params and cache, against the roofline."""
-    name, cfg, _ = train_models(sizes)[1]
+def bf16_model(cfg):
+    """(Transformer, its params in bfloat16, their bytes) of cfg with bf16 params."""
     cfg = dataclasses.replace(cfg, param_dtype="bfloat16")
     model = Transformer(cfg)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    rows = []
-    for batch in sizes.decode_batches:
-        prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, sizes.prompt))
+    return model, params, sum(x.nbytes for x in jax.tree.leaves(params))
 
-        def run(prompts=prompts):
-            return generate(model, params, prompts, max_new_tokens=sizes.new_tokens,
-                            rng=jax.random.key(0), temperature=0.0,
-                            cache_dtype=jnp.bfloat16).tokens
 
-        first, seconds = median_seconds(run, repeats)
-        tok_s = batch * sizes.new_tokens / seconds
-        per_step = param_bytes + kv_cache_bytes(cfg, batch, sizes.prompt + sizes.new_tokens,
-                                                jnp.bfloat16)
-        roofline = batch * bandwidth / per_step
-        rows.append({"model": name, "batch": batch, "prompt": sizes.prompt,
-                     "new_tokens": sizes.new_tokens, "tokens_per_s": tok_s,
-                     "compile_s": first - seconds, "bytes_per_step": per_step,
-                     "roofline_tokens_per_s": roofline, "of_roofline": tok_s / roofline})
-    return rows
+def generate_row(name, model, params, param_bytes, batch, sizes: Sizes, bandwidth: float,
+                 repeats: int) -> dict:
+    """generate()'s tokens/s at one batch (greedy, bf16 cache) against the roofline."""
+    cfg = model.cfg
+    prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, sizes.prompt))
+
+    def run():
+        return generate(model, params, prompts, max_new_tokens=sizes.new_tokens,
+                        rng=jax.random.key(0), temperature=0.0, cache_dtype=jnp.bfloat16).tokens
+
+    first, seconds = median_seconds(run, repeats)
+    tok_s = batch * sizes.new_tokens / seconds
+    cache = kv_cache_bytes(cfg, batch, sizes.prompt + sizes.new_tokens, jnp.bfloat16)
+    per_step = param_bytes + cache
+    roofline = batch * bandwidth / per_step
+    return {"model": name, "batch": batch, "prompt": sizes.prompt,
+            "new_tokens": sizes.new_tokens, "tokens_per_s": tok_s,
+            "ms_per_step": seconds / sizes.new_tokens * 1e3, "compile_s": first - seconds,
+            "cache_bytes": cache, "bytes_per_step": per_step,
+            "roofline_tokens_per_s": roofline, "of_roofline": tok_s / roofline}
+
+
+def decode_rows(sizes: Sizes, bandwidth: float, repeats: int) -> list[dict]:
+    """generate() tokens/s on the 1B config, bf16 params and cache, against the roofline."""
+    name, cfg, _ = train_models(sizes)[1]
+    model, params, param_bytes = bf16_model(cfg)
+    return [generate_row(name, model, params, param_bytes, batch, sizes, bandwidth, repeats)
+            for batch in sizes.decode_batches]

@@ -17,7 +17,8 @@ def table(title: str, header: list[str], rows: list[dict], cells: Callable) -> s
         if r.get("status", "ok") == "ok":
             lines.append("| " + " | ".join(cells(r)) + " |")
         else:
-            keys = [str(r.get(k, "")) for k in ("mask", "model", "seq", "impl", "remat", "batch")
+            keys = [str(r.get(k, "")) for k in ("mask", "model", "seq", "impl", "remat", "batch",
+                                                      "precision", "chunk")
                     if k in r]
             lines.append("| " + " | ".join(keys) + " | " + r["status"] + " |")
     return "\n".join(lines) + "\n"
@@ -74,9 +75,54 @@ def serve_table(rows: list[dict]) -> str:
                      f"{r['of_roofline']:.1%}", f"{r['compile_s']:.1f}"])
 
 
+def precision_table(rows: list[dict]) -> str:
+    return table("Train step by matmul precision (bf16 compute, float32 master weights, "
+                 "remat dots; loss after the stated steps on one batch stream)",
+                 ["model", "precision", "T", "batch", "step ms", "tokens/s", "speed-up",
+                  "MFU (data sheet)", "MFU (measured matmul)", "steps", "loss", "step GiB"],
+                 rows, lambda r: [
+                     r["model"], r["precision"], str(r["seq"]), str(r["batch"]),
+                     f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                     fmt(r.get("speedup"), ".2f") + "x", fmt(r["mfu_datasheet"], ".1%"),
+                     fmt(r["mfu_measured"], ".1%"), str(r["steps"]), f"{r['loss']:.3f}",
+                     f"{r['step_gib_compiled']:.2f}"])
+
+
+def chunk_table(rows: list[dict]) -> str:
+    return table("Chunked loss (model.loss_chunk; 0: the plain loss)",
+                 ["model", "vocab", "T", "batch", "loss chunk", "step GiB (compiled)",
+                  "of plain", "tokens/s", "loss"], rows, lambda r: [
+                     r["model"], f"{r['vocab']:,}", str(r["seq"]), str(r["batch"]),
+                     str(r["chunk"]), f"{r['step_gib_compiled']:.2f}",
+                     fmt(r.get("peak_of_plain"), ".1%"), fmt(r["tokens_per_s"], ",.0f"),
+                     fmt(r["loss"], ".3f")])
+
+
+def moe_table(rows: list[dict]) -> str:
+    return table("MoE train step (dropless; MFU on active parameters) and grouped matmuls",
+                 ["shape", "params", "active", "experts / top-k / width", "T", "batch",
+                  "tokens/s", "MFU (data sheet)", "MFU (measured matmul)", "step GiB",
+                  "grouped max rel err"], rows, lambda r: [
+                     r["model"], f"{r['params'] / 1e9:.2f}B", f"{r['active_params'] / 1e9:.2f}B",
+                     f"{r['experts']} / {r['top_k']} / {r['expert_d_ff']}", str(r["seq"]),
+                     str(r["batch"]), f"{r['tokens_per_s']:,.0f}", fmt(r["mfu_datasheet"], ".1%"),
+                     fmt(r["mfu_measured"], ".1%"), f"{r['step_gib_compiled']:.2f}",
+                     ", ".join(f"{k} {v:.1e}" for k, v in r["grouped_max_err"].items())])
+
+
+def mla_table(rows: list[dict]) -> str:
+    return table("MLA (absorbed, latent cache) against GQA decoding (greedy, bf16)",
+                 ["attention", "batch", "prompt + new", "ms / step", "tokens/s", "cache MiB",
+                  "of roofline"], rows, lambda r: [
+                     r["model"], str(r["batch"]), f"{r['prompt']} + {r['new_tokens']}",
+                     f"{r['ms_per_step']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                     f"{r['cache_bytes'] / 2**20:,.1f}", f"{r['of_roofline']:.1%}"])
+
+
 SECTION_TABLES = {"attention": attention_table, "tests": tests_section, "train": train_table,
-                  "decode": decode_table,
-                  "serve": serve_table}  # each section's results -> its Markdown
+                  "decode": decode_table, "serve": serve_table, "precision": precision_table,
+                  "loss_chunk": chunk_table, "moe": moe_table,
+                  "mla_decode": mla_table}  # each section's results -> its Markdown
 
 
 def markdown(res: dict) -> str:

@@ -28,12 +28,25 @@ class Sizes:
     serve_batches: tuple = (1, 16, 64)  # concurrent sequences in the serving engine
     prompt: int = 128
     new_tokens: int = 256
+    precisions: tuple = ("bf16", "fp8", "int8")  # model.matmul_precision of `precision`
+    precision_batch: int = 16  # the 1B step at T 2,048, the same batch for each precision
+    precision_steps: int = 20  # steps on the fixed batch stream; the loss after the last
+    chunk_vocab: int = 152064  # loss_chunk: Qwen2.5's vocabulary
+    chunk_seq: int = 4096
+    chunk_batch: int = 2
+    loss_chunks: tuple = (0, 256)  # model.loss_chunk (0: the plain loss)
+    moe_batch: int = 8  # at T 2,048
+    moe_check_rows: int = 1024  # rows of the grouped matmuls' check against the reference
+    mla_batches: tuple = (1, 64)
     tiny: bool = False
 
 
 SMOKE = Sizes(attn_batch=2, attn_heads=4, attn_head_dim=32, attn_seqs=(64,), window=16,
               matmul_n=256, copy_bytes=2**22, max_batch=2, steps=2, remats=("dots",),
-              decode_batches=(1, 2), serve_batches=(1, 2), prompt=8, new_tokens=8, tiny=True)
+              decode_batches=(1, 2), serve_batches=(1, 2), prompt=8, new_tokens=8,
+              precision_batch=2, precision_steps=2, chunk_vocab=4096, chunk_seq=64, chunk_batch=2,
+              loss_chunks=(0, 8), moe_batch=2, moe_check_rows=32,
+              mla_batches=(1,), tiny=True)  # MLA: XLA:CPU runs no bf16 x bf16 -> f32 batched dot
 
 
 def on_gpu() -> bool:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from jaxformer import count_params
+from jaxformer.moe.grouped_matmul import GROUPED_MATMULS
 from tests.conftest import REPO
 
 
@@ -26,8 +27,9 @@ def test_writes_json_and_markdown_of_every_section(smoke):
     gpu, out, res = smoke
     assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(res))
     md = (out / "results.md").read_text()
-    for section in ("## Attention", "## cuDNN tests", "## Train step", "## Decode",
-                    "## Serving engine"):
+    for section in ("## Attention", "## cuDNN tests", "## Train step (", "## Decode",
+                    "## Serving engine", "## Train step by matmul precision", "## Chunked loss",
+                    "## MoE train step", "## MLA"):
         assert section in md
     assert set(gpu.SECTIONS) <= set(res)
 
@@ -93,5 +95,87 @@ def test_unknown_section_is_refused(smoke, capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--smoke", "--sections", "attention,speed"])
     assert "unknown section(s) speed; sections are: attention, tests, train, decode, " \
-        "serve" in \
-        capsys.readouterr().err
+        "serve, precision, loss_chunk, moe, mla_decode" in capsys.readouterr().err
+
+
+def test_precision_rows_train_the_same_stream_to_the_same_loss(smoke):
+    """bf16, fp8 and int8 from one init on one batch stream: every row ran, its speed-up is
+    its tokens/s over bf16's, and the quantised losses sit beside bf16's near ln 256."""
+    gpu, _, res = smoke
+    rows = res["precision"]
+    assert [r["precision"] for r in rows] == list(gpu.SMOKE.precisions)
+    for r in rows:
+        assert r.get("status", "ok") == "ok", r
+        assert math.isclose(r["tokens_per_s"], r["batch"] * r["seq"] / (r["step_ms"] / 1e3))
+        assert math.isclose(r["speedup"], r["tokens_per_s"] / rows[0]["tokens_per_s"])
+        assert r["steps"] == gpu.SMOKE.precision_steps
+        assert abs(r["loss"] - math.log(256)) < 0.5, r["loss"]
+        assert abs(r["loss"] - rows[0]["loss"]) < 0.05, (r["precision"], r["loss"])
+    # ... yet not bf16's numbers: the quantised matmuls round otherwise
+    assert all(r["loss"] != rows[0]["loss"] for r in rows[1:]), [r["loss"] for r in rows]
+
+
+def test_chunked_loss_rows_agree_with_the_plain_loss(smoke):
+    """Chunk 0 and N on the same batch from the same init give the same loss, the chunked
+    step's peak is below the plain one's by most of the logits, and the peak ratio and
+    the logits' bytes are what the rows' sizes say."""
+    gpu, _, res = smoke
+    rows = res["loss_chunk"]
+    assert [r["chunk"] for r in rows] == list(gpu.SMOKE.loss_chunks)
+    for r in rows:
+        assert r.get("status", "ok") == "ok", r
+        assert r["vocab"] == gpu.SMOKE.chunk_vocab and r["seq"] == gpu.SMOKE.chunk_seq
+        assert math.isclose(r["logits_gib"], r["batch"] * r["seq"] * r["vocab"] * 4 / 2**30)
+        assert math.isclose(r["peak_of_plain"],
+                            r["step_gib_compiled"] / rows[0]["step_gib_compiled"])
+        assert abs(r["loss"] - rows[0]["loss"]) < 1e-3, (r["chunk"], r["loss"])
+        assert abs(r["loss"] - math.log(r["vocab"])) < 1.0
+    # the chunked step no longer holds the [B, T, V] float32 logits: at least half of
+    # their bytes saved (smoke's vocabulary is large beside its model for that)
+    for r in rows[1:]:
+        assert r["step_gib_compiled"] < rows[0]["step_gib_compiled"] - r["logits_gib"] / 2, r
+
+
+def test_moe_rows_count_active_parameters_and_check_grouped_matmuls(smoke):
+    """Each shape's active parameters counted here from its config (attention, router,
+    top_k experts, LM head), MFU on them, and every grouped matmul within bf16 rounding of
+    the float64 reference."""
+    gpu, _, res = smoke
+    assert [r["model"] for r in res["moe"]] == list(gpu.MOE_SHAPES)
+    peak = res["device"]["matmul_bf16_flops_measured"]
+    for r in res["moe"]:
+        assert r.get("status", "ok") == "ok", r
+        cfg = gpu.moe_config(r["model"], gpu.SMOKE)
+        d, hd = cfg.d_model, cfg.head_dim
+        layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + d * r["experts"] + \
+            3 * d * r["top_k"] * r["expert_d_ff"]
+        assert r["active_params"] == cfg.n_layers * layer + d * cfg.vocab_size
+        assert r["active_params"] < r["params"] == count_params(cfg)
+        assert math.isclose(r["mfu_measured"], r["model_tflops"] * 1e12 / peak)
+        assert set(r["grouped_max_err"]) == set(GROUPED_MATMULS)
+        for impl, err in r["grouped_max_err"].items():
+            assert 0 < err < 1.5e-2, (r["model"], impl, err)  # bf16 outputs: ~2^-8
+
+
+def test_mla_decode_rows_hold_the_latent_cache(smoke):
+    """MLA and GQA at the 1B config's width and depth; MLA's cache is its latent and rotary
+    key per token and layer, GQA's its K/V heads;
+    ms per step and the roofline fraction follow from the measured tokens/s."""
+    gpu, _, res = smoke
+    rows = res["mla_decode"]
+    want = [(m, b) for m in ("gqa", "mla") for b in gpu.SMOKE.mla_batches]
+    assert [(r["model"], r["batch"]) for r in rows] == want
+    cfgs = gpu.attention_models(gpu.SMOKE)
+    _, base, _ = gpu.train_models(gpu.SMOKE)[1]
+    for r in rows:  # the same size: the 1B config's width and depth, MLA's attention
+        assert (r["d_model"], r["n_layers"]) == (base.d_model, base.n_layers), r
+        assert cfgs[r["model"]].mla.on == (r["model"] == "mla")
+        assert r.get("status", "ok") == "ok", r
+        c, tokens = cfgs[r["model"]], r["prompt"] + r["new_tokens"]
+        width = c.mla.kv_lora_rank + c.mla.qk_rope_head_dim if c.mla.on else \
+            2 * c.n_kv_heads * c.head_dim
+        assert r["cache_bytes"] == c.n_layers * width * tokens * 2 * r["batch"]  # bf16
+        assert r["bytes_per_step"] == count_params(c) * 2 + r["cache_bytes"]
+        assert math.isclose(r["ms_per_step"] / 1e3,
+                            r["batch"] / r["tokens_per_s"])
+        assert math.isclose(r["of_roofline"], r["tokens_per_s"] / r["roofline_tokens_per_s"])
