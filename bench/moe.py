@@ -4,8 +4,8 @@ reference dispatch (every expert on every token) and Hugging Face's eager PyTorc
 the same shape, in the same run.
 
     python bench/moe.py [--shapes mixtral,qwen3_moe --layers 4 --d-model 512 --heads 8
-        --kv-heads 2 --seq 256 --batch 8 --vocab 256 --steps 5 --no-torch --no-decode]
-        [model.key=value ...]
+        --kv-heads 2 --seq 256 --batch 8 --vocab 256 --steps 5 --no-torch --no-decode
+        --layer-only] [model.key=value ...]
 
 Shapes: mixtral (8 experts, top-2, softmax over the chosen, expert width 1408) against
 MixtralForCausalLM, and qwen3_moe (32 experts, top-4 renormalised, width 352, QK-norm)
@@ -13,7 +13,9 @@ against Qwen3MoeForCausalLM: the same total expert parameters per layer. MFU cou
 active parameters (jaxformer.model.transformer.flops_per_token: the router, top_k experts) against the
 matmul peak measured in the same run; "temp MiB" is the compiled step's temporary buffers
 (XLA's memory analysis). The implementations take turns step by step (bench/
-train_throughput.py's interleaving). Then greedy KV-cached decoding at batch 1 and 8.
+train_throughput.py's interleaving). First, one MoE layer's forward and gradient against a
+dense FFN of the same active FLOPs (layer_vs_dense; --layer-only: that alone). Then greedy
+KV-cached decoding at batch 1 and 8.
 Prints tables; asserts nothing.
 """
 
@@ -33,6 +35,8 @@ from train_throughput import bench_jax, bench_torch, interleaved, print_table, t
 
 from jaxformer import Transformer, count_params, flops_per_token  # noqa: E402
 from jaxformer.decode import generate  # noqa: E402
+from jaxformer.model.kinds import FFNS  # noqa: E402
+from jaxformer.moe.experts import ragged_dispatch, route  # noqa: E402
 from jaxformer.training.config import RunConfig, parse_overrides  # noqa: E402
 from jaxformer.training.metrics import measured_matmul_flops  # noqa: E402
 from jaxformer.training.optim import OptimConfig  # noqa: E402
@@ -91,6 +95,38 @@ def temp_mib(cfg, batch: int, seq: int) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
 
 
+def layer_vs_dense(cfg, tokens: int, steps: int):
+    """(MoE layer ms, dense FFN ms): the forward and gradient (inputs and weights) of one
+    MoE layer (router, dropless dispatch) on `tokens` rows, and of a dense SwiGLU FFN of
+    width top_k * expert width (the same active FLOPs, router aside), medians of `steps`
+    interleaved runs."""
+    m, d, f = cfg.moe, cfg.d_model, cfg.expert_d_ff
+    r = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(r.standard_normal(s, np.float32) / np.sqrt(s[-2]))  # noqa
+    x = jnp.asarray(r.standard_normal((tokens, d), np.float32))
+    experts = {"wi_gate": w(m.experts, d, f), "wi_up": w(m.experts, d, f),
+               "wo": w(m.experts, f, d)}
+    moe_w, dense_w = (w(d, m.experts), experts), (w(d, m.top_k * f), w(d, m.top_k * f),
+                                                  w(m.top_k * f, d))
+
+    def moe(x, p):  # [N, D] -> scalar
+        weights, chosen, _ = route(x @ p[0], m)
+        return jnp.sum(ragged_dispatch(x, weights, chosen, p[1], FFNS["swiglu"])[0] ** 2)
+
+    def dense(x, p):
+        return jnp.sum(((jax.nn.silu(x @ p[0]) * (x @ p[1])) @ p[2]) ** 2)
+
+    runs = [jax.jit(jax.grad(fn, argnums=(0, 1))) for fn in (moe, dense)]
+    args = [(x, moe_w), (x, dense_w)]
+    for fn, a in zip(runs, args):
+        jax.block_until_ready(fn(*a))
+    times = [[], []]
+    for _ in range(steps):
+        for fn, a, out in zip(runs, args, times):
+            out.append(timed(lambda: jax.block_until_ready(fn(*a))))  # noqa: B023
+    return tuple(statistics.median(t) for t in times)
+
+
 def decode_rates(cfg, batches, prompt: int, new: int, repeats: int):
     """{batch: tokens/s} of greedy KV-cached generate (median of `repeats`)."""
     model = Transformer(cfg)
@@ -121,6 +157,8 @@ def main():
     p.add_argument("--no-dense", action="store_true", help="skip the dense reference")
     p.add_argument("--no-decode", action="store_true")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--layer-only", action="store_true",
+                   help="only the MoE layer against the dense FFN of the same active FLOPs")
     p.add_argument("overrides", nargs="*", help="model.key=value")
     a = p.parse_args()
     overrides = parse_overrides(a.overrides)
@@ -137,6 +175,12 @@ def main():
         print(f"[{shape}] {cfg.n_layers} layers, d_model {cfg.d_model}, {m.experts} experts "
               f"top-{m.top_k} of width {cfg.expert_d_ff}; {count_params(cfg):,} params; "
               f"{flops_tok / 6e6:.1f} M active matmul params/token (x6 = FLOPs)")
+        moe_ms, dense_ms = layer_vs_dense(cfg, a.batch * a.seq, max(a.steps, 5))
+        print(f"MoE layer fwd+bwd ({a.batch * a.seq} tokens) {moe_ms:,.1f} ms; dense FFN of "
+              f"the same active FLOPs {dense_ms:,.1f} ms: {moe_ms / dense_ms:.2f}x")
+        if a.layer_only:
+            print()
+            continue
         runs = [("jaxformer, ragged dispatch", cfg)]
         if not a.no_dense:
             runs.append(("jaxformer, dense reference", model_config(shape, a, overrides,
