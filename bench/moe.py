@@ -142,7 +142,8 @@ def decode_rates(cfg, batches, prompt: int, new: int, repeats: int):
     return out
 
 
-def main():
+def parsed():
+    """The command line's arguments and the shapes it names, checked."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="mixtral,qwen3_moe")
     p.add_argument("--layers", type=int, default=4)
@@ -166,6 +167,11 @@ def main():
     if set(shapes) - set(SHAPES):
         p.error(f"unknown shape(s) {', '.join(set(shapes) - set(SHAPES))}; "
                 f"shapes are: {', '.join(SHAPES)}")
+    return a, overrides, shapes
+
+
+def main():
+    a, overrides, shapes = parsed()
     peak = measured_matmul_flops(1024, np.dtype("float32"), repeats=20)
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  measured matmul "
           f"peak: {peak / 1e9:,.1f} GFLOP/s (float32); batch {a.batch} x seq {a.seq}\n")
