@@ -53,9 +53,9 @@ def _hf(src):
     return cfg, params, tok, MeshConfig()
 
 
-def load_model(spec: str | pathlib.Path, *, best: bool = False) -> Loaded:
-    """The model, params, tokenizer and mesh of a run dir (RUN, RUN@STEP) or HF folder."""
-    from jaxformer.core.sharding import make_mesh, param_shardings, resolve_rules
+def read_model(spec: str | pathlib.Path, *, best: bool = False):
+    """(ModelConfig, params, tokenizer, MeshConfig) of a run dir (RUN, RUN@STEP) or HF
+    folder, the params on the host (python -m jaxformer.serve places them itself)."""
     from jaxformer.training.init_from import parse_source
 
     try:
@@ -63,7 +63,14 @@ def load_model(spec: str | pathlib.Path, *, best: bool = False) -> Loaded:
     except FileNotFoundError:
         raise FileNotFoundError(f"{spec} is neither a jaxformer run dir (with config.yaml) nor "
                                 "a Hugging Face model folder (with config.json)") from None
-    cfg, params, tok, m = _run(src, best) if src.kind == "run" else _hf(src)
+    return _run(src, best) if src.kind == "run" else _hf(src)
+
+
+def load_model(spec: str | pathlib.Path, *, best: bool = False) -> Loaded:
+    """The model, params, tokenizer and mesh of a run dir (RUN, RUN@STEP) or HF folder."""
+    from jaxformer.core.sharding import make_mesh, param_shardings, resolve_rules
+
+    cfg, params, tok, m = read_model(spec, best=best)
     model = Transformer(cfg)
     mesh = make_mesh(m.data, m.fsdp, m.tensor, context=m.context, expert=m.expert)
     rules = resolve_rules(m.rules)

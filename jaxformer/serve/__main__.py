@@ -45,40 +45,18 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def tokenizer_of(folder: pathlib.Path, vocab_size: int):
-    """The folder's tokenizer.json, else bytes (as python -m jaxformer.eval reads them);
-    one larger than the model's vocabulary is refused."""
-    from jaxformer.data import ByteTokenizer, load_tokenizer
-    tok = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else ByteTokenizer()
-    if tok.vocab_size > vocab_size:
-        raise ValueError(f"{folder}/tokenizer.json has {tok.vocab_size} tokens, more than the "
-                         f"model's vocab_size={vocab_size}; add the model's tokenizer.json")
-    return tok
-
-
 def load(path: str, best: bool):
-    """(model, params, tokenizer) of a run directory or a Hugging Face folder."""
-    from jaxformer.hf import from_hf
-    from jaxformer.model import lora
+    """(model, params, tokenizer) of a run directory or a Hugging Face
+    folder, read as python -m jaxformer.eval reads them."""
+    from jaxformer.eval.loading import read_model
     from jaxformer.model.archs import ARCHS
     from jaxformer.model.transformer import Transformer
-    from jaxformer.training.saved_run import load_run_params
 
-    folder = pathlib.Path(path)
-    if (folder / "config.yaml").is_file():
-        run, params = load_run_params(folder, best=best)
-        cfg = run.model
-        member, params = lora.pick_member(cfg.lora, params, None)
-        cfg = cfg.replace(lora=member)
-    elif (folder / "config.json").is_file():
-        cfg, params = from_hf(folder)
-    else:
-        raise FileNotFoundError(f"{path} is neither a jaxformer run dir (with config.yaml) nor "
-                                "a Hugging Face model folder (with config.json)")
+    cfg, params, tok, _ = read_model(path, best=best)
     if ARCHS[cfg.arch].encoder:
         raise ValueError(f"{path} is an encoder-decoder (model.arch={cfg.arch}), which "
                          "continues no prompt; serve a decoder")
-    return Transformer(cfg), params, tokenizer_of(folder, cfg.vocab_size)
+    return Transformer(cfg), params, tok
 
 
 def warm_up(engine, end_ids, every: bool) -> None:
