@@ -15,10 +15,10 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 import jax  # noqa: E402
 
 from jaxformer import ConfigError, Transformer, param_shapes  # noqa: E402
-from jaxformer.convert import config_from_hf, config_to_hf, from_hf, to_hf  # noqa: E402
+from jaxformer.convert import config_from_hf, config_to_hf, to_hf  # noqa: E402
 from jaxformer.convert.peft import to_peft  # noqa: E402
 from jaxformer.model import lora  # noqa: E402
-from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
+from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
 from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -34,10 +34,7 @@ MOE = dict(COMMON, model_type="ernie4_5_moe", num_hidden_layers=3, moe_num_exper
 
 def assert_parity(folder, prompts, want):
     """from_hf's logits within 1e-5 of `want`, unscanned and scanned; (cfg, params)."""
-    for scan in (False, True):
-        cfg, params = from_hf(folder, scan_layers=scan)
-        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
-        assert rel_err(got, want) < 1e-5, (scan, rel_err(got, want))
+    cfg, params = read_both_ways(folder, prompts, want)
     return cfg, params
 
 

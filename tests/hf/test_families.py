@@ -122,6 +122,16 @@ def hf_logits(model, tokens):
 def rel_err(ours, ref):
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
+def read_both_ways(folder, prompts, want, *label):
+    """from_hf unscanned, then scanned: each gives `want` (transformers' logits) within 1e-5
+    relative; the scanned (cfg, params)."""
+    for scan in (False, True):
+        cfg, params = from_hf(folder, scan_layers=scan)
+        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
+        assert rel_err(got, want) < 1e-5, (*label, scan, rel_err(got, want))
+    return cfg, params
+
+
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_family_matches_transformers(model_type, tmp_path):
@@ -129,10 +139,7 @@ def test_family_matches_transformers(model_type, tmp_path):
     model.save_pretrained(tmp_path / "hf")
     prompts = rng.integers(0, 128, (2, 12))
     want = hf_logits(model, prompts)
-    for scan in (False, True):
-        cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
-        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
-        assert rel_err(got, want) < 1e-5, (model_type, scan, rel_err(got, want))
+    cfg, params = read_both_ways(tmp_path / "hf", prompts, want, model_type)
     if any(k.window for k in cfg.kinds):  # the windows bind: without them, another answer
         free = cfg.replace(layer_kinds={n: dict(k.__dict__, window=None) for n, k in
                                         cfg.layer_kinds}) if cfg.layer_pattern else \

@@ -17,7 +17,8 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP  # noqa: E402
 from jaxformer import ConfigError, Transformer  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
 from jaxformer.decode import generate  # noqa: E402
-from tests.hf.test_families import COMMON, hf_logits, random_hf_model, rel_err  # noqa: E402
+from tests.hf.test_families import (COMMON, hf_logits, random_hf_model, read_both_ways,  # noqa: E402
+                                    rel_err)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 LFM2 = dict(COMMON, model_type="lfm2", intermediate_size=144, block_multiple_of=32,
@@ -32,10 +33,7 @@ def test_lfm2_matches_transformers(tmp_path):
     model.save_pretrained(tmp_path / "hf")
     prompts = rng.integers(0, 128, (2, 12))  # 12 tokens: three times the 4 taps
     want = hf_logits(model, prompts)
-    for scan in (False, True):
-        cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
-        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
-        assert rel_err(got, want) < 1e-5, (scan, rel_err(got, want))
+    cfg, params = read_both_ways(tmp_path / "hf", prompts, want)
 
     new = np.asarray(generate(Transformer(cfg), params, prompts, max_new_tokens=6,
                               rng=jax.random.key(0), temperature=0).tokens)

@@ -17,7 +17,8 @@ import jax  # noqa: E402
 
 from jaxformer import ConfigError, Transformer  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
-from tests.hf.test_families import hf_logits, random_hf_model, redraw, rel_err  # noqa: E402
+from tests.hf.test_families import (hf_logits, random_hf_model, read_both_ways,  # noqa: E402
+                                    redraw, rel_err)
 from tests.hf.test_moe_families import assert_greedy_matches, hf_logits_and_choice  # noqa: E402
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -50,10 +51,7 @@ def test_llama4_text_matches_transformers(tmp_path):
                             int(rng.integers(1 << 31)))
     model.save_pretrained(tmp_path / "hf")
     prompts, want = covering_batch(model)
-    for scan in (False, True):
-        cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
-        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
-        assert rel_err(got, want) < 1e-5, (scan, rel_err(got, want))
+    cfg, params = read_both_ways(tmp_path / "hf", prompts, want)
     assert [k.chunk for k in cfg.kinds] == [5, None] and cfg.sparse_layers == (False, True, True)
 
     assert_greedy_matches(model, cfg, params, prompts)

@@ -27,7 +27,7 @@ from jaxformer import ConfigError, ModelConfig, Transformer, param_shapes  # noq
 from jaxformer.convert import config_from_hf, config_to_hf, from_hf, to_hf  # noqa: E402
 from jaxformer.decode import generate  # noqa: E402
 from jaxformer.hf import MODEL_TYPES  # noqa: E402
-from tests.hf.test_families import hf_logits, random_hf_model, rel_err  # noqa: E402
+from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -127,10 +127,8 @@ def test_moe_family_matches_transformers(model_type, tmp_path):
     n_experts = getattr(model.config, "num_experts", None) or model.config.num_local_experts
     prompts, want = covering_batch(model, n_experts)
     runs = len(set(config_from_hf(model.config.to_dict()).sparse_layers))  # dense and sparse
-    for scan in (False, True):  # scanned, each run of alike layers is a scan of its own
-        cfg, params = from_hf(tmp_path / "hf", scan_layers=scan)
-        got = np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, prompts))
-        assert rel_err(got, want) < 1e-5, (model_type, scan, rel_err(got, want))
+    # the scanned model: each run of alike layers is a scan of its own
+    cfg, params = read_both_ways(tmp_path / "hf", prompts, want, model_type)
     assert len([n for n in params if n.startswith("blocks")]) == runs, sorted(params)
     assert cfg.moe.experts == n_experts and cfg.moe.top_k == 2
     if any(k.window for k in cfg.kinds):  # the windows bind: without them, another answer
