@@ -82,13 +82,11 @@ class Engine:
         if not isinstance(pages, int) or pages < self.max_pages:
             raise ValueError(f"pages={pages!r} cannot hold one sequence of max_seq_len="
                              f"{cfg.max_seq_len}; pass pages >= {self.max_pages}")
-        decoding, unstack = looped(cfg)
-        self.cfg = decoding.cfg
-        self.params = unstack(params)
-        rules = None
-        if mesh is not None:
-            rules = resolve_rules()
-            self.params = jax.device_put(self.params, param_shardings(decoding, mesh, rules))
+        decoding, self.unstack = looped(cfg)
+        self.cfg, self.decoding, self.mesh = decoding.cfg, decoding, mesh
+        rules = None if mesh is None else resolve_rules()
+        self.rules = rules
+        self.use_params(params)
         self.host = PagePool(pages, page_size)
         self.pool = init_pages(self.cfg, pages, page_size, slots)
         self.tables = np.full((slots, self.max_pages), pages, np.int32)  # pages: none
@@ -103,6 +101,20 @@ class Engine:
         self.rng = np.random.default_rng()  # the seeds of requests that give none
         self.no_bans: dict[int, jax.Array] = {}
         self.computing: set[int] = set()  # hashes of prompt pages admitted, not yet computed
+
+    def use_params(self, params) -> None:
+        """Serve these weights (the model's param tree, as trained) from the next step on:
+        the compiled programs and the pool stay; the cached prefixes, computed with the old
+        weights, are forgotten. Call it between steps with no request running."""
+        if getattr(self, "running", None):
+            raise ValueError(f"use_params with {len(self.running)} requests running: call it "
+                             "when has_work() is false")
+        self.params = self.unstack(params)
+        if self.mesh is not None:
+            self.params = jax.device_put(
+                self.params, param_shardings(self.decoding, self.mesh, self.rules))
+        if hasattr(self, "host"):
+            self.host.forget()
 
     # ---- requests ------------------------------------------------------------------------
 

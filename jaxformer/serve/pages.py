@@ -99,6 +99,14 @@ class PagePool:
             self.known[chain_hash] = page
             self.hash_of[page] = chain_hash
 
+    def forget(self) -> None:
+        """The prefix cache forgets every page (their keys were computed with other
+        weights): the cached, unheld pages go back to the free list."""
+        self.free.extend(reversed(self.idle))
+        self.known.clear()
+        self.hash_of.clear()
+        self.idle.clear()
+
     def counts(self) -> dict:
         """{"pages_total", "pages_free", "pages_cached" (known, held by no one),
         "pages_held" (held by a sequence)}."""
