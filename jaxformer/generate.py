@@ -10,7 +10,7 @@ decodes speculatively (a proposer's name, such as prompt_lookup, or mtp: the run
 multi-token prediction modules, --draft-len defaulting to its model.mtp_depth; or another
 run's directory: a draft model with the same tokenizer) and prints the acceptance rate to
 stderr. --cache-dtype int8 keeps the KV cache in int8 with a scale per token and head
-(jaxformer.attention.cache_formats: about half bf16's bytes); beam search keeps the model's.
+(jaxformer.attention.cache_formats: about half bf16's bytes), sampling or beam search.
 --min-new-tokens and --no-repeat-ngram-size constrain it (jaxformer.decode.constraints).
 """
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         if a.beam_width:
             out = beam_search(model, params, prompt, beam_width=a.beam_width,
                               max_new_tokens=a.max_new_tokens, eos_id=tok.eot_id,
-                              constraints=constraints)
+                              constraints=constraints, cache_dtype=a.cache_dtype)
         else:
             out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
                            rng=jax.random.key(a.seed), temperature=a.temperature,

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention.cache_formats import cache_format_name
 from jaxformer.attention.kv_cache import cache_widths, take_rows
 from jaxformer.decode.cached_forward import checked_inputs, decode_jit, forward_one, looped, prefill
 from jaxformer.decode.constraints import (Constraints, checked_constraints, constrain,
@@ -102,13 +103,13 @@ def beam_loop(forward, last, cache, pos, *, beam_width, max_new_tokens, eos_id, 
 
 @functools.lru_cache(maxsize=16)
 def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_id, pad_id,
-             constraints):
+             constraints, cache_dtype=None):
     model, unstack = looped(cfg)
 
     def run(params, prompts, lengths):
         params = unstack(params)
         last, cache = prefill(model, params, prompts, lengths, prompts.shape[1] + max_new_tokens,
-                              None, True)
+                              cache_dtype, True)
         forward = lambda tok, pos, cache: forward_one(model, params, tok, pos, cache)  # noqa: E731
         history = prompt_history(prompts, max_new_tokens, constraints)
         return beam_loop(forward, last, cache, lengths, beam_width=beam_width,
@@ -122,14 +123,17 @@ def _beam_fn(cfg: ModelConfig, beam_width, max_new_tokens, length_penalty, eos_i
 
 def beam_search(model: Transformer, params, prompts, *, beam_width: int, max_new_tokens: int,
                 length_penalty: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
-                prompt_lengths=None, constraints: Constraints | None = None) -> Beams:
+                prompt_lengths=None, constraints: Constraints | None = None,
+                cache_dtype=None) -> Beams:
     """The best of `beam_width` beams per row, by sum of log-probs / length**length_penalty
     (length_penalty 0: the plain sum). Beams that emit `eos_id` stop and keep their score.
-    constraints: as jaxformer.decode.loops.generate's."""
+    constraints, cache_dtype (the KV cache's format, int8 among them: its entries' values
+    and scales follow their beams): as jaxformer.decode.loops.generate's."""
     cfg = model.cfg
+    cache = None if cache_dtype is None else cache_format_name(cache_dtype)
     prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
     if beam_width < 1:
         raise ValueError(f"beam_width must be >= 1, got {beam_width}")
     fn = _beam_fn(cfg, beam_width, max_new_tokens, float(length_penalty), eos_id, pad_id,
-                  checked_constraints(constraints, cfg.vocab_size, eos_id))
+                  checked_constraints(constraints, cfg.vocab_size, eos_id), cache)
     return fn(params, prompts, lengths)

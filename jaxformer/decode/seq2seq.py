@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention.cache_formats import cache_format_name
 from jaxformer.attention.kv_cache import cache_widths, init_cache
 from jaxformer.decode.cached_forward import Generated, checked_inputs, decode_jit
 from jaxformer.decode.constraints import Constraints, checked_constraints
@@ -97,18 +98,20 @@ def seq2seq_generate(model: EncoderDecoder, params, source, *, bos_id: int,
     sampling = checked_sampling(Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
                                          min_p=min_p), source.shape[0], cfg.vocab_size)
     rng = jax.random.key(0) if rng is None else rng
-    cache = None if cache_dtype is None else jnp.dtype(cache_dtype).name
+    cache = None if cache_dtype is None else cache_format_name(cache_dtype)
     run = _sampler(cfg, max_new_tokens, bos_id, eos_id, pad_id, cache,
                    checked_constraints(constraints, cfg.vocab_size, eos_id))
     return run(params, source, lengths, rng, sampling)
 
 
 @functools.lru_cache(maxsize=16)
-def _beams(cfg, beam_width, max_new_tokens, alpha, bos_id, eos_id, pad_id, constraints):
+def _beams(cfg, beam_width, max_new_tokens, alpha, bos_id, eos_id, pad_id, constraints,
+           cache_dtype=None):
     model = EncoderDecoder(cfg)
 
     def run(params, source, lengths):
-        last, cache, memory = start(model, params, source, lengths, bos_id, max_new_tokens + 1)
+        last, cache, memory = start(model, params, source, lengths, bos_id, max_new_tokens + 1,
+                                    cache_dtype)
         forward = stepper(model, params, memory.repeat(beam_width))  # beams share a source
         return beam_loop(forward, last, cache, jnp.ones_like(lengths), beam_width=beam_width,
                          max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
@@ -124,15 +127,17 @@ def _beams(cfg, beam_width, max_new_tokens, alpha, bos_id, eos_id, pad_id, const
 def seq2seq_beam_search(model: EncoderDecoder, params, source, *, bos_id: int,
                         max_new_tokens: int, beam_width: int = 4, alpha: float = 0.6,
                         eos_id: int | None = None, pad_id: int = 0,
-                        source_lengths=None, constraints: Constraints | None = None) -> Beams:
+                        source_lengths=None, constraints: Constraints | None = None,
+                        cache_dtype=None) -> Beams:
     """The best of `beam_width` beams per row by sum of log-probs / gnmt_penalty(length,
     alpha) (the paper's beam 4, alpha 0.6 by default); a beam that emits eos_id stops, its
-    length counting the EOS. scores: the normalised score. constraints: as
+    length counting the EOS. scores: the normalised score. constraints, cache_dtype: as
     seq2seq_generate's."""
     cfg = model.cfg
+    cache = None if cache_dtype is None else cache_format_name(cache_dtype)
     source, lengths = checked_source(cfg, source, source_lengths, max_new_tokens)
     if beam_width < 1:
         raise ValueError(f"beam_width must be >= 1, got {beam_width}")
     fn = _beams(cfg, beam_width, max_new_tokens, float(alpha), bos_id, eos_id, pad_id,
-                checked_constraints(constraints, cfg.vocab_size, eos_id))
+                checked_constraints(constraints, cfg.vocab_size, eos_id), cache)
     return fn(params, source, lengths)
