@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 from jaxformer.core.reference import as_4d, group_sinks, scale_and_mask, softmax
@@ -104,14 +105,24 @@ def latent_attention(q_latent, q_rope, latent, rope_key, *, mask=None, bias=None
     k_r) * scale (default 1 / sqrt(nope + rope) is the caller's to give), soft-capped,
     biased, masked (mask, bias broadcast to [B, N, T, S]) and softmaxed in float32 as the
     reference; one latent for every head, as MQA with K = 1."""
-    f32 = jnp.float32
-    logits = (jnp.einsum("btnr,bsr->bnts", q_latent, latent, preferred_element_type=f32)
-              + jnp.einsum("btnp,bsp->bnts", q_rope, rope_key, preferred_element_type=f32))
+    logits = (wide_einsum("btnr,bsr->bnts", q_latent, latent)
+              + wide_einsum("btnp,bsp->bnts", q_rope, rope_key))  # [B, N, T, S]
     logits = scale_and_mask(logits[:, None], mask=as_4d(mask), bias=as_4d(bias),
                             scale=scale, softcap=softcap)  # [B, 1, N, T, S]
     w = softmax(logits, group_sinks(sinks, 1))[:, 0]  # [B, N, T, S]
-    return jnp.einsum("bnts,bsr->btnr", w.astype(latent.dtype), latent,
-                      preferred_element_type=f32).astype(q_latent.dtype)
+    return wide_einsum("bnts,bsr->btnr", w.astype(latent.dtype), latent).astype(q_latent.dtype)
+
+
+def wide_einsum(spec: str, a, b):
+    """jnp.einsum(spec, a, b) accumulated in and returned as float32, whatever a's and b's
+    float dtypes. XLA:CPU's thunk runtime has no bf16 x bf16 -> f32 dot, and a decode
+    step's dot that it leaves unfused (the weighted sum of latents at batch 2) fails there
+    ("Unsupported element type for DotThunk"): on CPU the operands are upcast to float32
+    first. A product of two bf16 (or f16) numbers is exact in float32, so only the order
+    of the float32 sums may differ; elsewhere (GPU, TPU) the operands go in as they are."""
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 def default_scale(mla: MLAConfig) -> float:
