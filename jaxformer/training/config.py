@@ -220,8 +220,8 @@ class RunConfig:
         if unknown:
             raise ConfigError(f"unknown config section(s) {', '.join(unknown)}; sections are: "
                               f"{', '.join(SECTIONS)}")
+        values = moved_loss_chunk(values)  # before init_from's model takes the section
         values = initial_sections(values)  # train.init_from: the model it starts from
-        values = moved_loss_chunk(values)
         sections = {}
         for name, section_cls in SECTIONS.items():
             raw = dict(values.get(name) or {})

@@ -145,7 +145,20 @@ def check_run(cfg) -> None:
         raise ConfigError(f"objective.name={name} needs train.init_from: the model it starts "
                           "from (e.g. a fine-tuned run dir), its frozen reference where it "
                           "has one")
+    check_loss_chunk(cfg)
     entry.check(cfg)
+
+
+def check_loss_chunk(cfg) -> None:
+    """model.loss_chunk (train.loss_chunk) with an objective whose hooks do not chunk their
+    loss (its entry's loss_chunk False) is refused in one line naming those that do."""
+    chunk, name = cfg.train.loss_chunk, cfg.objective.name
+    if chunk and not entry_of(cfg).loss_chunk:
+        takes = [n for n, e in OBJECTIVES.items() if e.loss_chunk]
+        raise ConfigError(f"model.loss_chunk={chunk} with objective.name={name}: {name} "
+                          "computes its loss from the whole logits; model.loss_chunk "
+                          f"chunks objective.name {', '.join(takes) or 'none'}; set "
+                          "model.loss_chunk=0")
 
 
 def check_data(entry: Objective, name: str, arch: str, fmt: str) -> None:

@@ -64,6 +64,9 @@ class Objective:
     rollout: whether its hooks roll out (rollout_step is the train step; the loop hands
       it the step index, not a batch).
     check: (RunConfig) -> None, its own refusals across sections (one-line ConfigError).
+    loss_chunk: whether its hooks apply model.loss_chunk (the head and cross entropy a
+      block of positions at a time: training/chunked_loss.py); where not, a run that sets
+      it is refused in one line (objectives.check_run), not trained with the full logits.
     """
 
     settings: type
@@ -75,6 +78,7 @@ class Objective:
     starts_from: bool = False
     rollout: bool = False
     check: Callable[[Any], None] = lambda cfg: None
+    loss_chunk: bool = False
 
     @property
     def name(self) -> str:

@@ -135,4 +135,4 @@ def check(cfg) -> None:
 ENTRY = Objective(settings=LMSettings, build=build,
                   batches={"decoder": ("tokens", "completions"),
                            ENCODER_DECODER: ("sources",)},
-                  metrics=MTP_METRICS, check=check)
+                  metrics=MTP_METRICS, check=check, loss_chunk=True)
