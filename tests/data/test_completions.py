@@ -53,30 +53,33 @@ def test_the_loss_is_the_float64_nll_of_the_completions_alone(tmp_path):
     data = load(path, tmp_path, prompt_field="question", completion_field="answer",
                 val_fraction=0.1)
     assert len(data.train) == 36 and len(data.val) == 4
-    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,
+    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=4, max_seq_len=32,
                       position="learned")  # absolute: positions must restart
     model = Transformer(cfg)
-    params = model.init(jax.random.key(int(rng.integers(1 << 30))), np.zeros((1, 4), np.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(int(rng.integers(1 << 30))),
+                                 np.zeros((1, 4), np.int32))["params"]  # one program
     batch = data.train_batch(seed=int(rng.integers(1 << 30)), step=3, batch_size=4, seq_len=24)
     total, count = (float(x) for x in jax.jit(lambda p, b: loss_sums(model, p, b))(params, batch))
     # each record of the batch alone: its completion tokens' NLL in float64 (each record is
-    # run alone, zero-padded at the end to one width so one program serves them all: a
+    # a row of its own, zero-padded at the end to one width, all rows in one call: a
     # causal model's logits at a position see nothing after it)
-    alone = jax.jit(lambda p, x: model.apply({"params": p}, x))
-    want, n = 0.0, 0
+    packed = []  # each record's tokens: its inputs, then its last target
     for r in range(4):
         for seg in range(1, int(batch["segment_ids"][r].max()) + 1):
             at = batch["segment_ids"][r] == seg
-            ids = np.concatenate([batch["inputs"][r][at], batch["targets"][r][at][-1:]])
-            padded = np.zeros((1, 24), ids.dtype)
-            padded[0, :len(ids) - 1] = ids[:-1]
-            logits = np.float64(alone(params, padded)[0, :len(ids) - 1])
-            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
-                                   keepdims=True)) - logits.max(-1, keepdims=True)
-            prompt_len = bytes(ids.tolist()).decode().index("?") + 1  # prompts end at "?"
-            for i in range(prompt_len - 1, len(ids) - 1):  # completion targets only
-                want -= logp[i, ids[i + 1]]
-                n += 1
+            packed.append(np.concatenate([batch["inputs"][r][at], batch["targets"][r][at][-1:]]))
+    alone = np.zeros((len(packed), 24), np.int32)  # [records, 24]
+    for row, ids in zip(alone, packed):
+        row[:len(ids) - 1] = ids[:-1]
+    logits = np.float64(jax.jit(model.apply)({"params": params}, alone))  # [records, 24, V]
+    want, n = 0.0, 0
+    for ids, z in zip(packed, logits):
+        logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - z.max(-1, keepdims=True)
+        prompt_len = bytes(ids.tolist()).decode().index("?") + 1  # prompts end at "?"
+        for i in range(prompt_len - 1, len(ids) - 1):  # completion targets only
+            want -= logp[i, ids[i + 1]]
+            n += 1
     assert count == n
     np.testing.assert_allclose(total, want, rtol=2e-6)
 
