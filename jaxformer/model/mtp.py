@@ -18,6 +18,11 @@ positions (causal, within a packed segment); decoding keeps a KV cache of it
 Params: mtp_1 ... mtp_D beside the main model's, each {enorm, hnorm, eh_proj, block,
 norm}. The loss: jaxformer.training.objectives.language_model; the draft proposer:
 jaxformer.decode.speculative (mtp).
+
+A block with experts (the last layer sparse) is balanced as the sparse layers are
+(jaxformer.moe.balancing): its statistics follow theirs, one row per depth (with_modules),
+in the penalty and the moe_* metrics (logged per module as moe_load/mtp_k), and with
+model.moe.bias_update_rate its score_bias moves by its own load (rebalanced_modules).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jaxformer.model.blocks import Block, apply_norm, make_norm
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kinds import REMATS
 from jaxformer.model.self_attention import dense_init
+from jaxformer.moe.experts import balanced_bias
 
 MAX_DEPTH = 8  # model.mtp_depth's largest value (the losses logged: mtp_loss_1 .. _8)
 
@@ -68,6 +74,44 @@ def block_config(cfg: ModelConfig) -> ModelConfig:
 def init_module_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
     """An empty KV cache of one MTP module's block (layers: {"block_0": ...})."""
     return init_cache(block_config(cfg), batch, max_len, dtype)
+
+
+def sparse_modules(cfg: ModelConfig) -> list[str]:
+    """The names of the MTP modules whose block has experts (mtp_1 .. mtp_D where the last
+    layer is sparse, else none)."""
+    if not cfg.mtp_depth or not cfg.sparse_layers[-1]:
+        return []
+    return [f"mtp_{k}" for k in range(1, cfg.mtp_depth + 1)]
+
+
+def with_modules(cfg: ModelConfig, stats: dict, sown) -> dict:
+    """The sparse layers' statistics (jaxformer.moe.balancing.layer_stats: [Ls, ...] each)
+    followed by the MTP modules' from the same forward's "moe" collection: [Ls + D, ...]
+    (unchanged where their block has no experts)."""
+    names = sparse_modules(cfg)
+    if not names:
+        return stats
+    more = [sown[n]["block"]["ffn"]["stats"][0] for n in names]  # one forward each
+    return jax.tree.map(lambda main, *rows: jnp.concatenate([main, jnp.stack(rows)]),
+                        stats, *more)
+
+
+def rebalanced_modules(cfg: ModelConfig, params, old, load, finite):
+    """params with each sparse MTP module's score_bias set to balanced_bias(its value in
+    `old`, its row of the step's load [Ls + D, E] (the last D), model.moe.
+    bias_update_rate), as balancing.rebalanced sets the sparse layers'; a skipped step
+    (finite False) keeps the old bias. Unchanged where load holds no module rows (stats
+    not gathered by with_modules)."""
+    names = sparse_modules(cfg)
+    if load.shape[0] != sum(cfg.sparse_layers) + len(names):
+        return params
+    params = dict(params)
+    for name, row in zip(names, load[load.shape[0] - len(names):]):
+        before = old[name]["block"]["ffn"]["score_bias"]
+        bias = jnp.where(finite, balanced_bias(before, row, cfg.moe.bias_update_rate), before)
+        ffn = {**params[name]["block"]["ffn"], "score_bias": bias.astype(before.dtype)}
+        params[name] = {**params[name], "block": {**params[name]["block"], "ffn": ffn}}
+    return params
 
 
 class MTPModule(nn.Module):

@@ -23,7 +23,7 @@ from jaxformer.model.blocks import Block, apply_norm, make_norm
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kinds import BLOCKS, FFNS, REMATS
 from jaxformer.model.mixers import MIXERS
-from jaxformer.model.mtp import MTPModule, embedded, shifted
+from jaxformer.model.mtp import MTPModule, block_config, embedded, shifted
 from jaxformer.model.layer_runs import stack_layers, unstack_layers  # noqa: F401 (the public names)
 from jaxformer.model.self_attention import dense_init
 from jaxformer.positions.schemes import POSITION_SCHEMES, PositionBias, dense_bias
@@ -319,6 +319,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
       them; per target token): the encoder stack's count without a head, the decoder's
       (causal), and in each decoder layer the cross-attention's four projections (keys and
       values of as many source tokens as target ones) and seq_len keys per query.
+    - multi-token prediction (model.mtp_depth = D, jaxformer.model.mtp): each of the D
+      modules adds its eh_proj (2 d_model x d_model), its block's count (the last layer's
+      kind, its attention's keys included) and the LM head's (d_model x vocab) again.
     """
     c, m = cfg, cfg.mla
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads + c.attn_output_gate
@@ -352,4 +355,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         return half if c.causal else 2 * half  # an encoder's query sees both sides
 
     keys = sum(context(c.kinds[i].window) for i, a in zip(c.layer_kind_ids, attends) if a)
-    return 6.0 * n_matmul + 12.0 * pair * keys + recurrent
+    main = 6.0 * n_matmul + 12.0 * pair * keys + recurrent
+    if not c.mtp_depth:
+        return main
+    # every MTP module on every token: eh_proj (2 d_model x d_model), a one-layer model of
+    # its block (the last layer's kind) with the shared head multiplied again
+    module = flops_per_token(block_config(c).replace(mtp_depth=0), seq_len)
+    return main + c.mtp_depth * (module + 12.0 * c.d_model * c.d_model)

@@ -24,6 +24,7 @@ from jaxformer.decode.loops import generate
 from jaxformer.model.build import model_for
 from jaxformer.model.config import ConfigError
 from jaxformer.model.encoder_decoder import EncoderDecoder
+from jaxformer.model.mtp import sparse_modules
 from jaxformer.model.transformer import flops_per_token
 from jaxformer.moe.balancing import layer_records, sparse_ids
 from jaxformer.training import objectives, profiling, tracking
@@ -210,7 +211,8 @@ class _Run:
             make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
                             shardings=shardings, **on)
         self.eval_step = make_eval_step(model, param_shardings=shardings.params, **on)
-        self.moe_layers = sparse_ids(mcfg)  # the layers logged as moe_load/i, moe_dropped/i
+        # the layers logged as moe_load/i, moe_dropped/i, then sparse MTP modules' (/mtp_k)
+        self.moe_layers = sparse_ids(mcfg) + sparse_modules(mcfg)
         self.metrics = MetricsLog(run_dir, enabled=lead,
                                   tracker=tracking.start(cfg, run_dir, lead))  # W&B
         cleanup.callback(self.metrics.close)

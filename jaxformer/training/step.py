@@ -18,6 +18,7 @@ from jaxformer.core.logprobs import target_logprobs
 from jaxformer.core.sharding import (batch_sharding, constrain, logical_axes, sequence_split,
                                      shardings_for, traced_under)
 from jaxformer.model import lora
+from jaxformer.model.mtp import rebalanced_modules
 from jaxformer.model.transformer import Transformer
 from jaxformer.moe import balancing
 from jaxformer.training.sweep import member_losses, members, sweep_params, sweep_specs
@@ -241,6 +242,8 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
         if sums and cfg.moe.bias_update_rate > 0:  # DeepSeek-V3's balancing, outside the gradient
             params = balancing.rebalanced(cfg, params, state.params, sums["load"],
                                           opt_state.last_finite)
+            params = rebalanced_modules(cfg, params, state.params, sums["load"],
+                                        opt_state.last_finite)  # sparse MTP blocks'
         metrics = {  # each [S] for a sweep
             "loss": total / count,  # the cross entropy alone: the MoE penalties apart
             "grad_norm": norm(grads),

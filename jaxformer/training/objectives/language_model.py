@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxformer.core.logprobs import target_logprobs
 from jaxformer.core.validation import ConfigError
 from jaxformer.model.archs import ARCHS, ENCODER_DECODER
-from jaxformer.model.mtp import MAX_DEPTH, shifted
+from jaxformer.model.mtp import MAX_DEPTH, shifted, with_modules
 from jaxformer.moe import balancing
 from jaxformer.training import chunked_loss
 from jaxformer.training.objectives.entry import Objective, fixed_name
@@ -52,8 +52,9 @@ def mtp_masks(batch, depth: int):
 
 
 def mtp_terms(model, params, batch, dropout_rng=None):
-    """(summed main cross entropy, its count, the MoE layers' stats, each depth's summed
-    cross entropy [D], each depth's count [D]) of one forward with the MTP modules."""
+    """(summed main cross entropy, its count, the MoE layers' stats (the MTP modules' with
+    experts after them: mtp.with_modules), each depth's summed cross entropy [D], each
+    depth's count [D]) of one forward with the MTP modules."""
     cfg = model.cfg
     sparse = any(cfg.sparse_layers)
     deterministic = dropout_rng is None
@@ -68,7 +69,8 @@ def mtp_terms(model, params, batch, dropout_rng=None):
     targets = jnp.stack([shifted(batch["targets"], k) for k in range(1, depth + 1)])
     masks = mtp_masks(batch, depth)  # [D, B, T]
     mtp_nll = -target_logprobs(more, targets)  # [D, B, T]
-    stats = balancing.layer_stats(cfg, sown["moe"]) if sparse else {}
+    stats = with_modules(cfg, balancing.layer_stats(cfg, sown["moe"]), sown["moe"]) \
+        if sparse else {}  # the sparse layers' rows, then the MTP modules'
     return (jnp.sum(nll * mask), jnp.sum(mask), stats, jnp.sum(mtp_nll * masks, (1, 2)),
             jnp.sum(masks, (1, 2)))
 
