@@ -9,27 +9,26 @@ multiplied by its own kernel. Two ways, as a table (GROUPED_MATMULS):
   against 27 ms for one dense matmul of the rows).
 
 tiles reads and writes the sorted rows where they are: a group's rows go in tiles of the
-first size while whole ones fit, then the next size, the last size's final tile running
-past the group's end into the next group's rows (which that group overwrites after, as
-the groups run in order) or into tile_sizes[-1] rows of padding. Its gradient is the
-same loop with the kernels transposed in the dot (no transposed copy of them), and for
-the kernels a loop that sums each group's x^T dy over its tiles (the run-past rows
-masked) and writes it once. Against the first version (each group padded into whole
-tiles of 128 rows, built by a scatter; a loop over every tile, the all-zero ones too,
-slicing the tile's kernel; the kernel gradient added into an [E, in, out] carry each
-tile, which XLA copied), with jaxformer.moe.experts's gathers in place of scatters, the layer's
-forward and gradient (2048 tokens, d_model 512) took 0.80x the time at the Mixtral
-shape (8 experts top-2, width 1408) and 0.75x at Qwen3-MoE's (32 top-4, 352); the
-4-layer train step (bench/moe.py) 0.77x and 0.64x. The loops' dots now run near a plain
-dot's rate (tiles of 128 or more rows at 90-100% of it, 32 rows at 70-85%); the layer
-stays 1.2x (Mixtral) and 1.4x (Qwen3-MoE) a dense FFN of the same FLOPs: the loops
-(ragged groups) 20-30%, the sorting and weighting 5-17%. Tile sizes barely matter: at
-the Qwen3-MoE shape 256 then 32, 128 then 32, 128 then 16, 256 then 64, 128/64/16 and
-64 alone were within 5%, and a version without the padding (a last tile moved back
-inside the rows, its write masked) within noise of this one.
+largest size while whole ones fit, then one of each smaller size that fits (the group's
+size in binary), the last size's final tile running past the group's end into the next
+group's rows (which that group overwrites after, as the groups run in order); a tile that
+would run past the last row is moved back inside the rows, the rows before its own kept as
+they were. Its gradient is the same loop with the kernels transposed in the dot (no
+transposed copy of them), and for the kernels a loop that sums each group's x^T dy over
+its tiles (the rows outside the group masked) on x transposed once ([in, M]: each tile a
+plain [in, t] x [t, out] dot) and writes it once.
+
+On a 2-core AMD EPYC (CPU time of one core, 2,048 tokens, d_model 512), against the
+version before (tiles of 256 then 32, the rows padded by a tile for the run-past, the
+kernel gradient's dot contracting the rows' first axis): forward, input gradient and
+kernel gradient 0.93-0.95x the time at the Mixtral shape (8 groups, 512 x 1408) and at
+Qwen3-MoE's (32, 512 x 352); they stay 1.1-1.25x (Mixtral) and 1.05-1.4x (Qwen3-MoE) one
+plain dot of the same FLOPs, the kernel gradient the slowest (its per-tile sums). The
+loops' own cost is copies (each tile's dot written into the rows, the kernel of each
+group sliced, the output's zeros), about 10% of a layer's step in the profile.
 
 `grouped_matmul` picks tiles on CPU and ragged_dot elsewhere; both are tested against
-the definition (tests/moe/test_experts.py).
+the definition (tests/moe/test_experts.py, tests/moe/test_grouped_cpu.py).
 """
 
 from __future__ import annotations
@@ -48,10 +47,12 @@ def ragged_dot(x, kernel, sizes, transpose: bool = False):
 
 
 def tile_sizes(m: int, groups: int) -> tuple[int, ...]:
-    """The tiles' rows, largest first: 256 while whole ones fit, then 32 (2048 x 2 rows
-    at 8 groups and 2048 x 4 at 32 measured against 128 alone, 64 alone, 512 then 64),
-    none longer than the rows."""
-    return tuple(t for t in (256, 32) if t <= m) or (m,)
+    """The tiles' rows, largest first: powers of two from the largest not over the mean
+    group (m / groups) down to 32, none longer than the rows. A group's size in binary:
+    one dot per size (the largest as often as it fits), then 32-row tiles for the rest."""
+    top = max(32, 1 << max(0, (m // max(groups, 1)).bit_length() - 1))
+    return tuple(t for t in (1 << i for i in range(top.bit_length() - 1, 4, -1))
+                 if t <= m) or (m,)
 
 
 def _dot(x, kernel, transpose: bool):
@@ -75,42 +76,56 @@ def _each_tile(step, carry, start, size, sizes):
     return carry
 
 
+def _inside(row, t: int, m: int, last: bool):
+    """A tile's first row: row, or for a tile of the last size (which may run past the
+    group's end) moved back so that its t rows lie inside the m rows."""
+    return jnp.minimum(row, m - t) if last else row
+
+
 def _product(x, kernel, sizes, transpose: bool = False):
-    """tiles' loop: each group's rows of x times its kernel, written in place."""
+    """tiles' loop: each group's rows of x times its kernel, written in place; a tile moved
+    back inside the rows (_inside) keeps the rows before its own as they were."""
     m, g = x.shape[0], kernel.shape[0]
     tiles = tile_sizes(m, g)
-    xp = jnp.pad(x, ((0, tiles[-1]), (0, 0)))  # the last group's last tile runs past m
     starts = jnp.cumsum(sizes) - sizes
 
     def group(e, out):
         w = kernel[e].astype(x.dtype)  # read once per group
 
         def step(out, row, t, left, last):
-            y = _dot(jax.lax.dynamic_slice_in_dim(xp, row, t), w, transpose)
-            return jax.lax.dynamic_update_slice_in_dim(out, y, row, 0)
+            at = _inside(row, t, m, last)
+            y = _dot(jax.lax.dynamic_slice_in_dim(x, at, t), w, transpose)  # [t, out]
+            if last:
+                old = jax.lax.dynamic_slice_in_dim(out, at, t)
+                y = jnp.where((at + jnp.arange(t) >= row)[:, None], y, old)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, at, 0)
         return _each_tile(step, out, starts[e], sizes[e], tiles)
 
-    out = jnp.zeros((xp.shape[0], kernel.shape[1 if transpose else 2]), x.dtype)
-    return jax.lax.fori_loop(0, g, group, out)[:m]
+    out = jnp.zeros((m, kernel.shape[1 if transpose else 2]), x.dtype)
+    return jax.lax.fori_loop(0, g, group, out)
 
 
 def _kernel_grad(x, dy, sizes):
-    """[G, in, out]: each group's x^T dy, summed over its tiles, the rows a tile runs past
-    its group masked (in the narrower of x and dy)."""
-    g = sizes.shape[0]
-    tiles = tile_sizes(x.shape[0], g)
-    xp, dyp = (jnp.pad(a, ((0, tiles[-1]), (0, 0))) for a in (x, dy))
+    """[G, in, out]: each group's x^T dy, summed over its tiles, the rows a tile holds
+    outside its group masked (in the narrower of x and dy). x is transposed once [in, M]
+    so that each tile's product is a plain [in, t] x [t, out] dot."""
+    m, g = x.shape[0], sizes.shape[0]
+    tiles = tile_sizes(m, g)
+    xt = x.T  # [in, M]
     starts = jnp.cumsum(sizes) - sizes
     mask_x = x.shape[1] <= dy.shape[1]
 
     def group(e, dk):
         def step(acc, row, t, left, last):
-            a = jax.lax.dynamic_slice_in_dim(xp, row, t)
-            b = jax.lax.dynamic_slice_in_dim(dyp, row, t)
+            at = _inside(row, t, m, last)
+            a = jax.lax.dynamic_slice_in_dim(xt, at, t, axis=1)  # [in, t]
+            b = jax.lax.dynamic_slice_in_dim(dy, at, t)  # [t, out]
             if last:
-                keep = jnp.arange(t)[:, None] < left
-                a, b = (jnp.where(keep, a, 0), b) if mask_x else (a, jnp.where(keep, b, 0))
-            return acc + jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())))
+                i = at + jnp.arange(t)
+                keep = (i >= row) & (i < row + left)
+                a, b = (jnp.where(keep[None], a, 0), b) if mask_x else \
+                    (a, jnp.where(keep[:, None], b, 0))
+            return acc + a @ b
         acc = jnp.zeros(dk.shape[1:], dk.dtype)
         acc = _each_tile(step, acc, starts[e], sizes[e], tiles)
         return jax.lax.dynamic_update_index_in_dim(dk, acc, e, 0)
