@@ -10,11 +10,16 @@ the same shape, in the same run.
 Shapes: mixtral (8 experts, top-2, softmax over the chosen, expert width 1408) against
 MixtralForCausalLM, and qwen3_moe (32 experts, top-4 renormalised, width 352, QK-norm)
 against Qwen3MoeForCausalLM: the same total expert parameters per layer. MFU counts the
-active parameters (jaxformer.model.transformer.flops_per_token: the router, top_k experts) against the
-matmul peak measured in the same run; "temp MiB" is the compiled step's temporary buffers
-(XLA's memory analysis). The implementations take turns step by step (bench/
-train_throughput.py's interleaving). First, one MoE layer's forward and gradient against a
-dense FFN of the same active FLOPs (layer_vs_dense; --layer-only: that alone). Then greedy
+active parameters (jaxformer.model.transformer.flops_per_token: the router, top_k
+experts) against the matmul peak measured in the same run; "temp MiB" is the compiled
+step's temporary buffers (XLA's memory analysis). The implementations take turns step by
+step (bench/train_throughput.py's interleaving).
+
+First, one MoE layer's forward and gradient against a dense FFN of the same active FLOPs
+(layer_runs; --layer-only: that alone), with the layer's parts (its experts on rows
+already sorted, its dispatch around identity experts) and the experts as one batched dot
+at perfect balance (the matmuls' cost at this shape without a loop): wall and process CPU
+time, interleaved (CPU time counts the work whatever else the host runs). Then greedy
 KV-cached decoding at batch 1 and 8.
 Prints tables; asserts nothing.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -36,7 +42,8 @@ from train_throughput import bench_jax, bench_torch, interleaved, print_table, t
 from jaxformer import Transformer, count_params, flops_per_token  # noqa: E402
 from jaxformer.decode import generate  # noqa: E402
 from jaxformer.model.kinds import FFNS  # noqa: E402
-from jaxformer.moe.experts import ragged_dispatch, route  # noqa: E402
+from jaxformer.moe.experts import (GROUPED, expert_mlp, ragged_dispatch, route,  # noqa: E402
+                                   take_rows)
 from jaxformer.training.config import RunConfig, parse_overrides  # noqa: E402
 from jaxformer.training.metrics import measured_matmul_flops  # noqa: E402
 from jaxformer.training.optim import OptimConfig  # noqa: E402
@@ -95,36 +102,83 @@ def temp_mib(cfg, batch: int, seq: int) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
 
 
-def layer_vs_dense(cfg, tokens: int, steps: int):
-    """(MoE layer ms, dense FFN ms): the forward and gradient (inputs and weights) of one
-    MoE layer (router, dropless dispatch) on `tokens` rows, and of a dense SwiGLU FFN of
-    width top_k * expert width (the same active FLOPs, router aside), medians of `steps`
-    interleaved runs."""
+def layer_runs(cfg, tokens: int):
+    """{name: (jitted gradient, its args)}: the forward and gradient (inputs and weights)
+    of one MoE layer (router, dropless dispatch) on `tokens` rows and of its parts, and of
+    a dense SwiGLU FFN of width top_k * expert width (the same active FLOPs, router aside).
+    The parts: the experts alone on rows already sorted (the grouped matmuls and the
+    activation), the dispatch alone (routing, sort, un-sort, weighted sum; the experts the
+    identity), and the experts as one batched dot on exactly tokens * top_k / experts rows
+    each ([E, C, D]: what the matmuls cost at perfect balance, no loop)."""
     m, d, f = cfg.moe, cfg.d_model, cfg.expert_d_ff
     r = np.random.default_rng(0)
     w = lambda *s: jnp.asarray(r.standard_normal(s, np.float32) / np.sqrt(s[-2]))  # noqa
     x = jnp.asarray(r.standard_normal((tokens, d), np.float32))
     experts = {"wi_gate": w(m.experts, d, f), "wi_up": w(m.experts, d, f),
                "wo": w(m.experts, f, d)}
-    moe_w, dense_w = (w(d, m.experts), experts), (w(d, m.top_k * f), w(d, m.top_k * f),
-                                                  w(m.top_k * f, d))
+    router, ffn = w(d, m.experts), FFNS["swiglu"]
+    dense_w = (w(d, m.top_k * f), w(d, m.top_k * f), w(m.top_k * f, d))
+    _, chosen, _ = route(x @ router, m)
+    order = jnp.argsort(chosen.reshape(-1), stable=True)
+    rows = chosen.reshape(-1)[order]  # each sorted row's expert
+    sizes = jnp.bincount(rows, length=m.experts).astype(jnp.int32)
+    xs = x[order // m.top_k]  # [N k, D] sorted by expert
 
     def moe(x, p):  # [N, D] -> scalar
         weights, chosen, _ = route(x @ p[0], m)
-        return jnp.sum(ragged_dispatch(x, weights, chosen, p[1], FFNS["swiglu"])[0] ** 2)
+        return jnp.sum(ragged_dispatch(x, weights, chosen, p[1], ffn)[0] ** 2)
+
+    def experts_alone(xs, p):
+        return jnp.sum(expert_mlp(xs, p, ffn, lambda h, k: GROUPED(h, k, sizes), rows) ** 2)
+
+    def dispatch_alone(x, p):  # ragged_dispatch's steps around the experts
+        weights, chosen, _ = route(x @ p[0], m)
+        order = jnp.argsort(chosen.reshape(-1), stable=True)
+        inverse = jnp.argsort(order)
+        ys = take_rows(take_rows(x, order, inverse, m.top_k), inverse, order, 1)  # [N k, D]
+        ys = ys.reshape(*chosen.shape, -1)  # [N, k, D]
+        return jnp.sum(jnp.einsum("nkd,nk->nd", ys, weights) ** 2)
+
+    def balanced(xb, p):  # xb [E, C, D]
+        mm = lambda h, k: jnp.einsum("eci,eio->eco", h, k)  # noqa: E731
+        return jnp.sum(expert_mlp(xb, p, ffn, mm) ** 2)
 
     def dense(x, p):
         return jnp.sum(((jax.nn.silu(x @ p[0]) * (x @ p[1])) @ p[2]) ** 2)
 
-    runs = [jax.jit(jax.grad(fn, argnums=(0, 1))) for fn in (moe, dense)]
-    args = [(x, moe_w), (x, dense_w)]
-    for fn, a in zip(runs, args):
+    grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1)))  # noqa: E731
+    xb = xs.reshape(m.experts, -1, d)  # [E, N k / E, D]
+    return {"MoE layer (dropless)": (grad(moe), (x, (router, experts))),
+            "  its experts alone (rows sorted)": (grad(experts_alone), (xs, experts)),
+            "  its dispatch alone": (grad(dispatch_alone), (x, (router, experts))),
+            "experts as one batched dot, balanced": (grad(balanced), (xb, experts)),
+            "dense FFN, same active FLOPs": (grad(dense), (x, dense_w))}
+
+
+def layer_vs_dense(cfg, tokens: int, steps: int):
+    """{name: (wall ms, CPU ms)} of layer_runs, medians of `steps` interleaved runs. The
+    process's CPU time counts the work done whatever else the host runs."""
+    runs = layer_runs(cfg, tokens)
+    for fn, a in runs.values():
         jax.block_until_ready(fn(*a))
-    times = [[], []]
+    times = {name: [] for name in runs}
     for _ in range(steps):
-        for fn, a, out in zip(runs, args, times):
-            out.append(timed(lambda: jax.block_until_ready(fn(*a))))  # noqa: B023
-    return tuple(statistics.median(t) for t in times)
+        for name, (fn, a) in runs.items():
+            cpu = time.process_time()
+            wall = timed(lambda: jax.block_until_ready(fn(*a)))  # noqa: B023
+            times[name].append((wall, (time.process_time() - cpu) * 1e3))
+    return {name: tuple(statistics.median(t[i] for t in ts) for i in (0, 1))
+            for name, ts in times.items()}
+
+
+def print_layer(times, tokens: int):
+    """The layer_vs_dense table, each row also as a multiple of the dense FFN's."""
+    dense = times["dense FFN, same active FLOPs"]
+    print(f"| one layer, fwd + grad, {tokens} tokens | wall ms | x dense | CPU ms | x dense |")
+    print("|---|---|---|---|---|")
+    for name, (wall, cpu) in times.items():
+        print(f"| {name} | {wall:,.1f} | {wall / dense[0]:.2f} | {cpu:,.1f} | "
+              f"{cpu / dense[1]:.2f} |")
 
 
 def decode_rates(cfg, batches, prompt: int, new: int, repeats: int):
@@ -170,10 +224,19 @@ def parsed():
     return a, overrides, shapes
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo, as lscpu's "Model name") and its count, or the
+    device's kind."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{names[0]} x{len(names)}" if names else jax.devices()[0].device_kind
+
+
 def main():
     a, overrides, shapes = parsed()
     peak = measured_matmul_flops(1024, np.dtype("float32"), repeats=20)
-    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  measured matmul "
+    print(f"device: {cpu_name()} ({jax.default_backend()})  measured matmul "
           f"peak: {peak / 1e9:,.1f} GFLOP/s (float32); batch {a.batch} x seq {a.seq}\n")
     for shape in shapes:
         cfg = model_config(shape, a, overrides)
@@ -181,9 +244,7 @@ def main():
         print(f"[{shape}] {cfg.n_layers} layers, d_model {cfg.d_model}, {m.experts} experts "
               f"top-{m.top_k} of width {cfg.expert_d_ff}; {count_params(cfg):,} params; "
               f"{flops_tok / 6e6:.1f} M active matmul params/token (x6 = FLOPs)")
-        moe_ms, dense_ms = layer_vs_dense(cfg, a.batch * a.seq, max(a.steps, 5))
-        print(f"MoE layer fwd+bwd ({a.batch * a.seq} tokens) {moe_ms:,.1f} ms; dense FFN of "
-              f"the same active FLOPs {dense_ms:,.1f} ms: {moe_ms / dense_ms:.2f}x")
+        print_layer(layer_vs_dense(cfg, a.batch * a.seq, max(a.steps, 5)), a.batch * a.seq)
         if a.layer_only:
             print()
             continue
