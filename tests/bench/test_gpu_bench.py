@@ -1,6 +1,7 @@
 """bench/gpu.py --smoke: every section runs on the CPU, and what it reports is what it
 measured (a GPU-only part says it was skipped)."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -19,8 +20,11 @@ def smoke(tmp_path_factory):
     gpu = importlib.util.module_from_spec(spec)
     sys.modules["gpu_bench"] = gpu  # its dataclasses look their module up
     spec.loader.exec_module(gpu)
+    # one batch of 2 for decoding and serving (a row's batch factor still shows), and one
+    # timed repeat: each program compiled once is what the rows' checks need
+    gpu.SMOKE = dataclasses.replace(gpu.SMOKE, decode_batches=(2,), serve_batches=(2,))
     out = tmp_path_factory.mktemp("gpu")
-    return gpu, out, gpu.main(["--smoke", "--out", str(out)])
+    return gpu, out, gpu.main(["--smoke", "--repeats", "1", "--out", str(out)])
 
 
 def test_writes_json_and_markdown_of_every_section(smoke):

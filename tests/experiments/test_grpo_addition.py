@@ -7,7 +7,10 @@ import json
 from jaxformer.experiments import grpo_addition
 
 
-def test_the_experiment_fine_tunes_in_chunks_then_runs_grpo(tmp_path, capsys):
+def test_the_experiment_fine_tunes_in_chunks_then_runs_grpo(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(grpo_addition, "MODEL", [  # one narrow layer: smaller programs
+        "model.preset=tiny", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+        "model.max_seq_len=32", "model.vocab_size=257"])
     assert grpo_addition.main(["--out", str(tmp_path), "--target", "2", "--sft-chunk", "2",
                                "--sft-steps", "3", "--grpo-steps", "1", "--prompts", "2",
                                "--inner", "1", "--quiet"]) == 0

@@ -40,7 +40,7 @@ def study_run(corpus, tmp_path_factory):
     code = study.main(["--small", "--seeds", "2", "--out", str(tmp / "out"),
                        f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}",
                        "study.schemes=rope,learned,alibi", "--eval-lengths", "L,2L,4L",
-                       "study.progress=false"])
+                       "train.steps=40", "train.log_every=20", "study.progress=false"])
     assert code == 0
     return tmp / "out", json.loads((tmp / "out" / "results.json").read_text())
 

@@ -183,7 +183,7 @@ def test_stop_and_resume_equals_straight_run(corpus, tmp_path):
 def test_sigkill_mid_run_then_resume(corpus, tmp_path):
     run = tmp_path / "run"
     args = [sys.executable, str(REPO / "train.py"), *TINY, f"data.path={corpus}",
-            f"train.run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=60",
+            f"train.run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=30",
             "checkpoint.every=3", "train.eval_every=1000", "model.dropout=0.1"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
@@ -196,18 +196,18 @@ def test_sigkill_mid_run_then_resume(corpus, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    summary = train(config(corpus, run, "train.steps=60", "checkpoint.every=3",
+    summary = train(config(corpus, run, "train.steps=30", "checkpoint.every=3",
                            "train.eval_every=1000", "train.sample_tokens=0", "model.dropout=0.1"),
                     log=lambda *a: None)
     assert summary["start_step"] > 0 and summary["start_step"] % 3 == 0
-    assert summary["step"] == 60
+    assert summary["step"] == 30
     # every step logged, by the killed run or the resumed one, is the uninterrupted run's
     straight = tmp_path / "straight"
-    train(config(corpus, straight, "train.steps=60", "checkpoint.every=100",
+    train(config(corpus, straight, "train.steps=30", "checkpoint.every=100",
                  "train.eval_every=1000", "train.sample_tokens=0", "model.dropout=0.1"),
           log=lambda *a: None)
     want, logged = losses(straight), [r for r in read_metrics(run) if "loss" in r]
-    assert {r["step"] for r in logged} == set(range(1, 61))
+    assert {r["step"] for r in logged} == set(range(1, 31))
     for r in logged:
         assert r["loss"] == want[r["step"]], (r, want[r["step"]])
 
