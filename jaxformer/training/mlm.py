@@ -12,6 +12,10 @@ step's key (the train state's rng folded with the step, and with the micro-batch
 resumed run draws the same masks; a val batch's is drawn from a fixed key folded with its
 tokens' sum, the same at every evaluation.
 
+With model.loss_chunk=N the head and the cross entropy run N positions at a time
+(training/chunked_loss.py: the chosen positions' labels and weights as its targets and loss
+mask), so no step holds the [B, T, V] logits.
+
 The mask id: objective.mask_id where set (a tokenizer's own [MASK]), else the last id of
 the vocabulary, model.vocab_size - 1, reserved for it (with the byte tokenizer: 255, a
 byte that UTF-8 text never holds).
@@ -25,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.core.logprobs import target_logprobs
+from jaxformer.training.chunked_loss import chunked_terms
 from jaxformer.training.step import joined, logits_of
 
 # of the chosen tokens: the share masked, and (cumulated) that masked or made random
@@ -67,13 +72,15 @@ class MaskedLM:
     mask_id: int
     vocab_size: int
     eot_id: int | None = None  # the tokenizer's end-of-text, never chosen
+    chunk: int = 0  # model.loss_chunk: positions per block of the head and loss (0: all)
 
     @classmethod
     def of(cls, cfg, tokenizer=None) -> "MaskedLM":
-        """The objective of a RunConfig (its objective and model sections) and the data's
-        tokenizer (its eot_id; None: no end-of-text to skip)."""
+        """The objective of a RunConfig (its objective, model and train sections) and the
+        data's tokenizer (its eot_id; None: no end-of-text to skip)."""
         return cls(cfg.objective.mask_rate, mask_id_of(cfg.objective, cfg.model),
-                   cfg.model.vocab_size, getattr(tokenizer, "eot_id", None))
+                   cfg.model.vocab_size, getattr(tokenizer, "eot_id", None),
+                   cfg.train.loss_chunk)
 
     def terms(self, model, params, batch, key, dropout_rng=None):
         """(summed cross entropy at the chosen positions, their count, {})."""
@@ -84,6 +91,10 @@ class MaskedLM:
         # labels and weights ride in the batch: logits_of may reorder its rows' positions
         batch = {**batch, "inputs": inputs, "mlm_labels": tokens,
                  "mlm_weights": chosen.astype(jnp.float32)}
+        if self.chunk:  # the chosen tokens' cross entropy, the head a block at a time
+            blocks = {**batch, "targets": tokens, "loss_mask": batch["mlm_weights"]}
+            return (*chunked_terms(model, params, blocks, self.chunk,
+                                   dropout_rng=dropout_rng)[:2], {})
         logits, batch = logits_of(model, params, batch, dropout_rng)  # [B, T, V] float32
         nll = -target_logprobs(logits, batch["mlm_labels"])  # [B, T]
         return jnp.sum(nll * batch["mlm_weights"]), jnp.sum(batch["mlm_weights"]), {}

@@ -1,15 +1,24 @@
 """model.loss_chunk across the objectives table (jaxformer.training.objectives): an entry
-whose hooks chunk their loss (Objective.loss_chunk) takes it, every other refuses it at
-config time in one line naming the objective and the setting, never training silently
-on the whole logits. Parametrised over the table, so an objective added later is
-checked too."""
+whose hooks chunk their loss (Objective.loss_chunk: lm, mlm) takes it, every other refuses
+it at config time in one line naming the objective and the setting, never training
+silently on the whole logits. Parametrised over the table, so an objective added later is
+checked too. MLM's chunked loss: its value and gradient equal the plain one's, and its
+compiled gradient holds no [B, T, V] logits."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from jaxformer import Transformer
 from jaxformer.model.config import ConfigError
 from jaxformer.training import load_config, objectives
 from jaxformer.training.chunked_loss import ChunkedLanguageModel
+from jaxformer.training.mlm import MaskedLM
+from tests.training.test_chunked_loss import largest_buffer
 from tests.training.test_objectives import needs, run  # noqa: F401  (run: a fixture)
+
+rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
 
 @pytest.mark.parametrize("name", list(objectives.OBJECTIVES))
@@ -26,7 +35,7 @@ def test_loss_chunk_is_taken_or_refused_by_each_objective(name, run):  # noqa: F
         return
     cfg = load_config(None, args)
     assert cfg.train.loss_chunk == 8
-    assert isinstance(objectives.build(cfg), ChunkedLanguageModel)
+    assert getattr(objectives.build(cfg), "chunk", None) == 8  # its hooks chunk by 8
 
 
 def test_a_fine_tune_from_weights_takes_loss_chunk(run):  # noqa: F811
@@ -36,3 +45,33 @@ def test_a_fine_tune_from_weights_takes_loss_chunk(run):  # noqa: F811
                              f"train.init_from={run}", "model.loss_chunk=8"])
     assert cfg.train.loss_chunk == 8 and cfg.model.d_model == 32  # the run's model
     assert isinstance(objectives.build(cfg), ChunkedLanguageModel)
+
+
+def test_mlm_chunked_loss_equals_the_plain_one_without_full_logits():
+    """A BERT-like encoder (head transform and its norm, tied head with a bias): the masked
+    loss and its gradient in blocks of 8 of T = 32 (the same corruption key) equal the
+    plain loss's within float32 rounding; the chunked gradient's compiled program has no
+    float32 array of B x T x V elements (test_chunked_loss: the check sees a plain one's)."""
+    b, t, v = 2, 32, 256
+    cfg = load_config(None, ["model.arch=encoder", "objective.name=mlm", "model.d_model=16",
+                             "model.n_layers=1", "model.n_heads=2", f"model.max_seq_len={t}",
+                             f"model.vocab_size={v}", "model.head_transform=true",
+                             "model.head_bias=true", "objective.mask_rate=0.5",
+                             "model.loss_chunk=8"])
+    model, chunked = Transformer(cfg.model), MaskedLM.of(cfg)
+    plain = MaskedLM(chunked.rate, chunked.mask_id, chunked.vocab_size)
+    tokens = jnp.asarray(rng.integers(0, v - 1, (b, t)), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens, "loss_mask": jnp.ones((b, t), jnp.float32)}
+    params = jax.jit(model.init)(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    key = jax.random.key(int(rng.integers(1 << 30)))
+
+    def value_and_grad(obj):
+        return jax.jit(jax.value_and_grad(lambda p: obj.terms(model, p, batch, key)[0]))
+
+    (got, got_grad), (want, want_grad) = (value_and_grad(o)(params) for o in (chunked, plain))
+    np.testing.assert_allclose(float(got), float(want), rtol=2e-6)
+    for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(got_grad),
+                            jax.tree.leaves(want_grad)):
+        np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-6, err_msg=str(path))
+    grad = jax.grad(lambda p: chunked.terms(model, p, batch, key)[0])
+    assert largest_buffer(grad, params) < b * t * v // 2  # the plain loss's has b t v

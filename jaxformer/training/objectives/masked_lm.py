@@ -35,4 +35,5 @@ def check(cfg) -> None:
 
 
 ENTRY = Objective(settings=MLMSettings, build=MaskedLM.of,  # the masked tokens' cross entropy
-                  batches={"encoder": ("tokens", "completions")}, check=check)
+                  batches={"encoder": ("tokens", "completions")}, check=check,
+                  loss_chunk=True)  # model.loss_chunk: the head and loss a block at a time
