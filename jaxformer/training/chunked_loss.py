@@ -1,5 +1,7 @@
 """model.loss_chunk=N: the LM head and the cross entropy over blocks of N positions of every
 row, forward and backward, so no step holds the [B, T, V] logits (0: the plain loss).
+An objective takes it where its entry says so (Objective.loss_chunk): lm's hooks here,
+mlm's chosen tokens (training/mlm.py); the others refuse it at config time.
 
 The model gives its last block's output x [B, T, D] (Transformer(..., hidden=True); the full
 logits it also returns are dead code under jit and compiled away); a lax.scan then runs,
