@@ -25,10 +25,14 @@ objective.rollout (ROLLOUTS) says where the rollout runs: "generate" (the defaul
 above, inside the jitted step with a task reward; "engine" through the serving engine
 (jaxformer.serve.Engine: continuous batching over a paged KV cache, a group's shared
 prompt pages held once) on the host before the jitted program(s), so a short completion
-frees its slot instead of waiting for the longest. A fresh engine each step (the policy
-has moved: no stale prefix pages), its compiled programs reused. Its log-probs are the
-model's log-softmax, as generate's; greedy rollouts (temperature 0) give generate's
-tokens, so the same run. A step with it logs rollout_s, its engine time.
+frees its slot instead of waiting for the longest, and the rollout ends with its longest
+completion, not at max_new_tokens. One engine for the run (rollout_engine), its weights
+swapped each step (Engine.use_params: programs and pool kept, the prefix pages the old
+policy computed forgotten); pages of one token, each group's first row submitted first,
+so the group's other rows hold its prompt's pages and skip the prefill. Its log-probs
+are the model's log-softmax, as generate's; greedy rollouts (temperature 0) give
+generate's tokens, so the same run. A step with it logs rollout_s, its engine time.
+bench/grpo_rollout.py times a rollout-heavy step both ways.
 """
 
 from __future__ import annotations
@@ -98,19 +102,48 @@ def reward_stats(rewards, counts, group_size):
             "completion_len": jnp.mean(counts.astype(jnp.float32))}
 
 
+ROLLOUT_PAGE = 1  # the engine's page size: a group's later completions share its prompt whole
+
+
+def rollout_engine(rollouts, params, slots: int):
+    """The Rollouts' one serving engine, serving `params`: made at its first rollout, its
+    weights swapped at each later one (use_params: the compiled programs and the page pool
+    kept, the prefix pages the old weights computed forgotten). Pages of one token
+    (ROLLOUT_PAGE): every prompt token but the last is a full page, so the completions
+    after a prompt's first hold its pages and start decoding without a prefill. The pool
+    holds every slot's longest prompt and max_new_tokens (no row is ever short of pages),
+    not max_seq_len per slot: a step's cost grows with the pool."""
+    if rollouts.engine is None:
+        longest = rollouts.width + rollouts.o.max_new_tokens
+        rollouts.engine = Engine(
+            rollouts.model, params, slots=slots, mesh=rollouts.mesh, page_size=ROLLOUT_PAGE,
+            pages=max(slots * longest, -(-rollouts.model.cfg.max_seq_len // ROLLOUT_PAGE)),
+            prefill_chunk=max(16, 1 << (rollouts.width - 1).bit_length()))
+    else:
+        rollouts.engine.use_params(params)
+    return rollouts.engine
+
+
+def firsts_first(prompts, lengths):
+    """The rows [N] in the order they are submitted: each run of equal prompts' first row
+    (a group's first completion: its prompt's prefill), then the others in order (each
+    holding its group's prompt pages once the first has computed them)."""
+    same = np.all(prompts[1:] == prompts[:-1], axis=1) & (lengths[1:] == lengths[:-1])
+    return np.argsort(np.concatenate([[False], same]), kind="stable")
+
+
 def engine_rollout(rollouts, params, prompts, lengths, key):
     """(tokens int32 [N, M], log-probs [N, M], counts [N]) of the prompts [N, W] (lengths
-    [N]) continued through a serving engine of N slots (all start together), each row's
-    seed drawn from `key`; zeros past each row's count (the update masks them)."""
+    [N]) continued through the Rollouts' serving engine of N slots (rollout_engine), each
+    row's seed drawn from `key`; zeros past each row's count (the update masks them)."""
     o, n, m = rollouts.o, len(lengths), rollouts.o.max_new_tokens
-    engine = Engine(rollouts.model, params, slots=n, mesh=rollouts.mesh,
-                    prefill_chunk=max(16, 1 << (rollouts.width - 1).bit_length()))
+    engine = rollout_engine(rollouts, params, n)
     eot = rollouts.tokenizer.eot_id
     seeds = np.asarray(jax.random.randint(key, (n,), 0, 2**31 - 1))
-    ids = [engine.submit(prompts[r, :lengths[r]].tolist(), RequestSettings(
+    row = {engine.submit(prompts[r, :lengths[r]].tolist(), RequestSettings(
         max_tokens=m, temperature=o.temperature, seed=int(seeds[r]),
-        stop_token_ids=() if eot is None else (eot,))) for r in range(n)]
-    row = {i: r for r, i in enumerate(ids)}
+        stop_token_ids=() if eot is None else (eot,))): int(r)
+        for r in firsts_first(prompts, lengths)}
     tokens, logps = np.zeros((n, m), np.int32), np.zeros((n, m), np.float32)
     counts = np.zeros(n, np.int32)
     while engine.has_work():
@@ -207,6 +240,7 @@ class Rollouts:
         cfg, o = policy.cfg, policy.o
         self.policy, self.model, self.o, self.seed = policy, model, o, cfg.train.seed
         self.mesh, self.kind = mesh, ROLLOUTS[o.rollout]
+        self.engine = None  # objective.rollout=engine's, made at the first rollout
         self.batch_size, self.tokenizer = cfg.train.batch_size, data.tokenizer
         self.prompts, self.answers = record_prompts(data.train, data.tokenizer.eot_id)
         if not self.prompts:
