@@ -37,6 +37,7 @@ from jaxformer.model.blocks import Block, apply_norm, make_norm
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kinds import REMATS
 from jaxformer.model.self_attention import dense_init
+from jaxformer.moe.balancing import rebalanced, sparse_ids
 from jaxformer.moe.experts import balanced_bias
 
 MAX_DEPTH = 8  # model.mtp_depth's largest value (the losses logged: mtp_loss_1 .. _8)
@@ -84,6 +85,12 @@ def sparse_modules(cfg: ModelConfig) -> list[str]:
     return [f"mtp_{k}" for k in range(1, cfg.mtp_depth + 1)]
 
 
+def moe_rows(cfg: ModelConfig) -> list:
+    """What each row of a step's MoE statistics is logged under (moe_load/NAME): each
+    sparse layer's index, then each sparse MTP module's name (with_modules' order)."""
+    return sparse_ids(cfg) + sparse_modules(cfg)
+
+
 def with_modules(cfg: ModelConfig, stats: dict, sown) -> dict:
     """The sparse layers' statistics (jaxformer.moe.balancing.layer_stats: [Ls, ...] each)
     followed by the MTP modules' from the same forward's "moe" collection: [Ls + D, ...]
@@ -112,6 +119,13 @@ def rebalanced_modules(cfg: ModelConfig, params, old, load, finite):
         ffn = {**params[name]["block"]["ffn"], "score_bias": bias.astype(before.dtype)}
         params[name] = {**params[name], "block": {**params[name]["block"], "ffn": ffn}}
     return params
+
+
+def rebalanced_all(cfg: ModelConfig, params, old, load, finite):
+    """A step's bias update (model.moe.bias_update_rate): every sparse layer's score_bias
+    (balancing.rebalanced, from load's first rows), then each sparse module's."""
+    params = rebalanced(cfg, params, old, load, finite)
+    return rebalanced_modules(cfg, params, old, load, finite)
 
 
 class MTPModule(nn.Module):

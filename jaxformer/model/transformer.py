@@ -319,9 +319,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
       them; per target token): the encoder stack's count without a head, the decoder's
       (causal), and in each decoder layer the cross-attention's four projections (keys and
       values of as many source tokens as target ones) and seq_len keys per query.
-    - multi-token prediction (model.mtp_depth = D, jaxformer.model.mtp): each of the D
-      modules adds its eh_proj (2 d_model x d_model), its block's count (the last layer's
-      kind, its attention's keys included) and the LM head's (d_model x vocab) again.
+    - multi-token prediction (model.mtp_depth): its modules' count, mtp_flops.
     """
     c, m = cfg, cfg.mla
     attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads + c.attn_output_gate
@@ -355,10 +353,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         return half if c.causal else 2 * half  # an encoder's query sees both sides
 
     keys = sum(context(c.kinds[i].window) for i, a in zip(c.layer_kind_ids, attends) if a)
-    main = 6.0 * n_matmul + 12.0 * pair * keys + recurrent
-    if not c.mtp_depth:
-        return main
-    # every MTP module on every token: eh_proj (2 d_model x d_model), a one-layer model of
-    # its block (the last layer's kind) with the shared head multiplied again
-    module = flops_per_token(block_config(c).replace(mtp_depth=0), seq_len)
-    return main + c.mtp_depth * (module + 12.0 * c.d_model * c.d_model)
+    return 6.0 * n_matmul + 12.0 * pair * keys + recurrent + mtp_flops(c, seq_len)
+
+
+def mtp_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the model.mtp_depth modules (jaxformer.model.mtp; 0
+    without), each on every token: its eh_proj (2 d_model x d_model) and a one-layer
+    model of its block (the last layer's kind, its attention's keys included) whose LM head
+    (d_model x vocab, the model's) is multiplied again."""
+    if not cfg.mtp_depth:
+        return 0.0
+    module = flops_per_token(block_config(cfg).replace(mtp_depth=0), seq_len)
+    return cfg.mtp_depth * (module + 12.0 * cfg.d_model * cfg.d_model)

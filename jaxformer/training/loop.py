@@ -24,9 +24,9 @@ from jaxformer.decode.loops import generate
 from jaxformer.model.build import model_for
 from jaxformer.model.config import ConfigError
 from jaxformer.model.encoder_decoder import EncoderDecoder
-from jaxformer.model.mtp import sparse_modules
+from jaxformer.model.mtp import moe_rows
 from jaxformer.model.transformer import flops_per_token
-from jaxformer.moe.balancing import layer_records, sparse_ids
+from jaxformer.moe.balancing import layer_records
 from jaxformer.training import objectives, profiling, tracking
 from jaxformer.training.adapter_checkpoint import keep_base, run_checkpointer
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
@@ -211,8 +211,6 @@ class _Run:
             make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum,
                             shardings=shardings, **on)
         self.eval_step = make_eval_step(model, param_shardings=shardings.params, **on)
-        # the layers logged as moe_load/i, moe_dropped/i, then sparse MTP modules' (/mtp_k)
-        self.moe_layers = sparse_ids(mcfg) + sparse_modules(mcfg)
         self.metrics = MetricsLog(run_dir, enabled=lead,
                                   tracker=tracking.start(cfg, run_dir, lead))  # W&B
         cleanup.callback(self.metrics.close)
@@ -318,7 +316,7 @@ class _Run:
                    "mfu": self.flops_per_step * n / elapsed / self.peak}
             if losses.ndim:
                 rec["losses"] = [float(x) for x in losses]
-            rec.update(layer_records(self.moe_layers, m))  # this step's, as grad_norm is
+            rec.update(layer_records(moe_rows(self.cfg.model), m))  # this step's (moe_load/i)
             rec.update(objectives.step_records(self.cfg, m))  # DPO's rewards: this step's too
             self.metrics.write(rec)
             if bar is not None:

@@ -18,7 +18,7 @@ from jaxformer.core.logprobs import target_logprobs
 from jaxformer.core.sharding import (batch_sharding, constrain, logical_axes, sequence_split,
                                      shardings_for, traced_under)
 from jaxformer.model import lora
-from jaxformer.model.mtp import rebalanced_modules
+from jaxformer.model.mtp import rebalanced_all
 from jaxformer.model.transformer import Transformer
 from jaxformer.moe import balancing
 from jaxformer.training.sweep import member_losses, members, sweep_params, sweep_specs
@@ -216,8 +216,8 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
     With MoE layers the gradient is the train loss's (loss_sums: the cross entropy plus the
     balancing penalties); metrics' loss stays the cross entropy, and moe_aux, moe_z,
     moe_load and moe_dropped join it (balancing.step_metrics). With model.moe.
-    bias_update_rate > 0, every sparse layer's score_bias then becomes balanced_bias(its
-    value before the step, the load summed over the step's micro-batches, the rate).
+    bias_update_rate > 0, every sparse layer's (and MTP block's) score_bias then becomes
+    balanced_bias(its value before, the load summed over the micro-batches, the rate).
 
     objective: the step's hooks (training/objectives: an entry's build), whose
     gradient_sums and metrics the step calls; None: LanguageModel(grad_accum), the
@@ -240,10 +240,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, schedu
         updates, opt_state = update(grads, state.opt_state, trained)
         params = joined(optax.apply_updates(trained, updates), frozen)
         if sums and cfg.moe.bias_update_rate > 0:  # DeepSeek-V3's balancing, outside the gradient
-            params = balancing.rebalanced(cfg, params, state.params, sums["load"],
-                                          opt_state.last_finite)
-            params = rebalanced_modules(cfg, params, state.params, sums["load"],
-                                        opt_state.last_finite)  # sparse MTP blocks'
+            params = rebalanced_all(cfg, params, state.params, sums["load"], opt_state.last_finite)
         metrics = {  # each [S] for a sweep
             "loss": total / count,  # the cross entropy alone: the MoE penalties apart
             "grad_norm": norm(grads),
