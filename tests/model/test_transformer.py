@@ -715,8 +715,9 @@ LLAMA = dict(position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
              tie_embeddings=False, n_kv_heads=2)
 
 
-def grad_hlo(extra, b=2, t=64):
-    """(config, optimized HLO text) of the loss gradient of a 2-layer model."""
+def grad_hlo(extra, b=2, t=64, compiled=True):
+    """(config, optimized HLO text) of the loss gradient of a 2-layer model; compiled False:
+    its StableHLO as lowered, before XLA's passes."""
     from jaxformer.training.step import loss_sums
     cfg = ModelConfig(**{**dict(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=t,
                                 position="learned"), **extra})
@@ -724,9 +725,9 @@ def grad_hlo(extra, b=2, t=64):
     tokens = np.random.default_rng(0).integers(0, 96, (b, t + 1)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "loss_mask": np.ones((b, t), np.float32)}
-    params = model.init(jax.random.key(0), tokens[:, :8])["params"]
-    return cfg, jax.jit(jax.grad(lambda p: loss_sums(model, p, batch)[0])).lower(params) \
-        .compile(DEFAULT_EMITTERS).as_text()
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :8])["params"]
+    lowered = jax.jit(jax.grad(lambda p: loss_sums(model, p, batch)[0])).lower(params)
+    return cfg, lowered.compile(DEFAULT_EMITTERS).as_text() if compiled else lowered.as_text()
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
