@@ -20,7 +20,7 @@ from tests.conftest import REPO
 from tests.training.test_loop import config, corpus  # noqa: F401 (a fixture)
 
 RUN = ["train.sample_tokens=0", "train.eval_every=2", "checkpoint.every=2",
-       "train.wandb=jaxformer-test"]
+       "train.wandb=jaxformer-test", "model.n_layers=1"]  # one layer: fewer ops to compile
 
 
 @pytest.fixture(scope="module")
