@@ -20,12 +20,13 @@ and tokens so far) when pages are free; what it emitted stands. A waiting reques
 admitted only when its whole prompt's pages are available.
 
 Programs compiled (jaxformer.serve.paged_step): per page-table width (powers of two from
-LEAST_KEYS / page_size up to max_seq_len / page_size), one per prompt chunk width
-(PREFILL_ROWS rows; powers of two from LEAST_CHUNK up to prefill_chunk: a chunk as wide as
-its longest row's rest) and one per decode row count (powers of two from LEAST_ROWS up to
-the slots: a decode step runs its decoding slots alone, packed into the first rows); two
-for max_seq_len <= LEAST_KEYS, slots <= LEAST_ROWS and prefill_chunk <= LEAST_CHUNK. Not
-thread-safe: one thread calls submit, cancel and step.
+LEAST_KEYS / page_size up to max_seq_len / page_size), one per prompt chunk (width: powers
+of two from LEAST_CHUNK up to prefill_chunk, as wide as its longest row's rest; rows: as
+many as the prompts waiting, a power of two up to PREFILL_ROWS, not PREFILL_ROWS padded,
+for a chunk wider than LEAST_CHUNK) and one per decode row count (powers of two from
+LEAST_ROWS up to the slots: a decode step runs its decoding slots alone, packed into the
+first rows); two for max_seq_len <= LEAST_KEYS, slots <= LEAST_ROWS and prefill_chunk <=
+LEAST_CHUNK. Not thread-safe: one thread calls submit, cancel and step.
 """
 
 from __future__ import annotations
@@ -232,12 +233,19 @@ class Engine:
             prefill = prefill[:min(PREFILL_ROWS, self.slots)]
             chunk = table_width(max(len(r.tokens) - r.held for r in prefill),
                                 self.prefill_chunk, LEAST_CHUNK)
-            events += self.run(prefill, chunk, min(PREFILL_ROWS, self.slots))
+            events += self.run(prefill, chunk, self.prompt_rows(len(prefill), chunk))
         decode = [r for r in self.running if len(r.tokens) - r.held == 1]
         if decode:
             events += self.run(decode, 1, table_width(len(decode), self.slots, LEAST_ROWS))
         self.steps += 1
         return events
+
+    def prompt_rows(self, prompts: int, chunk: int) -> int:
+        """The rows a prompt chunk runs: as many as the prompts (a power of two) when the
+        chunk is wider than LEAST_CHUNK, else PREFILL_ROWS (that padding costs less than
+        another program); at most the slots."""
+        most = min(PREFILL_ROWS, self.slots)
+        return most if chunk <= LEAST_CHUNK else table_width(prompts, most)
 
     def run(self, reqs: list[Request], chunk: int, rows: int) -> list[Event]:
         """One program over `rows` rows: each of reqs' next `chunk` tokens at most (the
@@ -294,8 +302,9 @@ class Engine:
         chunks = {table_width(n, self.prefill_chunk, LEAST_CHUNK)
                   for n in range(2, self.prefill_chunk + 1)} or {1}
         rows = {table_width(n, self.slots, LEAST_ROWS) for n in range(1, self.slots + 1)}
-        prefill = min(PREFILL_ROWS, self.slots)
-        shapes = {(prefill, c, w) for c in chunks for w in widths} | {
+        prompts = range(1, min(PREFILL_ROWS, self.slots) + 1)
+        shapes = {(self.prompt_rows(n, c), c, w) for n in prompts for c in chunks
+                  for w in widths} | {
             (r, 1, w) for r in rows for w in widths}
         for r, c, w in sorted(shapes):
             none = np.full(r, self.slots, np.int32)  # a padding row's slot and page: none
