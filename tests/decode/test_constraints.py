@@ -78,8 +78,8 @@ def check_tokens(prefix, tokens, c: Constraints, eos, pad):
 
 @pytest.fixture(scope="module")
 def decoder():
-    cfg = ModelConfig(vocab_size=12, d_model=32, n_layers=2, n_heads=4, d_ff=64,
-                      max_seq_len=48)
+    cfg = ModelConfig(vocab_size=12, d_model=32, n_layers=1, n_heads=4, d_ff=64,
+                      max_seq_len=48)  # one layer (per stack): what is checked is the decoders'
     model = Transformer(cfg)
     return model, jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))["params"]
 
