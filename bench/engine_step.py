@@ -1,12 +1,16 @@
 """The serving engine's step, measured without HTTP: ms per decode step at 1, 8 and 32
 active slots (the compiled program's share beside it), prompt tokens/s through the prefill
-chunks, and 32 requests end to end through the engine against one static-batch generate.
+chunks, and bench/serve.py's workload end to end in this process: 96 requests submitted at
+once into 32 slots (a closed loop of 32 clients) against static-batch generate in batches
+of 32, interleaved over rounds (on a loaded machine the ratio within a round is what holds).
 
-    python bench/engine_step.py [--d-model 256 --layers 4 --vocab 2048 --max-seq-len 512]
+    python bench/engine_step.py [--d-model 256 --layers 4 --vocab 2048 --max-seq-len 512
+        --requests 96 --slots 32 --rounds 3 --lengths uniform,lognormal --skip-steps]
 
 The model is bench/serve.py's shape (a random Llama-shaped decoder, GQA 8 heads over 2,
-float32); the workload: prompts uniform in [16, 256], outputs uniform in [16, 128] (every
-request to its length), seeded. Each figure is taken after a first pass that compiles.
+float32); the workload is serve.py's: prompts uniform in [16, 256], outputs uniform in
+[16, 128] or log-normal (serve.py's LOGNORMAL) in [16, 256], every request to its length,
+seeded. Each figure is taken after a first pass that compiles (Engine.warm for the runs).
 Prints one table and the CPU; asserts nothing.
 """
 
@@ -23,10 +27,13 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax
+from serve import OUTPUTS  # bench/serve.py's output lengths
 
 from jaxformer import ModelConfig, Transformer
 from jaxformer.decode import generate
 from jaxformer.serve import Engine, RequestSettings
+
+OUTPUT_HI = {"uniform": 128, "lognormal": 256}  # bench/serve.py's --output for each
 
 
 def cpu_name() -> str:
@@ -96,47 +103,73 @@ def prefill_rate(m, params, prompts: int = 8, length: int = 256) -> float:
     return prompts * length / (time.perf_counter() - t)
 
 
-def workload(n: int, seed: int = 0):
+def workload(n: int, lengths: str, seed: int = 0):
+    """bench/serve.py's jobs: prompts uniform in [16, 256], outputs by `lengths` in [16, 128]
+    (uniform) or [16, 256] (lognormal: serve.py's long tail); random ids, seeded."""
     draw = np.random.default_rng(seed)
-    return [([int(x) for x in draw.integers(1, 1000, int(p))], int(o)) for p, o in
-            zip(draw.integers(16, 257, n), draw.integers(16, 129, n))]
+    prompts = draw.integers(16, 257, n)
+    outputs = OUTPUTS[lengths](draw, 16, OUTPUT_HI[lengths], n)
+    return [([int(x) for x in draw.integers(1, 1000, int(p))], int(o))
+            for p, o in zip(prompts, outputs)]
 
 
-def engine_run(m, params, jobs) -> tuple[float, dict]:
-    """(seconds, seconds in programs) for jobs submitted together into len(jobs) slots: the
-    second of two runs, each on a fresh engine (no prefix cached; the programs compiled)."""
-    for rounds in range(2):
-        engine = Engine(m, params, slots=len(jobs))
-        spent = {"decode": 0.0, "prefill": 0.0}
-        if rounds:
-            timed_program(engine, spent)
-        t = time.perf_counter()
-        for prompt, new in jobs:
-            engine.submit(prompt, RequestSettings(max_tokens=new, min_tokens=new,
-                                                  temperature=0.0))
-        while engine.has_work():
-            engine.step()
-        wall = time.perf_counter() - t
+def engine_run(engine, jobs) -> tuple[float, dict]:
+    """(seconds, {"decode", "prefill": seconds in programs}) of every job submitted at once
+    into the engine's slots (a closed loop of as many clients), its prefix cache emptied
+    first (the programs compiled by Engine.warm)."""
+    engine.host.forget()
+    spent = {"decode": 0.0, "prefill": 0.0}
+    program = engine.program
+    timed_program(engine, spent)
+    t = time.perf_counter()
+    for prompt, new in jobs:
+        engine.submit(prompt, RequestSettings(max_tokens=new, min_tokens=new, temperature=0.0))
+    while engine.has_work():
+        engine.step()
+    wall = time.perf_counter() - t
+    engine.program = program
     return wall, spent
 
 
-def static_run(m, params, jobs) -> float:
-    """Seconds of one generate over the jobs as one batch (to the longest output)."""
+def static_run(m, params, jobs, batch: int) -> float:
+    """Seconds of generate over the jobs in batches of `batch` (each to its longest output,
+    its prompts right-padded to the longest of all)."""
     width = max(len(p) for p, _ in jobs)
-    prompts = np.zeros((len(jobs), width), np.int32)
-    for r, (p, _) in enumerate(jobs):
-        prompts[r, :len(p)] = p
-    lengths = np.array([len(p) for p, _ in jobs], np.int32)
-    new = max(o for _, o in jobs)
 
-    def run():
-        out = generate(m, params, prompts, prompt_lengths=lengths, max_new_tokens=new,
+    def run(group):
+        prompts = np.zeros((len(group), width), np.int32)
+        for r, (p, _) in enumerate(group):
+            prompts[r, :len(p)] = p
+        out = generate(m, params, prompts, max_new_tokens=max(o for _, o in group),
+                       prompt_lengths=np.array([len(p) for p, _ in group], np.int32),
                        rng=jax.random.key(0), temperature=0.0)
         return jax.block_until_ready(out.tokens)
-    run()
+    groups = [jobs[i:i + batch] for i in range(0, len(jobs), batch)]
     t = time.perf_counter()
-    run()
+    for g in groups:
+        run(g)
     return time.perf_counter() - t
+
+
+def against_static(m, params, a, lengths: str) -> list[tuple]:
+    """The engine (a.slots slots) and static generate (batches of a.slots) on a.requests
+    jobs, interleaved a.rounds times (a loaded machine: the ratio of each round, the
+    medians); rows for the table."""
+    jobs = workload(a.requests, lengths)
+    tokens = sum(o for _, o in jobs)
+    engine = Engine(m, params, slots=a.slots)
+    engine.warm()
+    static_run(m, params, jobs, a.slots)  # compiles each batch's shape
+    runs = [(engine_run(engine, jobs), static_run(m, params, jobs, a.slots))
+            for _ in range(a.rounds)]
+    ratios = [static / wall for (wall, _), static in runs]
+    (wall, spent), static = runs[int(np.argsort(ratios)[len(ratios) // 2])]
+    name = f"{a.requests} requests in {a.slots} slots, outputs {lengths}"
+    return [(f"engine, {name}", f"{tokens / wall:.0f} tok/s",
+             f"{wall:.2f} s (decode {spent['decode']:.2f}, prefill {spent['prefill']:.2f})"),
+            (f"static generate, batches of {a.slots}", f"{tokens / static:.0f} tok/s",
+             f"{static:.2f} s; engine {np.median(ratios):.2f}x (rounds "
+             + ", ".join(f"{r:.2f}" for r in ratios) + ")")]
 
 
 def main(argv=None):
@@ -145,23 +178,22 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lengths", default="uniform,lognormal")
+    p.add_argument("--skip-steps", action="store_true", help="only the runs against static")
     a = p.parse_args(argv)
     m, params = model(a)
     rows = []
-    for active in (1, 8, 32):
+    for active in () if a.skip_steps else (1, 8, 32):
         step, prog = decode_ms(m, params, active)
         rows.append((f"decode step, {active} active of 32 slots", f"{step:.2f} ms",
                      f"program {prog:.2f} ms"))
-    rows.append(("prefill, 8 prompts x 256", f"{prefill_rate(m, params):.0f} tok/s", ""))
-    jobs = workload(a.requests)
-    tokens = sum(o for _, o in jobs)
-    wall, spent = engine_run(m, params, jobs)
-    rows.append((f"engine, {len(jobs)} requests together", f"{tokens / wall:.0f} tok/s",
-                 f"{wall:.2f} s (decode {spent['decode']:.2f}, prefill {spent['prefill']:.2f})"))
-    static = static_run(m, params, jobs)
-    rows.append((f"static generate, batch {len(jobs)}", f"{tokens / static:.0f} tok/s",
-                 f"{static:.2f} s"))
+    if not a.skip_steps:
+        rows.append(("prefill, 8 prompts x 256", f"{prefill_rate(m, params):.0f} tok/s", ""))
+    for lengths in a.lengths.split(","):
+        rows += against_static(m, params, a, lengths)
     print(f"d_model {a.d_model} x {a.layers} layers, vocab {a.vocab}, max_seq_len "
           f"{a.max_seq_len}; CPU: {cpu_name()}, {jax.local_device_count()} device(s)")
     for row in rows:

@@ -2,15 +2,17 @@
 transformers' continuous batching, on the same random model and the same workload.
 
     python bench/serve.py [--clients 1,8,32 --requests 96 --prompt 16,256 --output 16,128
-        --rate 0 --seed 0 --d-model 256 --layers 4 --systems serve,static,hf]
+        --lengths uniform --rate 0 --seed 0 --d-model 256 --layers 4 --systems serve,static,hf]
 
 The model: a random Llama-shaped decoder (RMSNorm, SwiGLU, RoPE, GQA 8 heads over 2, an
 untied head; d_model 256 x 4 layers, vocab 2048, max_seq_len 512, float32 by default)
 written as a Hugging Face folder (jaxformer.convert.to_hf) with a byte-level BPE
 tokenizer, so all three systems read the same weights. The workload (seeded): each
-request's prompt length uniform in --prompt and its output length uniform in --output
-(random token ids; every request runs to its output length: min_tokens = max_tokens, no
-end-of-text); --clients clients in a closed loop (each sends its next request when its last
+request's prompt length uniform in --prompt and its output length drawn by --lengths
+within --output (OUTPUTS: uniform, or lognormal: a long tail as chat logs have, median
+LOGNORMAL[0] tokens, sigma LOGNORMAL[1], clipped to --output); random token ids; every
+request runs to its output length (min_tokens = max_tokens, no end-of-text); --clients
+clients in a closed loop (each sends its next request when its last
 is answered), or with --rate R > 0 Poisson arrivals at R requests/s with at most --clients
 in flight.
 
@@ -51,6 +53,11 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 PAGE = 16  # tokens per KV-cache page (the server's default)
+LOGNORMAL = (48, 1.0)  # --lengths lognormal: the median output length and sigma (of the log)
+OUTPUTS = {  # --lengths: n output lengths within [lo, hi] from a numpy Generator
+    "uniform": lambda draw, lo, hi, n: draw.integers(lo, hi + 1, n),
+    "lognormal": lambda draw, lo, hi, n: np.clip(np.rint(draw.lognormal(
+        np.log(LOGNORMAL[0]), LOGNORMAL[1], n)), lo, hi).astype(np.int64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +80,16 @@ class Timing:
 
 
 def workload(a, vocab: int) -> list[Job]:
-    """--requests jobs drawn from --seed: lengths uniform in --prompt / --output, Poisson
-    arrivals at --rate (0: every job ready at once, the clients' closed loop paces them)."""
+    """--requests jobs drawn from --seed: prompt lengths uniform in --prompt, output lengths
+    by --lengths in --output, Poisson arrivals at --rate (0: every job ready at once, the
+    clients' closed loop paces them)."""
     draw = np.random.default_rng(a.seed)
     gaps = draw.exponential(1 / a.rate, a.requests) if a.rate > 0 else np.zeros(a.requests)
     arrivals = np.cumsum(gaps) - gaps[0]
+    prompts = draw.integers(a.prompt[0], a.prompt[1] + 1, a.requests)
+    outputs = OUTPUTS[a.lengths](draw, *a.output, a.requests)
     return [Job(float(t), tuple(int(x) for x in draw.integers(1, vocab, int(p))), int(n))
-            for t, p, n in zip(arrivals, draw.integers(a.prompt[0], a.prompt[1] + 1, a.requests),
-                               draw.integers(a.output[0], a.output[1] + 1, a.requests))]
+            for t, p, n in zip(arrivals, prompts, outputs)]
 
 
 def model_folder(a, folder: pathlib.Path) -> pathlib.Path:
@@ -102,6 +111,12 @@ def model_folder(a, folder: pathlib.Path) -> pathlib.Path:
     words = [" ".join(str(i * j) for j in range(40)) for i in range(200)]
     train_bpe(iter(words), min(a.vocab, 1024)).save(folder)
     return folder
+
+
+def warm_up(jobs: list[Job], clients: int) -> list[Job]:
+    """The untimed first pass: `clients` jobs with their prompts reversed, so that no
+    prefix of the timed pass is cached by it."""
+    return [dataclasses.replace(j, prompt=j.prompt[::-1]) for j in jobs[:clients]]
 
 
 def summary(name: str, clients: int, timings: list[Timing], wall: float) -> dict:
@@ -185,7 +200,7 @@ def served(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
     """The serve row: the server started with `clients` slots, warmed, then driven."""
     proc, url = start_server(folder, clients, folder / f"server_{clients}.log")
     try:
-        asyncio.run(drive(url, jobs[:clients], clients))  # the remaining shapes compiled
+        asyncio.run(drive(url, warm_up(jobs, clients), clients))
         timings, wall = asyncio.run(drive(url, jobs, clients))
     finally:
         proc.terminate()
@@ -205,6 +220,7 @@ def engine_profile(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
 
     cfg, params = from_hf(folder)
     engine = Engine(Transformer(cfg), params, slots=clients)
+    engine.warm()  # as the server does before it listens: no compile timed
     spent = {"decode": [0.0, 0], "prefill": [0.0, 0]}
     program = engine.program
 
@@ -217,7 +233,7 @@ def engine_profile(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
         kind[1] += 1
         return pool, out
     engine.program = timed
-    for batch in (jobs[:clients], jobs):  # the first compiles
+    for batch in (warm_up(jobs, clients), jobs):
         spent.update(decode=[0.0, 0], prefill=[0.0, 0])
         t0, made = time.perf_counter(), 0
         for j in batch:
@@ -292,7 +308,7 @@ def hf_batching(folder: pathlib.Path, jobs: list[Job], clients: int, threads: in
                                              continuous_batching_config=budget)
     manager.start()
     try:
-        hf_pass(manager, jobs[:clients], clients)
+        hf_pass(manager, warm_up(jobs, clients), clients)
         timings, wall = hf_pass(manager, jobs, clients)
     finally:
         manager.stop(block=True)
@@ -351,6 +367,8 @@ def parsed(argv=None):
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--prompt", type=pair, default=(16, 256), help="prompt lengths: lo,hi")
     p.add_argument("--output", type=pair, default=(16, 128), help="output lengths: lo,hi")
+    p.add_argument("--lengths", choices=sorted(OUTPUTS), default="uniform",
+                   help="how output lengths are drawn within --output")
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second "
                    "(0: a closed loop of --clients clients)")
     p.add_argument("--seed", type=int, default=0)
@@ -385,7 +403,7 @@ def main(argv=None) -> list[dict]:
                 print(table(rows[-1:]).splitlines()[1], flush=True)
         profiles = [engine_profile(folder, jobs, c) for c in (a.clients if a.profile else ())]
     print(f"\n{a.requests} requests, prompts {a.prompt[0]}..{a.prompt[1]} tokens, outputs "
-          f"{a.output[0]}..{a.output[1]} (uniform, seed {a.seed}), "
+          f"{a.output[0]}..{a.output[1]} ({a.lengths}, seed {a.seed}), "
           + (f"Poisson arrivals at {a.rate}/s" if a.rate > 0 else "closed loop")
           + f"; d_model {a.d_model} x {a.layers} layers, vocab {a.vocab}; CPU: {cpu_name()}")
     print(table(rows))
