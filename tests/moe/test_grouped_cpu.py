@@ -37,13 +37,15 @@ def value_and_grads(x, kernel, sizes, transpose, probe):
 
 
 def test_tiles_moved_back_keep_the_rows_before_them():
-    """300 rows in tiles of 64 and 32: a middle group of 5 rows, an empty one, and a last
-    group of 7 rows whose only tile is moved back over the group before it; forward and
-    gradients against float64."""
-    m, d_in, d_out = 300, 6, 5
-    assert tile_sizes(m, 4) == (64, 32)
-    first = int(rng.integers(200, 280))
-    sizes = np.array([first, 5, 0, m - first - 12, 7])
+    """360 rows, 5 groups, in tiles of 64 and 32: a first group whose rest after four
+    64-row tiles is over 32 rows (one more 64-row tile, run past), a middle group of 5
+    rows, an empty one, a group of 36-55 rows (one 64-row tile, moved back inside the rows)
+    and a last group of 7 rows whose only tile is moved back over the groups before it;
+    forward and gradients against float64."""
+    m, d_in, d_out = 360, 6, 5
+    assert tile_sizes(m, 5) == (64, 32)
+    third = int(rng.integers(36, 56))
+    sizes = np.array([m - 12 - third, 5, 0, third, 7])
     x = rng.normal(0, 1, (m, d_in)).astype(np.float32)
     kernel = rng.normal(0, 1, (len(sizes), d_in, d_out)).astype(np.float32)
     probe = rng.normal(0, 1, (m, d_out)).astype(np.float32)
