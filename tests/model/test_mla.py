@@ -21,10 +21,14 @@ MLA = dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim
            v_head_dim=6)  # v narrower than q/k (12), as DeepSeek's (128 against 192)
 
 
-def make(mla=MLA, **kw):
+def make(mla=MLA, init=True, **kw):
+    """(config, params): the model's init, norm scales and weights x 3 moved by N(0, 0.1);
+    init False: the config alone."""
     cfg = ModelConfig(**{**dict(vocab_size=48, d_model=32, n_layers=2, n_heads=4,
                                 position="rope", norm="rmsnorm", ffn="swiglu", use_bias=False,
                                 tie_embeddings=False, max_seq_len=64, mla=mla), **kw})
+    if not init:
+        return cfg
     init = Transformer(cfg.replace(scan_layers=False, attention_impl="reference"))
     params = init.init(jax.random.key(int(rng.integers(1 << 30))),
                        jnp.zeros((1, 4), jnp.int32))["params"]
@@ -73,16 +77,28 @@ def np_mla(cfg, p, x, pos, allowed):
 def test_expanded_form_matches_float64_definition():
     """One MLA layer (low-rank query, latent RMSNorm, RoPE on the decoupled slice, values
     narrower than keys) on a packed batch against the float64 definition."""
+    import flax.linen as nn
+
     from jaxformer.attention.masks import MaskRule
     from jaxformer.model.latent_attention import MLAttention
-    cfg, params = make(n_layers=1)
-    p = params["block_0"]["attn"]
+    cfg = make(n_layers=1, init=False)
+    layer = MLAttention(cfg, impl="reference")
     x = rng.standard_normal((2, 10, cfg.d_model)).astype(np.float32)
     seg = np.array([[1] * 6 + [2] * 4, [1] * 10])
     pos = np.asarray(segment_positions(jnp.asarray(seg)))
     rule = MaskRule(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg),
                     causal=True)
-    got = MLAttention(cfg, impl="reference").apply({"params": p}, x, jnp.asarray(pos), rule)
+
+    @jax.jit
+    def run(key, noise):  # the layer's own init, moved as make moves a model's; its output
+        p = jax.tree.map(lambda w, n: w * 3.0 + 0.1 * n,
+                         nn.unbox(layer.init(key, x, jnp.asarray(pos), rule)["params"]), noise)
+        return p, layer.apply({"params": p}, x, jnp.asarray(pos), rule)
+
+    shapes = nn.unbox(jax.eval_shape(layer.init, jax.random.key(0), x, jnp.asarray(pos),
+                                     rule)["params"])
+    p, got = run(jax.random.key(int(rng.integers(1 << 30))),
+                 jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32), shapes))
     allowed = (pos[:, None, :] <= pos[:, :, None]) & (seg[:, :, None] == seg[:, None, :])
     want = np_mla(cfg, p, x.astype(np.float64), pos, allowed)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
@@ -253,7 +269,7 @@ def test_beam_speculative_and_int8_run_on_the_latent_cache():
     the latent cache (one cache row per batch row)."""
     from jaxformer.decode import beam_search
     from jaxformer.model.quantize import dequantize, quantize
-    cfg, params = make()
+    cfg, params = make(n_layers=1)  # one layer's latent cache: each program half the size
     model = Transformer(cfg)
     prompts = rng.integers(1, cfg.vocab_size, (2, 6)).astype(np.int32)
     greedy = np.asarray(generate(model, params, prompts, max_new_tokens=5,
@@ -279,7 +295,15 @@ def test_hooks_name_the_latents_and_the_cache_holds_them():
     cfg, params = make()
     m = cfg.mla
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
-    _, acts = run_with_cache(Transformer(cfg), params, tokens)
+
+    @jax.jit
+    def run(params, tokens):  # the hooked forward and a prefill into the cache
+        _, acts = run_with_cache(Transformer(cfg), params, tokens)
+        _, cache = Transformer(cfg).apply({"params": params}, tokens,
+                                          cache=init_cache(cfg, 2, 10))
+        return acts, cache
+
+    acts, cache = run(params, tokens)
     shapes = {n: acts[f"blocks.0.attn.{n}"].shape for n in
               ("hook_q_latent", "hook_kv_latent", "hook_rot_q", "hook_rot_k", "hook_q", "hook_v")}
     assert shapes == {"hook_q_latent": (2, 7, m.q_lora_rank),
@@ -288,7 +312,6 @@ def test_hooks_name_the_latents_and_the_cache_holds_them():
                       "hook_rot_k": (2, 7, 1, m.qk_rope_head_dim),
                       "hook_q": (2, 7, cfg.n_heads, m.qk_head_dim),
                       "hook_v": (2, 7, cfg.n_heads, m.v_head_dim)}
-    _, cache = Transformer(cfg).apply({"params": params}, tokens, cache=init_cache(cfg, 2, 10))
     for i in range(cfg.n_layers):
         layer = cache["layers"][f"block_{i}"]
         np.testing.assert_allclose(np.asarray(layer["v"][:, :7]),
@@ -327,7 +350,8 @@ def test_mla_hooks_match_transformer_lens(tmp_path):
     hooks = ("hook_q_latent", "hook_kv_latent", "hook_rot_q", "hook_rot_k", "hook_q", "hook_k",
              "hook_v")
     names = [f"blocks.{i}.attn.{h}" for i in range(2) for h in hooks]
-    logits, ours = run_with_cache(Transformer(cfg), params, jnp.asarray(tokens), names=names)
+    logits, ours = jax.jit(lambda p, t: run_with_cache(Transformer(cfg), p, t, names=names))(
+        params, jnp.asarray(tokens))
     for name in names:
         want = theirs[name].detach().numpy()
         got = np.asarray(ours[name])
