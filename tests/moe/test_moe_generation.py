@@ -39,9 +39,14 @@ def sparse_cfg(moe="routed", **kw):
 
 
 def sparse_init(cfg, batch=2, seq=11):
-    """(tokens, params) of an unscanned model: init plus N(0, 0.1) on every param."""
-    tm.rng = rng
-    return tm.init(cfg.replace(scan_layers=False), batch, seq)
+    """(tokens, params) of an unscanned model: init (jitted: eager, it runs op by op) plus
+    N(0, 0.1) on every param, as tests/model/test_transformer.py's init draws them."""
+    cfg = cfg.replace(scan_layers=False)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq)))
+    init = jax.jit(Transformer(cfg).init)
+    params = init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    return tokens, jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32),
+                                params)
 
 
 @pytest.fixture
@@ -222,7 +227,7 @@ def test_the_decode_loop_reads_narrow_experts(weights):
     float32 weights they stand for."""
     from jaxformer.decode.loops import _decoder
     from jaxformer.decode.sampling import Sampling, checked_sampling
-    cfg = sparse_cfg("shared", vocab_size=37, max_seq_len=16)
+    cfg = sparse_cfg("shared", vocab_size=37, max_seq_len=16, n_layers=1)
     tokens, params = sparse_init(cfg, batch=2, seq=3)
     q = quantize(params, weights)
     fn = _decoder(cfg, 4, None, 0, None, True)
@@ -338,8 +343,8 @@ def test_lora_on_attention_trains_beside_the_experts():
     merged = jax.tree.map(jnp.float32, lora.merge(state.params))
     plain = cfg.replace(lora=lora.LoRAConfig())
     np.testing.assert_allclose(
-        np.asarray(Transformer(plain).apply({"params": merged}, tokens)),
-        np.asarray(Transformer(cfg).apply({"params": state.params}, tokens)),
+        np.asarray(jax.jit(Transformer(plain).apply)({"params": merged}, tokens)),
+        np.asarray(jax.jit(Transformer(cfg).apply)({"params": state.params}, tokens)),
         rtol=1e-5, atol=1e-5)
 
 
