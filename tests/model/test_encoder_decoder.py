@@ -114,10 +114,11 @@ def test_packed_pairs_equal_each_pair_apart(rng):
     (s1, s2), (t1, t2) = rng.integers(2, 6, 2), rng.integers(2, 5, 2)
     srcs = [rng.integers(0, V, (1, n)) for n in (s1, s2)]
     tgts = [rng.integers(0, V, (1, n)) for n in (t1, t2)]
-    apart = [model.apply({"params": params}, s, t) for s, t in zip(srcs, tgts)]
+    apply = jax.jit(model.apply)  # one program per shape (eager, each op compiles per shape)
+    apart = [apply({"params": params}, s, t) for s, t in zip(srcs, tgts)]
     seg = lambda a, b: np.concatenate([np.full(a, 1), np.full(b, 2), [0]])[None]  # noqa: E731
     pos = lambda a, b: np.concatenate([np.arange(a), np.arange(b), [0]])[None]  # noqa: E731
-    packed = model.apply({"params": params}, np.concatenate([*srcs, [[0]]], 1),
+    packed = apply({"params": params}, np.concatenate([*srcs, [[0]]], 1),
                          np.concatenate([*tgts, [[0]]], 1), source_segment_ids=seg(s1, s2),
                          target_segment_ids=seg(t1, t2), source_positions=pos(s1, s2),
                          target_positions=pos(t1, t2))

@@ -110,8 +110,11 @@ def test_the_decode_loop_reads_the_narrow_weights(weights):
     once, which read float32 weights at every step and held a float32 copy beside them."""
     from jaxformer.decode.loops import _decoder
     from jaxformer.decode.sampling import Sampling, checked_sampling
-    model, params = make(d_model=96, d_ff=160)
-    q = quantize(params, weights)
+    cfg = ModelConfig(vocab_size=41, d_model=96, d_ff=160, n_layers=2, n_heads=4, n_kv_heads=2,
+                      max_seq_len=32)
+    model = Transformer(cfg)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    q = jax.eval_shape(lambda p: quantize(p, weights), shapes["params"])  # compiled, not run
     fn = _decoder(model.cfg, 4, None, 0, None, True)
     greedy = checked_sampling(Sampling(temperature=0.0), 1, model.cfg.vocab_size)
     hlo = fn.lower(q, jnp.zeros((1, 3), jnp.int32), jnp.array([3]), jax.random.key(0),

@@ -326,19 +326,24 @@ def test_blockwise_model_matches_reference_and_its_gradients(name, monkeypatch):
     seg = np.stack([np.searchsorted(cuts, np.arange(t), side="right") + 1,
                     np.where(np.arange(t) < cuts[1], 1, 0)])  # packed; padded at the end
     pos = np.asarray(segment_positions(jnp.asarray(seg)))
-    got = logits_of(cfg, params, tokens, positions=pos, segment_ids=seg)
     real = seg > 0
-    np.testing.assert_allclose(got[real], np_forward(cfg, params, tokens, pos, seg)[real],
+    w = jnp.asarray(rng.standard_normal((*seg.shape, cfg.vocab_size)) * real[..., None],
+                    jnp.float32)
+
+    @jax.jit
+    def grads(params):  # blockwise's logits and gradient, and the reference backend's
+        def loss(p, impl):
+            logits = Transformer(cfg.replace(attention_impl=impl)).apply(
+                {"params": p}, tokens, positions=pos, segment_ids=seg)
+            return jnp.sum(w * logits), logits
+        (_, logits), got = jax.value_and_grad(loss, has_aux=True)(params, "blockwise")
+        return logits, got, jax.grad(lambda p: loss(p, "reference")[0])(params)
+
+    got, got_g, want = grads(params)
+    np.testing.assert_allclose(np.asarray(got)[real],
+                               np_forward(cfg, params, tokens, pos, seg)[real],
                                rtol=2e-4, atol=2e-4)
-    w = jnp.asarray(rng.standard_normal(got.shape) * real[..., None], jnp.float32)
-
-    def grads(impl):
-        model = Transformer(cfg.replace(attention_impl=impl))
-        return jax.grad(lambda p: jnp.sum(w * model.apply({"params": p}, tokens, positions=pos,
-                                                          segment_ids=seg)))(params)
-
-    want = grads("reference")
-    for path, g in jax.tree_util.tree_leaves_with_path(grads("blockwise")):
+    for path, g in jax.tree_util.tree_leaves_with_path(got_g):
         ref = functools.reduce(lambda x, k: x[k.key], path, want)
         np.testing.assert_allclose(g, ref, rtol=1e-3, atol=2e-5, err_msg=str(path))
     if cfg.position in ("t5", "fire"):
