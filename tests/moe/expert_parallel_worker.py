@@ -47,12 +47,11 @@ def mesh_of(shape):
     return make_mesh(data, fsdp, tensor, context=context, expert=expert)
 
 
-def draws(rng, reference):
-    """Two sets of params of std ~0.1, drawn until every expert gets tokens in every layer
-    (the reference's loads), and the same with the router's bias at -100 for the NONE
-    experts (they get none)."""
-    init = jax.jit(Transformer(CFG).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    init = jax.tree.map(np.asarray, init["params"])
+def draws(rng, reference, init):
+    """Two sets of params: `init` moved by N(0, 0.1), drawn until every expert gets tokens
+    in every layer (the reference's loads), and the same with the router's bias at -100
+    for the NONE experts (they get none)."""
+    init = jax.tree.map(np.asarray, init)
     for _ in range(50):
         params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype),
                               init)
@@ -84,7 +83,10 @@ def logits_and_grads(out_path):
     natural = np.arange(16)
     dense = CFG.replace(moe=dataclasses.replace(CFG.moe, dispatch="dense"))  # the reference
     reference = jax.jit(lambda p: run(dense, p, natural))
-    sets = draws(rng, reference)
+    model = Transformer(CFG)
+    tx, schedule = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), CFG, 10)
+    initial = init_state(model, tx, 0)  # one device's; train_steps starts from it too
+    sets = draws(rng, reference, initial.params)
     refs = {draw: reference(params) for draw, params in sets.items()}
     res = {draw: dict(load=np.asarray(refs[draw][2]).tolist(), meshes={}) for draw in sets}
     for name, shape in MESHES.items():
@@ -105,7 +107,7 @@ def logits_and_grads(out_path):
                        in zip(jax.tree_util.tree_leaves_with_path(got_grads),
                               jax.tree.leaves(grads))},
                 all_to_all=hlo.count("all-to-all("), gathers=gathered_shapes(hlo))
-    res["train"] = train_steps(rng)
+    res["train"] = train_steps(rng, model, tx, schedule, initial)
     json.dump(res, open(out_path, "w"))
 
 
@@ -114,25 +116,23 @@ def rel(a, b):
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
-def train_steps(rng):
+def train_steps(rng, model, tx, schedule, state):
     """3 steps of the training loop's step (grad_accum 2) on one device and on mesh
-    (data 2, expert 4): losses, the params' difference, the compiled step's collectives."""
+    (data 2, expert 4), both from `state` (the mesh's a copy placed by its shardings):
+    losses, the params' difference, the compiled step's collectives."""
     batches = []
     for _ in range(3):
         toks = rng.integers(0, CFG.vocab_size, (16, 17)).astype(np.int32)
         batches.append(dict(inputs=toks[:, :-1], targets=toks[:, 1:],
                             loss_mask=(rng.random((16, 16)) < 0.9).astype(np.float32)))
-    model = Transformer(CFG)
-    tx, schedule = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), CFG, 10)
-    state = init_state(model, tx, 0)
+    mesh = mesh_of(MESHES["data 2, expert 4"])
+    shardings = state_shardings(model, tx, mesh, RULES)
+    st = jax.device_put(jax.tree.map(np.asarray, state), shardings)
     step = make_train_step(model, tx, schedule, grad_accum=2)
     ref = []
     for b in batches:
         state, m = step(state, b)
         ref.append(float(m["loss"]))
-    mesh = mesh_of(MESHES["data 2, expert 4"])
-    shardings = state_shardings(model, tx, mesh, RULES)
-    st = init_state(model, tx, 0, mesh=mesh, rules=RULES)
     bs = batch_sharding(mesh, RULES)
     rows = process_rows(bs, 16)
     place = lambda b: place_batch({k: v[rows] for k, v in b.items()}, bs, 16)  # noqa: E731
