@@ -340,7 +340,9 @@ def moe_cfg(**kw):
 
 
 def wide_params(cfg, tokens):
-    params = Transformer(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    """The model's init (jitted: eager, it runs op by op) plus N(0, 0.1) on every param."""
+    init = jax.jit(Transformer(cfg).init)
+    params = init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
     return jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32), params)
 
 
@@ -355,7 +357,7 @@ def test_model_gradients_ragged_equal_dense():
         def f(params):
             logits = Transformer(cfg).apply({"params": params}, tokens)
             return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-        return jax.value_and_grad(f)
+        return jax.jit(jax.value_and_grad(f))
 
     (got, g_got), (want, g_want) = loss(cfg)(params), loss(
         cfg.replace(moe=cfg.moe.replace(dispatch="dense")))(params)
@@ -438,14 +440,16 @@ def test_scan_runs_dense_and_sparse_layers_each_as_a_scan():
     stacked = stack_layers(params, 3)
     assert sorted(stacked) == ["blocks_0", "blocks_1", "blocks_2", "embed", "final_norm"]
     assert jax.tree.all(jax.tree.map(np.array_equal, unstack_layers(stacked), params))
-    want = Transformer(cfg.replace(scan_layers=False)).apply({"params": params}, tokens)
+    loop = jax.jit(Transformer(cfg.replace(scan_layers=False)).apply)
+    want = loop({"params": params}, tokens)
     cache = kv_cache.init_cache(cfg, 2, 16)
     assert [cache["layers"][f"blocks_{i}"]["k"].shape[0] for i in range(3)] == [1, 1, 1]
-    _, cache = Transformer(cfg).apply({"params": stacked}, tokens[:, :-1], cache=cache)
-    last, _ = Transformer(cfg).apply({"params": stacked}, tokens[:, -1:], cache=cache)
+    apply = jax.jit(Transformer(cfg).apply, static_argnames="mutable")  # (eager: op by op)
+    _, cache = apply({"params": stacked}, tokens[:, :-1], cache=cache)
+    last, _ = apply({"params": stacked}, tokens[:, -1:], cache=cache)
     np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(want[:, -1]), rtol=1e-5,
                                atol=1e-5)
-    _, sown = Transformer(cfg).apply({"params": stacked}, tokens, mutable=["moe"])
+    _, sown = apply({"params": stacked}, tokens, mutable="moe")
     load = layer_stats(cfg, sown["moe"])["load"]  # [1, E]
     assert load.shape == (1, 4) and float(load.sum()) == 2 * 10 * 2
     moved = rebalanced(cfg, stacked, stacked, load, True)
@@ -549,7 +553,7 @@ def test_remat_and_scan_keep_the_gradients_and_stats(remat="full"):
             aux = sum(jnp.sum(s[0]["aux"]) for s in jax.tree.leaves(
                 stats, is_leaf=lambda x: isinstance(x, tuple)))
             return jnp.mean(logits ** 2) + aux
-        return jax.grad(loss)(params)
+        return jax.jit(jax.grad(loss))(params)
 
     want = grads(cfg, params)
     got = unstack_layers(grads(cfg.replace(remat=remat, scan_layers=True),
