@@ -26,15 +26,29 @@ from tests.conftest import REPO, xla_flags
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
 
-def run_worker(task, tmp_path):
-    out = tmp_path / f"{task}.json"
+# every task of tests/core/mesh_worker.py these tests read, run in one subprocess
+WORKER_TASKS = ["losses", "checkpoint", "decode", "splash", "patterns", "context", "study_eval"]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """{task: its findings} of WORKER_TASKS, one after another in one process with 8 fake
+    CPU devices (one JAX start; checkpoint reuses the (2, 2, 2) step losses compiled)."""
+    out = tmp_path_factory.mktemp("mesh") / "mesh.json"
     seed = int(rng.integers(1 << 30))
-    print(f"{task} worker: SEED={seed}")  # shown if a test using it fails
+    print(f"mesh worker: SEED={seed}")  # shown if a test using it fails
     env = dict(os.environ, PYTHONPATH=str(REPO), SEED=str(seed))
-    proc = subprocess.run([sys.executable, "-m", "tests.core.mesh_worker", task, str(out)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.core.mesh_worker", ",".join(WORKER_TASKS),
+                           str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def findings(worker, task):
+    """What the worker's task found; the test fails with its traceback if it raised."""
+    assert "error" not in worker[task], worker[task]["error"]
+    return worker[task]
 
 
 # ---- in process ----------------------------------------------------------------------
@@ -225,18 +239,18 @@ def test_cluster_detection(monkeypatch):
 MESHES = ["(8, 1, 1)", "(1, 8, 1)", "(2, 1, 4)", "(2, 2, 2)", "(2, 1, 1, 4)"]
 
 
-@pytest.fixture(scope="module")
-def mesh_runs(tmp_path_factory):
-    return run_worker("losses", tmp_path_factory.mktemp("mesh"))
+@pytest.fixture
+def mesh_runs(worker):
+    return findings(worker, "losses")
 
 
 @pytest.mark.parametrize("task", ["splash", "patterns"])
-def test_runs_on_every_mesh_like_one_device(task, tmp_path):
+def test_runs_on_every_mesh_like_one_device(task, worker):
     """On 8 devices, rows and heads split: logits and gradients of a packed, padded batch
     equal the reference backend's on one device. splash (interpret mode) runs under
     shard_map; patterns: a Gemma 3-like layer pattern, QK-norm over the split heads,
     soft-caps, blockwise with remat (tests/core/mesh_worker.py)."""
-    res = run_worker(task, tmp_path)
+    res = findings(worker, task)
     assert set(res) == {"(2, 1, 4)", "(2, 2, 2)", "(8, 1, 1)"}
     for shape, r in res.items():
         assert r["shard_map"] == (task == "splash"), shape
@@ -244,16 +258,17 @@ def test_runs_on_every_mesh_like_one_device(task, tmp_path):
         assert r["grad_diff"] < 1e-6 * r["grad_scale"], (shape, r)
 
 
-@pytest.fixture(scope="module")
-def context_run(tmp_path_factory):
-    return run_worker("context", tmp_path_factory.mktemp("context"))
+@pytest.fixture
+def context_run(worker):
+    return findings(worker, "context")
 
 
 def test_context_parallel_logits_and_gradients_equal_one_devices(context_run):
     """A sequence split over the context axis (ring attention, or keys and values gathered;
     zigzag order; tests/core/mesh_worker.py CONTEXT_CASES: RoPE with a window on (data 2,
     context 4), (context 8) and (tensor 2, context 4), ALiBi, T5 and FIRE on one each; GQA;
-    a packed and padded batch): logits and every param's gradient equal the reference backend's on one device.
+    the QK-norms head_after_rope and l2 and the xielu FFN beside some; a packed and padded
+    batch): logits and every param's gradient equal the reference backend's on one device.
     The ring passes K/V with collective-permutes and its attention gathers nothing; the
     all-gather strategy gathers and passes nothing."""
     res = dict(context_run)
@@ -282,10 +297,10 @@ def test_context_parallel_loss_is_one_devices_float64_loss(context_run):
     assert r["total"] == pytest.approx(r["want"], rel=1e-6)
 
 
-def test_positions_study_evaluates_128L_on_a_context_mesh(tmp_path):
+def test_positions_study_evaluates_128L_on_a_context_mesh(worker):
     """The positions study's perplexity at 128 L with each window split over 8 devices
     (mesh.context=8) equals one device's."""
-    res = run_worker("study_eval", tmp_path)
+    res = findings(worker, "study_eval")
     assert res["split"]  # the 8-device evaluation ran attention under shard_map
     assert res["context 8"] == pytest.approx(res["context 1"], rel=1e-5)
     assert 1 < res["context 1"] < 1000
@@ -370,16 +385,16 @@ def test_per_device_bytes_shrink_by_the_expected_factor(mesh_runs):
     assert fsdp < full / 6  # everything but the norm scales split 8 ways
 
 
-def test_checkpoint_restores_on_another_mesh_and_one_device(tmp_path):
-    res = run_worker("checkpoint", tmp_path)
+def test_checkpoint_restores_on_another_mesh_and_one_device(worker):
+    res = findings(worker, "checkpoint")
     assert set(res) == {"(1, 8, 1)", "(8, 1, 1)", "one device"}
     for name, r in res.items():
         assert r["max_abs_diff"] == 0.0 and r["same_sharding"] and r["step"] == 1, name
     assert res["one device"]["devices"] == 1 and res["(1, 8, 1)"]["devices"] == 8
 
 
-def test_decoding_with_tensor_parallel_params_equals_one_device(tmp_path):
-    res = run_worker("decode", tmp_path)
+def test_decoding_with_tensor_parallel_params_equals_one_device(worker):
+    res = findings(worker, "decode")
     for name, r in res.items():
         assert r["greedy_equal"] and r["sampled_equal"] and r["lengths_equal"], name
         assert r["greedy_logprob_diff"] < 1e-5
@@ -399,7 +414,7 @@ def test_two_processes_and_a_context_mesh_train_like_one(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(800)))
     seed = int(rng.integers(1000))
-    common = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+    common = ["model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.max_seq_len=32",
               "train.seq_len=32", "train.batch_size=8", "train.steps=3", "train.log_every=1",
               "train.eval_batches=1", "train.sample_tokens=4", "train.progress=false",
               f"train.seed={seed}", "optim.warmup_steps=1", f"data.path={corpus}",
@@ -439,10 +454,12 @@ def test_two_processes_and_a_context_mesh_train_like_one(tmp_path):
     assert (run / "sample.txt").read_text() == (tmp_path / "one" / "sample.txt").read_text()
     assert sorted(os.listdir(run / "checkpoints")) == ["3"]
 
-    # one process, the sequence split over 4 devices by the ring (zigzag order)
+    # one process, the sequence split over 4 devices by the ring (zigzag order); its
+    # sample is not compared: none drawn
     env["XLA_FLAGS"] = xla_flags(devices=8)
     ring = subprocess.run([sys.executable, "train.py", *common, "mesh.data=2", "mesh.context=4",
-                           "model.attention_impl=ring", f"train.run_dir={tmp_path / 'ring'}"],
+                           "model.attention_impl=ring", "train.sample_tokens=0",
+                           f"train.run_dir={tmp_path / 'ring'}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert ring.returncode == 0, ring.stderr[-3000:]
     assert "'context': 4" in ring.stdout
