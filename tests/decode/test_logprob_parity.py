@@ -3,6 +3,8 @@ it sampled equal the training forward's, teacher-forced, under every batch compo
 so GRPO's ratio of the policy to the rollout starts at 1. Fresh random weights, prompts
 and samples every run; the training-side reference is also checked against float64."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,13 +21,18 @@ BOUND = 1e-5  # |generate's - the training forward's| on CPU float32 (measured ~
 W, N = 6, 7   # prompt width, new tokens
 
 
+@functools.cache
+def initializer(cfg: ModelConfig):
+    """The model's init, jitted once per config (eager, it runs op by op)."""
+    return jax.jit(Transformer(cfg).init)
+
+
 def make(position):
     cfg = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=48, position=position)
-    model = Transformer(cfg)
-    params = model.init(jax.random.key(int(rng.integers(1 << 30))),
-                        jnp.zeros((1, 4), jnp.int32))["params"]
-    return model, jax.tree.map(lambda x: x * 3.0, params)  # sharper than init's
+    params = initializer(cfg)(jax.random.key(int(rng.integers(1 << 30))),
+                              jnp.zeros((1, 4), jnp.int32))["params"]
+    return Transformer(cfg), jax.tree.map(lambda x: x * 3.0, params)  # sharper than init's
 
 
 def rollout(model, params):
@@ -43,24 +50,26 @@ def rollout(model, params):
 def compositions(seqs, r):
     """{name: (tokens, positions, segment_ids) [B, T], where row r's sequence sits:
     (batch row, first column)}: row r alone, among the others (right-padded, segment id
-    0), padded wider, and packed behind and before other sequences (positions restart)."""
+    0), padded wider, and packed behind and before other sequences (positions restart),
+    then padded to the same width [1, n + 14] (one compiled forward for the last two)."""
     seq, n = seqs[r], len(seqs[r])
     arange = lambda b, t: np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))  # noqa: E731
     width = max(len(s) for s in seqs)
     batch, seg = np.zeros((3, width), np.int32), np.zeros((3, width), np.int32)
     for i, s in enumerate(seqs):
         batch[i, :len(s)], seg[i, :len(s)] = s, 1
-    wide = np.zeros((1, n + 9), np.int32)
+    wide = np.zeros((1, n + 14), np.int32)
     wide[0, :n] = seq
     before, after = seqs[r - 1][:int(rng.integers(1, 10))], seqs[r - 2][:5]
-    packed = np.concatenate([before, seq, after])[None]
-    parts = [before, seq, after]
+    parts = [before, seq, after, np.zeros(9 - len(before), np.int32)]  # the last: padding
+    packed = np.concatenate(parts)[None]  # [1, n + 14]
     return {
         "alone": ((seq[None], arange(1, n), None), (0, 0)),
         "among others": ((batch, arange(3, width), seg), (r, 0)),
-        "padded wider": ((wide, arange(1, n + 9), (np.arange(n + 9) < n)[None] * 1), (0, 0)),
+        "padded wider": ((wide, arange(1, n + 14), (np.arange(n + 14) < n)[None] * 1), (0, 0)),
         "packed": ((packed, np.concatenate([np.arange(len(p)) for p in parts])[None],
-                    np.concatenate([np.full(len(p), i + 1) for i, p in enumerate(parts)])[None]),
+                    np.concatenate([np.full(len(p), (i + 1) % 4)
+                                    for i, p in enumerate(parts)])[None]),
                    (0, len(before))),
     }
 
@@ -95,6 +104,6 @@ def test_segment_starts_and_padding_get_zero():
     tokens = jnp.asarray(rng.integers(1, 37, (2, 9)), jnp.int32)
     seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
     pos = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 0, 0], list(range(9))], jnp.int32)
-    got = np.asarray(token_logprobs(model, params, tokens, pos, seg))
+    got = np.asarray(jax.jit(functools.partial(token_logprobs, model))(params, tokens, pos, seg))
     assert np.all(got[0, [0, 3, 7, 8]] == 0) and np.all(got[0, [1, 2, 4, 5, 6]] < 0)
     assert got[1, 0] == 0 and np.all(got[1, 1:] < 0)
