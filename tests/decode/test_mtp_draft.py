@@ -6,6 +6,7 @@ steps with model.mtp_depth=1, decoded from the command line too), each round dra
 the model's hidden states; sampling with it follows the model's conditionals; a model
 without MTP modules is refused in one line (exit 2 from the command line)."""
 
+import functools
 import json
 
 import jax
@@ -27,14 +28,19 @@ from tests.training.test_loop import config, corpus  # noqa: F401 (the fixture)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
 
+@functools.cache
+def initializer(cfg: ModelConfig):
+    """The model's init, jitted once per config (eager, it runs op by op)."""
+    return jax.jit(Transformer(cfg).init)
+
+
 def make(**kw):
     cfg = ModelConfig(**{**dict(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                 max_seq_len=48, norm="rmsnorm", ffn="swiglu", use_bias=False,
                                 tie_embeddings=False, mtp_depth=2), **kw})
-    model = Transformer(cfg)
-    params = model.init(jax.random.key(int(rng.integers(1 << 30))),
-                        jnp.zeros((1, 4), jnp.int32))["params"]
-    return model, jax.tree.map(lambda x: x * 3.0, params)  # sharp, varied distributions
+    params = initializer(cfg)(jax.random.key(int(rng.integers(1 << 30))),
+                              jnp.zeros((1, 4), jnp.int32))["params"]
+    return Transformer(cfg), jax.tree.map(lambda x: x * 3.0, params)  # sharp, varied
 
 
 def chained(forward, d, context, pos, k):
@@ -179,7 +185,8 @@ def test_trained_model_decodes_its_greedy_tokens(corpus, tmp_path, monkeypatch, 
     ahead = np.argmax(model.apply({"params": params}, seq[None], mtp=True)[1][0, 0], -1)
     assert (int(out.drafted[0]), int(out.accepted[0])) == replayed(ahead, seq, len(prompt[0]),
                                                                    12)
-    assert generate_main(["--run", str(run), "--prompt", "def", "--max-new-tokens", "6",
+    # the command line: the same prompt and length, so the same compiled decoder
+    assert generate_main(["--run", str(run), "--prompt", "def x", "--max-new-tokens", "12",
                           "--temperature", "0", "--draft", "mtp"]) == 0
     assert "draft acceptance rate: " in capsys.readouterr().err
     bare = Transformer(model.cfg.replace(mtp_depth=0))

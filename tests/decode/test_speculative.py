@@ -3,6 +3,8 @@ chi-square test of the joint distribution of three tokens against the model's ow
 conditionals; prompt lookup against a brute-force search. Fresh random weights and
 prompts every run."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,13 +26,18 @@ SHAPES = [dict(), dict(sliding_window=5), dict(scan_layers=True),
                layer_kinds={"local": {"window": 4}, "global": {}})]
 
 
+@functools.cache
+def initializer(cfg: ModelConfig):
+    """The model's init, jitted once per config (eager, it runs op by op)."""
+    return jax.jit(Transformer(cfg).init)
+
+
 def make(**kw):
     cfg = ModelConfig(**{**dict(vocab_size=37, d_model=32, n_layers=2, n_heads=4,
                                 n_kv_heads=2, max_seq_len=48), **kw})
-    model = Transformer(cfg)
-    params = model.init(jax.random.key(int(rng.integers(1 << 30))),
-                        jnp.zeros((1, 4), jnp.int32))["params"]
-    return model, jax.tree.map(lambda x: x * 3.0, params)  # sharp, varied distributions
+    params = initializer(cfg)(jax.random.key(int(rng.integers(1 << 30))),
+                              jnp.zeros((1, 4), jnp.int32))["params"]
+    return Transformer(cfg), jax.tree.map(lambda x: x * 3.0, params)  # sharp, varied
 
 
 def ragged(batch, width, vocab):
@@ -45,7 +52,7 @@ def ragged(batch, width, vocab):
 def test_greedy_with_a_draft_is_greedy(position):
     """Prompt lookup or (every other scheme) a random draft model, mostly refused so that
     rows roll back every round, gives the plain greedy tokens, log-probs and lengths,
-    ragged rows with an EOS included."""
+    ragged rows with an EOS included (plain greedy's ended by the EOS rule: ended_at)."""
     i = list(POSITION_SCHEMES).index(position)
     model, params = make(position=position, **SHAPES[i % len(SHAPES)])
     draft = "prompt_lookup" if i % 2 else make(**{
@@ -55,19 +62,34 @@ def test_greedy_with_a_draft_is_greedy(position):
     kw = dict(prompt_lengths=lengths, max_new_tokens=16, rng=jax.random.key(0),
               temperature=0.0)
     free = generate(model, params, prompts, **kw)
-    kw["eos_id"] = int(free.tokens[0, int(rng.integers(2, 12))])  # row 0 stops early
-    plain = generate(model, params, prompts, **kw, pad_id=36)
-    out = generate(model, params, prompts, **kw, pad_id=36, draft=draft, draft_len=3 + i % 2)
-    np.testing.assert_array_equal(out.tokens, plain.tokens)
-    np.testing.assert_array_equal(out.lengths, plain.lengths)
-    np.testing.assert_allclose(out.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+    eos = int(free.tokens[0, int(rng.integers(2, 12))])  # row 0 stops early
+    tokens, ends, logprobs = ended_at(free, eos, pad_id=36)
+    out = generate(model, params, prompts, **kw, eos_id=eos, pad_id=36, draft=draft,
+                   draft_len=3 + i % 2)
+    np.testing.assert_array_equal(out.tokens, tokens)
+    np.testing.assert_array_equal(out.lengths, ends)
+    np.testing.assert_allclose(out.logprobs, logprobs, rtol=1e-4, atol=1e-4)
     assert (np.asarray(out.accepted) <= np.asarray(out.drafted)).all()
+
+
+def ended_at(free, eos: int, pad_id: int):
+    """(tokens, lengths, log-probs) of plain greedy decoding with eos_id `eos`, from its
+    tokens without one (`free`; one compiled decoder fewer): after a row's first `eos`,
+    pad_id at log-prob 0, and its length ends at the EOS."""
+    tokens, logprobs = np.array(free.tokens), np.array(free.logprobs)
+    lengths = np.full(len(tokens), tokens.shape[1], np.int32)
+    for r, row in enumerate(tokens):
+        hit = np.flatnonzero(row == eos)
+        if hit.size:
+            lengths[r] = hit[0] + 1
+            tokens[r, hit[0] + 1:], logprobs[r, hit[0] + 1:] = pad_id, 0.0
+    return tokens, lengths, logprobs
 
 
 def test_the_model_as_its_own_draft_keeps_every_draft():
     """A draft equal to the model proposes its greedy tokens: all kept, k + 1 tokens a
-    round (the path where the draft's cache lacks its last draft); one row alone decodes
-    as in the batch."""
+    round (the path where the draft's cache lacks its last draft); a row beside another
+    prompt decodes as in the batch (the same shapes: the same compiled decoder)."""
     model, params = make(position="rope", sliding_window=6)
     prompts, lengths = ragged(2, 6, 37)
     kw = dict(prompt_lengths=lengths, max_new_tokens=17, rng=jax.random.key(0),
@@ -77,9 +99,11 @@ def test_the_model_as_its_own_draft_keeps_every_draft():
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.drafted, 12)  # 1 + 4 rounds of 4 tokens: 17
     np.testing.assert_array_equal(out.accepted, 12)
-    one = generate(model, params, prompts[1:], **dict(kw, prompt_lengths=lengths[1:]),
+    other, other_lengths = ragged(2, 6, 37)  # row 0 another prompt, row 1 the same
+    other[1], other_lengths[1] = prompts[1], lengths[1]
+    one = generate(model, params, other, **dict(kw, prompt_lengths=other_lengths),
                    draft=(model, params), draft_len=3)
-    np.testing.assert_array_equal(one.tokens[0], plain.tokens[1])
+    np.testing.assert_array_equal(one.tokens[1], plain.tokens[1])
 
 
 def test_lookup_drafts_follow_the_latest_longest_match():
