@@ -123,20 +123,28 @@ def replayed(ahead, seq, start, max_new):
 def test_rounds_draft_from_the_models_hidden_states():
     """A random model of 5 tokens whose module reads the hidden state alone (enorm's scale
     0): each row's drafts kept are those replayed from one full forward over its greedy
-    text, so each round read the hidden state of the position before its last token."""
-    model, params = make(vocab_size=5, mtp_depth=1)
-    params["mtp_1"]["enorm"]["scale"] = jnp.zeros_like(params["mtp_1"]["enorm"]["scale"])
+    text, so each round read the hidden state of the position before its last token. The
+    first of a few fresh models whose replay keeps at least 4 drafts is decoded (a greedy
+    text can settle in a cycle its module never drafts right: a check of nothing)."""
     lengths = np.array([3, 6], np.int32)
-    prompts = rng.integers(0, 5, (2, 6)).astype(np.int32)
     kw = dict(prompt_lengths=lengths, max_new_tokens=30, rng=jax.random.key(0), temperature=0.0)
-    plain = generate(model, params, prompts, **kw)
+    for _ in range(8):
+        model, params = make(vocab_size=5, mtp_depth=1)
+        params["mtp_1"]["enorm"]["scale"] = jnp.zeros_like(params["mtp_1"]["enorm"]["scale"])
+        prompts = rng.integers(0, 5, (2, 6)).astype(np.int32)
+        plain = generate(model, params, prompts, **kw)
+        want = []
+        for r, n in enumerate(lengths):
+            seq = np.concatenate([prompts[r, :n], np.asarray(plain.tokens[r])])
+            ahead = np.argmax(model.apply({"params": params}, seq[None], mtp=True)[1][0, 0], -1)
+            want.append(replayed(ahead, seq, n, 30))
+        if sum(kept for _, kept in want) >= 4:
+            break
+    else:
+        pytest.fail("no model of 8 kept 4 drafts in its replay")
     out = generate(model, params, prompts, **kw, draft="mtp", draft_len=1)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
-    for r, n in enumerate(lengths):
-        seq = np.concatenate([prompts[r, :n], np.asarray(plain.tokens[r])])
-        ahead = np.argmax(model.apply({"params": params}, seq[None], mtp=True)[1][0, 0], -1)
-        assert (int(out.drafted[r]), int(out.accepted[r])) == replayed(ahead, seq, n, 30)
-    assert np.sum(out.accepted) >= 4  # (a test of something)
+    assert [(int(d), int(a)) for d, a in zip(out.drafted, out.accepted)] == want
 
 
 def test_sampling_with_mtp_drafts_follows_the_models_conditionals():
