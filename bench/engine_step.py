@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax
-from serve import OUTPUTS  # bench/serve.py's output lengths
+from serve_workload import OUTPUTS  # bench/serve.py's output lengths
 
 from jaxformer import ModelConfig, Transformer
 from jaxformer.decode import generate

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import pathlib
@@ -53,43 +52,8 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 PAGE = 16  # tokens per KV-cache page (the server's default)
-LOGNORMAL = (48, 1.0)  # --lengths lognormal: the median output length and sigma (of the log)
-OUTPUTS = {  # --lengths: n output lengths within [lo, hi] from a numpy Generator
-    "uniform": lambda draw, lo, hi, n: draw.integers(lo, hi + 1, n),
-    "lognormal": lambda draw, lo, hi, n: np.clip(np.rint(draw.lognormal(
-        np.log(LOGNORMAL[0]), LOGNORMAL[1], n)), lo, hi).astype(np.int64)}
 
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One request of the workload: when it arrives (seconds from the start; 0 in a
-    closed loop), its prompt's token ids and its output length."""
-    arrival: float
-    prompt: tuple[int, ...]
-    new: int
-
-
-@dataclasses.dataclass
-class Timing:
-    """What one request saw: its wait for the first token, the gaps between later ones,
-    the tokens it got and when it ended (seconds from the start)."""
-    ttft: float
-    itl: list[float]
-    tokens: int
-    end: float
-
-
-def workload(a, vocab: int) -> list[Job]:
-    """--requests jobs drawn from --seed: prompt lengths uniform in --prompt, output lengths
-    by --lengths in --output, Poisson arrivals at --rate (0: every job ready at once, the
-    clients' closed loop paces them)."""
-    draw = np.random.default_rng(a.seed)
-    gaps = draw.exponential(1 / a.rate, a.requests) if a.rate > 0 else np.zeros(a.requests)
-    arrivals = np.cumsum(gaps) - gaps[0]
-    prompts = draw.integers(a.prompt[0], a.prompt[1] + 1, a.requests)
-    outputs = OUTPUTS[a.lengths](draw, *a.output, a.requests)
-    return [Job(float(t), tuple(int(x) for x in draw.integers(1, vocab, int(p))), int(n))
-            for t, p, n in zip(arrivals, prompts, outputs)]
+from serve_workload import OUTPUTS, Job, Timing, summary, table, warm_up, workload  # noqa: E402
 
 
 def model_folder(a, folder: pathlib.Path) -> pathlib.Path:
@@ -111,24 +75,6 @@ def model_folder(a, folder: pathlib.Path) -> pathlib.Path:
     words = [" ".join(str(i * j) for j in range(40)) for i in range(200)]
     train_bpe(iter(words), min(a.vocab, 1024)).save(folder)
     return folder
-
-
-def warm_up(jobs: list[Job], clients: int) -> list[Job]:
-    """The untimed first pass: `clients` jobs with their prompts reversed, so that no
-    prefix of the timed pass is cached by it."""
-    return [dataclasses.replace(j, prompt=j.prompt[::-1]) for j in jobs[:clients]]
-
-
-def summary(name: str, clients: int, timings: list[Timing], wall: float) -> dict:
-    """A row of the table: throughput and latency percentiles (ms)."""
-    ttft, itl = [t.ttft for t in timings], [x for t in timings for x in t.itl]
-    tokens = sum(t.tokens for t in timings)
-    row = {"system": name, "clients": clients, "requests": len(timings), "tokens": tokens,
-           "tokens_per_s": tokens / wall, "requests_per_s": len(timings) / wall, "wall_s": wall}
-    for kind, xs in (("ttft", ttft), ("itl", itl)):
-        row.update({f"{kind}_p{q}": float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
-                    for q in (50, 90, 99)})
-    return row
 
 
 # ---- serve: the HTTP server, driven by streaming clients -------------------------------
@@ -346,18 +292,6 @@ def cpu_name() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     names = [x.split(":", 1)[1].strip() for x in out.splitlines() if x.startswith("Model name")]
     return f"{names[0] if names else platform.processor()}, {os.cpu_count()} CPUs"
-
-
-def table(rows: list[dict]) -> str:
-    head = (f"{'system':<18}{'clients':>8}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p90':>8}"
-            f"{'p99':>8}{'ITL p50':>9}{'p90':>7}{'p99':>7}  (ms)")
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r['system']:<18}{r['clients']:>8}{r['tokens_per_s']:>9.1f}"
-                     f"{r['requests_per_s']:>8.2f}{r['ttft_p50']:>10.0f}{r['ttft_p90']:>8.0f}"
-                     f"{r['ttft_p99']:>8.0f}{r['itl_p50']:>9.1f}{r['itl_p90']:>7.1f}"
-                     f"{r['itl_p99']:>7.1f}")
-    return "\n".join(lines)
 
 
 def parsed(argv=None):
