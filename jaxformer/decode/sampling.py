@@ -23,36 +23,67 @@ class Sampling(NamedTuple):
     min_p: Any = 0.0    # keep the tokens at least min_p times as likely as the likeliest
 
 
-def top_k_floor(desc, k):
-    """The k-th largest logit (ties with it stay): desc [..., V] sorted descending, k
-    [..., 1]; k = 0: off (-inf)."""
-    index = jnp.clip(k - 1, 0, desc.shape[-1] - 1)
-    kth = jnp.take_along_axis(desc, jnp.broadcast_to(index, (*desc.shape[:-1], 1)), axis=-1)
-    return jnp.where(k > 0, kth, -jnp.inf)
+def ordered_keys(z):
+    """int32 keys of float32 values z in the same order (x < y iff key(x) < key(y)), so an
+    exact search over the values runs on integers."""
+    bits = jax.lax.bitcast_convert_type(z.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def top_p_floor(desc, top_p):
+def value_of(key):
+    """The float32 value of an ordered key (ordered_keys' inverse)."""
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
+
+
+def least_value(z, holds):
+    """The least value t [..., 1] of the row's own values z [..., V] (-inf: removed) for
+    which holds(keys, t) is true, holds monotone in t (false below, true from it on) and
+    true at the row's largest value: a bisection over the 32-bit keys (32 halvings, each a
+    pass over the row; no sort: XLA:CPU sorts a [32, 2048] block in ~9 ms)."""
+    keys = ordered_keys(z)
+    lo = jnp.min(keys, axis=-1, keepdims=True)
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # (lo + hi) // 2 without overflow
+        ok = holds(keys, mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo, hi = jax.lax.fori_loop(0, 32, halve, (jnp.minimum(lo, hi), hi))
+    return value_of(hi)
+
+
+def top_k_floor(z, k):
+    """The k-th largest logit of z [..., V] (ties with it stay): the least t with fewer
+    than k logits above it; k [..., 1] = 0: off (-inf)."""
+    floor = least_value(z, lambda keys, t: jnp.sum(keys > t, -1, keepdims=True) < k)
+    return jnp.where(k > 0, floor, -jnp.inf)
+
+
+def top_p_floor(z, top_p):
     """The lowest logit of the nucleus: a token stays when the probability of the tokens
     ranked above it is below top_p, so the most likely always stays and one for which it
     equals top_p exactly goes (transformers' TopPLogitsWarper), and ties stay whole (HF's
-    keeps only the part of a tie its sort puts first); top_p = 1: off."""
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
-    floor = jnp.min(jnp.where(before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
+    keeps only the part of a tie its sort puts first): the least logit t with the mass of
+    the logits above it below top_p; top_p = 1: off."""
+    probs = jax.nn.softmax(z, axis=-1)
+    floor = least_value(z, lambda keys, t: jnp.sum(
+        jnp.where(keys > t, probs, 0.0), -1, keepdims=True) < top_p)
     return jnp.where(top_p < 1, floor, -jnp.inf)
 
 
-def min_p_floor(desc, min_p):
+def min_p_floor(z, min_p):
     """The lowest logit of a token with probability >= min_p * the largest probability
     (Nguyen et al. 2024; transformers' MinPLogitsWarper); min_p = 0: off."""
-    probs = jax.nn.softmax(desc, axis=-1)
-    keep = probs >= min_p * probs[..., :1]
-    return jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    probs = jax.nn.softmax(z, axis=-1)
+    keep = probs >= min_p * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(keep, z, jnp.inf), axis=-1, keepdims=True)
 
 
 class Filter(NamedTuple):
     """A filter of the logits, as the lowest logit it keeps (everything below it goes)."""
-    floor: Callable    # (logits [..., V] sorted descending, value [..., 1]) -> lowest kept [..., 1]
+    floor: Callable    # (logits [..., V] (-inf: removed), value [..., 1]) -> lowest kept [..., 1]
     off: int | float   # the value that keeps every token (its type: the field's dtype)
     allowed: str       # the values it takes, in words (vocab: the vocabulary's size)
     valid: Callable    # (values: np.ndarray, vocab) -> bool array
@@ -125,8 +156,9 @@ def filter_logits(logits, sampling: Sampling | None = None, branches: Branches |
                   **settings):
     """The logits sampling draws from, float32 [..., V]: divided by the temperature, then
     each filter in turn (each on what the ones before kept), removed entries -inf. The
-    fields broadcast against logits' leading axes (one per row, or one). One sort of the
-    logits serves every filter; with every filter off there is none."""
+    fields broadcast against logits' leading axes (one per row, or one). Each filter's
+    floor is found by an exact search over the values (least_value); none runs with every
+    filter off."""
     sampling = given(sampling, settings)  # (or the keywords: filter_logits(z, top_p=0.9))
     expand = lambda x: jnp.asarray(x)[..., None]  # noqa: E731
     t = expand(sampling.temperature)
@@ -134,10 +166,9 @@ def filter_logits(logits, sampling: Sampling | None = None, branches: Branches |
     values = {name: expand(v) for name, v in filter_values(sampling).items()}
 
     def filtered(z):
-        desc = jnp.sort(z, axis=-1)[..., ::-1]
         floor = jnp.full((*z.shape[:-1], 1), -jnp.inf)
         for name, f in FILTERS.items():  # each sees the logits the ones before kept
-            floor = jnp.maximum(floor, f.floor(jnp.where(desc < floor, -jnp.inf, desc),
+            floor = jnp.maximum(floor, f.floor(jnp.where(z < floor, -jnp.inf, z),
                                                values[name]))
         return jnp.where(z < floor, -jnp.inf, z)
 

@@ -2,6 +2,7 @@
 the filter table against the Sampling value that carries it. (Draws against their
 distributions, by chi-square: tests/decode/test_loops.py.)"""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,3 +77,14 @@ def test_the_settings_may_be_keywords_as_before():
         np.testing.assert_array_equal(np.isfinite(ours[r]), np.isfinite(hf), err_msg=str(r))
     with pytest.raises(TypeError, match="not both"):
         filter_logits(jnp.asarray(logits), Sampling(), top_p=0.5)
+
+
+def test_the_filters_run_without_a_sort():
+    """top-k, top-p and min-p find their floors by a search over the values (a sort of a
+    [32, 2048] block costs ~9 ms on XLA:CPU, more than the rest of a decode step): the
+    compiled program of filter_logits holds no sort."""
+    rows, vocab = 4, 64
+    sampling = Sampling(np.full(rows, 0.8, np.float32), np.full(rows, 5, np.int32),
+                        np.full(rows, 0.9, np.float32), np.full(rows, 0.05, np.float32))
+    hlo = jax.jit(filter_logits).lower(jnp.zeros((rows, vocab)), sampling).compile().as_text()
+    assert "sort(" not in hlo and "topk" not in hlo.lower()
