@@ -61,8 +61,22 @@ from gpu_suite.serving import serve_rows  # noqa: E402
 from gpu_suite.sizes import NO_GPU, SMOKE, Sizes  # noqa: E402, F401
 from gpu_suite.train_step import train_models, train_rows  # noqa: E402, F401
 
-SECTIONS = ("attention", "tests", "train", "decode", "serve", "precision", "loss_chunk", "moe",
-            "mla_decode")
+# the sections, in the order they run: each one's rows of (the command line, Sizes, masks,
+# repeats, the device's info, the peak FLOP/s)
+SECTIONS = {
+    "attention": lambda a, sizes, masks, repeats, d, peaks: attention_rows(sizes, repeats, masks),
+    "tests": lambda a, sizes, masks, repeats, d, peaks: cudnn_tests(REPO),
+    "train": lambda a, sizes, masks, repeats, d, peaks: train_rows(sizes, a.batch, peaks),
+    "decode": lambda a, sizes, masks, repeats, d, peaks: decode_rows(
+        sizes, d["copy_bytes_per_s_measured"], repeats),
+    "serve": lambda a, sizes, masks, repeats, d, peaks: serve_rows(
+        sizes, d["copy_bytes_per_s_measured"], repeats),
+    "precision": lambda a, sizes, masks, repeats, d, peaks: precision_rows(sizes, a.batch, peaks),
+    "loss_chunk": lambda a, sizes, masks, repeats, d, peaks: chunk_rows(sizes),
+    "moe": lambda a, sizes, masks, repeats, d, peaks: moe_rows(sizes, a.batch, peaks),
+    "mla_decode": lambda a, sizes, masks, repeats, d, peaks: mla_decode_rows(
+        sizes, d["copy_bytes_per_s_measured"], repeats),
+}
 
 
 def parsed(argv=None):
@@ -96,24 +110,9 @@ def main(argv=None) -> dict:
     d = res["device"]
     peaks = {"datasheet": d["peak_bf16_flops_datasheet"],
              "measured": d["matmul_bf16_flops_measured"]}
-    if "attention" in a.sections:
-        res["attention"] = attention_rows(sizes, repeats, masks)
-    if "tests" in a.sections:
-        res["tests"] = cudnn_tests(REPO)
-    if "train" in a.sections:
-        res["train"] = train_rows(sizes, a.batch, peaks)
-    if "decode" in a.sections:
-        res["decode"] = decode_rows(sizes, d["copy_bytes_per_s_measured"], repeats)
-    if "serve" in a.sections:
-        res["serve"] = serve_rows(sizes, d["copy_bytes_per_s_measured"], repeats)
-    if "precision" in a.sections:
-        res["precision"] = precision_rows(sizes, a.batch, peaks)
-    if "loss_chunk" in a.sections:
-        res["loss_chunk"] = chunk_rows(sizes)
-    if "moe" in a.sections:
-        res["moe"] = moe_rows(sizes, a.batch, peaks)
-    if "mla_decode" in a.sections:
-        res["mla_decode"] = mla_decode_rows(sizes, d["copy_bytes_per_s_measured"], repeats)
+    for name, rows in SECTIONS.items():
+        if name in a.sections:
+            res[name] = rows(a, sizes, masks, repeats, d, peaks)
 
     out = pathlib.Path(a.out or REPO / "bench" / "results" /
                        d["device_kind"].replace(" ", "_").replace("/", "_"))

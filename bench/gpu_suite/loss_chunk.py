@@ -10,9 +10,8 @@ step past 90% of device memory is compiled and sized but not run."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
-from gpu_suite.sizes import GIB, Sizes, first_line
+from gpu_suite.sizes import GIB, Sizes, swept
 from gpu_suite.train_step import (batch_of, compile_step, device_bytes_limit,
                                   seconds_per_step, step_bytes, train_models)
 from jaxformer import Transformer, count_params
@@ -47,15 +46,6 @@ def chunk_rows(sizes: Sizes) -> list[dict]:
     name, cfg, _ = train_models(sizes)[1]
     seq = sizes.chunk_seq
     cfg = dataclasses.replace(cfg, vocab_size=sizes.chunk_vocab, max_seq_len=seq, remat="dots")
-    rows = []
-    for chunk in sizes.loss_chunks:
-        try:
-            rows.append({"model": name, **chunk_row(cfg, seq, chunk, sizes)})
-        except Exception as e:
-            rows.append({"model": name, "chunk": chunk, "status": first_line(e)})
-        print("loss_chunk row:", json.dumps(rows[-1]), flush=True)
-    plain = rows[0].get("step_gib_compiled")
-    for r in rows:
-        if plain and "step_gib_compiled" in r:
-            r["peak_of_plain"] = r["step_gib_compiled"] / plain
-    return rows
+    return swept("loss_chunk", "chunk", sizes.loss_chunks,
+                 lambda chunk: chunk_row(cfg, seq, chunk, sizes), {"model": name},
+                 ("step_gib_compiled", "peak_of_plain"))

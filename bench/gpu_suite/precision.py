@@ -16,14 +16,13 @@ precisions' losses compare at a loss that moved."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_suite.sizes import GIB, Sizes, first_line
+from gpu_suite.sizes import GIB, Sizes, swept
 from gpu_suite.train_step import compile_step, step_bytes, train_models
 from jaxformer import Transformer, count_params, flops_per_token
 from jaxformer.training.optim import OptimConfig, make_optimizer
@@ -84,16 +83,6 @@ def precision_rows(sizes: Sizes, fixed_batch, peaks) -> list[dict]:
     """One row per precision; speedup: tokens/s over the first precision's."""
     name, cfg, seq = train_models(sizes)[1]
     batch = fixed_batch or sizes.precision_batch
-    rows = []
-    for precision in sizes.precisions:
-        try:
-            rows.append({"model": name, **precision_row(cfg, seq, precision, sizes, batch,
-                                                         peaks)})
-        except Exception as e:
-            rows.append({"model": name, "precision": precision, "status": first_line(e)})
-        print("precision row:", json.dumps(rows[-1]), flush=True)
-    base = rows[0].get("tokens_per_s")
-    for r in rows:
-        if base and "tokens_per_s" in r:
-            r["speedup"] = r["tokens_per_s"] / base
-    return rows
+    return swept("precision", "precision", sizes.precisions,
+                 lambda p: precision_row(cfg, seq, p, sizes, batch, peaks), {"model": name},
+                 ("tokens_per_s", "speedup"))

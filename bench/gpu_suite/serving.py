@@ -10,7 +10,6 @@ time includes its prefill)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp

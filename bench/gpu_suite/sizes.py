@@ -4,6 +4,8 @@ and how a row says it did not run."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Callable
 
 import jax
 
@@ -55,3 +57,23 @@ def on_gpu() -> bool:
 
 def first_line(err: Exception) -> str:
     return f"failed: {type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
+
+
+def swept(label: str, key: str, values, row: Callable, base: dict,
+          ratio: tuple[str, str]) -> list[dict]:
+    """A section's rows, one per value of a setting: {**base, **row(value)}, or a failed
+    one's {**base, key: value, "status": its first line}, each printed as it ends; ratio
+    (field, name): each row's field over the first row's, as `name`."""
+    rows = []
+    for value in values:
+        try:
+            rows.append({**base, **row(value)})
+        except Exception as e:
+            rows.append({**base, key: value, "status": first_line(e)})
+        print(f"{label} row:", json.dumps(rows[-1]), flush=True)
+    field, name = ratio
+    first = rows[0].get(field)
+    for r in rows:
+        if first and field in r:
+            r[name] = r[field] / first
+    return rows
