@@ -87,7 +87,7 @@ class Engine:
         self.cfg, self.decoding, self.mesh = decoding.cfg, decoding, mesh
         rules = None if mesh is None else resolve_rules()
         self.rules = rules
-        self.use_params(params)
+        self.params = self.placed(params)
         self.host = PagePool(pages, page_size)
         self.pool = init_pages(self.cfg, pages, page_size, slots)
         self.tables = np.full((slots, self.max_pages), pages, np.int32)  # pages: none
@@ -103,19 +103,23 @@ class Engine:
         self.no_bans: dict[int, jax.Array] = {}
         self.computing: set[int] = set()  # hashes of prompt pages admitted, not yet computed
 
+    def placed(self, params):
+        """The model's param tree (as trained) as the programs read it: unstacked, and on
+        the mesh's devices when there is one."""
+        params = self.unstack(params)
+        if self.mesh is None:
+            return params
+        return jax.device_put(params, param_shardings(self.decoding, self.mesh, self.rules))
+
     def use_params(self, params) -> None:
         """Serve these weights (the model's param tree, as trained) from the next step on:
         the compiled programs and the pool stay; the cached prefixes, computed with the old
         weights, are forgotten. Call it between steps with no request running."""
-        if getattr(self, "running", None):
+        if self.running:
             raise ValueError(f"use_params with {len(self.running)} requests running: call it "
                              "when has_work() is false")
-        self.params = self.unstack(params)
-        if self.mesh is not None:
-            self.params = jax.device_put(
-                self.params, param_shardings(self.decoding, self.mesh, self.rules))
-        if hasattr(self, "host"):
-            self.host.forget()
+        self.params = self.placed(params)
+        self.host.forget()
 
     # ---- requests ------------------------------------------------------------------------
 
