@@ -56,6 +56,7 @@ from jaxformer.core.reference import group_sinks, scale_and_mask, softmax
 from jaxformer.core.sharding import constrain
 from jaxformer.core.validation import ConfigError
 
+PAIR_ENTRIES = ("pair_row", "pair_page", "pair_index")  # a paged decode step read by pairs
 ROW_ENTRIES = ("positions", "state", "conv")  # one per batch row: a ring's, a recurrent layer's
 EMPTY_SLOT = 2**30  # the position of a cache slot holding nothing: later than any query
 
@@ -151,6 +152,12 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, windowed: bool = False
 def has_rings(cache) -> bool:
     """Whether any layer of the cache is a ring (a windowed layer's)."""
     return cache is not None and any("positions" in layer for layer in cache["layers"].values())
+
+
+def keys_own_positions(cache) -> bool:
+    """Whether the cache's keys are not one row of slots per batch row (a ring's, a paged
+    step's pairs'): a position bias is then made per layer from its own positions."""
+    return has_rings(cache) or (cache is not None and PAIR_ENTRIES[0] in cache)
 
 
 def rolled_back(cache, end):
@@ -281,8 +288,14 @@ def cached_attention(q, k, v, *, mask=None, bias=None, softcap=None, sinks=None)
 
 def paged_positions(cache):
     """A paged forward's key positions [R, M * page_size]: logical index j where the row
-    holds it after the forward (j < starts + counts), else EMPTY_SLOT."""
+    holds it after the forward (j < starts + counts), else EMPTY_SLOT; read by (row, page)
+    pairs (PAIR_ENTRIES), each pair's [P, page_size] (a padding pair's: EMPTY_SLOT)."""
     page_size = next((x["k"].shape[2] for x in cache["layers"].values() if "k" in x), 1)
+    if PAIR_ENTRIES[0] in cache:
+        held = jnp.take(cache["starts"] + cache["counts"], cache["pair_row"], mode="fill",
+                        fill_value=0)
+        j = cache["pair_index"][:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)
+        return jnp.where(j < held[:, None], j, EMPTY_SLOT)
     m = cache["page_table"].shape[1] * page_size
     j = jnp.arange(m, dtype=jnp.int32)
     return jnp.where(j < (cache["starts"] + cache["counts"])[:, None], j, EMPTY_SLOT)

@@ -18,14 +18,19 @@ key_positions for any cache). The paged layout holds floats only.
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 
 from jaxformer.attention.kv_cache import (
+    PAIR_ENTRIES,
     ROW_ENTRIES,
     cache_widths,
     check_generates,
     recurrent_mixer,
 )
+from jaxformer.core.reference import group_sinks, scale_and_mask
 
 
 def init_pages(cfg, pages: int, page_size: int, slots: int, dtype=None):
@@ -50,11 +55,13 @@ def init_pages(cfg, pages: int, page_size: int, slots: int, dtype=None):
     return {"layers": layers}
 
 
-def paged_cache(pool, table, starts, counts, rows):
+def paged_cache(pool, table, starts, counts, rows, pairs=None):
     """The cache one forward over R rows reads: the pool's pages with the rows' page
     tables table [R, M] (an entry past a row's pages: any id >= pages), starts and counts
     [R]; each recurrent entry the rows' slots `rows` [R] (zeros where a row starts at 0: a
-    new sequence; a row id >= slots: none, zeros)."""
+    new sequence; a row id >= slots: none, zeros). pairs: (pair_row, pair_page,
+    pair_index) [P] for a decode step read by pairs (pair_attention), else None."""
+    by_pair = {} if pairs is None else dict(zip(PAIR_ENTRIES, pairs))
     def layer(entries):
         out = {}
         for name, x in entries.items():
@@ -65,12 +72,12 @@ def paged_cache(pool, table, starts, counts, rows):
             else:
                 out[name] = x
         if "k" in entries:
-            out.update(page_table=table, starts=starts, counts=counts)
+            out.update(page_table=table, starts=starts, counts=counts, **by_pair)
         return out
 
     return {"layers": {n: layer(x) for n, x in pool["layers"].items()},
             "page_table": table, "starts": starts, "counts": counts,
-            "index": jnp.zeros([], jnp.int32)}
+            "index": jnp.zeros([], jnp.int32), **by_pair}
 
 
 def paged_pool(pool, cache, rows):
@@ -124,3 +131,46 @@ def paged_keys(layer, k, v):
     layer = write_pages(layer, k, v)
     table = layer["page_table"]
     return page_view(layer["k"], table), page_view(layer["v"], table), layer
+
+
+def reads_pairs(layer) -> bool:
+    """Whether a paged layer's forward reads (row, page) pairs (pair_attention)."""
+    return PAIR_ENTRIES[0] in layer
+
+
+def pair_rule(rule, layer):
+    """A MaskRule of the forward (its key positions already the pairs', [P, page_size]:
+    kv_cache.paged_positions) with each pair's row's query positions [P, 1]."""
+    return rule.replace(q_positions=jnp.take(rule.q_positions, layer["pair_row"], axis=0,
+                                             mode="fill", fill_value=0))
+
+
+def pair_attention(q, layer, mask, bias=None, *, softcap=None, sinks=None):
+    """Attention of one new token per row q [R, 1, N, H] over the pages its row holds,
+    read as the layer's (row, page) pairs: each pair's logits [P, K, G, 1, page_size]
+    (scaled, soft-capped, + bias [P, N, 1, page_size], masked by mask [P, 1, 1,
+    page_size]), then a softmax over each row's pairs (segment max and sums, sinks [N]
+    in both as cached_attention's), the values' weighted sums summed per row -> [R, 1, N, Hv]
+    in q's dtype (a row with no pair: zeros)."""
+    r, _, n, h = q.shape
+    rows, n_kv = layer["pair_row"], layer["k"].shape[1]
+    k = jnp.take(layer["k"], layer["pair_page"], axis=0, mode="clip").astype(q.dtype)
+    v = jnp.take(layer["v"], layer["pair_page"], axis=0, mode="clip").astype(q.dtype)
+    qp = jnp.take(q.reshape(r, n_kv, n // n_kv, h), rows, axis=0, mode="clip")  # [P, K, G, H]
+    logits = jnp.einsum("pkgh,pksh->pkgs", qp, k, preferred_element_type=jnp.float32)
+    logits = scale_and_mask(logits[:, :, :, None], mask=mask, bias=bias,
+                            scale=1.0 / math.sqrt(h), softcap=softcap)  # [P, K, G, 1, ps]
+    segments = dict(segment_ids=rows, num_segments=r, indices_are_sorted=True)
+    peak = jax.ops.segment_max(jnp.max(logits, axis=-1), **segments)  # [R, K, G, 1]
+    sinks = group_sinks(sinks, n_kv)  # [K, G, 1, 1] or None
+    if sinks is not None:
+        peak = jnp.maximum(peak, sinks[..., 0])
+    peak = jax.lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
+    e = jnp.exp(logits - jnp.take(peak, rows, axis=0, mode="clip")[..., None])
+    total = jax.ops.segment_sum(jnp.sum(e, axis=-1), **segments)
+    if sinks is not None:
+        total = total + jnp.exp(sinks[..., 0] - peak)
+    out = jax.ops.segment_sum(jnp.einsum("pkgts,pksh->pkgth", e.astype(v.dtype), v,
+                                         preferred_element_type=jnp.float32), **segments)
+    out = out / jnp.where(total == 0, 1.0, total)[..., None]  # [R, K, G, 1, Hv]
+    return out.transpose(0, 3, 1, 2, 4).reshape(r, 1, n, v.shape[-1]).astype(q.dtype)

@@ -234,6 +234,8 @@ class Attention(nn.Module):
             raise ValueError(f"position={self.cfg.position!r} counts keys in row order, which a "
                              "windowed layer's ring cache does not keep; use "
                              "init_cache(..., windowed=False)")
+        if paged_cache.reads_pairs(cache):  # a paged decode step: each row's own pages
+            return self.pair_step(q, k, v, x, mask, bias, cache)
         k, v, mask, cache = self.cached_keys(k, v, mask, cache, cache_index)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         if self.contextual:  # over the cache's slots (in row order: CoPE has no ring)
@@ -248,6 +250,16 @@ class Attention(nn.Module):
                 bias = dense_bias(bias, mask.q_positions, mask.k_positions)
             z = kv_cache.cached_attention(q, k, v, bias=bias, mask=mask.dense()
                                           if isinstance(mask, MaskRule) else mask, **self.extras)
+        return self.finish(hook_point(self, "hook_z", self.gated(z, x))), cache
+
+    def pair_step(self, q, k, v, x, rule: MaskRule, bias, cache):
+        """A paged decode step read by (row, page) pairs (paged_cache.pair_attention): the
+        new k, v written to the pages, the output [B, 1, D] and the layer's cache."""
+        cache = paged_cache.write_pages(cache, k, v)
+        rule = paged_cache.pair_rule(rule, cache)
+        if isinstance(bias, LogitBias):
+            bias = dense_bias(bias, rule.q_positions, rule.k_positions)
+        z = paged_cache.pair_attention(q, cache, rule.dense(), bias, **self.extras)
         return self.finish(hook_point(self, "hook_z", self.gated(z, x))), cache
 
     @staticmethod

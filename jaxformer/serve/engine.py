@@ -26,7 +26,10 @@ many as the prompts waiting, a power of two up to PREFILL_ROWS, not PREFILL_ROWS
 for a chunk wider than LEAST_CHUNK) and one per decode row count (powers of two from
 LEAST_ROWS up to the slots: a decode step runs its decoding slots alone, packed into the
 first rows); two for max_seq_len <= LEAST_KEYS, slots <= LEAST_ROWS and prefill_chunk <=
-LEAST_CHUNK. Not thread-safe: one thread calls submit, cancel and step.
+LEAST_CHUNK. A model whose attention reads (row, page) pairs (paged_step.reads_pairs)
+decodes over each row's own pages: one decode program per row count and pair count
+(powers of two from LEAST_KEYS / page_size a row), not per table width. Not thread-safe:
+one thread calls submit, cancel and step.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from jaxformer.decode.sampling import Sampling
 from jaxformer.model.archs import ARCHS
 from jaxformer.model.transformer import Transformer
 from jaxformer.serve.pages import PagePool, chain_hashes
-from jaxformer.serve.paged_step import step_program
+from jaxformer.serve.paged_step import reads_pairs, step_program
 from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSettings,
                                       checked_request)
 
@@ -92,6 +95,8 @@ class Engine:
         self.pool = init_pages(self.cfg, pages, page_size, slots)
         self.tables = np.full((slots, self.max_pages), pages, np.int32)  # pages: none
         self.prefix = not cfg.recurrent  # a recurrent state is not kept per prefix
+        self.pairs = reads_pairs(self.cfg)  # decode steps over each row's own pages
+        self.least = -(-LEAST_KEYS // page_size)  # the fewest pages a forward reads a row
         self.program = step_program(self.cfg, min(TOP_LOGPROBS, cfg.vocab_size), mesh, rules)
         self.by_slot: list[Request | None] = [None] * slots
         self.running: list[Request] = []  # in order of admission
@@ -260,7 +265,7 @@ class Engine:
         if not reqs:
             return []
         args = self.arguments(reqs, counts, chunk, rows)
-        self.shapes.add((rows, chunk, args[3].shape[1]))
+        self.shapes.add((rows, chunk, args[3].shape[1] if len(args) < 10 else len(args[9][0])))
         self.pool, out = self.program(self.params, self.pool, *args)
         tokens, logps, top_ids, top_logps = jax.device_get(out)
         events = []
@@ -280,11 +285,11 @@ class Engine:
         for i, r in enumerate(reqs):
             feed = r.tokens[r.held:r.held + counts[r.id]]
             tokens[i, :len(feed)], starts[i], count[i] = feed, r.held, len(feed)
-        # the keys the longest row reads after this chunk (a prompt holds all its pages from
+        # the pages each row reads after this chunk (a prompt holds all its pages from
         # admission on: its first chunks read fewer)
-        longest = max(r.held + counts[r.id] for r in reqs)
-        width = table_width(-(-longest // self.page_size), self.max_pages,
-                            -(-LEAST_KEYS // self.page_size))
+        held = [-(-(r.held + counts[r.id]) // self.page_size) for r in reqs]
+        pairs = chunk == 1 and self.pairs
+        width = self.max_pages if pairs else table_width(max(held), self.max_pages, self.least)
         slot_of = np.array([r.slot for r in reqs] + [self.slots] * (rows - n), np.int32)
         table = np.full((rows, width), self.host.pages, np.int32)
         table[:n] = self.tables[slot_of[:n], :width]
@@ -295,29 +300,49 @@ class Engine:
                             np.array([x.min_p for x in s], np.float32))
         seeds = np.array([r.seed for r in reqs] + [(0, 0)] * (rows - n), np.uint32)
         index = np.array([r.generated for r in reqs] + [0] * (rows - n), np.int32)
-        return (tokens, starts, count, table, slot_of, sampling, seeds, index,
+        args = (tokens, starts, count, table, slot_of, sampling, seeds, index,
                 self.bans(reqs, rows))
+        return args + (self.pair_list(table, held, rows),) if pairs else args
+
+    def pair_list(self, table, held, rows: int) -> tuple:
+        """A decode step's (row, page) pairs (paged_cache): row i's first held[i] pages of
+        table [R, M], in row order, padded (row `rows`, page none) to a power of two."""
+        n = sum(held)
+        size = table_width(n, rows * self.max_pages, rows * self.least)
+        row, index = np.full(size, rows, np.int32), np.zeros(size, np.int32)
+        row[:n] = np.repeat(np.arange(len(held)), held)
+        index[:n] = np.arange(n) - np.repeat(np.cumsum(held) - held, held)
+        page = np.full(size, self.host.pages, np.int32)
+        page[:n] = table[row[:n], index[:n]]
+        return row, page, index
 
     def warm(self) -> int:
         """Compile every program a step may run (each shape once, its rows all padding:
         nothing written), so that no request waits for a compile; how many shapes."""
-        least = -(-LEAST_KEYS // self.page_size)
-        widths = {table_width(p, self.max_pages, least) for p in range(1, self.max_pages + 1)}
+        widths = {table_width(p, self.max_pages, self.least)
+                  for p in range(1, self.max_pages + 1)}
         chunks = {table_width(n, self.prefill_chunk, LEAST_CHUNK)
                   for n in range(2, self.prefill_chunk + 1)} or {1}
         rows = {table_width(n, self.slots, LEAST_ROWS) for n in range(1, self.slots + 1)}
         prompts = range(1, min(PREFILL_ROWS, self.slots) + 1)
         shapes = {(self.prompt_rows(n, c), c, w) for n in prompts for c in chunks
-                  for w in widths} | {
-            (r, 1, w) for r in rows for w in widths}
+                  for w in widths}
+        for r in rows:  # a decode step's: table widths, or pair counts
+            shapes |= {(r, 1, w if not self.pairs else table_width(
+                r * w, r * self.max_pages, r * self.least)) for w in widths}
         for r, c, w in sorted(shapes):
             none = np.full(r, self.slots, np.int32)  # a padding row's slot and page: none
             greedy = Sampling(np.zeros(r, np.float32), np.zeros(r, np.int32),
                               np.ones(r, np.float32), np.zeros(r, np.float32))
-            self.pool, out = self.program(
-                self.params, self.pool, np.zeros((r, c), np.int32), np.zeros(r, np.int32),
-                np.zeros(r, np.int32), np.full((r, w), self.host.pages, np.int32), none,
-                greedy, np.zeros((r, 2), np.uint32), np.zeros(r, np.int32), self.bans([], r))
+            pairs = c == 1 and self.pairs
+            table = np.full((r, self.max_pages if pairs else w), self.host.pages, np.int32)
+            args = (np.zeros((r, c), np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32),
+                    table, none, greedy, np.zeros((r, 2), np.uint32), np.zeros(r, np.int32),
+                    self.bans([], r))
+            if pairs:  # every pair padding: nothing read, nothing written
+                args += ((np.full(w, r, np.int32), np.full(w, self.host.pages, np.int32),
+                          np.zeros(w, np.int32)),)
+            self.pool, out = self.program(self.params, self.pool, *args)
             jax.block_until_ready(out)
         return len(shapes)
 

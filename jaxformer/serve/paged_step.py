@@ -7,6 +7,9 @@ One program per (rows, chunk width, page-table width): the engine runs a few sha
 rows (powers of two for a decode step, a few for prompt chunks) and page-table widths in
 powers of two, so a program attends over at most twice the pages its longest row holds.
 The LM head runs at each row's last real token alone ([R, V] logits, not [R, T, V]).
+A decode step of a model whose attention layers read (row, page) pairs (reads_pairs) reads
+each row's own pages alone (paged_cache.pair_attention): one program per (rows, pairs),
+pairs in powers of two, the page table then only where the new tokens are written.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from jaxformer.core.sharding import traced_under
 from jaxformer.decode.cached_forward import CPU_DECODE_OPTIONS
 from jaxformer.decode.sampling import Sampling, branches_of, sample_and_filter
 from jaxformer.model.transformer import Transformer
+from jaxformer.positions.schemes import POSITION_SCHEMES
 
 
 def row_keys(seeds, index):
@@ -50,13 +54,20 @@ def sampled_rows(logits, sampling: Sampling, seeds, index, bans, top: int):
     return tokens, logp, top_ids.astype(jnp.int32), top_logp
 
 
-def paged_forward(model, params, pool, tokens, starts, counts, table, rows):
+def reads_pairs(cfg) -> bool:
+    """Whether the model's attention layers read a paged decode step's (row, page) pairs:
+    not MLA's latent attention (its pages read through the tables) nor a scheme that
+    computes its own logits over a row's keys in order (CoPE)."""
+    return not cfg.mla.on and POSITION_SCHEMES[cfg.position].logits is None
+
+
+def paged_forward(model, params, pool, tokens, starts, counts, table, rows, pairs=None):
     """The logits [R, V] of each row's last real token and the pool after tokens [R, T]
     (counts [R] real ones each, at positions starts + 0, 1, ...) went through the model
     over the paged cache; rows [R]: each row's slot (its recurrent state; a padding row's
-    an id >= slots)."""
+    an id >= slots); pairs: a decode step's (row, page) pairs (paged_cache), or None."""
     t = tokens.shape[1]
-    cache = paged_cache.paged_cache(pool, table, starts, counts, rows)
+    cache = paged_cache.paged_cache(pool, table, starts, counts, rows, pairs)
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [R, T]
     segments = (jnp.arange(t) < counts[:, None]).astype(jnp.int32)  # 0: padding
     logits, cache = model.apply({"params": params}, tokens, positions, segments, cache=cache,
@@ -67,14 +78,17 @@ def paged_forward(model, params, pool, tokens, starts, counts, table, rows):
 @functools.lru_cache(maxsize=16)
 def step_program(cfg, top: int, mesh=None, rules=None):
     """The jitted step(params, pool, tokens, starts, counts, table, rows, sampling, seeds,
-    index, bans) -> (pool, (tokens, logprobs, top ids, top log-probs)) of the model of cfg
+    index, bans, pairs=None) -> (pool, (tokens, logprobs, top ids, top log-probs)) of the
+    model of cfg
     (a decoding config: cached_forward.decoding_config), the pool donated (updated in
     place), compiled as the decoders are (CPU_DECODE_OPTIONS on CPU); traced inside the
     sharding context of `mesh` and `rules` when given."""
     model = Transformer(cfg)
 
-    def step(params, pool, tokens, starts, counts, table, rows, sampling, seeds, index, bans):
-        last, pool = paged_forward(model, params, pool, tokens, starts, counts, table, rows)
+    def step(params, pool, tokens, starts, counts, table, rows, sampling, seeds, index, bans,
+             pairs=None):
+        last, pool = paged_forward(model, params, pool, tokens, starts, counts, table, rows,
+                                   pairs)
         return pool, sampled_rows(last, sampling, seeds, index, bans, top)
 
     options = CPU_DECODE_OPTIONS if jax.default_backend() == "cpu" else None

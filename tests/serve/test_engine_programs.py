@@ -3,7 +3,8 @@ jaxformer.attention.paged_cache): a decode step runs the decoding rows alone, no
 slot, and a prompt chunk runs as many rows as prompts wait (not PREFILL_ROWS, padded) and
 is as wide as the prompt's rest needs, not prefill_chunk; the LM
 head runs at each row's last token alone ([R, V], not [R * T, V]); the pool is donated and
-updated in place (no copy of it); page_view gathers whole pages. Read from the compiled HLO
+updated in place (no copy of it); page_view gathers whole pages, and a decode step only
+the pages its rows hold (a (row, page) pair each, not rows x the longest row's). Read from the compiled HLO
 of one tiny engine's programs, not from timings; Engine.warm compiles every program a
 step may run beforehand."""
 
@@ -39,7 +40,8 @@ def compiled_programs():
     engine.submit(list(range(1, 41)), RequestSettings(max_tokens=2, temperature=0.0))
     while engine.has_work():
         engine.step()
-    texts = {shape: program.lower(*args).compile().as_text() for shape, args in calls.items()}
+    texts = {shape: (program.lower(*args).compile().as_text(), args)
+             for shape, args in calls.items()}
     assert (warmed, program._cache_size()) == (12, compiled)  # warm compiled every one
     return engine.shapes, texts
 
@@ -48,13 +50,19 @@ def test_programs_run_the_decoding_rows_the_last_tokens_head_and_the_pool_in_pla
     shapes, texts = compiled_programs()
     assert {(rows, chunk) for rows, chunk, _ in shapes} == {(1, 64), (8, 1)}  # not 4, 16
     v, pool = CFG.vocab_size, r"f32\[\d+,2,8,8\]"  # [pages, K, page_size, head_dim]
-    for (rows, chunk), hlo in texts.items():
+    for (rows, chunk), (hlo, args) in texts.items():
         head = [re.search(rf"= f32\[([\d,]*){v}\]", x) for x in hlo.splitlines()
                 if "Transformer.logits/" in x]  # arrays of the head's, V their last axis
         sizes = [math.prod(int(d) for d in m.group(1).split(",") if d) for m in head if m]
         assert sizes and max(sizes) == rows, sizes  # [R, V]: not [R, T, V]
         assert "input_output_alias" in hlo
         assert not re.search(rf"= {pool}\S* copy\(", hlo)  # the pool is not copied
-        # each layer's k and v read as whole pages: [R, M, K, page_size, H]
-        gathers = re.findall(rf"= f32\[{rows},\d+,2,8,8\]\S* gather\(", hlo)
+        # each layer's k and v read as whole pages: [R, M, K, page_size, H] (XLA may put M
+        # first); a decode step's
+        # as its pairs' [P, K, page_size, H]: a row of 41 tokens holds 6 pages of 8, padded to
+        # 32 pairs (8 rows x 32 keys), not 8 rows x its table's 8 pages
+        pairs = None if chunk > 1 else args[11][0]  # (params, pool, *the step's arguments)
+        assert pairs is None or (len(pairs), sum(pairs < rows)) == (32, 6)
+        pages = rf"(?:{rows},\d+|\d+,{rows})" if pairs is None else rf"{len(pairs)}(?:,1)?"
+        gathers = re.findall(rf"= f32\[{pages},2,8,8\]\S* gather\(", hlo)
         assert len(gathers) == 2 * CFG.n_layers, hlo.count("gather(")

@@ -127,4 +127,7 @@ def test_32_sequences_of_100_tokens_hold_under_a_tenth_of_32_full_slots():
     want = generate(model, params, np.array([long]), max_new_tokens=12, rng=jax.random.key(0),
                     temperature=0.0)
     assert got == np.asarray(want.tokens[0]).tolist() and not engine.has_work()
-    assert {w for _, _, w in engine.shapes} == {8, 16, 32}  # widths run: the pages filled
+    # prompt chunks' table widths run: the pages filled; the long one decoding alone reads
+    # its 19-20 pages as 32 (row, page) pairs, not 8 rows x a table of 32 pages
+    assert {w for _, c, w in engine.shapes if c > 1} == {8, 16, 32}
+    assert (8, 1, 32) in engine.shapes and max(w for _, c, w in engine.shapes if c == 1) == 256
