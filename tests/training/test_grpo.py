@@ -298,7 +298,10 @@ def test_a_task_reward_in_the_step_is_the_python_reward_on_the_host(one_program)
     assert "rollout_s" not in rows[0]
     assert all("rollout_s" in r for r in read_metrics(hosted) if "reward_mean" in r)
     assert sum(r["reward_mean"] for r in rows) > 0
-    same_run(fused, hosted, 1e-5, 1e-5)
+    # two programs: their float rounding differs, and after one update the second step's
+    # gradients differ by ~1e-4 relative on some CPUs (AMD EPYC: grad_norm 0.322034 vs
+    # 0.322071), the final params by ~2e-5
+    same_run(fused, hosted, 1e-5, 1e-4, later_tol=1e-3)
 
 
 def test_the_one_program_step_on_a_mesh_equals_one_device(sft, one_program, tmp_path):
