@@ -26,8 +26,8 @@ many as the prompts waiting, a power of two up to PREFILL_ROWS, not PREFILL_ROWS
 for a chunk wider than LEAST_CHUNK) and one per decode row count (powers of two from
 LEAST_ROWS up to the slots: a decode step runs its decoding slots alone, packed into the
 first rows); two for max_seq_len <= LEAST_KEYS, slots <= LEAST_ROWS and prefill_chunk <=
-LEAST_CHUNK. A model whose attention reads (row, page) pairs (paged_step.reads_pairs)
-decodes over each row's own pages: one decode program per row count and pair count
+LEAST_CHUNK. A model whose attention reads (row, page) pairs (paged_step.reads_pairs), in
+pages of PAIR_PAGES tokens or more, decodes over each row's own pages: one decode program per row count and pair count
 (powers of two from LEAST_KEYS / page_size a row), not per table width. Not thread-safe:
 one thread calls submit, cancel and step.
 """
@@ -57,6 +57,9 @@ PREFILL_ROWS = 4  # prompts whose next chunk runs in one step (fewer slots: as m
 # rows, a prompt chunk is at least this wide: below them, masked keys and padding cost less
 # than compiling another program
 LEAST_KEYS, LEAST_ROWS, LEAST_CHUNK = 32, 8, 32
+# the least page size whose decode steps read (row, page) pairs (bench/grpo_rollout.py's
+# pages of 1: a rollout 1.7x slower by pairs; bench/engine_step.py's of 16: steps 1.2x faster)
+PAIR_PAGES = 8
 
 
 def table_width(pages: int, longest: int, least: int = 1) -> int:
@@ -95,7 +98,9 @@ class Engine:
         self.pool = init_pages(self.cfg, pages, page_size, slots)
         self.tables = np.full((slots, self.max_pages), pages, np.int32)  # pages: none
         self.prefix = not cfg.recurrent  # a recurrent state is not kept per prefix
-        self.pairs = reads_pairs(self.cfg)  # decode steps over each row's own pages
+        # decode steps over each row's own pages, where a page holds several keys: with pages
+        # of one token (GRPO's rollouts) the segment sums cost more than the table's padding
+        self.pairs = reads_pairs(self.cfg) and page_size >= PAIR_PAGES
         self.least = -(-LEAST_KEYS // page_size)  # the fewest pages a forward reads a row
         self.program = step_program(self.cfg, min(TOP_LOGPROBS, cfg.vocab_size), mesh, rules)
         self.by_slot: list[Request | None] = [None] * slots
