@@ -210,8 +210,11 @@ def test_chat_renders_the_folders_template(folder, client):
 def test_streaming_gives_the_same_text(folder, client):
     """Streamed completions and chats (server-sent events) add up to the whole reply."""
     tok = folder[3]
-    ids = random_prompt(folder, int(rng.integers(3, 20)))
-    want = tok.decode(greedy(folder, [ids], 16)[0])
+    for _ in range(20):  # a reply of whole characters (a byte-level model's greedy bytes may
+        ids = random_prompt(folder, int(rng.integers(3, 20)))  # form none until the end)
+        want = tok.decode(greedy(folder, [ids], 16)[0])
+        if "\ufffd" not in want:
+            break
     stream = list(client.completions.create(model="tiny", prompt=ids, max_tokens=16,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
