@@ -27,9 +27,9 @@ for a chunk wider than LEAST_CHUNK) and one per decode row count (powers of two 
 LEAST_ROWS up to the slots: a decode step runs its decoding slots alone, packed into the
 first rows); two for max_seq_len <= LEAST_KEYS, slots <= LEAST_ROWS and prefill_chunk <=
 LEAST_CHUNK. A model whose attention reads (row, page) pairs (paged_step.reads_pairs), in
-pages of PAIR_PAGES tokens or more, decodes over each row's own pages: one decode program per row count and pair count
-(powers of two from LEAST_KEYS / page_size a row), not per table width. Not thread-safe:
-one thread calls submit, cancel and step.
+pages of PAIR_PAGES tokens or more, decodes over each row's own pages: one decode program
+per row count and pair count (pair_count: 2^k and 3 x 2^(k-1), from LEAST_KEYS / page_size
+a row), not per table width. Not thread-safe: one thread calls submit, cancel and step.
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ LEAST_KEYS, LEAST_ROWS, LEAST_CHUNK = 32, 8, 32
 # the least page size whose decode steps read (row, page) pairs (bench/grpo_rollout.py's
 # pages of 1: a rollout 1.7x slower by pairs; bench/engine_step.py's of 16: steps 1.2x faster)
 PAIR_PAGES = 8
+
+
+def pair_count(pairs: int, most: int, least: int) -> int:
+    """The pairs a decode step runs: the least of 2^k and 3 * 2^(k-1) >= `pairs` (and >=
+    `least`), at most `most`: at most a third more than needed, not twice."""
+    size = table_width(pairs, most, least)
+    return size if size * 3 // 4 < max(pairs, least) or size <= 2 else size * 3 // 4
 
 
 def table_width(pages: int, longest: int, least: int = 1) -> int:
@@ -313,7 +320,7 @@ class Engine:
         """A decode step's (row, page) pairs (paged_cache): row i's first held[i] pages of
         table [R, M], in row order, padded (row `rows`, page none) to a power of two."""
         n = sum(held)
-        size = table_width(n, rows * self.max_pages, rows * self.least)
+        size = pair_count(n, rows * self.max_pages, rows * self.least)
         row, index = np.full(size, rows, np.int32), np.zeros(size, np.int32)
         row[:n] = np.repeat(np.arange(len(held)), held)
         index[:n] = np.arange(n) - np.repeat(np.cumsum(held) - held, held)
@@ -333,8 +340,9 @@ class Engine:
         shapes = {(self.prompt_rows(n, c), c, w) for n in prompts for c in chunks
                   for w in widths}
         for r in rows:  # a decode step's: table widths, or pair counts
-            shapes |= {(r, 1, w if not self.pairs else table_width(
-                r * w, r * self.max_pages, r * self.least)) for w in widths}
+            shapes |= {(r, 1, w) for w in widths} if not self.pairs else {
+                (r, 1, pair_count(n, r * self.max_pages, r * self.least))
+                for n in range(1, r * self.max_pages + 1)}
         for r, c, w in sorted(shapes):
             none = np.full(r, self.slots, np.int32)  # a padding row's slot and page: none
             greedy = Sampling(np.zeros(r, np.float32), np.zeros(r, np.int32),

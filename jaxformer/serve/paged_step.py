@@ -9,7 +9,8 @@ powers of two, so a program attends over at most twice the pages its longest row
 The LM head runs at each row's last real token alone ([R, V] logits, not [R, T, V]).
 A decode step of a model whose attention layers read (row, page) pairs (reads_pairs) reads
 each row's own pages alone (paged_cache.pair_attention): one program per (rows, pairs),
-pairs in powers of two, the page table then only where the new tokens are written.
+pairs in steps of at most a third (engine.pair_count), the page table then only where the
+new tokens are written.
 """
 
 from __future__ import annotations
