@@ -3,7 +3,7 @@ float64 NumPy fake quantisation of the same recipe (scales, round to nearest eve
 format's grid, saturation at its max), forward and gradients, in a projection's dot and in
 the experts' grouped matmul; a model's loss and gradients in fp8 scanned and rematerialised
 equal the unscanned; 8 devices equal one (tests/core/low_precision_worker.py); a short fp8
-training run ends near bf16's."""
+training run ends near bf16's, and an fp8 run resumes bit for bit."""
 
 import json
 import os
@@ -24,6 +24,7 @@ from jaxformer.moe.grouped_matmul import grouped_matmul
 from jaxformer.training.optim import OptimConfig, make_optimizer
 from jaxformer.training.step import init_state, make_train_step
 from tests.conftest import REPO
+from tests.training.test_loop import corpus  # noqa: F401  (the fixture)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 F32 = np.float32
@@ -247,3 +248,28 @@ def test_fp8_trains_like_bf16():
     fp8 = train_losses(cfg.replace(matmul_precision="fp8"), data, seed)
     assert np.mean(bf16[-3:]) < 0.6 * bf16[0]
     np.testing.assert_allclose(np.mean(fp8[-3:]), np.mean(bf16[-3:]), rtol=0.02)
+
+
+def test_an_fp8_run_resumes_bitwise(corpus, tmp_path):  # noqa: F811
+    """configs/tiny.yaml with model.matmul_precision=fp8 (current scaling: each matmul's
+    scales come from its operands, so the checkpoint's params and optimizer state are all
+    the state there is), resumed from step 3's checkpoint, repeats the uninterrupted run's
+    losses, params and optimizer state bit for bit."""
+    import shutil
+
+    from jaxformer.training import train
+    from tests.training.test_loop import config, losses, restored_state
+    same = ("model.matmul_precision=fp8", "train.steps=6", "checkpoint.every=3",
+            "train.eval_every=100", "train.sample_tokens=0")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    cfg = config(corpus, straight, *same)
+    train(cfg, log=lambda *a: None)
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints/6")
+    (resumed / "metrics.jsonl").unlink()
+    assert train(config(corpus, resumed, *same), log=lambda *a: None)["start_step"] == 3
+    a, b = losses(straight), losses(resumed)
+    assert set(b) == {4, 5, 6} and all(a[k] == b[k] for k in b), (a, b)
+    x, y = restored_state(cfg, straight), restored_state(cfg, resumed)
+    same_bits = jax.tree.leaves(jax.tree.map(np.array_equal, x, y))
+    assert len(same_bits) > 10 and all(same_bits)
