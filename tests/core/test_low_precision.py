@@ -255,21 +255,9 @@ def test_an_fp8_run_resumes_bitwise(corpus, tmp_path):  # noqa: F811
     scales come from its operands, so the checkpoint's params and optimizer state are all
     the state there is), resumed from step 3's checkpoint, repeats the uninterrupted run's
     losses, params and optimizer state bit for bit."""
-    import shutil
-
-    from jaxformer.training import train
-    from tests.training.test_loop import config, losses, restored_state
+    from tests.training.test_loop import config, resumed_like_straight, same_saved_state
     same = ("model.matmul_precision=fp8", "train.steps=6", "checkpoint.every=3",
             "train.eval_every=100", "train.sample_tokens=0")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    cfg = config(corpus, straight, *same)
-    train(cfg, log=lambda *a: None)
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints/6")
-    (resumed / "metrics.jsonl").unlink()
-    assert train(config(corpus, resumed, *same), log=lambda *a: None)["start_step"] == 3
-    a, b = losses(straight), losses(resumed)
-    assert set(b) == {4, 5, 6} and all(a[k] == b[k] for k in b), (a, b)
-    x, y = restored_state(cfg, straight), restored_state(cfg, resumed)
-    same_bits = jax.tree.leaves(jax.tree.map(np.array_equal, x, y))
-    assert len(same_bits) > 10 and all(same_bits)
+    cfg, _, straight, resumed = resumed_like_straight(lambda d: config(corpus, d, *same),
+                                                      tmp_path)
+    same_saved_state(cfg, straight, resumed)

@@ -2,6 +2,7 @@
 non-finite steps are skipped, and a checkpoint refuses another model config."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,35 @@ def restored_state(cfg, run, step=None):
 
 def losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def resumed_like_straight(make_cfg, tmp_path, steps: int = 6, every: int = 3, drop=()):
+    """A run of make_cfg(tmp_path / "straight") for `steps` steps (checkpoints every
+    `every`), then a copy of it, its last checkpoint, its metrics and `drop` (folders) removed,
+    resumed as make_cfg(tmp_path / "resumed"): it starts at steps - every and repeats the
+    straight run's losses bit for bit. (the straight run's config and summary, its folder,
+    the resumed one's) for more checks."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    cfg = make_cfg(straight)
+    summary = train(cfg, log=lambda *a: None)
+    shutil.copytree(straight, resumed)
+    for name in (f"checkpoints/{steps}", *drop):
+        shutil.rmtree(resumed / name)
+    (resumed / "metrics.jsonl").unlink()
+    start = steps - every
+    assert train(make_cfg(resumed), log=lambda *a: None)["start_step"] == start
+    a, b = losses(straight), losses(resumed)
+    assert set(b) == set(range(start + 1, steps + 1)) and all(a[k] == b[k] for k in b), (a, b)
+    return cfg, summary, straight, resumed
+
+
+def same_saved_state(cfg, straight, resumed):
+    """The two runs' latest train states (params and optimizer state) equal bit for bit;
+    the straight run's."""
+    a, b = restored_state(cfg, straight), restored_state(cfg, resumed)
+    same_bits = jax.tree.leaves(jax.tree.map(np.array_equal, a, b))
+    assert len(same_bits) > 10 and all(same_bits)
+    return a
 
 
 def cosine_lr(step, peak, warmup, total, min_ratio):

@@ -3,20 +3,19 @@ batches and losses bit for bit; evaluation logs each source's val loss (val_loss
 the loss evaluate gives on that source alone) and val_loss, their mean under the weights."""
 
 import dataclasses
-import shutil
 
 import numpy as np
 import pytest
 
 from jaxformer.data import load_dataset
 from jaxformer.model.transformer import Transformer
-from jaxformer.training import load_config, train
+from jaxformer.training import load_config
 from jaxformer.training.loop import evaluate
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.step import make_eval_step
 from tests.conftest import REPO
 from tests.data.test_mixture import write_sources
-from tests.training.test_loop import TINY, losses, restored_state
+from tests.training.test_loop import TINY, restored_state, resumed_like_straight
 
 
 def mixture_config(sources, run_dir, *extra):
@@ -30,15 +29,7 @@ def mixture_config(sources, run_dir, *extra):
 
 def test_mixture_resumes_bitwise_and_reports_each_sources_loss(rng, tmp_path):
     sources = write_sources(rng, tmp_path, sizes=(6000, 6000))
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    cfg = mixture_config(sources, straight)
-    train(cfg, log=lambda *a: None)
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints/6")
-    (resumed / "metrics.jsonl").unlink()
-    assert train(mixture_config(sources, resumed), log=lambda *a: None)["start_step"] == 3
-    a, b = losses(straight), losses(resumed)
-    assert set(b) == {4, 5, 6} and all(a[k] == b[k] for k in b), (a, b)
+    cfg, _, straight, _ = resumed_like_straight(lambda d: mixture_config(sources, d), tmp_path)
 
     (ev,) = [r for r in read_metrics(straight) if "val_loss" in r and r["step"] == 3]
     assert ev["val_loss"] == pytest.approx(0.7 * ev["val_loss/letters"]

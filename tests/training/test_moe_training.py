@@ -4,7 +4,6 @@ and survives a resume bit for bit, and evaluation reports the cross entropy alon
 The references read the router from the hook points (jaxformer.model.inspect) and count by hand."""
 
 import math
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +14,14 @@ import pytest
 from jaxformer.model.config import ConfigError
 from jaxformer.model.inspect import run_with_cache
 from jaxformer.model.transformer import Transformer
-from jaxformer.training import load_config, loop, train
+from jaxformer.training import load_config, loop
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import init_state, make_train_step
 from tests.conftest import REPO
 from tests.training.test_loop import (TINY, config, corpus, hand_val_loss, losses,  # noqa: F401
-                                      np_nll, random_batch, restored_state)
+                                      np_nll, random_batch, restored_state,
+                                      resumed_like_straight, same_saved_state)
 
 E, K = 4, 2  # experts, and how many each token reaches
 MOE = [f"model.moe.experts={E}", f"model.moe.top_k={K}"]
@@ -229,19 +229,9 @@ def test_bias_update_resumes_bit_for_bit_and_eval_is_the_cross_entropy(corpus, t
     same = (*MOE, "model.scan_layers=true", "model.moe.bias_update_rate=0.01",
             "model.moe.aux_loss=0.5", "model.moe.z_loss=0.01", "train.steps=6",
             "checkpoint.every=3", "train.eval_every=100", "train.sample_tokens=0")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    cfg = config(corpus, straight, *same)
-    summary = train(cfg, log=lambda *a: None)
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints/6")
-    shutil.rmtree(resumed / "best")
-    (resumed / "metrics.jsonl").unlink()
-    assert train(config(corpus, resumed, *same), log=lambda *a: None)["start_step"] == 3
-    a, b = losses(straight), losses(resumed)
-    assert set(b) == {4, 5, 6} and all(a[k] == b[k] for k in b), (a, b)
-    a, b = restored_state(cfg, straight), restored_state(cfg, resumed)
-    same_bits = jax.tree.leaves(jax.tree.map(np.array_equal, a, b))  # optimizer state too
-    assert len(same_bits) > 10 and all(same_bits)
+    cfg, summary, straight, resumed = resumed_like_straight(
+        lambda d: config(corpus, d, *same), tmp_path, drop=("best",))
+    a = same_saved_state(cfg, straight, resumed)  # optimizer state too
     assert np.any(np.asarray(a.params["blocks"]["ffn"]["score_bias"]) != 0)
 
     records = [r for r in read_metrics(straight) if "loss" in r]

@@ -4,7 +4,6 @@ with two input axes, a stacked layer axis, an expert stack, MLA's up-projections
 the rest against its own float64 formula; a tiny run that learns and resumes bitwise. On a
 mesh: tests/core/test_sharding.py (test_muon_on_a_mesh_updates_like_one_device)."""
 
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,8 @@ import pytest
 
 from jaxformer import ModelConfig, param_shapes
 from jaxformer.training.optim import OptimConfig, make_optimizer, muon_dimensions
-from tests.training.test_loop import config, corpus, losses, restored_state  # noqa: F401
+from tests.training.test_loop import (config, corpus, losses,  # noqa: F401
+                                      resumed_like_straight, same_saved_state)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 NS = (3.4445, -4.7750, 2.0315)  # Jordan et al.'s quintic coefficients, 5 steps
@@ -110,22 +110,12 @@ def test_muon_trains_and_resumes_bitwise(corpus, tmp_path):  # noqa: F811
     """configs/tiny.yaml with optim.name=muon: the loss falls; resumed from the checkpoint
     of step 3 (a copy of the run with the later one removed), the run repeats the
     uninterrupted one's losses, params and optimizer state bit for bit."""
-    from jaxformer.training import train
     same = ("optim.name=muon", "train.steps=6", "checkpoint.every=3", "train.eval_every=100",
             "train.sample_tokens=0")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    cfg = config(corpus, straight, *same)
-    train(cfg, log=lambda *a: None)
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints/6")
-    (resumed / "metrics.jsonl").unlink()
-    assert train(config(corpus, resumed, *same), log=lambda *a: None)["start_step"] == 3
-    a, b = losses(straight), losses(resumed)
-    assert set(b) == {4, 5, 6} and all(a[k] == b[k] for k in b), (a, b)
-    assert a[6] < a[1]
-    x, y = restored_state(cfg, straight), restored_state(cfg, resumed)
-    same_bits = jax.tree.leaves(jax.tree.map(np.array_equal, x, y))  # Muon's momentum too
-    assert len(same_bits) > 10 and all(same_bits)
+    cfg, _, straight, resumed = resumed_like_straight(lambda d: config(corpus, d, *same),
+                                                      tmp_path)
+    assert losses(straight)[6] < losses(straight)[1]
+    same_saved_state(cfg, straight, resumed)  # Muon's momentum too
 
 
 def test_unknown_optimizer_is_one_line():
