@@ -154,10 +154,16 @@ def has_rings(cache) -> bool:
     return cache is not None and any("positions" in layer for layer in cache["layers"].values())
 
 
+def reads_pairs(cache) -> bool:
+    """Whether a paged forward's cache (or one of its layers) is read by (row, page) pairs
+    (jaxformer.attention.paged_cache.pair_attention)."""
+    return cache is not None and PAIR_ENTRIES[0] in cache
+
+
 def keys_own_positions(cache) -> bool:
     """Whether the cache's keys are not one row of slots per batch row (a ring's, a paged
     step's pairs'): a position bias is then made per layer from its own positions."""
-    return has_rings(cache) or (cache is not None and PAIR_ENTRIES[0] in cache)
+    return has_rings(cache) or reads_pairs(cache)
 
 
 def rolled_back(cache, end):
@@ -291,7 +297,7 @@ def paged_positions(cache):
     holds it after the forward (j < starts + counts), else EMPTY_SLOT; read by (row, page)
     pairs (PAIR_ENTRIES), each pair's [P, page_size] (a padding pair's: EMPTY_SLOT)."""
     page_size = next((x["k"].shape[2] for x in cache["layers"].values() if "k" in x), 1)
-    if PAIR_ENTRIES[0] in cache:
+    if reads_pairs(cache):
         held = jnp.take(cache["starts"] + cache["counts"], cache["pair_row"], mode="fill",
                         fill_value=0)
         j = cache["pair_index"][:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)

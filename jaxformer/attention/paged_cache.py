@@ -133,11 +133,6 @@ def paged_keys(layer, k, v):
     return page_view(layer["k"], table), page_view(layer["v"], table), layer
 
 
-def reads_pairs(layer) -> bool:
-    """Whether a paged layer's forward reads (row, page) pairs (pair_attention)."""
-    return PAIR_ENTRIES[0] in layer
-
-
 def pair_rule(rule, layer):
     """A MaskRule of the forward (its key positions already the pairs', [P, page_size]:
     kv_cache.paged_positions) with each pair's row's query positions [P, 1]."""

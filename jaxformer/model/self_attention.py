@@ -234,7 +234,7 @@ class Attention(nn.Module):
             raise ValueError(f"position={self.cfg.position!r} counts keys in row order, which a "
                              "windowed layer's ring cache does not keep; use "
                              "init_cache(..., windowed=False)")
-        if paged_cache.reads_pairs(cache):  # a paged decode step: each row's own pages
+        if kv_cache.reads_pairs(cache):  # a paged decode step: each row's own pages
             return self.pair_step(q, k, v, x, mask, bias, cache)
         k, v, mask, cache = self.cached_keys(k, v, mask, cache, cache_index)
         k, v = k.astype(q.dtype), v.astype(q.dtype)

@@ -226,8 +226,8 @@ class Transformer(nn.Module):
 
     def position_bias(self, impl: str, t: int, cache, positions, k_positions):
         """The scheme's bias as a LogitBias where the backend reads it a block at a time (or
-        a ring in the cache, or a paged step's pairs, recompute it over their own keys), else once as an array
-        [B|1, N, T, S] for every layer; None without a bias scheme."""
+        a ring in the cache, or a paged step's pairs, recompute it over their own keys),
+        else once as an array [B|1, N, T, S] for every layer; None without a bias scheme."""
         bias = PositionBias(self.cfg, name="position_bias")()  # a LogitBias, or None
         if takes_structure(impl, t, cached=cache is not None) or kv_cache.keys_own_positions(
                 cache):

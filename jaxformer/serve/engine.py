@@ -26,7 +26,7 @@ many as the prompts waiting, a power of two up to PREFILL_ROWS, not PREFILL_ROWS
 for a chunk wider than LEAST_CHUNK) and one per decode row count (powers of two from
 LEAST_ROWS up to the slots: a decode step runs its decoding slots alone, packed into the
 first rows); two for max_seq_len <= LEAST_KEYS, slots <= LEAST_ROWS and prefill_chunk <=
-LEAST_CHUNK. A model whose attention reads (row, page) pairs (paged_step.reads_pairs), in
+LEAST_CHUNK. A model whose attention reads (row, page) pairs (paged_step.decodes_by_pairs), in
 pages of PAIR_PAGES tokens or more, decodes over each row's own pages: one decode program
 per row count and pair count (pair_count: 2^k and 3 x 2^(k-1), from LEAST_KEYS / page_size
 a row), not per table width. Not thread-safe: one thread calls submit, cancel and step.
@@ -48,7 +48,7 @@ from jaxformer.decode.sampling import Sampling
 from jaxformer.model.archs import ARCHS
 from jaxformer.model.transformer import Transformer
 from jaxformer.serve.pages import PagePool, chain_hashes
-from jaxformer.serve.paged_step import reads_pairs, step_program
+from jaxformer.serve.paged_step import decodes_by_pairs, step_program
 from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSettings,
                                       checked_request)
 
@@ -66,7 +66,8 @@ def pair_count(pairs: int, most: int, least: int) -> int:
     """The pairs a decode step runs: the least of 2^k and 3 * 2^(k-1) >= `pairs` (and >=
     `least`), at most `most`: at most a third more than needed, not twice."""
     size = table_width(pairs, most, least)
-    return size if size * 3 // 4 < max(pairs, least) or size <= 2 else size * 3 // 4
+    smaller = size * 3 // 4
+    return smaller if size > 2 and smaller >= max(pairs, least) else size
 
 
 def table_width(pages: int, longest: int, least: int = 1) -> int:
@@ -107,7 +108,7 @@ class Engine:
         self.prefix = not cfg.recurrent  # a recurrent state is not kept per prefix
         # decode steps over each row's own pages, where a page holds several keys: with pages
         # of one token (GRPO's rollouts) the segment sums cost more than the table's padding
-        self.pairs = reads_pairs(self.cfg) and page_size >= PAIR_PAGES
+        self.pairs = decodes_by_pairs(self.cfg) and page_size >= PAIR_PAGES
         self.least = -(-LEAST_KEYS // page_size)  # the fewest pages a forward reads a row
         self.program = step_program(self.cfg, min(TOP_LOGPROBS, cfg.vocab_size), mesh, rules)
         self.by_slot: list[Request | None] = [None] * slots
@@ -276,8 +277,8 @@ class Engine:
         reqs = [r for r in reqs if r.slot is not None]  # (a later one may have preempted it)
         if not reqs:
             return []
-        args = self.arguments(reqs, counts, chunk, rows)
-        self.shapes.add((rows, chunk, args[3].shape[1] if len(args) < 10 else len(args[9][0])))
+        args, width = self.arguments(reqs, counts, chunk, rows)
+        self.shapes.add((rows, chunk, width))
         self.pool, out = self.program(self.params, self.pool, *args)
         tokens, logps, top_ids, top_logps = jax.device_get(out)
         events = []
@@ -290,7 +291,8 @@ class Engine:
         return events
 
     def arguments(self, reqs, counts, chunk: int, rows: int) -> tuple:
-        """The program's inputs after (params, pool) for reqs in rows 0.. (padding after)."""
+        """(the program's inputs after (params, pool) for reqs in rows 0.., padding after;
+        the keys' shape it runs: its page-table width, or a decode step's pair count)."""
         n = len(reqs)
         tokens = np.zeros((rows, chunk), np.int32)
         starts, count = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
@@ -314,11 +316,14 @@ class Engine:
         index = np.array([r.generated for r in reqs] + [0] * (rows - n), np.int32)
         args = (tokens, starts, count, table, slot_of, sampling, seeds, index,
                 self.bans(reqs, rows))
-        return args + (self.pair_list(table, held, rows),) if pairs else args
+        if not pairs:
+            return args, width
+        pairs = self.pair_list(table, held, rows)
+        return args + (pairs,), len(pairs[0])
 
     def pair_list(self, table, held, rows: int) -> tuple:
         """A decode step's (row, page) pairs (paged_cache): row i's first held[i] pages of
-        table [R, M], in row order, padded (row `rows`, page none) to a power of two."""
+        table [R, M], in row order, padded (row `rows`, page none) to pair_count's size."""
         n = sum(held)
         size = pair_count(n, rows * self.max_pages, rows * self.least)
         row, index = np.full(size, rows, np.int32), np.zeros(size, np.int32)

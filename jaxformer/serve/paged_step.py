@@ -7,10 +7,10 @@ One program per (rows, chunk width, page-table width): the engine runs a few sha
 rows (powers of two for a decode step, a few for prompt chunks) and page-table widths in
 powers of two, so a program attends over at most twice the pages its longest row holds.
 The LM head runs at each row's last real token alone ([R, V] logits, not [R, T, V]).
-A decode step of a model whose attention layers read (row, page) pairs (reads_pairs) reads
-each row's own pages alone (paged_cache.pair_attention): one program per (rows, pairs),
-pairs in steps of at most a third (engine.pair_count), the page table then only where the
-new tokens are written.
+A decode step of a model whose attention layers read (row, page) pairs (decodes_by_pairs)
+reads each row's own pages alone (paged_cache.pair_attention): one program per (rows,
+pairs), pairs in steps of at most a third (engine.pair_count), the page table then only
+where the new tokens are written.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def sampled_rows(logits, sampling: Sampling, seeds, index, bans, top: int):
     return tokens, logp, top_ids.astype(jnp.int32), top_logp
 
 
-def reads_pairs(cfg) -> bool:
+def decodes_by_pairs(cfg) -> bool:
     """Whether the model's attention layers read a paged decode step's (row, page) pairs:
     not MLA's latent attention (its pages read through the tables) nor a scheme that
     computes its own logits over a row's keys in order (CoPE)."""
@@ -80,9 +80,8 @@ def paged_forward(model, params, pool, tokens, starts, counts, table, rows, pair
 def step_program(cfg, top: int, mesh=None, rules=None):
     """The jitted step(params, pool, tokens, starts, counts, table, rows, sampling, seeds,
     index, bans, pairs=None) -> (pool, (tokens, logprobs, top ids, top log-probs)) of the
-    model of cfg
-    (a decoding config: cached_forward.decoding_config), the pool donated (updated in
-    place), compiled as the decoders are (CPU_DECODE_OPTIONS on CPU); traced inside the
+    model of cfg (a decoding config: cached_forward.decoding_config), the pool donated
+    (updated in place), compiled as the decoders are (CPU_DECODE_OPTIONS on CPU); traced inside the
     sharding context of `mesh` and `rules` when given."""
     model = Transformer(cfg)
 
