@@ -1,8 +1,10 @@
 """The serving engine (jaxformer.serve.engine over paged_cache's layout) on each kind
 of decoder the library decodes, against generate alone: sliding windows (a mask over the
 pages, where generate keeps a ring) with a mixture of experts, latent attention (MLA:
-latent pages) and a recurrent mixer beside attention (a state per slot, reset on admission
-and on preemption). Greedy requests arriving at random steps through a pool short enough
+latent pages), a recurrent mixer beside attention (a state per slot, reset on admission
+and on preemption), and every position scheme that biases the logits (their decode steps
+read (row, page) pairs, the bias made from each pair's positions; ALiBi's with sinks and a
+soft-cap) or computes them itself (CoPE: its steps read the page tables). Greedy requests arriving at random steps through a pool short enough
 to preempt; a table of small configs, two engine programs each (dense attention: the
 model of tests/serve/test_engine.py)."""
 
@@ -12,6 +14,7 @@ import pytest
 
 from jaxformer import ModelConfig
 from jaxformer.decode import generate
+from jaxformer.positions.schemes import schemes_of
 from jaxformer.serve import Engine, RequestSettings
 from tests.serve.test_engine import drive, tiny
 
@@ -28,7 +31,9 @@ ARCHS = {
                         layer_kinds={"r": {"mixer": "gated_delta"}, "a": {}},
                         mixer={"gated_delta": dict(heads=2, key_dim=8, value_dim=8, conv=3,
                                                    chunk=4)}),
+    **{name: dict(position=name) for name in schemes_of("bias") + schemes_of("contextual")},
 }
+ARCHS["alibi"].update(attn_sinks=True, attn_softcap=3.0)
 W, N = 8, 6  # the widest prompt, the most new tokens
 
 
