@@ -112,7 +112,7 @@ def rollout_engine(rollouts, params, slots: int):
     (ROLLOUT_PAGE): every prompt token but the last is a full page, so the completions
     after a prompt's first hold its pages and start decoding without a prefill. The pool
     holds every slot's longest prompt and max_new_tokens (no row is ever short of pages),
-    not max_seq_len per slot: a step's cost grows with the pool."""
+    not max_seq_len per slot."""
     if rollouts.engine is None:
         longest = rollouts.width + rollouts.o.max_new_tokens
         rollouts.engine = Engine(
