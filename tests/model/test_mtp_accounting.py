@@ -75,9 +75,14 @@ def test_a_sparse_mtp_block_is_in_the_balancing_statistics():
     router."""
     cfg = config(**SPARSE, aux_loss=0.5)
     model = Transformer(cfg)
-    params = jax.jit(model.init)(jax.random.key(int(rng.integers(1 << 30))),
-                                 jnp.zeros((1, 4), jnp.int32))["params"]
-    grads, stats = penalty_and_stats(model, params, random_batch(cfg))
+    for _ in range(20):  # a module whose load came out even has a flat penalty (sum_i f_i P_i
+        params = jax.jit(model.init)(jax.random.key(int(rng.integers(1 << 30))),  # = 1 / E):
+                                     jnp.zeros((1, 4), jnp.int32))["params"]  # its gradient
+        grads, stats = penalty_and_stats(model, params, random_batch(cfg))  # is 0; draw again
+        if all(np.ptp(np.asarray(stats["load"])[k]) > 0 for k in range(1, D + 1)):
+            break
+    else:
+        pytest.fail("every draw routed some module's tokens evenly")
     assert stats["load"].shape == (1 + D, E) and stats["aux"].shape == (1 + D,)
     np.testing.assert_array_equal(np.asarray(stats["load"]).sum(-1), 2 * 8 * K)
     for k in range(1, D + 1):
