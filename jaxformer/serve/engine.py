@@ -302,8 +302,9 @@ class Engine:
         # the pages each row reads after this chunk (a prompt holds all its pages from
         # admission on: its first chunks read fewer)
         held = [-(-(r.held + counts[r.id]) // self.page_size) for r in reqs]
-        pairs = chunk == 1 and self.pairs
-        width = self.max_pages if pairs else table_width(max(held), self.max_pages, self.least)
+        by_pairs = chunk == 1 and self.pairs
+        width = self.max_pages if by_pairs else table_width(max(held), self.max_pages,
+                                                             self.least)
         slot_of = np.array([r.slot for r in reqs] + [self.slots] * (rows - n), np.int32)
         table = np.full((rows, width), self.host.pages, np.int32)
         table[:n] = self.tables[slot_of[:n], :width]
@@ -316,7 +317,7 @@ class Engine:
         index = np.array([r.generated for r in reqs] + [0] * (rows - n), np.int32)
         args = (tokens, starts, count, table, slot_of, sampling, seeds, index,
                 self.bans(reqs, rows))
-        if not pairs:
+        if not by_pairs:
             return args, width
         pairs = self.pair_list(table, held, rows)
         return args + (pairs,), len(pairs[0])

@@ -81,8 +81,8 @@ def step_program(cfg, top: int, mesh=None, rules=None):
     """The jitted step(params, pool, tokens, starts, counts, table, rows, sampling, seeds,
     index, bans, pairs=None) -> (pool, (tokens, logprobs, top ids, top log-probs)) of the
     model of cfg (a decoding config: cached_forward.decoding_config), the pool donated
-    (updated in place), compiled as the decoders are (CPU_DECODE_OPTIONS on CPU); traced inside the
-    sharding context of `mesh` and `rules` when given."""
+    (updated in place), compiled as the decoders are (CPU_DECODE_OPTIONS on CPU); traced
+    inside the sharding context of `mesh` and `rules` when given."""
     model = Transformer(cfg)
 
     def step(params, pool, tokens, starts, counts, table, rows, sampling, seeds, index, bans,

@@ -24,7 +24,8 @@ from jaxformer.moe.grouped_matmul import grouped_matmul
 from jaxformer.training.optim import OptimConfig, make_optimizer
 from jaxformer.training.step import init_state, make_train_step
 from tests.conftest import REPO
-from tests.training.test_loop import corpus  # noqa: F401  (the fixture)
+from tests.training.test_loop import (config, corpus,  # noqa: F401  (corpus: the fixture)
+                                      resumed_like_straight, same_saved_state)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 F32 = np.float32
@@ -255,7 +256,6 @@ def test_an_fp8_run_resumes_bitwise(corpus, tmp_path):  # noqa: F811
     scales come from its operands, so the checkpoint's params and optimizer state are all
     the state there is), resumed from step 3's checkpoint, repeats the uninterrupted run's
     losses, params and optimizer state bit for bit."""
-    from tests.training.test_loop import config, resumed_like_straight, same_saved_state
     same = ("model.matmul_precision=fp8", "train.steps=6", "checkpoint.every=3",
             "train.eval_every=100", "train.sample_tokens=0")
     cfg, _, straight, resumed = resumed_like_straight(lambda d: config(corpus, d, *same),

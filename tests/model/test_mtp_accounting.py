@@ -75,10 +75,12 @@ def test_a_sparse_mtp_block_is_in_the_balancing_statistics():
     router."""
     cfg = config(**SPARSE, aux_loss=0.5)
     model = Transformer(cfg)
-    for _ in range(20):  # a module whose load came out even has a flat penalty (sum_i f_i P_i
-        params = jax.jit(model.init)(jax.random.key(int(rng.integers(1 << 30))),  # = 1 / E):
-                                     jnp.zeros((1, 4), jnp.int32))["params"]  # its gradient
-        grads, stats = penalty_and_stats(model, params, random_batch(cfg))  # is 0; draw again
+    # a module whose tokens were routed evenly (f_i = 1 / E) has a flat penalty,
+    # E sum_i f_i P_i = 1, and a router gradient of 0: drawn again until none is
+    for _ in range(20):
+        params = jax.jit(model.init)(jax.random.key(int(rng.integers(1 << 30))),
+                                     jnp.zeros((1, 4), jnp.int32))["params"]
+        grads, stats = penalty_and_stats(model, params, random_batch(cfg))
         if all(np.ptp(np.asarray(stats["load"])[k]) > 0 for k in range(1, D + 1)):
             break
     else:

@@ -4,9 +4,9 @@ pages, where generate keeps a ring) with a mixture of experts, latent attention 
 latent pages), a recurrent mixer beside attention (a state per slot, reset on admission
 and on preemption), and every position scheme that biases the logits (their decode steps
 read (row, page) pairs, the bias made from each pair's positions; ALiBi's with sinks and a
-soft-cap) or computes them itself (CoPE: its steps read the page tables). Greedy requests arriving at random steps through a pool short enough
-to preempt; a table of small configs, two engine programs each (dense attention: the
-model of tests/serve/test_engine.py)."""
+soft-cap) or computes them itself (CoPE: its steps read the page tables). Greedy requests
+arriving at random steps through a pool short enough to preempt; a table of small configs,
+two engine programs each (dense attention: the model of tests/serve/test_engine.py)."""
 
 import jax
 import numpy as np

@@ -4,7 +4,6 @@ with two input axes, a stacked layer axis, an expert stack, MLA's up-projections
 the rest against its own float64 formula; a tiny run that learns and resumes bitwise. On a
 mesh: tests/core/test_sharding.py (test_muon_on_a_mesh_updates_like_one_device)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,7 +113,8 @@ def test_muon_trains_and_resumes_bitwise(corpus, tmp_path):  # noqa: F811
             "train.sample_tokens=0")
     cfg, _, straight, resumed = resumed_like_straight(lambda d: config(corpus, d, *same),
                                                       tmp_path)
-    assert losses(straight)[6] < losses(straight)[1]
+    run = losses(straight)
+    assert run[6] < run[1]
     same_saved_state(cfg, straight, resumed)  # Muon's momentum too
 
 
