@@ -229,8 +229,9 @@ def fire_distance(q_positions, k_positions, c, threshold):
     """
     q = q_positions.astype(jnp.float32)
     rel = q[:, :, None] - k_positions.astype(jnp.float32)[:, None, :]
-    num = jnp.log(jnp.abs(c * rel) + 1.0)
-    den = jnp.log(jnp.abs(c * jnp.maximum(q, threshold)) + 1.0) + FIRE_EPS
+    # log1p: log(x + 1) in float32 loses the digits of a small |c x| (c learned near 0)
+    num = jnp.log1p(jnp.abs(c * rel))
+    den = jnp.log1p(jnp.abs(c * jnp.maximum(q, threshold))) + FIRE_EPS
     return num / den[:, :, None]
 
 
