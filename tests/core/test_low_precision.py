@@ -210,7 +210,15 @@ def test_fp8_on_eight_devices_equals_one(tmp_path):
     assert res["devices"] == 8
     one, mesh = res["one"], res["mesh"]
     np.testing.assert_allclose(mesh["loss"], one["loss"], rtol=1e-5)
-    close(mesh["grads"], one["grads"], rtol=1e-4)
+    # float32 sums in another order can put a value on the fp8 grid's other neighbour, and
+    # that flip moves the gradients after it (~200 of 21k values by up to 1e-3 of the
+    # largest, in 3 of 8 draws). So the mesh's gradient is held to a small part of the
+    # recipe's own effect (fp8 against float32, ~2% of the gradient): flips gave <= 4% of
+    # it over 16 draws; every scale 1.0001x on the mesh gives 40%, and 0.8x 130%
+    one_g, mesh_g, f32_g = (np.asarray(r["grads"]) for r in (one, mesh, res["float32"]))
+    effect = np.linalg.norm(one_g - f32_g)
+    assert effect > 1e-3 * np.linalg.norm(f32_g)  # the recipe ran
+    assert np.linalg.norm(mesh_g - one_g) < 0.15 * effect
 
 
 def chain_batches(n: int, batch: int = 16, t: int = 16):
