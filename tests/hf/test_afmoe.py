@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 from jaxformer import ConfigError  # noqa: E402
 from jaxformer.convert import config_from_hf, to_hf  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
-from tests.hf.test_minimax import covering_batch  # noqa: E402
-from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
+from tests.hf.test_minimax import sigmoid_choices  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -32,11 +32,11 @@ AFMOE = dict(model_type="afmoe", vocab_size=96, hidden_size=64, intermediate_siz
 
 
 def test_afmoe_matches_transformers(tmp_path):
-    model = random_hf_model(transformers.AutoConfig.for_model(**AFMOE),
-                            int(rng.integers(1 << 31)))  # expert_bias: a param, drawn too
+    model, prompts, want = covering_draw(  # expert_bias: a param, drawn too
+        lambda seed: random_hf_model(transformers.AutoConfig.for_model(**AFMOE), seed), rng,
+        (2, 14), AFMOE["num_experts"], layers=2, choice=lambda m, tokens: sigmoid_choices(
+            m, tokens, [layer.mlp.expert_bias for layer in m.model.layers[1:]]))
     model.save_pretrained(tmp_path / "hf")
-    prompts, want = covering_batch(model, [layer.mlp.expert_bias for layer in
-                                           model.model.layers[1:]], rng)
     cfg, params = read_both_ways(tmp_path / "hf", prompts, want)
     assert cfg.layer_pattern == ("sliding", "full_nope")  # the global layers NoPE
     assert cfg.sparse_layers == (False, True, True)

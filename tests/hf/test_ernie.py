@@ -19,7 +19,7 @@ from jaxformer.convert import config_from_hf, config_to_hf, to_hf  # noqa: E402
 from jaxformer.convert.peft import to_peft  # noqa: E402
 from jaxformer.model import lora  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
-from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 V, T = 96, 14
@@ -81,28 +81,25 @@ def assert_peft_adapts_the_ernie_base(cfg, params, tmp_path, prompts, want):
     assert rel_err(hf_logits(adapted, prompts), ours) < 1e-5
 
 
-def covering_batch(model, tries: int = 5):
-    """A batch [2, T] whose tokens reach every expert of every sparse layer as transformers
-    chooses them (softmax + the selection bias), and transformers' logits of it."""
+def ernie_choice(model, tokens):
+    """transformers' logits, and the experts each sparse layer chose for `tokens`: the top
+    2 of softmax(router logits) + the layer's selection bias."""
     sparse = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    for _ in range(tries):
-        prompts = rng.integers(0, V, (2, T))
-        with torch.no_grad():
-            out = model(torch.tensor(prompts), output_router_logits=True)
-            chosen = [set(torch.topk(torch.softmax(logits, -1) + gate.moe_statics
-                                     .e_score_correction_bias[0], 2).indices.ravel().tolist())
-                      for logits, gate in zip(out.router_logits, sparse)]
-        if len(chosen) == 1 and all(c == set(range(4)) for c in chosen):
-            return prompts, out.logits.numpy()
-    raise AssertionError(f"no batch of {tries} reached every expert: {chosen}")
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), output_router_logits=True)
+        chosen = [set(torch.topk(torch.softmax(logits, -1) + gate.moe_statics
+                                 .e_score_correction_bias[0], 2).indices.ravel().tolist())
+                  for logits, gate in zip(out.router_logits, sparse)]
+    return out.logits.numpy(), chosen
 
 
 def test_ernie4_5_moe_matches_transformers(tmp_path):
-    model = random_hf_model(transformers.AutoConfig.for_model(**MOE), int(rng.integers(1 << 31)))
+    model, prompts, want = covering_draw(
+        lambda seed: random_hf_model(transformers.AutoConfig.for_model(**MOE), seed), rng,
+        (2, T), experts=4, layers=1, choice=ernie_choice)
     bias = model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias
     assert float(bias.abs().min()) > 0  # drawn: the choice is not the weights'
     model.save_pretrained(tmp_path / "hf")
-    prompts, want = covering_batch(model)
     cfg, params = assert_parity(tmp_path / "hf", prompts, want)
     assert cfg.sparse_layers == (False, True, False) and cfg.head_bias
     assert_greedy_matches(model, cfg, params, prompts)

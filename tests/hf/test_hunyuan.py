@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 from jaxformer import ConfigError  # noqa: E402
 from jaxformer.convert import config_from_hf, to_hf  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
-from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 V, E = 96, 4
@@ -32,30 +32,25 @@ MOE = dict(COMMON, model_type="hunyuan_v1_moe", num_experts=E, moe_topk=[2, 2],
                                              mscale_all_dim=1.0))
 
 
-def covering_batch(model, tries: int = 5):
-    """A batch [2, 12] whose tokens reach every expert of every layer (transformers' router:
-    the top 2 of its logits), and transformers' logits of it."""
-    for _ in range(tries):
-        prompts = rng.integers(0, V, (2, 12))
-        with torch.no_grad():
-            out = model(torch.tensor(prompts), output_router_logits=True)
-        chosen = [set(torch.topk(r, 2, dim=-1).indices.ravel().tolist())
-                  for r in out.router_logits]
-        if all(c == set(range(E)) for c in chosen):
-            return prompts, out.logits.numpy()
-    raise AssertionError(f"no batch of {tries} reached every expert: {chosen}")
+def top2_choice(model, tokens):
+    """transformers' logits, and the experts each layer chose for `tokens` (its router: the
+    top 2 of the logits)."""
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), output_router_logits=True)
+    return out.logits.numpy(), [set(torch.topk(r, 2, dim=-1).indices.ravel().tolist())
+                                for r in out.router_logits]
 
 
 @pytest.mark.parametrize("keys", [DENSE, MOE], ids=["dense", "moe"])
 def test_hunyuan_matches_transformers(keys, tmp_path):
-    model = random_hf_model(transformers.AutoConfig.for_model(**keys),
-                            int(rng.integers(1 << 31)))
-    model.save_pretrained(tmp_path / "hf")
-    if "num_experts" in keys:
-        prompts, want = covering_batch(model)
+    draw = lambda seed: random_hf_model(transformers.AutoConfig.for_model(**keys), seed)  # noqa: E731
+    if "num_experts" in keys:  # a batch that reaches every expert of both layers
+        model, prompts, want = covering_draw(draw, rng, (2, 12), E, keys["num_hidden_layers"],
+                                             choice=top2_choice)
     else:
-        prompts = rng.integers(0, V, (2, 12))
+        model, prompts = draw(int(rng.integers(1 << 31))), rng.integers(0, V, (2, 12))
         want = hf_logits(model, prompts)
+    model.save_pretrained(tmp_path / "hf")
     cfg, params = read_both_ways(tmp_path / "hf", prompts, want)
     assert (cfg.qk_norm, cfg.rope_scaling.kind, cfg.rope_scaling.factor) == \
         ("head_after_rope", "ntk", 50.0)

@@ -19,7 +19,7 @@ from jaxformer import ConfigError, Transformer  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
 from tests.hf.test_families import (hf_logits, random_hf_model, read_both_ways,  # noqa: E402
                                     redraw, rel_err)
-from tests.hf.test_moe_families import assert_greedy_matches, hf_logits_and_choice  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 E, T = 4, 12
@@ -35,22 +35,11 @@ LLAMA4 = dict(model_type="llama4_text", vocab_size=128, hidden_size=64, intermed
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def covering_batch(model, tries: int = 5):
-    """A random batch [2, T] whose tokens reach every expert of both sparse layers, and
-    transformers' logits of it."""
-    for _ in range(tries):
-        prompts = rng.integers(0, 128, (2, T))
-        want, chosen = hf_logits_and_choice(model, prompts)
-        if len(chosen) == 2 and all(c == set(range(E)) for c in chosen):
-            return prompts, want
-    raise AssertionError(f"no batch of {tries} reached every expert: {chosen}")
-
-
 def test_llama4_text_matches_transformers(tmp_path):
-    model = random_hf_model(transformers.AutoConfig.for_model(**LLAMA4),
-                            int(rng.integers(1 << 31)))
+    model, prompts, want = covering_draw(
+        lambda seed: random_hf_model(transformers.AutoConfig.for_model(**LLAMA4), seed), rng,
+        (2, T), E, layers=2)  # both sparse layers
     model.save_pretrained(tmp_path / "hf")
-    prompts, want = covering_batch(model)
     cfg, params = read_both_ways(tmp_path / "hf", prompts, want)
     assert [k.chunk for k in cfg.kinds] == [5, None] and cfg.sparse_layers == (False, True, True)
 

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 from jaxformer import ConfigError  # noqa: E402
 from jaxformer.convert import config_from_hf, to_hf  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
-from tests.hf.test_moe_families import assert_greedy_matches  # noqa: E402
+from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -38,28 +38,21 @@ def sigmoid_choices(model, tokens, biases) -> tuple[np.ndarray, list[set]]:
     return out.logits.numpy(), [set(c.ravel().tolist()) for c in chosen]
 
 
-def covering_batch(model, biases, gen, tries: int = 5):
-    """A batch [2, 14] drawn from `gen` whose tokens reach every expert of every sparse
-    layer, and transformers' logits of it."""
-    experts = set(range(len(biases[0])))
-    for _ in range(tries):
-        prompts = gen.integers(0, model.config.vocab_size, (2, 14))
-        want, chosen = sigmoid_choices(model, prompts, biases)
-        if all(c == experts for c in chosen):
-            return prompts, want
-    raise AssertionError(f"no batch of {tries} reached every expert: {chosen}")
-
-
-def test_minimax_m2_matches_transformers(tmp_path):
-    model = random_hf_model(transformers.AutoConfig.for_model(**MINIMAX),
-                            int(rng.integers(1 << 31)))
+def minimax_model(seed):
+    model = random_hf_model(transformers.AutoConfig.for_model(**MINIMAX), seed)
     with torch.no_grad():  # the selection bias is a buffer: random too
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
+    return model
+
+
+def test_minimax_m2_matches_transformers(tmp_path):
+    model, prompts, want = covering_draw(
+        minimax_model, rng, (2, 14), E, MINIMAX["num_hidden_layers"],
+        choice=lambda m, tokens: sigmoid_choices(
+            m, tokens, [layer.mlp.e_score_correction_bias for layer in m.model.layers]))
     model.save_pretrained(tmp_path / "hf")
-    prompts, want = covering_batch(model, [layer.mlp.e_score_correction_bias
-                                           for layer in model.model.layers], rng)
     cfg, params = read_both_ways(tmp_path / "hf", prompts, want)
     assert cfg.rope_fraction == 0.5 and cfg.qk_norm == "projection"
 
