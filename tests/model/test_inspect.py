@@ -167,24 +167,31 @@ def test_grad_through_a_hook_matches_finite_differences(rng):
     """d loss / d alpha for a steering vector alpha * u added to a residual stream."""
     cfg, tokens, params = built(rng, "llama-gqa")
     model = Transformer(cfg)
-    u = jnp.asarray(rng.normal(size=cfg.d_model), jnp.float32)
 
-    def loss(alpha):
+    def loss(alpha, u):
         logits = run_with_hooks(model, params, tokens,
                                 hooks={"blocks.0.hook_resid_post": lambda x: x + alpha * u})
         return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
-    g = jax.jit(jax.grad(loss))(jnp.float32(0.3))
+    # a direction u the loss is not flat along: the difference below carries float32
+    # noise up to ~1e-4 (80 draws), so a gradient near 0 (|g| 0.011 in 2 of 80) is drawn
+    # again; a hook the gradient does not flow through gives 0 on every draw
+    for _ in range(5):
+        u = jnp.asarray(rng.normal(size=cfg.d_model), jnp.float32)
+        g = float(jax.jit(jax.grad(loss))(jnp.float32(0.3), u))
+        if abs(g) > 1e-2:
+            break
+    else:
+        pytest.fail(f"d loss / d alpha ~ 0 along 5 directions (the last {g})")
 
     def central(h):
-        return (loss(jnp.float32(0.3 + h)) - loss(jnp.float32(0.3 - h))) / (2 * h)
+        return (loss(jnp.float32(0.3 + h), u) - loss(jnp.float32(0.3 - h), u)) / (2 * h)
 
     # Richardson's extrapolation cancels the h^2 term: the loss curves enough along u that
     # a plain central difference at h = 1e-2 was 13% off for some seeds (2 in 40 failed;
     # seed 1596414767); this one was within 0.3% of the gradient for all 40
     fd = (4 * central(1e-2) - central(2e-2)) / 3
-    np.testing.assert_allclose(float(g), float(fd), rtol=2e-2, atol=1e-5)
-    assert abs(float(g)) > 1e-4
+    np.testing.assert_allclose(g, float(fd), rtol=2e-2, atol=1e-5)
 
 
 def test_scan_and_remat_keep_per_layer_names_and_values(rng):
