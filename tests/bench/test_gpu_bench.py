@@ -91,6 +91,8 @@ def test_serve_rows_make_every_token_against_the_decode_roofline(smoke):
         tokens = r["prompt"] + r["new_tokens"]
         cache = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * tokens * 2 * r["sequences"]
         assert r["bytes_per_step"] == count_params(cfg) * 2 + cache
+        assert math.isclose(r["roofline_tokens_per_s"],
+                            r["sequences"] * bandwidth / r["bytes_per_step"])
         assert math.isclose(r["of_roofline"], r["tokens_per_s"] / r["roofline_tokens_per_s"])
 
 

@@ -4,7 +4,6 @@ XLA:CPU segfaults compiling the next one."""
 
 import sys
 
-import jax
 import jax.numpy as jnp
 import pytest
 

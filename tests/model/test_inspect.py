@@ -13,7 +13,6 @@ from jaxformer import ModelConfig, Transformer, stack_layers
 from jaxformer.core import hooks
 from jaxformer.model.inspect import (head_ablation_sweep, logit_lens, patching_sweep,
                                      run_with_cache, run_with_hooks)
-from tests.conftest import DEFAULT_EMITTERS
 from tests.model import test_transformer as tm
 from tests.model.test_transformer import VARIANTS, small
 

@@ -7,7 +7,6 @@ transformers: tests/hf/test_falcon_h1.py."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from jaxformer import ModelConfig, Transformer, stack_layers
+from jaxformer import Transformer, stack_layers
 from jaxformer.core.matmul import Int8Kernel
-from jaxformer.decode import beam_search, generate
+from jaxformer.decode import generate
 from jaxformer.model import lora
 from jaxformer.model.config import ConfigError
 from jaxformer.model.inspect import run_with_cache, run_with_hooks
 from jaxformer.model.kinds import FFNS
 from jaxformer.model.quantize import dequantize, quantize
 from jaxformer.moe.experts import DISPATCHES
-from tests.conftest import DEFAULT_EMITTERS, np_log_softmax
+from tests.conftest import DEFAULT_EMITTERS
 from tests.decode import test_loops as td
 from tests.decode import test_speculative as ts
 from tests.model import test_transformer as tm
