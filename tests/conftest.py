@@ -75,6 +75,19 @@ def np_log_softmax(logits):
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
+def assert_greedy_up_to_near_ties(tokens, logits, tie: float = 1e-4):
+    """Greedy tokens [B, n] are the argmax of a reference's logits [B, n, V] for them (its
+    forward over the same tokens) up to each row's first difference, and that one only at
+    a near-tie (top two logits within `tie`), where two programs' float32 rounding may
+    pick either token (the rows part ways after it)."""
+    tokens, logits = np.asarray(tokens), np.asarray(logits)
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    for row in range(len(tokens)):
+        diff = np.flatnonzero(tokens[row] != logits[row].argmax(-1))
+        if diff.size:
+            assert top2[row, diff[0], 1] - top2[row, diff[0], 0] < tie, (row, tokens[row])
+
+
 def np_global_norm(tree):
     """float64 global L2 norm of a pytree's leaves (what clipping and grad_norm use)."""
     import jax

@@ -127,8 +127,7 @@ def test_capacity_is_a_training_option_decoding_runs_dropless():
     kw = dict(prompt_lengths=lengths, max_new_tokens=5, rng=jax.random.key(0),
               temperature=0.0)
     out = generate(capacity, params, prompts, **kw)
-    np.testing.assert_array_equal(out.tokens, td.greedy_by_recompute(
-        dropless, params, prompts, lengths, 5))
+    td.assert_greedy_by_recompute(dropless, params, prompts, lengths, np.asarray(out.tokens))
     np.testing.assert_allclose(out.logprobs, td.continuation_logprobs(
         dropless, params, prompts, lengths, np.asarray(out.tokens)), rtol=1e-4, atol=1e-5)
 
@@ -303,8 +302,7 @@ def test_ablating_an_expert_by_its_weight_is_the_model_without_it():
     prompts, lengths = np.asarray(tokens[:, :5]), np.array([5, 5])
     out = generate(model, params, prompts, max_new_tokens=6, rng=jax.random.key(0),
                    temperature=0.0, hooks=hooks)
-    np.testing.assert_array_equal(out.tokens, td.greedy_by_recompute(
-        ref, ref_params, prompts, lengths, 6))
+    td.assert_greedy_by_recompute(ref, ref_params, prompts, lengths, np.asarray(out.tokens))
 
 
 # ---- 5. LoRA beside the experts --------------------------------------------------------
