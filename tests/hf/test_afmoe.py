@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 from jaxformer import ConfigError  # noqa: E402
 from jaxformer.convert import config_from_hf, to_hf  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
-from tests.hf.test_minimax import sigmoid_choices  # noqa: E402
+from tests.hf.test_minimax import sigmoid_scores  # noqa: E402
 from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
 
 torch.set_num_threads(2)
@@ -34,7 +34,8 @@ AFMOE = dict(model_type="afmoe", vocab_size=96, hidden_size=64, intermediate_siz
 def test_afmoe_matches_transformers(tmp_path):
     model, prompts, want = covering_draw(  # expert_bias: a param, drawn too
         lambda seed: random_hf_model(transformers.AutoConfig.for_model(**AFMOE), seed), rng,
-        (2, 14), AFMOE["num_experts"], layers=2, choice=lambda m, tokens: sigmoid_choices(
+        (2, 14), AFMOE["num_experts"], 2, AFMOE["num_experts_per_tok"],
+        scores=lambda m, tokens: sigmoid_scores(
             m, tokens, [layer.mlp.expert_bias for layer in m.model.layers[1:]]))
     model.save_pretrained(tmp_path / "hf")
     cfg, params = read_both_ways(tmp_path / "hf", prompts, want)

@@ -19,7 +19,8 @@ from jaxformer.convert import config_from_hf, config_to_hf, to_hf  # noqa: E402
 from jaxformer.convert.peft import to_peft  # noqa: E402
 from jaxformer.model import lora  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
-from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
+from tests.hf.test_moe_families import (assert_greedy_matches, covering_draw,  # noqa: E402
+                                        router_scores)
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 V, T = 96, 14
@@ -81,22 +82,18 @@ def assert_peft_adapts_the_ernie_base(cfg, params, tmp_path, prompts, want):
     assert rel_err(hf_logits(adapted, prompts), ours) < 1e-5
 
 
-def ernie_choice(model, tokens):
-    """transformers' logits, and the experts each sparse layer chose for `tokens`: the top
-    2 of softmax(router logits) + the layer's selection bias."""
+def ernie_scores(model, tokens):
+    """transformers' logits, and each sparse layer's selection scores: softmax(router
+    logits) + the layer's selection bias."""
     sparse = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    with torch.no_grad():
-        out = model(torch.tensor(tokens), output_router_logits=True)
-        chosen = [set(torch.topk(torch.softmax(logits, -1) + gate.moe_statics
-                                 .e_score_correction_bias[0], 2).indices.ravel().tolist())
-                  for logits, gate in zip(out.router_logits, sparse)]
-    return out.logits.numpy(), chosen
+    return router_scores(model, tokens, lambda logits, i: torch.softmax(logits, -1)
+                         + sparse[i].moe_statics.e_score_correction_bias[0])
 
 
 def test_ernie4_5_moe_matches_transformers(tmp_path):
     model, prompts, want = covering_draw(
         lambda seed: random_hf_model(transformers.AutoConfig.for_model(**MOE), seed), rng,
-        (2, T), experts=4, layers=1, choice=ernie_choice)
+        (2, T), experts=4, layers=1, scores=ernie_scores)
     bias = model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias
     assert float(bias.abs().min()) > 0  # drawn: the choice is not the weights'
     model.save_pretrained(tmp_path / "hf")

@@ -18,8 +18,7 @@ import jax  # noqa: E402
 from jaxformer import ConfigError, Transformer  # noqa: E402
 from jaxformer.convert import config_from_hf, from_hf, to_hf  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
-from tests.hf.test_moe_families import (assert_greedy_matches,  # noqa: E402
-                                        hf_logits_and_choice)
+from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
 
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 V, T = 96, 16  # vocab, prompt length
@@ -35,10 +34,10 @@ GLM4_MOE = dict(COMMON, model_type="glm4_moe", num_hidden_layers=3, n_routed_exp
                 routed_scaling_factor=2.5, use_qk_norm=True, num_nextn_predict_layers=0)
 
 
-def glm_model(**keys):
+def glm_model(seed=None, **keys):
     """transformers' random model of these config.json keys, its selection biases drawn."""
     model = random_hf_model(transformers.AutoConfig.for_model(**keys),
-                            int(rng.integers(1 << 31)))
+                            int(rng.integers(1 << 31)) if seed is None else seed)
     with torch.no_grad():
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -68,14 +67,8 @@ def test_glm4_matches_transformers(tmp_path):
 
 
 def test_glm4_moe_matches_transformers(tmp_path):
-    model = glm_model(**GLM4_MOE)
-    for _ in range(10):  # a batch whose tokens reach every expert of both sparse layers
-        prompts = rng.integers(0, V, (4, T))
-        want, chosen = hf_logits_and_choice(model, prompts)
-        if len(chosen) == 2 and all(c == set(range(8)) for c in chosen):
-            break
-    else:
-        raise AssertionError(f"no batch reached every expert: {chosen}")
+    model, prompts, want = covering_draw(  # every expert of both sparse layers reached
+        lambda seed: glm_model(seed, **GLM4_MOE), rng, (4, T), 8, 2, batches=10)
     cfg = assert_reads_and_writes(model, prompts, want, tmp_path)
     assert cfg.sparse_layers == (False, True, True) and cfg.qk_norm == "head"
     assert (cfg.moe.groups, cfg.moe.topk_groups, cfg.moe.routed_scale) == (2, 1, 2.5)

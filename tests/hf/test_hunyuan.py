@@ -32,21 +32,12 @@ MOE = dict(COMMON, model_type="hunyuan_v1_moe", num_experts=E, moe_topk=[2, 2],
                                              mscale_all_dim=1.0))
 
 
-def top2_choice(model, tokens):
-    """transformers' logits, and the experts each layer chose for `tokens` (its router: the
-    top 2 of the logits)."""
-    with torch.no_grad():
-        out = model(torch.tensor(tokens), output_router_logits=True)
-    return out.logits.numpy(), [set(torch.topk(r, 2, dim=-1).indices.ravel().tolist())
-                                for r in out.router_logits]
-
-
 @pytest.mark.parametrize("keys", [DENSE, MOE], ids=["dense", "moe"])
 def test_hunyuan_matches_transformers(keys, tmp_path):
     draw = lambda seed: random_hf_model(transformers.AutoConfig.for_model(**keys), seed)  # noqa: E731
     if "num_experts" in keys:  # a batch that reaches every expert of both layers
         model, prompts, want = covering_draw(draw, rng, (2, 12), E, keys["num_hidden_layers"],
-                                             choice=top2_choice)
+                                             top_k=2)  # its router: the top 2 of its logits
     else:
         model, prompts = draw(int(rng.integers(1 << 31))), rng.integers(0, V, (2, 12))
         want = hf_logits(model, prompts)

@@ -38,7 +38,7 @@ LLAMA4 = dict(model_type="llama4_text", vocab_size=128, hidden_size=64, intermed
 def test_llama4_text_matches_transformers(tmp_path):
     model, prompts, want = covering_draw(
         lambda seed: random_hf_model(transformers.AutoConfig.for_model(**LLAMA4), seed), rng,
-        (2, T), E, layers=2)  # both sparse layers
+        (2, T), E, layers=2, top_k=LLAMA4["num_experts_per_tok"])  # both sparse layers
     model.save_pretrained(tmp_path / "hf")
     cfg, params = read_both_ways(tmp_path / "hf", prompts, want)
     assert [k.chunk for k in cfg.kinds] == [5, None] and cfg.sparse_layers == (False, True, True)

@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers", reason="the interop extra")
 from jaxformer import ConfigError  # noqa: E402
 from jaxformer.convert import config_from_hf, to_hf  # noqa: E402
 from tests.hf.test_families import hf_logits, random_hf_model, read_both_ways, rel_err  # noqa: E402
-from tests.hf.test_moe_families import assert_greedy_matches, covering_draw  # noqa: E402
+from tests.hf.test_moe_families import (assert_greedy_matches, covering_draw,  # noqa: E402
+                                        router_scores)
 
 torch.set_num_threads(2)
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
@@ -27,15 +28,10 @@ MINIMAX = dict(model_type="minimax_m2", vocab_size=V, hidden_size=64, intermedia
                bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def sigmoid_choices(model, tokens, biases) -> tuple[np.ndarray, list[set]]:
-    """transformers' logits, and each sparse layer's experts chosen for the batch: the
-    top-k of sigmoid(router logits) + the layer's selection bias (`biases`, in order)."""
-    with torch.no_grad():
-        out = model(torch.tensor(np.asarray(tokens)), output_router_logits=True)
-        k = model.config.num_experts_per_tok
-        chosen = [torch.topk(torch.sigmoid(logits.float()) + b, k, dim=-1).indices
-                  for logits, b in zip(out.router_logits, biases, strict=True)]
-    return out.logits.numpy(), [set(c.ravel().tolist()) for c in chosen]
+def sigmoid_scores(model, tokens, biases):
+    """transformers' logits, and each sparse layer's selection scores: sigmoid(router
+    logits) + the layer's selection bias (`biases`, in order)."""
+    return router_scores(model, tokens, lambda logits, i: torch.sigmoid(logits) + biases[i])
 
 
 def minimax_model(seed):
@@ -50,7 +46,7 @@ def minimax_model(seed):
 def test_minimax_m2_matches_transformers(tmp_path):
     model, prompts, want = covering_draw(
         minimax_model, rng, (2, 14), E, MINIMAX["num_hidden_layers"],
-        choice=lambda m, tokens: sigmoid_choices(
+        MINIMAX["num_experts_per_tok"], scores=lambda m, tokens: sigmoid_scores(
             m, tokens, [layer.mlp.e_score_correction_bias for layer in m.model.layers]))
     model.save_pretrained(tmp_path / "hf")
     cfg, params = read_both_ways(tmp_path / "hf", prompts, want)

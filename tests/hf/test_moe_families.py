@@ -82,30 +82,42 @@ def hf_model(model_type, seed=None, **changes):
     return model
 
 
-def hf_logits_and_choice(model, tokens) -> tuple[np.ndarray, list[set]]:
-    """transformers' logits, and each sparse layer's experts its router chose for the
-    batch (the top-k of the router's logits)."""
+def router_scores(model, tokens, then=lambda logits, layer: logits):
+    """transformers' logits, and each sparse layer's selection scores [tokens, experts]
+    (float64): then(router logits, layer index) (the router's logits themselves by default)."""
     with torch.no_grad():
         out = model(torch.tensor(np.asarray(tokens)), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    return out.logits.numpy(), [set(torch.topk(logits, k, dim=-1).indices.ravel().tolist())
-                                for logits in out.router_logits]
+        return out.logits.numpy(), [np.asarray(then(x.float(), i), np.float64).reshape(
+            -1, x.shape[-1]) for i, x in enumerate(out.router_logits)]
 
 
-def covering_draw(draw_model, gen, shape, experts: int, layers: int,
-                  choice=hf_logits_and_choice, models: int = 3, batches: int = 5):
+def routed(scores, k: int) -> tuple[set, float]:
+    """The experts chosen (each token's top k of scores [N, E]), and the narrowest margin
+    between a token's k-th score and the next."""
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    ranked = np.take_along_axis(scores, order, -1)
+    margin = (ranked[:, k - 1] - ranked[:, k]).min() if k < scores.shape[-1] else np.inf
+    return set(order[:, :k].ravel().tolist()), float(margin)
+
+
+def covering_draw(draw_model, gen, shape, experts: int, layers: int, top_k: int = 2,
+                  scores=router_scores, models: int = 3, batches: int = 5):
     """(model, prompts, logits): a transformers model draw_model(seed) and a batch `shape`
-    of `gen`'s tokens that reaches all `experts` of each of its `layers` sparse layers as
-    choice(model, tokens) -> (transformers' logits, [experts chosen, per sparse layer])
-    says. A batch leaving an expert idle (a few in a hundred) is drawn again, and after
+    of `gen`'s tokens that reaches all `experts` of each of its `layers` sparse layers
+    (each token's top_k of scores(model, tokens) -> (transformers' logits, [selection
+    scores, per sparse layer])) and routes no token at a near-tie (its k-th and next
+    scores within 1e-5, where float32 rounding may choose either: the logits part ways).
+    A batch leaving an expert idle (a few in a hundred) is drawn again, and after
     `batches` the model: a drawn selection bias can outweigh the router's spread, so that
     no batch reaches every expert (2 of 100 ERNIE 4.5 MoE models)."""
     for _ in range(models):
         model = draw_model(int(gen.integers(1 << 31)))
         for _ in range(batches):
             prompts = gen.integers(0, model.config.vocab_size, shape)
-            want, chosen = choice(model, prompts)
-            if len(chosen) == layers and all(c == set(range(experts)) for c in chosen):
+            want, layer_scores = scores(model, prompts)
+            chosen, margins = zip(*(routed(s, top_k) for s in layer_scores)) or ((), ())
+            if len(chosen) == layers and all(c == set(range(experts)) for c in chosen) \
+                    and min(margins) > 1e-5:
                 return model, prompts, want
     raise AssertionError(f"no batch of {models} models reached every expert: {chosen}")
 
@@ -132,7 +144,8 @@ def assert_greedy_matches(model, cfg, params, prompts, steps=6):
 def test_moe_family_matches_transformers(model_type, tmp_path):
     config = config_from_hf(hf_config(model_type).to_dict())
     model, prompts, want = covering_draw(lambda seed: hf_model(model_type, seed), rng, (2, T),
-                                         config.moe.experts, sum(config.sparse_layers))
+                                         config.moe.experts, sum(config.sparse_layers),
+                                         config.moe.top_k)
     model.save_pretrained(tmp_path / "hf")
     n_experts = getattr(model.config, "num_experts", None) or model.config.num_local_experts
     runs = len(set(config.sparse_layers))  # dense and sparse
