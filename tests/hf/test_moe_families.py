@@ -115,11 +115,11 @@ def covering_draw(draw_model, gen, shape, experts: int, layers: int, top_k: int 
         for _ in range(batches):
             prompts = gen.integers(0, model.config.vocab_size, shape)
             want, layer_scores = scores(model, prompts)
-            chosen, margins = zip(*(routed(s, top_k) for s in layer_scores)) or ((), ())
-            if len(chosen) == layers and all(c == set(range(experts)) for c in chosen) \
-                    and min(margins) > 1e-5:
+            routes = [routed(s, top_k) for s in layer_scores]
+            if len(routes) == layers and all(chosen == set(range(experts)) and margin > 1e-5
+                                             for chosen, margin in routes):
                 return model, prompts, want
-    raise AssertionError(f"no batch of {models} models reached every expert: {chosen}")
+    raise AssertionError(f"no batch of {models} models reached every expert: {routes}")
 
 
 def without_windows(model):
