@@ -48,19 +48,22 @@ def mesh_of(shape):
 
 
 def draws(rng, reference, init):
-    """Two sets of params: `init` moved by N(0, 0.1), drawn until every expert gets tokens
-    in every layer (the reference's loads), and the same with the router's bias at -100
-    for the NONE experts (they get none)."""
+    """Two sets of params: `init` moved by N(0, 0.1), and the same with the router's bias
+    at -100 for the NONE experts (they get none), drawn until every expert gets tokens in
+    every layer in the first and every other expert in the second (the reference's loads:
+    with NONE's tokens moved, one of the others can still get none)."""
     init = jax.tree.map(np.asarray, init)
+    others = [e for e in range(CFG.moe.experts) if e not in NONE]
     for _ in range(50):
         params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype),
                               init)
-        if np.min(np.asarray(reference(params)[2])) > 0:
+        starved = jax.tree.map(np.copy, params)
+        starved["blocks"]["ffn"]["router"]["bias"][:, list(NONE)] = -100.0  # [layers, E]
+        if np.min(np.asarray(reference(params)[2])) > 0 and \
+                np.min(np.asarray(reference(starved)[2])[:, others]) > 0:
             break
     else:
         raise RuntimeError("no draw in 50 reached every expert")
-    starved = jax.tree.map(np.copy, params)
-    starved["blocks"]["ffn"]["router"]["bias"][:, list(NONE)] = -100.0  # [layers, E]
     return {"every expert": params, "some get none": starved}
 
 
