@@ -5,12 +5,14 @@ once into 32 slots (a closed loop of 32 clients) against static-batch generate i
 of 32, interleaved over rounds (on a loaded machine the ratio within a round is what holds).
 
     python bench/engine_step.py [--d-model 256 --layers 4 --vocab 2048 --max-seq-len 512
-        --requests 96 --slots 32 --rounds 3 --lengths uniform,lognormal --skip-steps]
+        --requests 96 --slots 32 --rounds 3 --lengths uniform,lognormal --skip-steps
+        --cache-dtype int8]
 
 The model is bench/serve.py's shape (a random Llama-shaped decoder, GQA 8 heads over 2,
 float32); the workload is serve.py's: prompts uniform in [16, 256], outputs uniform in
 [16, 128] or log-normal (serve.py's LOGNORMAL) in [16, 256], every request to its length,
 seeded. Each figure is taken after a first pass that compiles (Engine.warm for the runs).
+--cache-dtype: the KV cache's format for the engine's pages and generate's cache alike.
 Prints one table and the CPU; asserts nothing.
 """
 
@@ -69,10 +71,10 @@ def timed_program(engine, spent):
     engine.program = run
 
 
-def decode_ms(m, params, active: int, steps: int = 20) -> tuple[float, float]:
+def decode_ms(m, params, active: int, steps: int = 20, cache_dtype=None) -> tuple[float, float]:
     """(ms per engine step, ms of it in the compiled program; medians) with `active` slots
     decoding (32 slots, prompts of 100 tokens already prefilled)."""
-    engine = Engine(m, params, slots=32)
+    engine = Engine(m, params, slots=32, cache_dtype=cache_dtype)
     for _ in range(active):
         engine.submit(list(range(1, 101)), RequestSettings(max_tokens=400, temperature=0.0))
     while any(len(r.tokens) - r.held > 1 for r in engine.running) or engine.waiting:
@@ -89,10 +91,10 @@ def decode_ms(m, params, active: int, steps: int = 20) -> tuple[float, float]:
     return 1e3 * float(np.median(walls)), 1e3 * float(np.median(programs))
 
 
-def prefill_rate(m, params, prompts: int = 8, length: int = 256) -> float:
+def prefill_rate(m, params, prompts: int = 8, length: int = 256, cache_dtype=None) -> float:
     """Prompt tokens/s: `prompts` prompts of `length` tokens, one new token each (the
     second round's, its prompts new: no prefix cached)."""
-    engine = Engine(m, params, slots=32)
+    engine = Engine(m, params, slots=32, cache_dtype=cache_dtype)
     for rounds in range(2):
         t = time.perf_counter()
         for i in range(prompts):
@@ -131,7 +133,7 @@ def engine_run(engine, jobs) -> tuple[float, dict]:
     return wall, spent
 
 
-def static_run(m, params, jobs, batch: int) -> float:
+def static_run(m, params, jobs, batch: int, cache_dtype=None) -> float:
     """Seconds of generate over the jobs in batches of `batch` (each to its longest output,
     its prompts right-padded to the longest of all)."""
     width = max(len(p) for p, _ in jobs)
@@ -142,7 +144,7 @@ def static_run(m, params, jobs, batch: int) -> float:
             prompts[r, :len(p)] = p
         out = generate(m, params, prompts, max_new_tokens=max(o for _, o in group),
                        prompt_lengths=np.array([len(p) for p, _ in group], np.int32),
-                       rng=jax.random.key(0), temperature=0.0)
+                       rng=jax.random.key(0), temperature=0.0, cache_dtype=cache_dtype)
         return jax.block_until_ready(out.tokens)
     groups = [jobs[i:i + batch] for i in range(0, len(jobs), batch)]
     t = time.perf_counter()
@@ -157,10 +159,10 @@ def against_static(m, params, a, lengths: str) -> list[tuple]:
     medians); rows for the table."""
     jobs = workload(a.requests, lengths)
     tokens = sum(o for _, o in jobs)
-    engine = Engine(m, params, slots=a.slots)
+    engine = Engine(m, params, slots=a.slots, cache_dtype=a.cache_dtype)
     engine.warm()
-    static_run(m, params, jobs, a.slots)  # compiles each batch's shape
-    runs = [(engine_run(engine, jobs), static_run(m, params, jobs, a.slots))
+    static_run(m, params, jobs, a.slots, a.cache_dtype)  # compiles each batch's shape
+    runs = [(engine_run(engine, jobs), static_run(m, params, jobs, a.slots, a.cache_dtype))
             for _ in range(a.rounds)]
     ratios = [static / wall for (wall, _), static in runs]
     (wall, spent), static = runs[int(np.argsort(ratios)[len(ratios) // 2])]
@@ -183,19 +185,22 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lengths", default="uniform,lognormal")
     p.add_argument("--skip-steps", action="store_true", help="only the runs against static")
+    p.add_argument("--cache-dtype", default=None, help="the KV cache's format (int8, "
+                   "bfloat16; default the model's float32)")
     a = p.parse_args(argv)
     m, params = model(a)
     rows = []
     for active in () if a.skip_steps else (1, 8, 32):
-        step, prog = decode_ms(m, params, active)
+        step, prog = decode_ms(m, params, active, cache_dtype=a.cache_dtype)
         rows.append((f"decode step, {active} active of 32 slots", f"{step:.2f} ms",
                      f"program {prog:.2f} ms"))
     if not a.skip_steps:
-        rows.append(("prefill, 8 prompts x 256", f"{prefill_rate(m, params):.0f} tok/s", ""))
+        rows.append(("prefill, 8 prompts x 256",
+                     f"{prefill_rate(m, params, cache_dtype=a.cache_dtype):.0f} tok/s", ""))
     for lengths in a.lengths.split(","):
         rows += against_static(m, params, a, lengths)
     print(f"d_model {a.d_model} x {a.layers} layers, vocab {a.vocab}, max_seq_len "
-          f"{a.max_seq_len}; CPU: {cpu_name()}, {jax.local_device_count()} device(s)")
+          f"{a.max_seq_len}, cache {a.cache_dtype or 'float32'}; CPU: {cpu_name()}, {jax.local_device_count()} device(s)")
     for row in rows:
         print(f"| {row[0]:<40} | {row[1]:>14} | {row[2]:<44} |")
 

@@ -33,6 +33,11 @@ class Quantised(NamedTuple):
     values: jax.Array
     scale: jax.Array
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The entry's shape (its values')."""
+        return self.values.shape
+
     def astype(self, dtype):
         """The entry dequantised to `dtype` (what attention reads)."""
         return dequantised(self, dtype)

@@ -13,7 +13,10 @@ new keys (write_pages) and attends over its rows' pages laid out in logical orde
 (page_view), the slots past a row's tokens masked as EMPTY_SLOT. A sliding window is a
 mask there, not a ring. paged_pool takes the pool back out of the forward's cache.
 The layout's key positions are jaxformer.attention.kv_cache's (paged_positions, read by
-key_positions for any cache). The paged layout holds floats only.
+key_positions for any cache). The pages hold keys and values in a cache format
+(jaxformer.attention.cache_formats: a float dtype, or int8 with a float32 scale per token
+and head, each entry then a Quantised pair of pools); a read gathers the pages in that
+format and dequantises what it gathered.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention.cache_formats import cache_format, encoded
 from jaxformer.attention.kv_cache import (
     PAIR_ENTRIES,
     ROW_ENTRIES,
@@ -36,21 +40,23 @@ from jaxformer.core.reference import group_sinks, scale_and_mask
 def init_pages(cfg, pages: int, page_size: int, slots: int, dtype=None):
     """An empty paged cache: each attention layer's ``k``, ``v`` [pages, rows per batch
     row, page_size, width] (cache_widths: a page holds each head's slots together, so that
-    page_view reads a row's heads in one gather), each recurrent layer's entries [slots,
-    ...] (zeros); unscanned layers (``block_i``)."""
+    page_view reads a row's heads in one gather) in the format `dtype` (cache_formats; the
+    model's dtype by default; int8: Quantised, with scales [pages, rows, page_size, 1]),
+    each recurrent layer's entries [slots, ...] (zeros); unscanned layers (``block_i``)."""
     check_generates(cfg)
     if cfg.scan_layers:
         raise ValueError("a paged KV cache needs unscanned layers; use scan_layers=false "
                          "(jaxformer.decode.cached_forward.decoding_config)")
-    dtype = jnp.dtype(dtype or cfg.dtype)
+    fmt = cache_format(dtype or cfg.dtype)
+    state_dtype = fmt.state_dtype(cfg.dtype)
     per_row, k_width, v_width = cache_widths(cfg)
     layers = {}
     for i in range(cfg.n_layers):
-        own = {n: jnp.zeros((slots, *shape), d or dtype)
+        own = {n: jnp.zeros((slots, *shape), d or state_dtype)
                for n, (shape, d) in (cfg.recurrent_cache(i) or {}).items()}
         keys = {} if recurrent_mixer(cfg, i) else {
-            "k": jnp.zeros((pages, per_row, page_size, k_width), dtype),
-            "v": jnp.zeros((pages, per_row, page_size, v_width), dtype)}
+            "k": fmt.empty((pages, per_row, page_size, k_width)),
+            "v": fmt.empty((pages, per_row, page_size, v_width))}
         layers[f"block_{i}"] = {**keys, **own}
     return {"layers": layers}
 
@@ -109,20 +115,27 @@ def write_pages(layer, k, v):
     page = jnp.where(real, page, pages)  # page `pages`: out of range, dropped
 
     def put(pool, new):  # pool [P, K, ps, H] at (page, :, offset) [R, T] <- new [R, T, K, H]
-        return pool.at[page, :, index % page_size].set(new.astype(pool.dtype), mode="drop")
+        return jax.tree.map(lambda x, n: x.at[page, :, index % page_size].set(n, mode="drop"),
+                            pool, encoded(pool, new))
 
     return dict(layer, k=put(layer["k"], k), v=put(layer["v"], v))
 
 
+def taken(pages, ids):
+    """The pages `ids` (any shape) of a pool [P, ...] (an array or a Quantised pair) in its
+    format; an id past the pool reads its last page."""
+    return jax.tree.map(lambda x: jnp.take(x, ids, axis=0, mode="clip"), pages)
+
+
 def page_view(pages, table):
     """The pages of each row's table [R, M] from a pool [P, K, ps, H], in logical order, as
-    a cache layer's rows [R * K, M * ps, H]: whole pages gathered, then heads moved ahead
-    (XLA:CPU gathers a page of every head ~10x faster than a head's slice of each page); an
-    id past the pool reads its last page, masked by the positions."""
-    _, n_kv, ps, h = pages.shape
+    a cache layer's rows [R * K, M * ps, H] in the pool's format: whole pages gathered, then
+    heads moved ahead (XLA:CPU gathers a page of every head ~10x faster than a head's slice
+    of each page); an id past the pool reads its last page, masked by the positions."""
+    _, n_kv, ps, _ = pages.shape
     r, m = table.shape
-    x = jnp.take(pages, table, axis=0, mode="clip")  # [R, M, K, ps, H]
-    return x.swapaxes(1, 2).reshape(r * n_kv, m * ps, h)
+    return jax.tree.map(lambda x: x.swapaxes(1, 2).reshape(r * n_kv, m * ps, x.shape[-1]),
+                        taken(pages, table))  # from [R, M, K, ps, H]
 
 
 def paged_keys(layer, k, v):
@@ -149,8 +162,8 @@ def pair_attention(q, layer, mask, bias=None, *, softcap=None, sinks=None):
     in q's dtype (a row with no pair: zeros)."""
     r, _, n, h = q.shape
     rows, n_kv = layer["pair_row"], layer["k"].shape[1]
-    k = jnp.take(layer["k"], layer["pair_page"], axis=0, mode="clip").astype(q.dtype)
-    v = jnp.take(layer["v"], layer["pair_page"], axis=0, mode="clip").astype(q.dtype)
+    k = taken(layer["k"], layer["pair_page"]).astype(q.dtype)  # [P, K, ps, H]
+    v = taken(layer["v"], layer["pair_page"]).astype(q.dtype)
     qp = jnp.take(q.reshape(r, n_kv, n // n_kv, h), rows, axis=0, mode="clip")  # [P, K, G, H]
     logits = jnp.einsum("pkgh,pksh->pkgs", qp, k, preferred_element_type=jnp.float32)
     logits = scale_and_mask(logits[:, :, :, None], mask=mask, bias=bias,

@@ -14,6 +14,11 @@ own key stream: fold_in(the seed's key, the token's number), so a seeded request
 same tokens whatever runs beside it; its log-prob is the model's log-softmax, as
 generate's (jaxformer.core.logprobs).
 
+The pages hold keys and values in `cache_dtype` (jaxformer.attention.cache_formats: the
+model's dtype by default, or int8 with a float32 scale per token and head: 0.28x the bytes
+of float32 at head_dim 64), quantised as generate(..., cache_dtype="int8") quantises them,
+so a request gets that generate's tokens.
+
 When the pool runs short in a decode step, the request admitted last is preempted: its
 pages are released and it goes back to the front of the queue, to be fed again (prompt
 and tokens so far) when pages are free; what it emitted stands. A waiting request is
@@ -81,7 +86,8 @@ class Engine:
     """Continuous batching over a paged KV cache (the module docstring says how)."""
 
     def __init__(self, model, params, *, slots: int = 32, page_size: int = 16,
-                 pages: int | None = None, prefill_chunk: int = 128, mesh=None):
+                 pages: int | None = None, prefill_chunk: int = 128, mesh=None,
+                 cache_dtype=None):
         cfg = model.cfg
         if ARCHS[cfg.arch].module != Transformer.__name__ or not cfg.generates:
             raise ValueError(f"model.arch={cfg.arch} is not served (the engine runs a decoder, "
@@ -103,7 +109,7 @@ class Engine:
         self.rules = rules
         self.params = self.placed(params)
         self.host = PagePool(pages, page_size)
-        self.pool = init_pages(self.cfg, pages, page_size, slots)
+        self.pool = init_pages(self.cfg, pages, page_size, slots, cache_dtype)
         self.tables = np.full((slots, self.max_pages), pages, np.int32)  # pages: none
         self.prefix = not cfg.recurrent  # a recurrent state is not kept per prefix
         # decode steps over each row's own pages, where a page holds several keys: with pages

@@ -57,3 +57,35 @@ def test_each_arch_gets_generates_tokens_and_logprobs(arch):
         np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=1e-5,
                                    rtol=0)
     assert engine.stats()["pages_held"] == 0 and engine.stats()["programs"] <= 2
+
+
+@pytest.mark.parametrize("arch", ["dense", "mla"])
+def test_an_int8_pool_gets_generates_int8_cache_tokens(arch):
+    """Pages in int8 (a float32 scale per token and head): greedy requests get the tokens
+    and log-probs of generate(..., cache_dtype="int8") alone (within 1e-5), which differ
+    from the float cache's; each entry of the pool takes (width + 4) / (4 width) of
+    float32's bytes (int8 values, a float32 scale per token and head: 0.28 at width 64)."""
+    model, params = tiny(ModelConfig(**{**BASE, **ARCHS.get(arch, {})}))
+    requests = [(rng.integers(0, 64, int(rng.integers(1, W + 1))).tolist(),
+                 RequestSettings(max_tokens=int(rng.integers(1, N + 1)), temperature=0.0))
+                for _ in range(8)]
+    engine = Engine(model, params, slots=4, page_size=8, pages=3, prefill_chunk=4,
+                    cache_dtype="int8")
+    out, _ = drive(engine, requests, rng.integers(0, 4, len(requests)))
+    moved = 0.0
+    for k, (prompt, s) in enumerate(requests):
+        padded = np.zeros((1, W), np.int32)
+        padded[0, :len(prompt)] = prompt
+        want, plain = (generate(model, params, padded, prompt_lengths=np.array([len(prompt)]),
+                                max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
+                                cache_dtype=dtype) for dtype in ("int8", None))
+        assert out[k][0] == np.asarray(want.tokens[0, :s.max_tokens]).tolist(), (k, prompt)
+        np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=1e-5,
+                                   rtol=0)
+        moved = max(moved, float(np.max(np.abs(want.logprobs - plain.logprobs))))
+    assert moved > 1e-4  # the int8 cache's own effect, which the engine reproduces
+    keys = [engine.pool["layers"][n][e] for n in engine.pool["layers"] for e in ("k", "v")]
+    assert all(x.values.dtype == np.int8 and x.scale.dtype == np.float32 for x in keys)
+    for x in keys:  # (width + 4) / (4 width) of float32's bytes: 0.375 at width 8
+        width = x.shape[-1]
+        assert x.values.nbytes + x.scale.nbytes == x.values.size * (width + 4) // width
