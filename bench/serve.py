@@ -2,7 +2,8 @@
 transformers' continuous batching, on the same random model and the same workload.
 
     python bench/serve.py [--clients 1,8,32 --requests 96 --prompt 16,256 --output 16,128
-        --lengths uniform --rate 0 --seed 0 --d-model 256 --layers 4 --systems serve,static,hf]
+        --lengths uniform --rate 0 --seed 0 --d-model 256 --layers 4 --systems serve,static,hf
+        --cache-dtype int8]
 
 The model: a random Llama-shaped decoder (RMSNorm, SwiGLU, RoPE, GQA 8 heads over 2, an
 untied head; d_model 256 x 4 layers, vocab 2048, max_seq_len 512, float32 by default)
@@ -79,14 +80,15 @@ def model_folder(a, folder: pathlib.Path) -> pathlib.Path:
 
 # ---- serve: the HTTP server, driven by streaming clients -------------------------------
 
-def start_server(folder: pathlib.Path, slots: int, log: pathlib.Path):
+def start_server(folder: pathlib.Path, slots: int, log: pathlib.Path, cache_dtype=None):
     """(the process, its base URL) of python -m jaxformer.serve FOLDER, once /health answers."""
     import httpx
     with socket.socket() as s:
         port = s.bind(("127.0.0.1", 0)) or s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "jaxformer.serve", str(folder), "--port",
                              str(port), "--slots", str(slots), "--max-queue", "4096",
-                             "--model-name", "m"],
+                             "--model-name", "m"]
+                            + (["--cache-dtype", cache_dtype] if cache_dtype else []),
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"
@@ -142,9 +144,9 @@ async def drive(url: str, jobs: list[Job], clients: int) -> tuple[list[Timing], 
     return list(timings), time.perf_counter() - t0
 
 
-def served(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
+def served(folder: pathlib.Path, jobs: list[Job], clients: int, cache_dtype=None) -> dict:
     """The serve row: the server started with `clients` slots, warmed, then driven."""
-    proc, url = start_server(folder, clients, folder / f"server_{clients}.log")
+    proc, url = start_server(folder, clients, folder / f"server_{clients}.log", cache_dtype)
     try:
         asyncio.run(drive(url, warm_up(jobs, clients), clients))
         timings, wall = asyncio.run(drive(url, jobs, clients))
@@ -283,7 +285,7 @@ def hf_pass(manager, jobs: list[Job], clients: int) -> tuple[list[Timing], float
 
 # ---- the table ------------------------------------------------------------------------
 
-SYSTEMS = {"serve": lambda a, f, jobs, c: served(f, jobs, c),
+SYSTEMS = {"serve": lambda a, f, jobs, c: served(f, jobs, c, a.cache_dtype),
            "static": lambda a, f, jobs, c: static_batches(f, jobs, c),
            "hf": lambda a, f, jobs, c: hf_batching(f, jobs, c, a.torch_threads)}
 
@@ -311,6 +313,8 @@ def parsed(argv=None):
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--torch-threads", type=int, default=os.cpu_count())
+    p.add_argument("--cache-dtype", default=None, help="the server's KV cache pages' format "
+                   "(--cache-dtype int8; default the model's float32)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--out", default=None, help="also write the rows here as JSON")
     p.add_argument("--profile", action="store_true", help="also the engine alone in this "

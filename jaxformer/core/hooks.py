@@ -64,6 +64,17 @@ def session(hooks: dict[str, Callable], keep: Callable[[str], bool],
     _refuse_unknown(set(names), s.seen, "names")
 
 
+def refuse_pattern_hooks(hooks: dict, who: str) -> None:
+    """Refuses, in one line, hooks on attention patterns or scores for `who`, a KV-cached
+    path (generate, the serving engine), which computes neither."""
+    patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))
+    if patterns:
+        raise ValueError(f"{who} cannot hook {', '.join(patterns)}: the KV-cached path "
+                         "computes no attention pattern; hook attn.hook_z or the residual "
+                         "stream, or use jaxformer.model.inspect.run_with_hooks on the full "
+                         "sequence")
+
+
 def _refuse_unknown(asked: set[str], seen: set[str], what: str):
     unknown = sorted(asked - seen)
     if unknown:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxformer.attention.cache_formats import cache_format_name
 from jaxformer.attention.kv_cache import init_cache, kv_cache_bytes  # noqa: F401
-from jaxformer.core.hooks import session
+from jaxformer.core.hooks import refuse_pattern_hooks, session
 from jaxformer.core.logprobs import target_logprobs
 from jaxformer.decode.beam import Beams, beam_loop, beam_search  # noqa: F401 (their old home)
 from jaxformer.decode.cached_forward import (Generated, checked_inputs, decode_jit, forward_one,
@@ -180,10 +180,6 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
 
 def _hooked(hooks: dict, settings: tuple, args: tuple) -> Generated:
     """generate's decode with `hooks` applied (traced inside, compiled afresh)."""
-    patterns = sorted(n for n in hooks if n.endswith(("hook_attn_scores", "hook_pattern")))
-    if patterns:
-        raise ValueError(f"generate cannot hook {', '.join(patterns)}: the KV-cached path "
-                         "computes no attention pattern; hook attn.hook_z or the residual "
-                         "stream, or use jaxformer.model.inspect.run_with_hooks on the full sequence")
+    refuse_pattern_hooks(hooks, "generate")
     with session(hooks, lambda _: False):
         return decode_jit(_decode_run(*settings))(*args)

@@ -19,6 +19,11 @@ model's dtype by default, or int8 with a float32 scale per token and head: 0.28x
 of float32 at head_dim 64), quantised as generate(..., cache_dtype="int8") quantises them,
 so a request gets that generate's tokens.
 
+`hooks` ({name: fn}, TransformerLens names, as generate and
+jaxformer.model.inspect.run_with_hooks take them) are applied to every request: to each
+prompt chunk's values and each new token's (a steering vector, an ablated head), so a
+request gets generate(..., hooks=the same)'s tokens and log-probs.
+
 When the pool runs short in a decode step, the request admitted last is preempted: its
 pages are released and it goes back to the front of the queue, to be fed again (prompt
 and tokens so far) when pages are free; what it emitted stands. A waiting request is
@@ -47,10 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.attention.paged_cache import init_pages
+from jaxformer.core.hooks import refuse_pattern_hooks
 from jaxformer.core.sharding import param_shardings, resolve_rules
 from jaxformer.decode.cached_forward import looped
 from jaxformer.decode.sampling import Sampling
 from jaxformer.model.archs import ARCHS
+from jaxformer.model.inspect import run_with_hooks
 from jaxformer.model.transformer import Transformer
 from jaxformer.serve.pages import PagePool, chain_hashes
 from jaxformer.serve.paged_step import decodes_by_pairs, step_program
@@ -75,6 +82,15 @@ def pair_count(pairs: int, most: int, least: int) -> int:
     return smaller if size > 2 and smaller >= max(pairs, least) else size
 
 
+def checked_hooks(model, params, hooks: dict) -> None:
+    """Refuses, in one line, hooks the engine cannot apply: on attention patterns (its
+    cached path computes none), or on a name that is no hook point of the model (traced
+    once, abstractly: nothing runs)."""
+    refuse_pattern_hooks(hooks, "the engine")
+    jax.eval_shape(lambda p: run_with_hooks(model, p, jnp.zeros((1, 1), jnp.int32),
+                                            hooks=hooks), params)
+
+
 def table_width(pages: int, longest: int, least: int = 1) -> int:
     """The page-table width a forward runs: the power of two >= the pages its longest row
     holds (and >= `least`), at most `longest` (a sequence's most pages); as well the rows
@@ -87,7 +103,7 @@ class Engine:
 
     def __init__(self, model, params, *, slots: int = 32, page_size: int = 16,
                  pages: int | None = None, prefill_chunk: int = 128, mesh=None,
-                 cache_dtype=None):
+                 cache_dtype=None, hooks=None):
         cfg = model.cfg
         if ARCHS[cfg.arch].module != Transformer.__name__ or not cfg.generates:
             raise ValueError(f"model.arch={cfg.arch} is not served (the engine runs a decoder, "
@@ -116,7 +132,10 @@ class Engine:
         # of one token (GRPO's rollouts) the segment sums cost more than the table's padding
         self.pairs = decodes_by_pairs(self.cfg) and page_size >= PAIR_PAGES
         self.least = -(-LEAST_KEYS // page_size)  # the fewest pages a forward reads a row
-        self.program = step_program(self.cfg, min(TOP_LOGPROBS, cfg.vocab_size), mesh, rules)
+        if hooks:
+            checked_hooks(model, params, hooks)
+        self.program = step_program(self.cfg, min(TOP_LOGPROBS, cfg.vocab_size), mesh, rules,
+                                    hooks)
         self.by_slot: list[Request | None] = [None] * slots
         self.running: list[Request] = []  # in order of admission
         self.waiting: collections.deque[Request] = collections.deque()

@@ -15,12 +15,14 @@ where the new tokens are written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxformer.attention import paged_cache
+from jaxformer.core.hooks import session
 from jaxformer.core.logprobs import target_logprobs
 from jaxformer.core.sharding import traced_under
 from jaxformer.decode.cached_forward import CPU_DECODE_OPTIONS
@@ -76,19 +78,25 @@ def paged_forward(model, params, pool, tokens, starts, counts, table, rows, pair
     return logits[:, 0].astype(jnp.float32), paged_cache.paged_pool(pool, cache, rows)  # [R, V]
 
 
-@functools.lru_cache(maxsize=16)
-def step_program(cfg, top: int, mesh=None, rules=None):
+def step_program(cfg, top: int, mesh=None, rules=None, hooks=None):
     """The jitted step(params, pool, tokens, starts, counts, table, rows, sampling, seeds,
     index, bans, pairs=None) -> (pool, (tokens, logprobs, top ids, top log-probs)) of the
     model of cfg (a decoding config: cached_forward.decoding_config), the pool donated
     (updated in place), compiled as the decoders are (CPU_DECODE_OPTIONS on CPU); traced
-    inside the sharding context of `mesh` and `rules` when given."""
+    inside the sharding context of `mesh` and `rules` when given, and with `hooks` ({name:
+    fn}, as generate takes them: to each chunk's and each new token's values) applied."""
+    return _step_program(cfg, top, mesh, rules, tuple(sorted((hooks or {}).items())))
+
+
+@functools.lru_cache(maxsize=16)
+def _step_program(cfg, top: int, mesh, rules, hooks: tuple):
     model = Transformer(cfg)
 
     def step(params, pool, tokens, starts, counts, table, rows, sampling, seeds, index, bans,
              pairs=None):
-        last, pool = paged_forward(model, params, pool, tokens, starts, counts, table, rows,
-                                   pairs)
+        with session(dict(hooks), lambda _: False) if hooks else contextlib.nullcontext():
+            last, pool = paged_forward(model, params, pool, tokens, starts, counts, table,
+                                       rows, pairs)
         return pool, sampled_rows(last, sampling, seeds, index, bans, top)
 
     options = CPU_DECODE_OPTIONS if jax.default_backend() == "cpu" else None

@@ -251,6 +251,37 @@ def test_bad_input_is_one_line(prompt, settings, words):
     assert not engine.has_work()
 
 
+def test_hooks_steer_the_engine_as_they_steer_generate():
+    """hooks= (a steering vector added to blocks.0.hook_resid_post, one head of
+    blocks.1.attn.hook_z silenced): greedy requests arriving at random steps get the tokens
+    and log-probs (within 1e-5) of generate(..., hooks=the same), which the hooks move; a
+    pattern hook and an unknown name are refused at construction, in one line."""
+    model, params = tiny()
+    u = jnp.asarray(rng.standard_normal(CFG.d_model), jnp.float32)
+    hooks = {"blocks.0.hook_resid_post": lambda x: x + 0.7 * u,
+             "blocks.1.attn.hook_z": lambda z: z.at[:, :, 1].multiply(0.0)}
+    requests = [(random_prompt(), RequestSettings(max_tokens=N, temperature=0.0))
+                for _ in range(8)]
+    engine = Engine(model, params, slots=4, page_size=PAGE, prefill_chunk=CHUNK, hooks=hooks)
+    out, _ = drive(engine, requests, rng.integers(0, 6, len(requests)))
+    padded = np.zeros((len(requests), W), np.int32)
+    for r, (p, _) in enumerate(requests):
+        padded[r, :len(p)] = p
+    lengths = np.array([len(p) for p, _ in requests])
+    want, plain = (generate(model, params, padded, prompt_lengths=lengths, max_new_tokens=N,
+                            rng=jax.random.key(0), temperature=0.0, hooks=h)
+                   for h in (hooks, None))
+    for k in range(len(requests)):
+        assert out[k][0] == np.asarray(want.tokens[k]).tolist(), k
+        np.testing.assert_allclose(out[k][1], want.logprobs[k], atol=1e-5, rtol=0)
+    assert np.max(np.abs(np.asarray(want.logprobs) - np.asarray(plain.logprobs))) > 0.1
+    for bad, words in (({"blocks.0.attn.hook_pattern": lambda p: p}, "hook_pattern"),
+                       ({"blocks.7.hook_resid_post": lambda x: x}, "no such hook point")):
+        with pytest.raises(ValueError, match=words) as e:
+            Engine(model, params, page_size=PAGE, hooks=bad)
+        assert "\n" not in str(e.value)
+
+
 def test_bad_engines_are_one_line():
     """Too few pages for one sequence, or an encoder, refused in one line."""
     model, params = tiny()
