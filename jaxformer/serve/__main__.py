@@ -10,8 +10,8 @@ tokenizer.json). The folder's chat template (tokenizer_config.json or chat_templ
 serves /v1/chat/completions. The engine compiles every program a step may run before the
 server listens (--compile first: those of two short requests), so /health answers once it is
 ready and no request waits for a compile. --cache-dtype int8 keeps the KV cache's pages in
-int8 with a float32 scale per token and head (as generate --cache-dtype int8): 0.28x the
-bytes of float32 at head_dim 64, so --pages N holds 3.6x the tokens in the same memory.
+int8 with a float32 scale per token and head (as generate --cache-dtype int8): 0.27x the
+bytes of float32 at head_dim 64, so the same memory holds 3.8x the pages (--pages).
 """
 
 from __future__ import annotations

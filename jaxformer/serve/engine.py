@@ -15,7 +15,7 @@ same tokens whatever runs beside it; its log-prob is the model's log-softmax, as
 generate's (jaxformer.core.logprobs).
 
 The pages hold keys and values in `cache_dtype` (jaxformer.attention.cache_formats: the
-model's dtype by default, or int8 with a float32 scale per token and head: 0.28x the bytes
+model's dtype by default, or int8 with a float32 scale per token and head: 0.27x the bytes
 of float32 at head_dim 64), quantised as generate(..., cache_dtype="int8") quantises them,
 so a request gets that generate's tokens.
 

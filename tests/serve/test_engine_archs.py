@@ -64,7 +64,7 @@ def test_an_int8_pool_gets_generates_int8_cache_tokens(arch):
     """Pages in int8 (a float32 scale per token and head): greedy requests get the tokens
     and log-probs of generate(..., cache_dtype="int8") alone (within 1e-5), which differ
     from the float cache's; each entry of the pool takes (width + 4) / (4 width) of
-    float32's bytes (int8 values, a float32 scale per token and head: 0.28 at width 64)."""
+    float32's bytes (int8 values, a float32 scale per token and head: 0.27 at width 64)."""
     model, params = tiny(ModelConfig(**{**BASE, **ARCHS.get(arch, {})}))
     requests = [(rng.integers(0, 64, int(rng.integers(1, W + 1))).tolist(),
                  RequestSettings(max_tokens=int(rng.integers(1, N + 1)), temperature=0.0))
