@@ -24,22 +24,28 @@ jaxformer.model.inspect.run_with_hooks take them) are applied to every request: 
 prompt chunk's values and each new token's (a steering vector, an ablated head), so a
 request gets generate(..., hooks=the same)'s tokens and log-probs.
 
+A model whose every attention layer has a sliding window (window_of) releases a request's
+pages as they fall wholly behind the window of its next token: a sequence then holds
+about window / page_size + 1 pages however long it runs, and its decode steps read those
+alone.
+
 When the pool runs short in a decode step, the request admitted last is preempted: its
 pages are released and it goes back to the front of the queue, to be fed again (prompt
 and tokens so far) when pages are free; what it emitted stands. A waiting request is
 admitted only when its whole prompt's pages are available.
 
-Programs compiled (jaxformer.serve.paged_step): per page-table width (powers of two from
-LEAST_KEYS / page_size up to max_seq_len / page_size), one per prompt chunk (width: powers
-of two from LEAST_CHUNK up to prefill_chunk, as wide as its longest row's rest; rows: as
-many as the prompts waiting, a power of two up to PREFILL_ROWS, not PREFILL_ROWS padded,
-for a chunk wider than LEAST_CHUNK) and one per decode row count (powers of two from
-LEAST_ROWS up to the slots: a decode step runs its decoding slots alone, packed into the
-first rows); two for max_seq_len <= LEAST_KEYS, slots <= LEAST_ROWS and prefill_chunk <=
-LEAST_CHUNK. A model whose attention reads (row, page) pairs (paged_step.decodes_by_pairs), in
-pages of PAIR_PAGES tokens or more, decodes over each row's own pages: one decode program
-per row count and pair count (pair_count: 2^k and 3 x 2^(k-1), from LEAST_KEYS / page_size
-a row), not per table width. Not thread-safe: one thread calls submit, cancel and step.
+Programs compiled (jaxformer.serve.paged_step; their shapes jaxformer.serve.shapes): per
+page-table width (powers of two from LEAST_KEYS / page_size up to max_seq_len / page_size),
+one per prompt chunk (width: powers of two from LEAST_CHUNK up to prefill_chunk, as wide as
+its longest row's rest; rows: as many as the prompts waiting, a power of two up to
+PREFILL_ROWS, not PREFILL_ROWS padded, for a chunk wider than LEAST_CHUNK) and one per
+decode row count (powers of two from LEAST_ROWS up to the slots: a decode step runs its
+decoding slots alone, packed into the first rows); two for max_seq_len <= LEAST_KEYS, slots
+<= LEAST_ROWS and prefill_chunk <= LEAST_CHUNK. A model whose attention reads (row, page)
+pairs (paged_step.decodes_by_pairs), in pages of PAIR_PAGES tokens or more, decodes over
+each row's own pages: one decode program per row count and pair count (pair_count: 2^k and
+3 x 2^(k-1), from LEAST_KEYS / page_size a row), not per table width. Not thread-safe: one
+thread calls submit, cancel and step.
 """
 
 from __future__ import annotations
@@ -52,51 +58,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.attention.paged_cache import init_pages
-from jaxformer.core.hooks import refuse_pattern_hooks
 from jaxformer.core.sharding import param_shardings, resolve_rules
 from jaxformer.decode.cached_forward import looped
 from jaxformer.decode.sampling import Sampling
 from jaxformer.model.archs import ARCHS
-from jaxformer.model.inspect import run_with_hooks
 from jaxformer.model.transformer import Transformer
 from jaxformer.serve.pages import PagePool, chain_hashes
-from jaxformer.serve.paged_step import decodes_by_pairs, step_program
+from jaxformer.serve.paged_step import checked_hooks, decodes_by_pairs, step_program, window_of
 from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSettings,
                                       checked_request)
-
-PREFILL_ROWS = 4  # prompts whose next chunk runs in one step (fewer slots: as many)
-# a forward reads at least this many keys per row, a decode step runs at least this many
-# rows, a prompt chunk is at least this wide: below them, masked keys and padding cost less
-# than compiling another program
-LEAST_KEYS, LEAST_ROWS, LEAST_CHUNK = 32, 8, 32
-# the least page size whose decode steps read (row, page) pairs (bench/grpo_rollout.py's
-# pages of 1: a rollout 1.7x slower by pairs; bench/engine_step.py's of 16: steps 1.2x faster)
-PAIR_PAGES = 8
-
-
-def pair_count(pairs: int, most: int, least: int) -> int:
-    """The pairs a decode step runs: the least of 2^k and 3 * 2^(k-1) >= `pairs` (and >=
-    `least`), at most `most`: at most a third more than needed, not twice."""
-    size = table_width(pairs, most, least)
-    smaller = size * 3 // 4
-    return smaller if size > 2 and smaller >= max(pairs, least) else size
-
-
-def checked_hooks(model, params, hooks: dict) -> None:
-    """Refuses, in one line, hooks the engine cannot apply: on attention patterns (its
-    cached path computes none), or on a name that is no hook point of the model (traced
-    once, abstractly: nothing runs)."""
-    refuse_pattern_hooks(hooks, "the engine")
-    jax.eval_shape(lambda p: run_with_hooks(model, p, jnp.zeros((1, 1), jnp.int32),
-                                            hooks=hooks), params)
-
-
-def table_width(pages: int, longest: int, least: int = 1) -> int:
-    """The page-table width a forward runs: the power of two >= the pages its longest row
-    holds (and >= `least`), at most `longest` (a sequence's most pages); as well the rows
-    a decode step runs (pages: its rows, longest: the slots)."""
-    return min(longest, max(least, 1 << max(pages - 1, 0).bit_length()))
-
+from jaxformer.serve.shapes import (LEAST_CHUNK, LEAST_KEYS, LEAST_ROWS, PAIR_PAGES,
+                                    PREFILL_ROWS, pair_count, pairs_of, table_width)
 
 class Engine:
     """Continuous batching over a paged KV cache (the module docstring says how)."""
@@ -128,6 +100,7 @@ class Engine:
         self.pool = init_pages(self.cfg, pages, page_size, slots, cache_dtype)
         self.tables = np.full((slots, self.max_pages), pages, np.int32)  # pages: none
         self.prefix = not cfg.recurrent  # a recurrent state is not kept per prefix
+        self.window = window_of(self.cfg)  # pages behind it are released (None: none are)
         # decode steps over each row's own pages, where a page holds several keys: with pages
         # of one token (GRPO's rollouts) the segment sums cost more than the table's padding
         self.pairs = decodes_by_pairs(self.cfg) and page_size >= PAIR_PAGES
@@ -209,12 +182,12 @@ class Engine:
         """A running request leaves its slot and pages (nothing for a waiting one)."""
         if req.slot is None:
             return
-        self.host.release(req.pages)
+        self.host.release(req.pages[req.dropped:])
         self.computing.difference_update(chain_hashes(req.tokens[:-1], self.page_size))
         self.tables[req.slot] = self.host.pages
         self.by_slot[req.slot] = None
         self.running.remove(req)
-        req.slot, req.pages, req.hashes, req.held = None, [], [], 0
+        req.slot, req.pages, req.hashes, req.held, req.dropped = None, [], [], 0, 0
 
     def admit(self) -> None:
         """Waiting requests into free slots, first come first served, while the pool has
@@ -268,6 +241,17 @@ class Engine:
             self.computing.discard(h)
         req.hashes += new
 
+    def drop_behind(self, req: Request) -> None:
+        """req's first pages that no later token reads (wholly before the window of its
+        next position, req.held) released, once the prefix cache knows them."""
+        if self.window is None:
+            return
+        behind = max(0, (req.held - self.window + 1) // self.page_size)
+        for j in range(req.dropped, behind):
+            self.host.release([req.pages[j]])
+            self.tables[req.slot, j] = self.host.pages
+        req.dropped = max(req.dropped, behind)
+
     # ---- steps ---------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
@@ -310,6 +294,7 @@ class Engine:
         for i, req in enumerate(reqs):
             req.held += counts[req.id]
             self.learn_pages(req)
+            self.drop_behind(req)
             if req.held == len(req.tokens):
                 events.append(self.emitted(req, int(tokens[i]), float(logps[i]),
                                            top_ids[i], top_logps[i]))
@@ -344,20 +329,9 @@ class Engine:
                 self.bans(reqs, rows))
         if not by_pairs:
             return args, width
-        pairs = self.pair_list(table, held, rows)
+        pairs = pairs_of(table, held, [r.dropped for r in reqs], rows, self.max_pages,
+                         self.least, self.host.pages)
         return args + (pairs,), len(pairs[0])
-
-    def pair_list(self, table, held, rows: int) -> tuple:
-        """A decode step's (row, page) pairs (paged_cache): row i's first held[i] pages of
-        table [R, M], in row order, padded (row `rows`, page none) to pair_count's size."""
-        n = sum(held)
-        size = pair_count(n, rows * self.max_pages, rows * self.least)
-        row, index = np.full(size, rows, np.int32), np.zeros(size, np.int32)
-        row[:n] = np.repeat(np.arange(len(held)), held)
-        index[:n] = np.arange(n) - np.repeat(np.cumsum(held) - held, held)
-        page = np.full(size, self.host.pages, np.int32)
-        page[:n] = table[row[:n], index[:n]]
-        return row, page, index
 
     def warm(self) -> int:
         """Compile every program a step may run (each shape once, its rows all padding:

@@ -9,7 +9,7 @@ powers of two, so a program attends over at most twice the pages its longest row
 The LM head runs at each row's last real token alone ([R, V] logits, not [R, T, V]).
 A decode step of a model whose attention layers read (row, page) pairs (decodes_by_pairs)
 reads each row's own pages alone (paged_cache.pair_attention): one program per (rows,
-pairs), pairs in steps of at most a third (engine.pair_count), the page table then only
+pairs), pairs in steps of at most a third (shapes.pair_count), the page table then only
 where the new tokens are written.
 """
 
@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.attention import paged_cache
-from jaxformer.core.hooks import session
+from jaxformer.attention.kv_cache import recurrent_mixer
+from jaxformer.core.hooks import refuse_pattern_hooks, session
 from jaxformer.core.logprobs import target_logprobs
 from jaxformer.core.sharding import traced_under
 from jaxformer.decode.cached_forward import CPU_DECODE_OPTIONS
 from jaxformer.decode.sampling import Sampling, branches_of, sample_and_filter
+from jaxformer.model.inspect import run_with_hooks
 from jaxformer.model.transformer import Transformer
 from jaxformer.positions.schemes import POSITION_SCHEMES
 
@@ -62,6 +64,26 @@ def decodes_by_pairs(cfg) -> bool:
     not MLA's latent attention (its pages read through the tables) nor a scheme that
     computes its own logits over a row's keys in order (CoPE)."""
     return not cfg.mla.on and POSITION_SCHEMES[cfg.position].logits is None
+
+
+def window_of(cfg) -> int | None:
+    """How far back a model's keys are read when every attention layer has a sliding
+    window: the largest (a query at q reads keys after q - window); None when a layer reads
+    the whole sequence, or the position scheme counts keys in order (CoPE)."""
+    if POSITION_SCHEMES[cfg.position].logits is not None:
+        return None
+    windows = [cfg.kinds[kind].window for i, kind in enumerate(cfg.layer_kind_ids)
+               if not recurrent_mixer(cfg, i)]
+    return None if not windows or None in windows else max(windows)
+
+
+def checked_hooks(model, params, hooks: dict) -> None:
+    """Refuses, in one line, hooks a step cannot apply: on attention patterns (its cached
+    path computes none), or on a name that is no hook point of the model (traced once,
+    abstractly: nothing runs)."""
+    refuse_pattern_hooks(hooks, "the engine")
+    jax.eval_shape(lambda p: run_with_hooks(model, p, jnp.zeros((1, 1), jnp.int32),
+                                            hooks=hooks), params)
 
 
 def paged_forward(model, params, pool, tokens, starts, counts, table, rows, pairs=None):

@@ -96,7 +96,8 @@ def checked_request(prompt, settings, vocab: int, max_seq_len: int) -> list[int]
 class Request:
     """A request's state. tokens: its prompt, then the tokens generated; held: how many of
     them have their keys in its pages (the next forward feeds tokens[held:]); pages: its
-    page ids in logical order; hashes: the chain hashes of its full pages (pages.py)."""
+    page ids in logical order (its first `dropped` released: behind every layer's window);
+    hashes: the chain hashes of its full pages (pages.py)."""
     id: int
     settings: RequestSettings
     tokens: list[int]
@@ -104,6 +105,7 @@ class Request:
     seed: tuple[int, int]  # its key stream's seed: low, high 32 bits
     held: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
+    dropped: int = 0
     hashes: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     ngrams: dict = dataclasses.field(default_factory=dict)  # (n - 1)-gram -> next tokens

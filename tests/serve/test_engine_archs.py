@@ -89,3 +89,38 @@ def test_an_int8_pool_gets_generates_int8_cache_tokens(arch):
     for x in keys:  # (width + 4) / (4 width) of float32's bytes: 0.375 at width 8
         width = x.shape[-1]
         assert x.values.nbytes + x.scale.nbytes == x.values.size * (width + 4) // width
+
+
+@pytest.mark.parametrize("page", [2, 8])
+def test_pages_behind_every_window_are_released(page):
+    """A model whose every layer has a window of 3 (pages of 2: its decode steps read the
+    tables; of 8: pairs): after each step a decoding request holds at most
+    ceil((3 - 1) / page) + 1 pages, the rest released as they fall behind its next token's
+    window; greedy requests still get generate's tokens (its ring cache) and log-probs, and
+    every page is free at the end."""
+    model, params = tiny(ModelConfig(**{**BASE, "sliding_window": 3}))
+    requests = [(rng.integers(0, 64, int(rng.integers(1, W + 1))).tolist(),
+                 RequestSettings(max_tokens=int(rng.integers(1, N + 1)), temperature=0.0))
+                for _ in range(7)]
+    requests.append((rng.integers(0, 64, W).tolist(),  # 14 tokens: past a page of 8 + 3
+                     RequestSettings(max_tokens=N, temperature=0.0)))
+    engine = Engine(model, params, slots=4, page_size=page, prefill_chunk=4)
+    ids = {engine.submit(*r): k for k, r in enumerate(requests)}
+    out, dropped = {k: ([], []) for k in range(len(requests))}, 0
+    while engine.has_work():
+        for e in engine.step():
+            out[ids[e.request_id]][0].append(e.token)
+            out[ids[e.request_id]][1].append(e.logprob)
+        for r in engine.running:
+            if len(r.tokens) - r.held == 1:  # decoding
+                assert len(r.pages) - r.dropped <= -(-2 // page) + 1, (r.held, r.dropped)
+            dropped = max(dropped, r.dropped)
+    assert dropped > 0 and engine.stats()["pages_held"] == 0
+    for k, (prompt, s) in enumerate(requests):
+        padded = np.zeros((1, W), np.int32)
+        padded[0, :len(prompt)] = prompt
+        want = generate(model, params, padded, prompt_lengths=np.array([len(prompt)]),
+                        max_new_tokens=N, rng=jax.random.key(0), temperature=0.0)
+        assert out[k][0] == np.asarray(want.tokens[0, :s.max_tokens]).tolist(), (k, prompt)
+        np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=1e-5,
+                                   rtol=0)
