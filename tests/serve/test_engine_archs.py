@@ -48,15 +48,27 @@ def test_each_arch_gets_generates_tokens_and_logprobs(arch):
                 for _ in range(8)]
     engine = Engine(model, params, slots=4, page_size=8, pages=3, prefill_chunk=4)
     out, _ = drive(engine, requests, rng.integers(0, 4, len(requests)))
+    assert_generates(model, params, requests, out)
+    assert engine.stats()["pages_held"] == 0 and engine.stats()["programs"] <= 2
+
+
+def alone(model, params, prompt, cache_dtype=None):
+    """generate's greedy N tokens for the prompt alone (padded to W: one program)."""
+    padded = np.zeros((1, W), np.int32)
+    padded[0, :len(prompt)] = prompt
+    return generate(model, params, padded, prompt_lengths=np.array([len(prompt)]),
+                    max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
+                    cache_dtype=cache_dtype)
+
+
+def assert_generates(model, params, requests, out, cache_dtype=None):
+    """Each request's engine tokens out[k][0] are generate's alone, its log-probs out[k][1]
+    generate's within 1e-5."""
     for k, (prompt, s) in enumerate(requests):
-        padded = np.zeros((1, W), np.int32)
-        padded[0, :len(prompt)] = prompt
-        want = generate(model, params, padded, prompt_lengths=np.array([len(prompt)]),
-                        max_new_tokens=N, rng=jax.random.key(0), temperature=0.0)
+        want = alone(model, params, prompt, cache_dtype)
         assert out[k][0] == np.asarray(want.tokens[0, :s.max_tokens]).tolist(), (k, prompt)
         np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=1e-5,
                                    rtol=0)
-    assert engine.stats()["pages_held"] == 0 and engine.stats()["programs"] <= 2
 
 
 @pytest.mark.parametrize("arch", ["dense", "mla"])
@@ -72,17 +84,9 @@ def test_an_int8_pool_gets_generates_int8_cache_tokens(arch):
     engine = Engine(model, params, slots=4, page_size=8, pages=3, prefill_chunk=4,
                     cache_dtype="int8")
     out, _ = drive(engine, requests, rng.integers(0, 4, len(requests)))
-    moved = 0.0
-    for k, (prompt, s) in enumerate(requests):
-        padded = np.zeros((1, W), np.int32)
-        padded[0, :len(prompt)] = prompt
-        want, plain = (generate(model, params, padded, prompt_lengths=np.array([len(prompt)]),
-                                max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
-                                cache_dtype=dtype) for dtype in ("int8", None))
-        assert out[k][0] == np.asarray(want.tokens[0, :s.max_tokens]).tolist(), (k, prompt)
-        np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=1e-5,
-                                   rtol=0)
-        moved = max(moved, float(np.max(np.abs(want.logprobs - plain.logprobs))))
+    assert_generates(model, params, requests, out, "int8")
+    moved = max(float(np.max(np.abs(alone(model, params, p, "int8").logprobs
+                                    - alone(model, params, p).logprobs))) for p, _ in requests)
     assert moved > 1e-4  # the int8 cache's own effect, which the engine reproduces
     keys = [engine.pool["layers"][n][e] for n in engine.pool["layers"] for e in ("k", "v")]
     assert all(x.values.dtype == np.int8 and x.scale.dtype == np.float32 for x in keys)
@@ -116,11 +120,4 @@ def test_pages_behind_every_window_are_released(page):
                 assert len(r.pages) - r.dropped <= -(-2 // page) + 1, (r.held, r.dropped)
             dropped = max(dropped, r.dropped)
     assert dropped > 0 and engine.stats()["pages_held"] == 0
-    for k, (prompt, s) in enumerate(requests):
-        padded = np.zeros((1, W), np.int32)
-        padded[0, :len(prompt)] = prompt
-        want = generate(model, params, padded, prompt_lengths=np.array([len(prompt)]),
-                        max_new_tokens=N, rng=jax.random.key(0), temperature=0.0)
-        assert out[k][0] == np.asarray(want.tokens[0, :s.max_tokens]).tolist(), (k, prompt)
-        np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=1e-5,
-                                   rtol=0)
+    assert_generates(model, params, requests, out)
