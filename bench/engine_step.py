@@ -200,7 +200,8 @@ def main(argv=None):
     for lengths in a.lengths.split(","):
         rows += against_static(m, params, a, lengths)
     print(f"d_model {a.d_model} x {a.layers} layers, vocab {a.vocab}, max_seq_len "
-          f"{a.max_seq_len}, cache {a.cache_dtype or 'float32'}; CPU: {cpu_name()}, {jax.local_device_count()} device(s)")
+          f"{a.max_seq_len}, cache {a.cache_dtype or 'float32'}; CPU: {cpu_name()}, "
+          f"{jax.local_device_count()} device(s)")
     for row in rows:
         print(f"| {row[0]:<40} | {row[1]:>14} | {row[2]:<44} |")
 

@@ -247,10 +247,10 @@ class Engine:
         if self.window is None:
             return
         behind = max(0, (req.held - self.window + 1) // self.page_size)
-        for j in range(req.dropped, behind):
-            self.host.release([req.pages[j]])
-            self.tables[req.slot, j] = self.host.pages
-        req.dropped = max(req.dropped, behind)
+        if behind > req.dropped:
+            self.host.release(req.pages[req.dropped:behind])
+            self.tables[req.slot, req.dropped:behind] = self.host.pages
+            req.dropped = behind
 
     # ---- steps ---------------------------------------------------------------------------
 

@@ -71,13 +71,18 @@ def drive(engine, requests, arrivals, cancels=None):
     return out, ends
 
 
-def alone(model, params, prompt, n: int, **kw) -> list[int]:
-    """generate's first n tokens for the prompt alone (padded to W: one program)."""
+def generated(model, params, prompt, cache_dtype=None, **kw):
+    """generate's greedy N tokens for the prompt alone (padded to W: one program)."""
     padded = np.zeros((1, W), np.int32)
     padded[0, :len(prompt)] = prompt
-    out = generate(model, params, padded, prompt_lengths=np.array([len(prompt)]),
-                   max_new_tokens=N, rng=jax.random.key(0), temperature=0.0, **kw)
-    return np.asarray(out.tokens[0, :n]).tolist()
+    return generate(model, params, padded, prompt_lengths=np.array([len(prompt)]),
+                    max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
+                    cache_dtype=cache_dtype, **kw)
+
+
+def alone(model, params, prompt, n: int, **kw) -> list[int]:
+    """generate's first n tokens for the prompt alone."""
+    return np.asarray(generated(model, params, prompt, **kw).tokens[0, :n]).tolist()
 
 
 @functools.cache

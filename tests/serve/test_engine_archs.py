@@ -43,13 +43,18 @@ def test_each_arch_gets_generates_tokens_and_logprobs(arch):
     steps among 4 slots and 3 pages of 8: each gets generate's tokens for it alone and its
     log-probs within 1e-5."""
     model, params = tiny(ModelConfig(**{**BASE, **ARCHS[arch]}))
-    requests = [(rng.integers(0, 64, int(rng.integers(1, W + 1))).tolist(),
-                 RequestSettings(max_tokens=int(rng.integers(1, N + 1)), temperature=0.0))
-                for _ in range(8)]
+    requests = random_requests(8)
     engine = Engine(model, params, slots=4, page_size=8, pages=3, prefill_chunk=4)
     out, _ = drive(engine, requests, rng.integers(0, 4, len(requests)))
     assert_generates(model, params, requests, out)
     assert engine.stats()["pages_held"] == 0 and engine.stats()["programs"] <= 2
+
+
+def random_requests(n: int) -> list:
+    """n greedy requests: prompts of 1..W random tokens, 1..N new tokens each."""
+    return [(rng.integers(0, 64, int(rng.integers(1, W + 1))).tolist(),
+             RequestSettings(max_tokens=int(rng.integers(1, N + 1)), temperature=0.0))
+            for _ in range(n)]
 
 
 def alone(model, params, prompt, cache_dtype=None):
@@ -61,14 +66,15 @@ def alone(model, params, prompt, cache_dtype=None):
                     cache_dtype=cache_dtype)
 
 
-def assert_generates(model, params, requests, out, cache_dtype=None):
+def assert_generates(model, params, requests, out, cache_dtype=None) -> list:
     """Each request's engine tokens out[k][0] are generate's alone, its log-probs out[k][1]
-    generate's within 1e-5."""
-    for k, (prompt, s) in enumerate(requests):
-        want = alone(model, params, prompt, cache_dtype)
+    generate's within 1e-5; generate's output for each."""
+    wants = [alone(model, params, prompt, cache_dtype) for prompt, _ in requests]
+    for k, ((prompt, s), want) in enumerate(zip(requests, wants)):
         assert out[k][0] == np.asarray(want.tokens[0, :s.max_tokens]).tolist(), (k, prompt)
         np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=1e-5,
                                    rtol=0)
+    return wants
 
 
 @pytest.mark.parametrize("arch", ["dense", "mla"])
@@ -78,15 +84,13 @@ def test_an_int8_pool_gets_generates_int8_cache_tokens(arch):
     from the float cache's; each entry of the pool takes (width + 4) / (4 width) of
     float32's bytes (int8 values, a float32 scale per token and head: 0.27 at width 64)."""
     model, params = tiny(ModelConfig(**{**BASE, **ARCHS.get(arch, {})}))
-    requests = [(rng.integers(0, 64, int(rng.integers(1, W + 1))).tolist(),
-                 RequestSettings(max_tokens=int(rng.integers(1, N + 1)), temperature=0.0))
-                for _ in range(8)]
+    requests = random_requests(8)
     engine = Engine(model, params, slots=4, page_size=8, pages=3, prefill_chunk=4,
                     cache_dtype="int8")
     out, _ = drive(engine, requests, rng.integers(0, 4, len(requests)))
-    assert_generates(model, params, requests, out, "int8")
-    moved = max(float(np.max(np.abs(alone(model, params, p, "int8").logprobs
-                                    - alone(model, params, p).logprobs))) for p, _ in requests)
+    wants = assert_generates(model, params, requests, out, "int8")
+    moved = max(float(np.max(np.abs(want.logprobs - alone(model, params, p).logprobs)))
+                for want, (p, _) in zip(wants, requests))
     assert moved > 1e-4  # the int8 cache's own effect, which the engine reproduces
     keys = [engine.pool["layers"][n][e] for n in engine.pool["layers"] for e in ("k", "v")]
     assert all(x.values.dtype == np.int8 and x.scale.dtype == np.float32 for x in keys)
@@ -103,9 +107,7 @@ def test_pages_behind_every_window_are_released(page):
     window; greedy requests still get generate's tokens (its ring cache) and log-probs, and
     every page is free at the end."""
     model, params = tiny(ModelConfig(**{**BASE, "sliding_window": 3}))
-    requests = [(rng.integers(0, 64, int(rng.integers(1, W + 1))).tolist(),
-                 RequestSettings(max_tokens=int(rng.integers(1, N + 1)), temperature=0.0))
-                for _ in range(7)]
+    requests = random_requests(7)
     requests.append((rng.integers(0, 64, W).tolist(),  # 14 tokens: past a page of 8 + 3
                      RequestSettings(max_tokens=N, temperature=0.0)))
     engine = Engine(model, params, slots=4, page_size=page, prefill_chunk=4)
