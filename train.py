@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.enable()  # a crash in native code prints the Python stack that led to it
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
