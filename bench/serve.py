@@ -2,8 +2,8 @@
 transformers' continuous batching, on the same random model and the same workload.
 
     python bench/serve.py [--clients 1,8,32 --requests 96 --prompt 16,256 --output 16,128
-        --lengths uniform --rate 0 --seed 0 --d-model 256 --layers 4 --systems serve,static,hf
-        --cache-dtype int8]
+        --lengths uniform --rate 0 --seed 0 --rounds 1 --d-model 256 --layers 4
+        --systems serve,static,hf --cache-dtype int8]
 
 The model: a random Llama-shaped decoder (RMSNorm, SwiGLU, RoPE, GQA 8 heads over 2, an
 untied head; d_model 256 x 4 layers, vocab 2048, max_seq_len 512, float32 by default)
@@ -30,14 +30,22 @@ in flight.
   runs over its paged cache; max_batch_tokens its default), requests added as they
   arrive, TTFT and ITL from its token timestamps.
 
-Prints one table (output tokens/s, requests/s; TTFT and ITL p50/p90/p99 in ms) and the
-CPU; --profile adds the engine alone in this process (engine_profile); asserts nothing.
+--rounds R draws R workloads (seeds --seed, --seed + 1, ...) and runs each through every
+system in turn, the server started and warmed once for all of them (a later round's prompts
+are fresh: no prefix of them is cached): the machine's drift then falls on every system
+alike, and each round's ratio to the static batch is printed with their median.
+
+Prints one table (output tokens/s, requests/s; TTFT and ITL p50/p90/p99 in ms; a row per
+system and round), the ratios and the CPU; --profile adds the engine alone in this process
+(engine_profile); asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -144,16 +152,18 @@ async def drive(url: str, jobs: list[Job], clients: int) -> tuple[list[Timing], 
     return list(timings), time.perf_counter() - t0
 
 
-def served(folder: pathlib.Path, jobs: list[Job], clients: int, cache_dtype=None) -> dict:
-    """The serve row: the server started with `clients` slots, warmed, then driven."""
+@contextlib.contextmanager
+def served(folder: pathlib.Path, jobs: list[Job], clients: int, cache_dtype=None):
+    """The serve rows: the server started with `clients` slots and warmed (by `jobs`'
+    warm_up), then run(jobs) drives it with a round's jobs and gives their row."""
     proc, url = start_server(folder, clients, folder / f"server_{clients}.log", cache_dtype)
     try:
         asyncio.run(drive(url, warm_up(jobs, clients), clients))
-        timings, wall = asyncio.run(drive(url, jobs, clients))
+        yield lambda jobs: summary("serve (jaxformer)", clients,
+                                   *asyncio.run(drive(url, jobs, clients)))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    return summary("serve (jaxformer)", clients, timings, wall)
 
 
 def engine_profile(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
@@ -198,16 +208,22 @@ def engine_profile(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
 
 # ---- static: generate in batches of `clients` -------------------------------------------
 
-def static_batches(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
-    """The static row: generate over batches of `clients` jobs in arrival order (module
-    docstring); each batch's shape compiled by a first call, the second one timed."""
-    import jax
-    from jaxformer.decode.loops import generate
+@contextlib.contextmanager
+def static_runs(folder: pathlib.Path, jobs: list[Job], clients: int):
+    """The static rows: run(jobs) is static_batches of the model read once."""
     from jaxformer.hf import from_hf
     from jaxformer.model.transformer import Transformer
 
     cfg, params = from_hf(folder)
-    model = Transformer(cfg)
+    yield functools.partial(static_batches, Transformer(cfg), params, clients=clients)
+
+
+def static_batches(model, params, jobs: list[Job], clients: int) -> dict:
+    """The static row: generate over batches of `clients` jobs in arrival order (module
+    docstring); each batch's shape compiled by a first call, the second one timed."""
+    import jax
+    from jaxformer.decode.loops import generate
+
     width = max(len(j.prompt) for j in jobs)
     timings, clock = [], 0.0
     for start in range(0, len(jobs), clients):
@@ -235,10 +251,12 @@ def static_batches(folder: pathlib.Path, jobs: list[Job], clients: int) -> dict:
 
 # ---- hf: transformers' continuous batching in this process -------------------------------
 
-def hf_batching(folder: pathlib.Path, jobs: list[Job], clients: int, threads: int) -> dict:
-    """The hf row: ContinuousBatchingManager, jobs added at their arrival with at most
-    `clients` in flight, timed by its token timestamps (a first pass over `clients` jobs
-    warms it up); its cache sized as the engine's (else it takes 90% of free memory)."""
+@contextlib.contextmanager
+def hf_batching(folder: pathlib.Path, jobs: list[Job], clients: int, threads: int):
+    """The hf rows: ContinuousBatchingManager, run(jobs) adding them at their arrival with
+    at most `clients` in flight, timed by its token timestamps (a first pass over `clients`
+    jobs warms it up); its cache sized as the engine's (else it takes 90% of free memory;
+    `jobs`: the longest of every round's)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -257,10 +275,9 @@ def hf_batching(folder: pathlib.Path, jobs: list[Job], clients: int, threads: in
     manager.start()
     try:
         hf_pass(manager, warm_up(jobs, clients), clients)
-        timings, wall = hf_pass(manager, jobs, clients)
+        yield lambda jobs: summary("transformers CB", clients, *hf_pass(manager, jobs, clients))
     finally:
         manager.stop(block=True)
-    return summary("transformers CB", clients, timings, wall)
 
 
 def hf_pass(manager, jobs: list[Job], clients: int) -> tuple[list[Timing], float]:
@@ -285,9 +302,50 @@ def hf_pass(manager, jobs: list[Job], clients: int) -> tuple[list[Timing], float
 
 # ---- the table ------------------------------------------------------------------------
 
-SYSTEMS = {"serve": lambda a, f, jobs, c: served(f, jobs, c, a.cache_dtype),
-           "static": lambda a, f, jobs, c: static_batches(f, jobs, c),
-           "hf": lambda a, f, jobs, c: hf_batching(f, jobs, c, a.torch_threads)}
+# name: (its runs as a context manager, whether it stays open across rounds: the server
+# waits on its queue and the static model is a read file, but transformers' manager keeps a
+# thread of its own, so it is opened for each round and closed before the next system runs)
+SYSTEMS = {"serve": (lambda a, f, jobs, c: served(f, jobs, c, a.cache_dtype), True),
+           "static": (lambda a, f, jobs, c: static_runs(f, jobs, c), True),
+           "hf": (lambda a, f, jobs, c: hf_batching(f, jobs, c, a.torch_threads), False)}
+
+
+def interleaved(a, folder: pathlib.Path, rounds: list[list[Job]], clients: int) -> list[dict]:
+    """Every system's rows at `clients`, round by round: each round's jobs through every
+    system in turn, so that the machine's drift over the run falls on all of them alike."""
+    every = [j for jobs in rounds for j in jobs]
+    rows = []
+    with contextlib.ExitStack() as held:
+        runs = {name: held.enter_context(SYSTEMS[name][0](a, folder, every, clients))
+                for name in a.systems if SYSTEMS[name][1]}
+        for r, jobs in enumerate(rounds):
+            for name in a.systems:
+                with contextlib.ExitStack() as own:
+                    run = runs.get(name) or own.enter_context(
+                        SYSTEMS[name][0](a, folder, every, clients))
+                    rows.append(dict(run(jobs), round=r))
+                if rows[-1]["tokens"] != sum(j.new for j in jobs):
+                    print(f"({name}: {rows[-1]['tokens']} tokens for "
+                          f"{sum(j.new for j in jobs)} asked)")
+                print(table(rows[-1:]).splitlines()[1], flush=True)
+    return rows
+
+
+def ratios(rows: list[dict]) -> str:
+    """Each system's tokens/s over the static batch's of the same round and clients, every
+    round and their median."""
+    static = {(r["clients"], r["round"]): r["tokens_per_s"] for r in rows
+              if r["system"] == "static generate"}
+    lines = []
+    for name in dict.fromkeys(r["system"] for r in rows if r["system"] != "static generate"):
+        for clients in dict.fromkeys(r["clients"] for r in rows):
+            x = [r["tokens_per_s"] / static[clients, r["round"]] for r in rows
+                 if r["system"] == name and r["clients"] == clients
+                 and (clients, r["round"]) in static]
+            if x:
+                lines.append(f"{name} / static, {clients} clients: median {np.median(x):.2f}x "
+                             f"(rounds: {', '.join(f'{v:.2f}' for v in x)})")
+    return "\n".join(lines)
 
 
 def cpu_name() -> str:
@@ -308,6 +366,8 @@ def parsed(argv=None):
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second "
                    "(0: a closed loop of --clients clients)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="rounds of --requests jobs (seeds "
+                   "--seed, --seed + 1, ...), each through every system in turn")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
@@ -321,8 +381,8 @@ def parsed(argv=None):
                    "process: its time in programs and on the host")
     a = p.parse_args(argv)
     a.systems = [s for s in a.systems.split(",") if s]
-    if set(a.systems) - set(SYSTEMS):
-        p.error(f"--systems: pick from {', '.join(SYSTEMS)}")
+    if set(a.systems) - set(SYSTEMS) or a.rounds < 1:
+        p.error(f"--systems: pick from {', '.join(SYSTEMS)}; --rounds: at least 1")
     return a
 
 
@@ -331,20 +391,18 @@ def main(argv=None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(a, pathlib.Path(tmp) / "model")
-        jobs = workload(a, min(a.vocab, 1024))
+        rounds = [workload(a, min(a.vocab, 1024), a.seed + r) for r in range(a.rounds)]
         for clients in a.clients:
-            for name in a.systems:
-                rows.append(SYSTEMS[name](a, folder, jobs, clients))
-                if rows[-1]["tokens"] != sum(j.new for j in jobs):
-                    print(f"({name}: {rows[-1]['tokens']} tokens for "
-                          f"{sum(j.new for j in jobs)} asked)")
-                print(table(rows[-1:]).splitlines()[1], flush=True)
-        profiles = [engine_profile(folder, jobs, c) for c in (a.clients if a.profile else ())]
-    print(f"\n{a.requests} requests, prompts {a.prompt[0]}..{a.prompt[1]} tokens, outputs "
-          f"{a.output[0]}..{a.output[1]} ({a.lengths}, seed {a.seed}), "
+            rows += interleaved(a, folder, rounds, clients)
+        profiles = [engine_profile(folder, rounds[0], c)
+                    for c in (a.clients if a.profile else ())]
+    print(f"\n{a.requests} requests a round ({a.rounds} rounds, seeds {a.seed}.."
+          f"{a.seed + a.rounds - 1}), prompts {a.prompt[0]}..{a.prompt[1]} tokens, outputs "
+          f"{a.output[0]}..{a.output[1]} ({a.lengths}), "
           + (f"Poisson arrivals at {a.rate}/s" if a.rate > 0 else "closed loop")
           + f"; d_model {a.d_model} x {a.layers} layers, vocab {a.vocab}; CPU: {cpu_name()}")
     print(table(rows))
+    print(ratios(rows))
     for p in profiles:
         print("engine alone:", json.dumps({k: round(v, 3) for k, v in p.items()}))
     if a.out:

@@ -35,11 +35,11 @@ class Timing:
     end: float
 
 
-def workload(a, vocab: int) -> list[Job]:
-    """--requests jobs drawn from --seed: prompt lengths uniform in --prompt, output lengths
-    by --lengths in --output, Poisson arrivals at --rate (0: every job ready at once, the
-    clients' closed loop paces them)."""
-    draw = np.random.default_rng(a.seed)
+def workload(a, vocab: int, seed: int | None = None) -> list[Job]:
+    """--requests jobs drawn from `seed` (None: --seed): prompt lengths uniform in
+    --prompt, output lengths by --lengths in --output, Poisson arrivals at --rate (0: every
+    job ready at once, the clients' closed loop paces them)."""
+    draw = np.random.default_rng(a.seed if seed is None else seed)
     gaps = draw.exponential(1 / a.rate, a.requests) if a.rate > 0 else np.zeros(a.requests)
     arrivals = np.cumsum(gaps) - gaps[0]
     prompts = draw.integers(a.prompt[0], a.prompt[1] + 1, a.requests)
