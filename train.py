@@ -14,7 +14,6 @@ DEFAULT_CONFIG = "configs/tiny.yaml"
 
 
 def main(argv: list[str]) -> int:
-    faulthandler.enable()  # a crash in native code prints the Python stack that led to it
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
@@ -48,4 +47,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash in native code prints the Python stack that led to it
     sys.exit(main(sys.argv[1:]))
