@@ -62,7 +62,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 PAGE = 16  # tokens per KV-cache page (the server's default)
 
-from serve_workload import OUTPUTS, Job, Timing, summary, table, warm_up, workload  # noqa: E402
+from serve_workload import (OUTPUTS, Job, Timing, ratios, summary, table,  # noqa: E402
+                            warm_up, workload)
 
 
 def model_folder(a, folder: pathlib.Path) -> pathlib.Path:
@@ -329,23 +330,6 @@ def interleaved(a, folder: pathlib.Path, rounds: list[list[Job]], clients: int) 
                           f"{sum(j.new for j in jobs)} asked)")
                 print(table(rows[-1:]).splitlines()[1], flush=True)
     return rows
-
-
-def ratios(rows: list[dict]) -> str:
-    """Each system's tokens/s over the static batch's of the same round and clients, every
-    round and their median."""
-    static = {(r["clients"], r["round"]): r["tokens_per_s"] for r in rows
-              if r["system"] == "static generate"}
-    lines = []
-    for name in dict.fromkeys(r["system"] for r in rows if r["system"] != "static generate"):
-        for clients in dict.fromkeys(r["clients"] for r in rows):
-            x = [r["tokens_per_s"] / static[clients, r["round"]] for r in rows
-                 if r["system"] == name and r["clients"] == clients
-                 and (clients, r["round"]) in static]
-            if x:
-                lines.append(f"{name} / static, {clients} clients: median {np.median(x):.2f}x "
-                             f"(rounds: {', '.join(f'{v:.2f}' for v in x)})")
-    return "\n".join(lines)
 
 
 def cpu_name() -> str:

@@ -1,7 +1,8 @@
 """bench/serve.py's workload and its statistics: the requests (Job: arrival, prompt, output
-length) drawn from the command line's settings, what each request saw (Timing), and a
-table row of throughput and latency percentiles (summary, table); bench/engine_step.py
-draws its output lengths from the same OUTPUTS."""
+length) drawn from the command line's settings, what each request saw (Timing), a table
+row of throughput and latency percentiles (summary, table) and each system's rounds over
+the static batch's (ratios); bench/engine_step.py draws its output lengths from the same
+OUTPUTS."""
 
 from __future__ import annotations
 
@@ -75,4 +76,21 @@ def table(rows: list[dict]) -> str:
                      f"{r['requests_per_s']:>8.2f}{r['ttft_p50']:>10.0f}{r['ttft_p90']:>8.0f}"
                      f"{r['ttft_p99']:>8.0f}{r['itl_p50']:>9.1f}{r['itl_p90']:>7.1f}"
                      f"{r['itl_p99']:>7.1f}")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> str:
+    """Each system's tokens/s over the static batch's of the same round and clients, every
+    round and their median."""
+    static = {(r["clients"], r["round"]): r["tokens_per_s"] for r in rows
+              if r["system"] == "static generate"}
+    lines = []
+    for name in dict.fromkeys(r["system"] for r in rows if r["system"] != "static generate"):
+        for clients in dict.fromkeys(r["clients"] for r in rows):
+            x = [r["tokens_per_s"] / static[clients, r["round"]] for r in rows
+                 if r["system"] == name and r["clients"] == clients
+                 and (clients, r["round"]) in static]
+            if x:
+                lines.append(f"{name} / static, {clients} clients: median {np.median(x):.2f}x "
+                             f"(rounds: {', '.join(f'{v:.2f}' for v in x)})")
     return "\n".join(lines)
