@@ -28,7 +28,8 @@ TEST_PATHS ?= tests notebooks
 # tests read, is the same), and the test processes (workers, train.py and mesh
 # subprocesses) share a persistent cache of the programs that take over 0.1 s to compile
 # (JAX's default is 1 s: the tests that start train.py over and over, tests/training's
-# test_loop and test_checkpoint, ran in 58-60 s rather than 69-71 s; tests in one process took as long).
+# test_loop and test_checkpoint, ran in 58-60 s rather than 69-71 s; tests in one process
+# took as long).
 TEST_ENV := JAXFORMER_SMALL=1 JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache \
 	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.1 \
 	XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"

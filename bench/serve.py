@@ -324,7 +324,7 @@ def interleaved(a, folder: pathlib.Path, rounds: list[list[Job]], clients: int) 
                 with contextlib.ExitStack() as own:
                     run = runs.get(name) or own.enter_context(
                         SYSTEMS[name][0](a, folder, every, clients))
-                    rows.append(dict(run(jobs), round=r))
+                    rows.append(dict(run(jobs), key=name, round=r))
                 if rows[-1]["tokens"] != sum(j.new for j in jobs):
                     print(f"({name}: {rows[-1]['tokens']} tokens for "
                           f"{sum(j.new for j in jobs)} asked)")
@@ -365,8 +365,10 @@ def parsed(argv=None):
                    "process: its time in programs and on the host")
     a = p.parse_args(argv)
     a.systems = [s for s in a.systems.split(",") if s]
-    if set(a.systems) - set(SYSTEMS) or a.rounds < 1:
-        p.error(f"--systems: pick from {', '.join(SYSTEMS)}; --rounds: at least 1")
+    if set(a.systems) - set(SYSTEMS):
+        p.error(f"--systems: pick from {', '.join(SYSTEMS)}")
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: run at least 1")
     return a
 
 
@@ -386,7 +388,7 @@ def main(argv=None) -> list[dict]:
           + (f"Poisson arrivals at {a.rate}/s" if a.rate > 0 else "closed loop")
           + f"; d_model {a.d_model} x {a.layers} layers, vocab {a.vocab}; CPU: {cpu_name()}")
     print(table(rows))
-    print(ratios(rows))
+    print(ratios(rows, baseline="static"))
     for p in profiles:
         print("engine alone:", json.dumps({k: round(v, 3) for k, v in p.items()}))
     if a.out:

@@ -79,18 +79,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def ratios(rows: list[dict]) -> str:
-    """Each system's tokens/s over the static batch's of the same round and clients, every
-    round and their median."""
-    static = {(r["clients"], r["round"]): r["tokens_per_s"] for r in rows
-              if r["system"] == "static generate"}
+def ratios(rows: list[dict], baseline: str) -> str:
+    """Each system's tokens/s over the `baseline` system's (rows' "key") of the same round
+    and clients, every round and their median."""
+    base = {(r["clients"], r["round"]): r["tokens_per_s"] for r in rows if r["key"] == baseline}
     lines = []
-    for name in dict.fromkeys(r["system"] for r in rows if r["system"] != "static generate"):
+    for key in dict.fromkeys(r["key"] for r in rows if r["key"] != baseline):
         for clients in dict.fromkeys(r["clients"] for r in rows):
-            x = [r["tokens_per_s"] / static[clients, r["round"]] for r in rows
-                 if r["system"] == name and r["clients"] == clients
-                 and (clients, r["round"]) in static]
+            x = [r["tokens_per_s"] / base[clients, r["round"]] for r in rows
+                 if r["key"] == key and r["clients"] == clients and (clients, r["round"]) in base]
             if x:
-                lines.append(f"{name} / static, {clients} clients: median {np.median(x):.2f}x "
-                             f"(rounds: {', '.join(f'{v:.2f}' for v in x)})")
+                lines.append(f"{key} / {baseline}, {clients} clients: median "
+                             f"{np.median(x):.2f}x (rounds: {', '.join(f'{v:.2f}' for v in x)})")
     return "\n".join(lines)

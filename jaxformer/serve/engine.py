@@ -70,6 +70,7 @@ from jaxformer.serve.requests import (TOP_LOGPROBS, Event, Request, RequestSetti
 from jaxformer.serve.shapes import (LEAST_CHUNK, LEAST_KEYS, LEAST_ROWS, PAIR_PAGES,
                                     PREFILL_ROWS, pair_count, pairs_of, table_width)
 
+
 class Engine:
     """Continuous batching over a paged KV cache (the module docstring says how)."""
 
