@@ -59,9 +59,13 @@ def test_on_a_tensor_parallel_mesh_requests_get_one_devices_tokens(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(out.read_text())
     assert found["devices"] == 8 and found["split"] > 4  # kernels split over tensor
-    for dtype in ("None", "int8"):
+    # int8 pages: the mesh's keys differ from one device's by float rounding, which may move
+    # a value across an int8 rounding boundary (one code, a 127th of its head's largest):
+    # 4.7e-5 once in a suite. The path's own errors are caught at 1e-5 on one device
+    # (test_engine_archs' int8 test); here the tokens and that quantum's bound.
+    for dtype, bound in (("None", 1e-5), ("int8", 1e-3)):
         assert found[dtype]["got"] == found[dtype]["want"], dtype
-        assert found[dtype]["logprob_error"] < 1e-5, dtype
+        assert found[dtype]["logprob_error"] < bound, dtype
 
 
 if __name__ == "__main__":
