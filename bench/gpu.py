@@ -1,7 +1,7 @@
 """The GPU suite: attention backends, the train step and decoding, measured in one command.
 
     python bench/gpu.py [--out DIR] [--smoke] [--sections attention,tests,train,decode,serve,
-        precision,loss_chunk,moe,mla_decode]
+        precision,loss_chunk,moe,mla_decode,decode_profile]
         [--batch N] [--repeats N] [--masks causal,alibi,...] [--seqs 2048,8192]
 
 1. attention: cuDNN vs XLA vs the reference in bf16 on every mask kind (causal, padding,
@@ -28,6 +28,9 @@
    checked against a float64 reference of the grouped matmul, forward and gradients.
 9. mla_decode: generate() of the 1B config with MLA (absorbed, latent cache) against its
    GQA at batch 1 and 64: ms per step, cache bytes, fraction of the memory roofline.
+10. decode_profile: one generate() of section 4's model at batch 1 under jax.profiler: per
+   step, the ops run, the time the device was busy with them and the share of the step
+   with none running (what lies between section 4 and the roofline), and the top ops.
 
 Writes DIR/results.json and DIR/results.md (default DIR: bench/results/<device>) and
 prints the tables. --smoke runs every section at tiny sizes on whatever backend is there
@@ -50,6 +53,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 # the stages, and the names the tests read here
 from gpu_suite.backends import (ATTENTION_IMPLS, MASK_KINDS, attention_rows,  # noqa: E402, F401
                                 cudnn_tests)
+from gpu_suite.decode_profile import decode_profile_rows, step_profile  # noqa: E402, F401
 from gpu_suite.decoding import decode_rows  # noqa: E402
 from gpu_suite.device import device_info  # noqa: E402
 from gpu_suite.loss_chunk import chunk_rows  # noqa: E402
@@ -76,6 +80,7 @@ SECTIONS = {
     "moe": lambda a, sizes, masks, repeats, d, peaks: moe_rows(sizes, a.batch, peaks),
     "mla_decode": lambda a, sizes, masks, repeats, d, peaks: mla_decode_rows(
         sizes, d["copy_bytes_per_s_measured"], repeats),
+    "decode_profile": lambda a, sizes, masks, repeats, d, peaks: decode_profile_rows(sizes),
 }
 
 

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import math
-import os
 import re
 import tempfile
 import time
 
 import jax
 import numpy as np
+from gpu_suite.decode_profile import trace_events as perfetto_events
 from train_throughput import add_size_arguments, model_config
 
 from jaxformer import Transformer
@@ -97,13 +95,8 @@ def hlo_ops(hlo_text: str) -> dict:
 
 def trace_events(trace_dir: str) -> collections.Counter:
     """Sum of each event name's durations (ms) over the trace's complete ("X") events."""
-    path = next(os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs
-                if f.endswith("perfetto_trace.json.gz"))
-    with gzip.open(path) as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
     total = collections.Counter()
-    for e in events:
+    for e in perfetto_events(trace_dir):
         if e.get("ph") == "X" and "dur" in e:
             total[e["name"]] += e["dur"] / 1e3
     return total

@@ -119,10 +119,29 @@ def mla_table(rows: list[dict]) -> str:
                      f"{r['cache_bytes'] / 2**20:,.1f}", f"{r['of_roofline']:.1%}"])
 
 
+def decode_profile_table(rows: list[dict]) -> str:
+    """The decode step's ops (section 10), then each row's top ops by time."""
+    text = table("Decode step profile (batch 1; per step, the prefill counted among them)",
+                 ["model", "prompt + new", "ops / step", "busy ms / step", "span ms / step",
+                  "idle", "traced ms / step", "ops from"], rows, lambda r: [
+                     r["model"], f"{r['prompt']} + {r['new_tokens']}",
+                     f"{r['ops_per_step']:.0f}", f"{r['busy_ms_per_step']:.3f}",
+                     f"{r['span_ms_per_step']:.3f}", f"{r['idle_share']:.1%}",
+                     f"{r['traced_wall_ms_per_step']:.3f}", r["op_source"]])
+    for r in rows:
+        if r.get("top_ops"):
+            text += "\n" + table(f"Top ops of the decode step ({r['model']})",
+                          ["op", "ms / step", "per step", "share of busy"], r["top_ops"],
+                          lambda o: [o["op"], f"{o['ms_per_step']:.3f}",
+                                     f"{o['per_step']:.1f}", f"{o['share_of_busy']:.1%}"])
+    return text
+
+
 SECTION_TABLES = {"attention": attention_table, "tests": tests_section, "train": train_table,
                   "decode": decode_table, "serve": serve_table, "precision": precision_table,
                   "loss_chunk": chunk_table, "moe": moe_table,
-                  "mla_decode": mla_table}  # each section's results -> its Markdown
+                  "mla_decode": mla_table,
+                  "decode_profile": decode_profile_table}  # each section's results -> its Markdown
 
 
 def markdown(res: dict) -> str:

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+import numpy as np
 import pytest
 
 from jaxformer import count_params
@@ -33,7 +34,7 @@ def test_writes_json_and_markdown_of_every_section(smoke):
     md = (out / "results.md").read_text()
     for section in ("## Attention", "## cuDNN tests", "## Train step (", "## Decode",
                     "## Serving engine", "## Train step by matmul precision", "## Chunked loss",
-                    "## MoE train step", "## MLA"):
+                    "## MoE train step", "## MLA", "## Decode step profile"):
         assert section in md
     assert set(gpu.SECTIONS) <= set(res)
 
@@ -96,12 +97,71 @@ def test_serve_rows_make_every_token_against_the_decode_roofline(smoke):
         assert math.isclose(r["of_roofline"], r["tokens_per_s"] / r["roofline_tokens_per_s"])
 
 
+def test_decode_profile_counts_the_traced_calls_ops(smoke):
+    """The traced generate's ops on the CPU (its host threads): each step runs ops, they are
+    busy within their span and the span within the call; the top ops are ranked by time."""
+    gpu, _, res = smoke
+    [r] = res["decode_profile"]
+    assert r.get("status", "ok") == "ok", r
+    assert (r["op_source"], r["steps"], r["batch"]) == ("host threads", gpu.SMOKE.new_tokens, 1)
+    _, cfg, _ = gpu.train_models(gpu.SMOKE)[1]
+    assert r["ops_per_step"] >= cfg.n_layers  # a matmul per layer at the least
+    assert 0 < r["busy_ms_per_step"] <= r["span_ms_per_step"] <= r["traced_wall_ms_per_step"]
+    assert math.isclose(r["idle_share"], 1 - r["busy_ms_per_step"] / r["span_ms_per_step"])
+    times = [o["ms_per_step"] for o in r["top_ops"]]
+    assert times == sorted(times, reverse=True) and len(times) == 8
+    for o in r["top_ops"]:
+        assert math.isclose(o["share_of_busy"], o["ms_per_step"] / r["busy_ms_per_step"])
+
+
+def _timeline(rng, pid, tid, n, name="fusion"):
+    """n complete events on (pid, tid) at random integer microseconds, overlapping."""
+    starts = np.sort(rng.integers(0, 5_000, n))
+    return [{"ph": "X", "pid": pid, "tid": tid, "ts": int(t), "dur": int(d),
+             "name": f"{name}.{i}"} for i, (t, d) in enumerate(zip(starts,
+                                                                   rng.integers(1, 300, n)))]
+
+
+def test_step_profile_takes_a_devices_ops_and_their_union(smoke):
+    """A GPU-shaped trace (XLA Ops and Stream lines on /device:GPU:0, events on the host
+    too): the ops are the device's XLA Ops line (else its streams, else the host's events
+    named as HLO instructions), busy time is their intervals' union (against a microsecond
+    grid), and the idle share is the rest of their span."""
+    gpu, _, _ = smoke
+    rng = np.random.default_rng()
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}}] + [
+        {"ph": "M", "name": "thread_name", "pid": p, "tid": t, "args": {"name": n}}
+        for p, t, n in ((1, 1, "XLA Ops"), (1, 2, "Stream #7(Compute)"), (1, 3, "XLA Modules"),
+                        (9, 4, "python"))]
+    ops, kernels = _timeline(rng, 1, 1, 40), _timeline(rng, 1, 2, 60, "loop_fusion")
+    host = _timeline(rng, 9, 4, 30, "copy") + [
+        {"ph": "X", "pid": 9, "tid": 4, "ts": 0, "dur": 9_000, "name": n}
+        for n in ("while.3", "$generate", "Handle inputs")]
+    module = [{"ph": "X", "pid": 1, "tid": 3, "ts": 0, "dur": 9_000, "name": "jit_run"}]
+    base = meta + module + host
+    for extra, events, source in ((ops + kernels, ops, "device XLA Ops"),
+                                  (kernels, kernels, "device streams"),
+                                  ([], host[:-3], "host threads")):
+        grid = np.zeros(10_000, bool)
+        for e in events:
+            grid[e["ts"]:e["ts"] + e["dur"]] = True
+        covered = np.flatnonzero(grid)
+        span = covered[-1] + 1 - covered[0]
+        got = gpu.step_profile(base + extra, steps=4)
+        assert got["op_source"] == source
+        assert got["ops_per_step"] == len(events) / 4
+        assert math.isclose(got["busy_ms_per_step"], grid.sum() / 4 / 1e3)
+        assert math.isclose(got["span_ms_per_step"], span / 4 / 1e3)
+        assert math.isclose(got["idle_share"], 1 - grid.sum() / span)
+
+
 def test_unknown_section_is_refused(smoke, capsys):
     gpu, _, _ = smoke
     with pytest.raises(SystemExit):
         gpu.main(["--smoke", "--sections", "attention,speed"])
     assert "unknown section(s) speed; sections are: attention, tests, train, decode, " \
-        "serve, precision, loss_chunk, moe, mla_decode" in capsys.readouterr().err
+        "serve, precision, loss_chunk, moe, mla_decode, decode_profile" in capsys.readouterr().err
 
 
 def test_precision_rows_train_the_same_stream_to_the_same_loss(smoke):
