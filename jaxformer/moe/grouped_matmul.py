@@ -15,18 +15,20 @@ smallest size of a tile (a group of 500 rows is one 512-row dot, not 256 + 128 +
 32 + 32) into the next group's rows (which that group overwrites after, as the groups run
 in order); a tile that would run past the last row is moved back inside the rows, the
 rows before its own kept as they were. Its gradient is the same loop with the kernels
-transposed in the dot (no transposed copy of them), and for the kernels a loop that sums
-each group's x^T dy over its tiles (the rows outside the group masked) on x transposed
-once ([in, M]: each tile a plain [in, t] x [t, out] dot) and writes it once.
+transposed in the dot (no transposed copy of them), and for the kernels a loop that adds
+each tile's x^T dy (the rows outside the group masked) into its group's slice of the
+result in place, on x transposed once ([in, M]: each tile a plain [in, t] x [t, out] dot).
 
 On a 2-core AMD EPYC (CPU time of one core, 2,048 tokens, d_model 512), against the
 version before (tiles of 256 then 32, the rows padded by a tile for the run-past, the
 kernel gradient's dot contracting the rows' first axis): forward, input gradient and
 kernel gradient 0.84-0.94x the time at the Mixtral shape (8 groups, 512 x 1408) and at
 Qwen3-MoE's (32, 512 x 352); they are 1.04-1.11x (Mixtral) and 1.04-1.3x (Qwen3-MoE) one
-plain dot of the same FLOPs, the kernel gradient the slowest (its per-tile sums). The
-loops' own cost is copies (each tile's dot written into the rows, the kernel of each
-group sliced, the output's zeros), about 10% of a layer's step in the profile.
+plain dot of the same FLOPs, the kernel gradient the slowest (its per-tile sums; adding
+them into the result in place, rather than into a sum of each group's copied in after,
+took it to 0.97x at both shapes: docs/performance.md). The loops' own cost is copies
+(each tile's dot written into the rows, the kernel of each group sliced, the output's
+zeros), about 10% of a layer's step in the profile.
 
 `grouped_matmul` picks tiles on CPU and ragged_dot elsewhere; both are tested against
 the definition (tests/moe/test_experts.py, tests/moe/test_grouped_cpu.py).
@@ -118,9 +120,10 @@ def _product(x, kernel, sizes, transpose: bool = False):
 
 
 def _kernel_grad(x, dy, sizes):
-    """[G, in, out]: each group's x^T dy, summed over its tiles, the rows a tile holds
-    outside its group masked (in the narrower of x and dy). x is transposed once [in, M]
-    so that each tile's product is a plain [in, t] x [t, out] dot."""
+    """[G, in, out]: each group's x^T dy, each tile's product added into its group's slice
+    of the result in place, the rows a tile holds outside its group masked (in the narrower
+    of x and dy). x is transposed once [in, M] so that each tile's product is a plain
+    [in, t] x [t, out] dot."""
     m, g = x.shape[0], sizes.shape[0]
     tiles = tile_sizes(m, g)
     xt = x.T  # [in, M]
@@ -128,7 +131,7 @@ def _kernel_grad(x, dy, sizes):
     mask_x = x.shape[1] <= dy.shape[1]
 
     def group(e, dk):
-        def step(acc, row, t, left, last):
+        def step(dk, row, t, left, last):
             at = _inside(row, t, m, last)
             a = jax.lax.dynamic_slice_in_dim(xt, at, t, axis=1)  # [in, t]
             b = jax.lax.dynamic_slice_in_dim(dy, at, t)  # [t, out]
@@ -137,10 +140,8 @@ def _kernel_grad(x, dy, sizes):
                 keep = (i >= row) & (i < row + left)
                 a, b = (jnp.where(keep[None], a, 0), b) if mask_x else \
                     (a, jnp.where(keep[:, None], b, 0))
-            return acc + a @ b
-        acc = jnp.zeros(dk.shape[1:], dk.dtype)
-        acc = _each_tile(step, acc, starts[e], sizes[e], tiles)
-        return jax.lax.dynamic_update_index_in_dim(dk, acc, e, 0)
+            return dk.at[e].add(a @ b)  # no sum of its own to start from zeros and copy in
+        return _each_tile(step, dk, starts[e], sizes[e], tiles)
 
     dk = jnp.zeros((g, x.shape[1], dy.shape[1]), dy.dtype)
     return jax.lax.fori_loop(0, g, group, dk)

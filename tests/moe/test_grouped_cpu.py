@@ -62,9 +62,10 @@ def test_tiles_moved_back_keep_the_rows_before_them():
 
 def test_compiled_gradient_has_no_padded_rows_and_plain_kernel_gradient_dots():
     """The dispatch's grouped matmul, forward and gradient, compiled: no array longer than
-    the 300 rows (no padded copy of x, of the output or of the incoming gradient) and no
+    the 300 rows (no padded copy of x, of the output or of the incoming gradient), no
     dot contracting its left operand's first axis (each tile's kernel gradient is a plain
-    [in, t] x [t, out] dot on the rows transposed once)."""
+    [in, t] x [t, out] dot on the rows transposed once), and no per-group sum of a kernel's
+    shape (each tile's product added into the result in place)."""
     m = 300
     sizes = jnp.asarray([200, 0, 93, 7], jnp.int32)
     x, kernel = jnp.ones((m, 12)), jnp.ones((4, 12, 20))
@@ -75,3 +76,7 @@ def test_compiled_gradient_has_no_padded_rows_and_plain_kernel_gradient_dots():
     assert " pad(" not in hlo
     dots = re.findall(r"dot\([^\n]*", hlo)
     assert dots and not [d for d in dots if "lhs_contracting_dims={0}" in d]
+    # no group's sum of its own, started from zeros and copied into the result: each
+    # tile's [in, out] product is added into the result's slice [1, in, out] in place
+    sums = re.findall(r"f32\[12,20\]\{[\d,]*\} (?:broadcast|add)\(", hlo)
+    assert not sums and "f32[1,12,20]" in hlo, sums
