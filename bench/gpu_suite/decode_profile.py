@@ -10,9 +10,13 @@ reads, one busy 60% by what happens between them.
 Op events: on a device process (`/device:GPU:0`, `/device:TPU:0`), the "XLA Ops" line
 where the trace has it, else the kernels on its "Stream" lines; on a trace with no device
 process (XLA:CPU, which runs a program's ops on the calling thread or its pool), the
-events named as HLO instructions, control flow aside. The
-traced call includes the prefill (one forward over the prompt, in the same program), so
-per step counts it once among `new_tokens` steps."""
+events named as HLO instructions, control flow aside. The traced call includes the
+prefill (one forward over the prompt, in the same program), so per step counts it once
+among `new_tokens` steps. The same call untraced is timed beside
+it: XLA:GPU launches differently under a trace (its command buffers, CUDA graphs, are off
+while profiling unless XLA_FLAGS holds --xla_enable_command_buffers_during_profiling=true,
+which the row records), so a traced step much slower than the untraced one says the
+trace's gaps are partly its own. The flag changes nothing outside a trace."""
 
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from gpu_suite.decoding import bf16_model
 from gpu_suite.sizes import Sizes, first_line
 from gpu_suite.train_step import train_models
 from jaxformer.decode import generate
+
+GRAPHS_TRACED = "--xla_enable_command_buffers_during_profiling=true"
 
 # an XLA:CPU op's event is its HLO instruction's name (`fusion.3`, `ynn_fusion`, `copy.7`);
 # Python frames (`$...`) and the runtime's records (`Handle inputs`, `X::Y`) are not, and
@@ -104,7 +110,8 @@ def step_profile(events: list[dict], steps: int, top: int = 8) -> dict:
 def decode_profile_rows(sizes: Sizes) -> list[dict]:
     """One generate() at batch 1 traced (after a compiling call): its step_profile."""
     name, cfg, _ = train_models(sizes)[1]
-    base = {"model": name, "batch": 1, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens}
+    base = {"model": name, "batch": 1, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens,
+            "graphs_traced": GRAPHS_TRACED in os.environ.get("XLA_FLAGS", "")}
     try:
         model, params, _ = bf16_model(cfg)
         prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (1, sizes.prompt))
@@ -115,12 +122,16 @@ def decode_profile_rows(sizes: Sizes) -> list[dict]:
                 temperature=0.0, cache_dtype=jnp.bfloat16).tokens)
 
         run()
+        t0 = time.perf_counter()
+        run()
+        plain = time.perf_counter() - t0  # untraced: a trace may change how the ops launch
         with tempfile.TemporaryDirectory() as tmp:
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
                 t0 = time.perf_counter()
                 run()
                 wall = time.perf_counter() - t0  # the call's, traced (not the trace's start)
-            row = {**base, "traced_wall_ms_per_step": wall / sizes.new_tokens * 1e3,
+            row = {**base, "untraced_wall_ms_per_step": plain / sizes.new_tokens * 1e3,
+                   "traced_wall_ms_per_step": wall / sizes.new_tokens * 1e3,
                    **step_profile(trace_events(tmp), sizes.new_tokens)}
     except Exception as e:
         row = {**base, "status": first_line(e)}

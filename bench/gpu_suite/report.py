@@ -123,11 +123,15 @@ def decode_profile_table(rows: list[dict]) -> str:
     """The decode step's ops (section 10), then each row's top ops by time."""
     text = table("Decode step profile (batch 1; per step, the prefill counted among them)",
                  ["model", "prompt + new", "ops / step", "busy ms / step", "span ms / step",
-                  "idle", "traced ms / step", "ops from"], rows, lambda r: [
+                  "idle", "traced ms / step", "untraced ms / step", "ops from",
+                  "command buffers traced"], rows,
+                 lambda r: [
                      r["model"], f"{r['prompt']} + {r['new_tokens']}",
                      f"{r['ops_per_step']:.0f}", f"{r['busy_ms_per_step']:.3f}",
                      f"{r['span_ms_per_step']:.3f}", f"{r['idle_share']:.1%}",
-                     f"{r['traced_wall_ms_per_step']:.3f}", r["op_source"]])
+                     f"{r['traced_wall_ms_per_step']:.3f}",
+                     f"{r['untraced_wall_ms_per_step']:.3f}", r["op_source"],
+                     "yes" if r["graphs_traced"] else "no"])
     for r in rows:
         if r.get("top_ops"):
             text += "\n" + table(f"Top ops of the decode step ({r['model']})",

@@ -107,6 +107,7 @@ def test_decode_profile_counts_the_traced_calls_ops(smoke):
     _, cfg, _ = gpu.train_models(gpu.SMOKE)[1]
     assert r["ops_per_step"] >= cfg.n_layers  # a matmul per layer at the least
     assert 0 < r["busy_ms_per_step"] <= r["span_ms_per_step"] <= r["traced_wall_ms_per_step"]
+    assert r["untraced_wall_ms_per_step"] > 0
     assert math.isclose(r["idle_share"], 1 - r["busy_ms_per_step"] / r["span_ms_per_step"])
     times = [o["ms_per_step"] for o in r["top_ops"]]
     assert times == sorted(times, reverse=True) and len(times) == 8
