@@ -77,7 +77,7 @@ SECTIONS = {
         sizes, d["copy_bytes_per_s_measured"], repeats),
     "precision": lambda a, sizes, masks, repeats, d, peaks: precision_rows(sizes, a.batch, peaks),
     "loss_chunk": lambda a, sizes, masks, repeats, d, peaks: chunk_rows(sizes),
-    "moe": lambda a, sizes, masks, repeats, d, peaks: moe_rows(sizes, a.batch, peaks),
+    "moe": lambda a, sizes, masks, repeats, d, peaks: moe_rows(sizes, a.batch, peaks, repeats),
     "mla_decode": lambda a, sizes, masks, repeats, d, peaks: mla_decode_rows(
         sizes, d["copy_bytes_per_s_measured"], repeats),
     "decode_profile": lambda a, sizes, masks, repeats, d, peaks: decode_profile_rows(sizes),

@@ -12,11 +12,15 @@ token reaches; active_params = its matmul weights per token). Then every grouped
 GROUPED_MATMULS (ragged_dot, tiles) on bf16 operands at each shape's expert kernel, rows
 split unevenly over the experts (one expert empty), forward and both gradients against a
 float64 NumPy reference of the same bf16 values: the max error relative to the largest
-reference value."""
+reference value. Last, jax.lax.ragged_dot's forward at the step's rows with bf16 and with
+float8 e4m3 operands (operand_speeds): whether the device runs float8 in the grouped
+matmul, how fast against bf16, and exact against float64 of the same values."""
 
 from __future__ import annotations
 
 import json
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +75,11 @@ def reference(x, w, g, sizes):
     return y, dx, dw
 
 
+def operand_rows(cfg: ModelConfig, sizes: Sizes) -> int:
+    """The rows the step's grouped matmuls take: batch x T x top_k (smoke: the check's)."""
+    return sizes.moe_check_rows if sizes.tiny else sizes.moe_batch * SEQ * cfg.moe.top_k
+
+
 def grouped_errors(cfg: ModelConfig, rows: int) -> dict:
     """{impl: max relative error of y, dx, dw} at cfg's expert kernel [E, d_model, width]."""
     rng = np.random.default_rng(0)
@@ -88,7 +97,41 @@ def grouped_errors(cfg: ModelConfig, rows: int) -> dict:
     return out
 
 
-def moe_rows(sizes: Sizes, fixed_batch, peaks) -> list[dict]:
+OPERAND_DTYPES = {"bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}  # ragged_dot's
+
+
+def operand_speeds(cfg: ModelConfig, rows: int, repeats: int) -> dict:
+    """{operands: forward ms, TFLOP/s and max relative error against float64 of the same
+    values} of jax.lax.ragged_dot (float32 results) at cfg's expert kernel, in bf16 and in
+    float8 e4m3 (whether this device runs float8 operands in the grouped matmul, and how
+    fast: the fp8 recipe feeds ragged_dot dequantised values today), or a failed one's
+    first line."""
+    rng = np.random.default_rng(1)
+    e, d, f = cfg.moe.experts, cfg.d_model, cfg.expert_d_ff
+    sizes = jnp.asarray(uneven_sizes(rows, e, rng))
+    x64, w64 = rng.standard_normal((rows, d)), rng.standard_normal((e, d, f)) / np.sqrt(d)
+    fn = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32))
+    out = {}
+    for name, dtype in OPERAND_DTYPES.items():
+        try:
+            x, w = jnp.asarray(x64, dtype), jnp.asarray(w64, dtype)
+            y = np.asarray(jax.block_until_ready(fn(x, w, sizes)), np.float64)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(x, w, sizes))
+                times.append(time.perf_counter() - t0)
+            want = reference(np.asarray(x, np.float64), np.asarray(w, np.float64),
+                             np.zeros((rows, f)), np.asarray(sizes))[0]
+            seconds = statistics.median(times)
+            out[name] = {"ms": seconds * 1e3, "tflops": 2 * rows * d * f / seconds / 1e12,
+                         "max_err": float(np.max(np.abs(y - want)) / np.max(np.abs(want)))}
+        except Exception as err:
+            out[name] = {"status": first_line(err)}
+    return out
+
+
+def moe_rows(sizes: Sizes, fixed_batch, peaks, repeats: int = 2) -> list[dict]:
     """Per shape: the train step's row (train_step.train_row), active params, MFU on them,
     and the grouped matmuls' errors."""
     rows = []
@@ -100,6 +143,8 @@ def moe_rows(sizes: Sizes, fixed_batch, peaks) -> list[dict]:
             row.update(active_params=active_params(cfg), experts=cfg.moe.experts,
                        top_k=cfg.moe.top_k, expert_d_ff=cfg.expert_d_ff,
                        grouped_max_err=grouped_errors(cfg, sizes.moe_check_rows),
+                       ragged_dot_operands=operand_speeds(cfg, operand_rows(cfg, sizes),
+                                                          repeats),
                        backend=jax.default_backend())
             rows.append(row)
         except Exception as e:

@@ -18,7 +18,7 @@ def table(title: str, header: list[str], rows: list[dict], cells: Callable) -> s
             lines.append("| " + " | ".join(cells(r)) + " |")
         else:
             keys = [str(r.get(k, "")) for k in ("mask", "model", "seq", "impl", "remat", "batch",
-                                                      "precision", "chunk")
+                                                      "precision", "chunk", "operands")
                     if k in r]
             lines.append("| " + " | ".join(keys) + " | " + r["status"] + " |")
     return "\n".join(lines) + "\n"
@@ -107,7 +107,13 @@ def moe_table(rows: list[dict]) -> str:
                      f"{r['experts']} / {r['top_k']} / {r['expert_d_ff']}", str(r["seq"]),
                      str(r["batch"]), f"{r['tokens_per_s']:,.0f}", fmt(r["mfu_datasheet"], ".1%"),
                      fmt(r["mfu_measured"], ".1%"), f"{r['step_gib_compiled']:.2f}",
-                     ", ".join(f"{k} {v:.1e}" for k, v in r["grouped_max_err"].items())])
+                     ", ".join(f"{k} {v:.1e}" for k, v in r["grouped_max_err"].items())]) + \
+        "\n" + table("ragged_dot forward by operand type (the step's rows, float32 results)",
+                     ["shape", "operands", "ms", "TFLOP/s", "max rel err"],
+                     [{"model": r["model"], "operands": k, **v} for r in rows
+                      for k, v in r.get("ragged_dot_operands", {}).items()], lambda o: [
+                         o["model"], o["operands"], f"{o['ms']:.3f}", f"{o['tflops']:.1f}",
+                         f"{o['max_err']:.1e}"])
 
 
 def mla_table(rows: list[dict]) -> str:

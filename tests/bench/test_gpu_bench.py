@@ -205,8 +205,8 @@ def test_chunked_loss_rows_agree_with_the_plain_loss(smoke):
 
 def test_moe_rows_count_active_parameters_and_check_grouped_matmuls(smoke):
     """Each shape's active parameters counted here from its config (attention, router,
-    top_k experts, LM head), MFU on them, and every grouped matmul within bf16 rounding of
-    the float64 reference."""
+    top_k experts, LM head), MFU on them, every grouped matmul within bf16 rounding of the
+    float64 reference, and ragged_dot run on bf16 and float8 operands."""
     gpu, _, res = smoke
     assert [r["model"] for r in res["moe"]] == list(gpu.MOE_SHAPES)
     peak = res["device"]["matmul_bf16_flops_measured"]
@@ -222,6 +222,15 @@ def test_moe_rows_count_active_parameters_and_check_grouped_matmuls(smoke):
         assert set(r["grouped_max_err"]) == set(GROUPED_MATMULS)
         for impl, err in r["grouped_max_err"].items():
             assert 0 < err < 1.5e-2, (r["model"], impl, err)  # bf16 outputs: ~2^-8
+        # ragged_dot on bf16 and float8 operands, float32 results: exact products summed in
+        # float32 against float64 of the same values; FLOP/s from the grouped matmul's size
+        rows = gpu.SMOKE.moe_check_rows
+        assert set(r["ragged_dot_operands"]) == {"bf16", "fp8_e4m3"}
+        for name, o in r["ragged_dot_operands"].items():
+            assert o.get("status", "ok") == "ok", (name, o)
+            assert o["max_err"] < 1e-5, (r["model"], name, o["max_err"])
+            assert math.isclose(o["tflops"] * 1e12 * o["ms"] / 1e3,
+                                2 * rows * cfg.d_model * r["expert_d_ff"])
 
 
 def test_mla_decode_rows_hold_the_latent_cache(smoke):
