@@ -58,7 +58,8 @@ from gpu_suite.decoding import decode_rows  # noqa: E402
 from gpu_suite.device import device_info  # noqa: E402
 from gpu_suite.loss_chunk import chunk_rows  # noqa: E402
 from gpu_suite.mla_decode import attention_models, mla_decode_rows  # noqa: E402, F401
-from gpu_suite.moe import MOE_SHAPES, moe_config, moe_rows  # noqa: E402, F401
+from gpu_suite.moe import (MOE_SHAPES, moe_config, moe_rows,  # noqa: E402, F401
+                           operands_reach_a_matmul)
 from gpu_suite.precision import precision_rows  # noqa: E402
 from gpu_suite.report import markdown  # noqa: E402
 from gpu_suite.serving import serve_rows  # noqa: E402
@@ -80,7 +81,8 @@ SECTIONS = {
     "moe": lambda a, sizes, masks, repeats, d, peaks: moe_rows(sizes, a.batch, peaks, repeats),
     "mla_decode": lambda a, sizes, masks, repeats, d, peaks: mla_decode_rows(
         sizes, d["copy_bytes_per_s_measured"], repeats),
-    "decode_profile": lambda a, sizes, masks, repeats, d, peaks: decode_profile_rows(sizes),
+    "decode_profile": lambda a, sizes, masks, repeats, d, peaks: decode_profile_rows(
+        sizes, repeats),
 }
 
 

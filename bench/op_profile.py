@@ -25,7 +25,7 @@ import time
 
 import jax
 import numpy as np
-from gpu_suite.decode_profile import trace_events as perfetto_events
+from perfetto import trace_events as perfetto_events
 from train_throughput import add_size_arguments, model_config
 
 from jaxformer import Transformer

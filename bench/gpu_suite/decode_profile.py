@@ -4,27 +4,31 @@ step: how many ops ran, the time the device was busy with them (their intervals'
 the span from the first op's start to the last op's end, and the share of that span with
 no op running (launch gaps, host syncs, waits). Then the ops with the most time, their
 numbered names folded (`fusion.12` -> `fusion`). This is what stands between section 4's
-tokens/s and the memory roofline: a step whose ops are busy 95% of it is bound by its
-reads, one busy 60% by what happens between them.
+tokens/s and the memory roofline: a step whose ops are busy 95% of it spends its time in
+the kernels themselves (how fast they read), one busy 60% between them. Ops that overlap
+(a CPU's thread pool, several streams) make the top ops' shares of busy time sum past 100%.
 
 Op events: on a device process (`/device:GPU:0`, `/device:TPU:0`), the "XLA Ops" line
-where the trace has it, else the kernels on its "Stream" lines; on a trace with no device
-process (XLA:CPU, which runs a program's ops on the calling thread or its pool), the
-events named as HLO instructions, control flow aside. The traced call includes the
-prefill (one forward over the prompt, in the same program), so per step counts it once
-among `new_tokens` steps. The same call untraced is timed beside
-it: XLA:GPU launches differently under a trace (its command buffers, CUDA graphs, are off
-while profiling unless XLA_FLAGS holds --xla_enable_command_buffers_during_profiling=true,
-which the row records), so a traced step much slower than the untraced one says the
-trace's gaps are partly its own. The flag changes nothing outside a trace."""
+where the trace has it (a TPU's), else the kernels on its "Stream" lines (a GPU's: the
+copies and memsets there counted apart, per step, not as ops); on a trace with no device
+process, on XLA:CPU (which runs a program's ops on the calling thread or its pool), the
+events named as HLO instructions, control flow aside. On a GPU or TPU whose trace holds no
+device events (the profiler could not read the device), the row says so. The traced call
+includes the prefill (one forward over the prompt, in the same program), so per step
+counts it once among `new_tokens` steps. The same call untraced is timed beside it (the
+median of the section's repeats): XLA:GPU launches differently under a trace (its command
+buffers, CUDA graphs, are off while profiling unless XLA_FLAGS holds
+--xla_enable_command_buffers_during_profiling=true, which the row records), so a traced
+step much slower than the untraced one says the trace's gaps are partly its own. The flag
+changes nothing outside a trace."""
 
 from __future__ import annotations
 
 import collections
-import gzip
 import json
 import os
 import re
+import statistics
 import tempfile
 import time
 
@@ -35,6 +39,7 @@ import numpy as np
 from gpu_suite.decoding import bf16_model
 from gpu_suite.sizes import Sizes, first_line
 from gpu_suite.train_step import train_models
+from perfetto import trace_events
 from jaxformer.decode import generate
 
 GRAPHS_TRACED = "--xla_enable_command_buffers_during_profiling=true"
@@ -46,17 +51,12 @@ HLO_NAME = re.compile(r"^[a-z][\w\-]*(\.\d+)?$")
 CONTROL_FLOW = re.compile(r"^(while|conditional|call)\b")
 
 
-def trace_events(trace_dir: str) -> list[dict]:
-    """The perfetto trace's events (jax.profiler.trace(..., create_perfetto_trace=True))."""
-    path = next(os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs
-                if f.endswith("perfetto_trace.json.gz"))
-    with gzip.open(path) as f:
-        events = json.load(f)
-    return events["traceEvents"] if isinstance(events, dict) else events
+COPY = re.compile(r"^(memcpy|memset)", re.IGNORECASE)  # a stream's copies, not kernels
 
 
-def op_events(events: list[dict]) -> tuple[list[dict], str]:
-    """(the complete events that are the program's ops, where they were taken from)."""
+def op_events(events: list[dict], host_ok: bool = True) -> tuple[list[dict], str]:
+    """(the complete events that are the program's ops, where they were taken from); the
+    host's events only where host_ok (XLA:CPU: its ops run there), else none."""
     names = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
@@ -71,6 +71,8 @@ def op_events(events: list[dict]) -> tuple[list[dict], str]:
         found = [e for e in complete if e["pid"] in device and wanted(line(e))]
         if found:
             return found, source
+    if not host_ok:
+        return [], "no device events"
     host = [e for e in complete if e["pid"] not in device
             and HLO_NAME.match(e["name"]) and not CONTROL_FLOW.match(e["name"])]
     return host, "host threads"
@@ -87,11 +89,13 @@ def busy_us(events: list[dict]) -> float:
     return total
 
 
-def step_profile(events: list[dict], steps: int, top: int = 8) -> dict:
-    """Per decode step: ops, busy ms, span ms, idle share; and the `top` op kinds by time."""
-    ops, source = op_events(events)
+def step_profile(events: list[dict], steps: int, top: int = 8, host_ok: bool = True) -> dict:
+    """Per decode step: ops, busy ms, span ms, idle share, copies (a GPU stream's); and the
+    `top` op kinds by time. host_ok: whether the host's events may stand for the ops."""
+    found, source = op_events(events, host_ok)
+    ops = [e for e in found if not COPY.match(e["name"])]
     if not ops:
-        return {"status": "no op events in the trace", "op_source": source}
+        return {"status": f"no op events in the trace ({source})", "op_source": source}
     span = max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)
     busy = busy_us(ops)
     kinds = collections.defaultdict(lambda: [0.0, 0])
@@ -103,12 +107,14 @@ def step_profile(events: list[dict], steps: int, top: int = 8) -> dict:
     return {"op_source": source, "steps": steps, "ops_per_step": len(ops) / steps,
             "busy_ms_per_step": busy / steps / 1e3, "span_ms_per_step": span / steps / 1e3,
             "idle_share": 1 - busy / span if span else 0.0,
+            "copies_per_step": (len(found) - len(ops)) / steps,
             "top_ops": [{"op": k, "ms_per_step": us / steps / 1e3, "per_step": n / steps,
                          "share_of_busy": us / busy} for k, (us, n) in ranked]}
 
 
-def decode_profile_rows(sizes: Sizes) -> list[dict]:
-    """One generate() at batch 1 traced (after a compiling call): its step_profile."""
+def decode_profile_rows(sizes: Sizes, repeats: int) -> list[dict]:
+    """One generate() at batch 1 traced (after a compiling call and the median of `repeats`
+    untraced ones): its step_profile."""
     name, cfg, _ = train_models(sizes)[1]
     base = {"model": name, "batch": 1, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens,
             "graphs_traced": GRAPHS_TRACED in os.environ.get("XLA_FLAGS", "")}
@@ -122,17 +128,21 @@ def decode_profile_rows(sizes: Sizes) -> list[dict]:
                 temperature=0.0, cache_dtype=jnp.bfloat16).tokens)
 
         run()
-        t0 = time.perf_counter()
-        run()
-        plain = time.perf_counter() - t0  # untraced: a trace may change how the ops launch
+        plain = []  # untraced: a trace may change how the ops launch
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            plain.append(time.perf_counter() - t0)
         with tempfile.TemporaryDirectory() as tmp:
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
                 t0 = time.perf_counter()
                 run()
                 wall = time.perf_counter() - t0  # the call's, traced (not the trace's start)
-            row = {**base, "untraced_wall_ms_per_step": plain / sizes.new_tokens * 1e3,
+            row = {**base,
+                   "untraced_wall_ms_per_step": statistics.median(plain) / sizes.new_tokens * 1e3,
                    "traced_wall_ms_per_step": wall / sizes.new_tokens * 1e3,
-                   **step_profile(trace_events(tmp), sizes.new_tokens)}
+                   **step_profile(trace_events(tmp), sizes.new_tokens,
+                                  host_ok=jax.default_backend() == "cpu")}
     except Exception as e:
         row = {**base, "status": first_line(e)}
     print("decode_profile row:", json.dumps(row), flush=True)

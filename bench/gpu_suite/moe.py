@@ -13,12 +13,15 @@ GROUPED_MATMULS (ragged_dot, tiles) on bf16 operands at each shape's expert kern
 split unevenly over the experts (one expert empty), forward and both gradients against a
 float64 NumPy reference of the same bf16 values: the max error relative to the largest
 reference value. Last, jax.lax.ragged_dot's forward at the step's rows with bf16 and with
-float8 e4m3 operands (operand_speeds): whether the device runs float8 in the grouped
-matmul, how fast against bf16, and exact against float64 of the same values."""
+float8 e4m3 operands (operand_speeds): whether the device's compiled grouped matmul takes
+float8 operands (or converts them first), how fast against bf16, and the error against
+float64 of the same values (products exact, sums float32 on a CPU; a GPU's float8 matmul
+may sum in less)."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 
@@ -98,34 +101,71 @@ def grouped_errors(cfg: ModelConfig, rows: int) -> dict:
 
 
 OPERAND_DTYPES = {"bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}  # ragged_dot's
+# an instruction of compiled HLO text: its name, type, op and operands
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)")
+MATMULS = ("dot", "ragged-dot", "custom-call")  # a dot (also in a fusion) or a library call
+HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3fn"}
 
 
-def operand_speeds(cfg: ModelConfig, rows: int, repeats: int) -> dict:
-    """{operands: forward ms, TFLOP/s and max relative error against float64 of the same
-    values} of jax.lax.ragged_dot (float32 results) at cfg's expert kernel, in bf16 and in
-    float8 e4m3 (whether this device runs float8 operands in the grouped matmul, and how
-    fast: the fp8 recipe feeds ragged_dot dequantised values today), or a failed one's
-    first line."""
-    rng = np.random.default_rng(1)
-    e, d, f = cfg.moe.experts, cfg.d_model, cfg.expert_d_ff
+def ragged_forward(x, w, sizes):
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+
+def operands_reach_a_matmul(fn, args, dtype) -> bool:
+    """Whether some matmul of fn's compiled HLO (a dot or a library call) takes an operand
+    of dtype: false where the compiler converts the operands to another type before it.
+    Operands are named in the text; each computation's names are looked up in it."""
+    name = HLO_TYPES[jnp.dtype(dtype).name]
+    types, found = {}, False
+    for line in fn.lower(*args).compile().as_text().splitlines():
+        if line and not line[0].isspace():  # a computation starts: its own names
+            types = {}
+        m = INSTRUCTION.match(line)
+        if m:
+            types[m.group(1)] = m.group(2)
+            operands = [o.strip().lstrip("%") for o in m.group(4).split(",")]
+            found |= m.group(3) in MATMULS and any(
+                types.get(o, "").startswith(f"{name}[") for o in operands)
+    return found
+
+
+def operand_row(dtype, rows: int, check_rows: int, shape, repeats: int, rng) -> dict:
+    """ragged_dot's forward on dtype operands: ms and TFLOP/s at `rows`, whether the
+    compiled matmul takes dtype, and the max relative error against float64 of the same
+    values at `check_rows`."""
+    e, d, f = shape
+    fn = jax.jit(ragged_forward)
+    w = jnp.asarray(rng.standard_normal((e, d, f)) / np.sqrt(d), dtype)
+    small = jnp.asarray(rng.standard_normal((check_rows, d)), dtype)
+    small_sizes = uneven_sizes(check_rows, e, rng)
+    y = np.asarray(fn(small, w, jnp.asarray(small_sizes)), np.float64)
+    want = reference(np.asarray(small, np.float64), np.asarray(w, np.float64),
+                     np.zeros((check_rows, f)), small_sizes)[0]
+    x = jnp.asarray(rng.standard_normal((rows, d)), dtype)
     sizes = jnp.asarray(uneven_sizes(rows, e, rng))
-    x64, w64 = rng.standard_normal((rows, d)), rng.standard_normal((e, d, f)) / np.sqrt(d)
-    fn = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32))
+    jax.block_until_ready(fn(x, w, sizes))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, w, sizes))
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    return {"ms": seconds * 1e3, "tflops": 2 * rows * d * f / seconds / 1e12,
+            "in_matmul": operands_reach_a_matmul(fn, (x, w, sizes), dtype),
+            "max_err": float(np.max(np.abs(y - want)) / np.max(np.abs(want)))}
+
+
+def operand_speeds(cfg: ModelConfig, rows: int, check_rows: int, repeats: int) -> dict:
+    """{operands: operand_row, or a failed one's first line} of jax.lax.ragged_dot (float32
+    results) at cfg's expert kernel, in bf16 and in float8 e4m3: whether the device runs
+    float8 operands in the grouped matmul (the compiled matmul takes them) and how fast
+    (the fp8 recipe feeds ragged_dot dequantised values today)."""
+    shape = (cfg.moe.experts, cfg.d_model, cfg.expert_d_ff)
     out = {}
     for name, dtype in OPERAND_DTYPES.items():
         try:
-            x, w = jnp.asarray(x64, dtype), jnp.asarray(w64, dtype)
-            y = np.asarray(jax.block_until_ready(fn(x, w, sizes)), np.float64)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(x, w, sizes))
-                times.append(time.perf_counter() - t0)
-            want = reference(np.asarray(x, np.float64), np.asarray(w, np.float64),
-                             np.zeros((rows, f)), np.asarray(sizes))[0]
-            seconds = statistics.median(times)
-            out[name] = {"ms": seconds * 1e3, "tflops": 2 * rows * d * f / seconds / 1e12,
-                         "max_err": float(np.max(np.abs(y - want)) / np.max(np.abs(want)))}
+            out[name] = operand_row(dtype, rows, check_rows, shape, repeats,
+                                    np.random.default_rng(1))
         except Exception as err:
             out[name] = {"status": first_line(err)}
     return out
@@ -144,7 +184,7 @@ def moe_rows(sizes: Sizes, fixed_batch, peaks, repeats: int = 2) -> list[dict]:
                        top_k=cfg.moe.top_k, expert_d_ff=cfg.expert_d_ff,
                        grouped_max_err=grouped_errors(cfg, sizes.moe_check_rows),
                        ragged_dot_operands=operand_speeds(cfg, operand_rows(cfg, sizes),
-                                                          repeats),
+                                                          sizes.moe_check_rows, repeats),
                        backend=jax.default_backend())
             rows.append(row)
         except Exception as e:

@@ -109,10 +109,12 @@ def moe_table(rows: list[dict]) -> str:
                      fmt(r["mfu_measured"], ".1%"), f"{r['step_gib_compiled']:.2f}",
                      ", ".join(f"{k} {v:.1e}" for k, v in r["grouped_max_err"].items())]) + \
         "\n" + table("ragged_dot forward by operand type (the step's rows, float32 results)",
-                     ["shape", "operands", "ms", "TFLOP/s", "max rel err"],
+                     ["shape", "operands", "ms", "TFLOP/s", "in the compiled matmul",
+                      "max rel err"],
                      [{"model": r["model"], "operands": k, **v} for r in rows
                       for k, v in r.get("ragged_dot_operands", {}).items()], lambda o: [
                          o["model"], o["operands"], f"{o['ms']:.3f}", f"{o['tflops']:.1f}",
+                         "yes" if o["in_matmul"] else "no (converted)",
                          f"{o['max_err']:.1e}"])
 
 

@@ -26,7 +26,7 @@ kernel gradient 0.84-0.94x the time at the Mixtral shape (8 groups, 512 x 1408) 
 Qwen3-MoE's (32, 512 x 352); they are 1.04-1.11x (Mixtral) and 1.04-1.3x (Qwen3-MoE) one
 plain dot of the same FLOPs, the kernel gradient the slowest (its per-tile sums; adding
 them into the result in place, rather than into a sum of each group's copied in after,
-took it to 0.97x at both shapes: docs/performance.md). The loops' own cost is copies
+took it to 0.96-0.97x at both shapes: docs/performance.md). The loops' own cost is copies
 (each tile's dot written into the rows, the kernel of each group sliced, the output's
 zeros), about 10% of a layer's step in the profile.
 

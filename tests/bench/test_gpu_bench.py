@@ -7,6 +7,8 @@ import json
 import math
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -123,26 +125,27 @@ def _timeline(rng, pid, tid, n, name="fusion"):
                                                                    rng.integers(1, 300, n)))]
 
 
-def test_step_profile_takes_a_devices_ops_and_their_union(smoke):
+def test_step_profile_takes_a_devices_ops_and_their_union(smoke, rng):
     """A GPU-shaped trace (XLA Ops and Stream lines on /device:GPU:0, events on the host
-    too): the ops are the device's XLA Ops line (else its streams, else the host's events
-    named as HLO instructions), busy time is their intervals' union (against a microsecond
-    grid), and the idle share is the rest of their span."""
+    too): the ops are the device's XLA Ops line (else its streams' kernels, their copies
+    counted apart, else the host's events named as HLO instructions where the host runs
+    them), busy time is their intervals' union (against a microsecond grid), and the idle
+    share is the rest of their span."""
     gpu, _, _ = smoke
-    rng = np.random.default_rng()
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}}] + [
         {"ph": "M", "name": "thread_name", "pid": p, "tid": t, "args": {"name": n}}
         for p, t, n in ((1, 1, "XLA Ops"), (1, 2, "Stream #7(Compute)"), (1, 3, "XLA Modules"),
                         (9, 4, "python"))]
     ops, kernels = _timeline(rng, 1, 1, 40), _timeline(rng, 1, 2, 60, "loop_fusion")
+    copy = {"ph": "X", "pid": 1, "tid": 2, "ts": 9_500, "dur": 400, "name": "MemcpyD2H"}
     host = _timeline(rng, 9, 4, 30, "copy") + [
         {"ph": "X", "pid": 9, "tid": 4, "ts": 0, "dur": 9_000, "name": n}
         for n in ("while.3", "$generate", "Handle inputs")]
     module = [{"ph": "X", "pid": 1, "tid": 3, "ts": 0, "dur": 9_000, "name": "jit_run"}]
     base = meta + module + host
     for extra, events, source in ((ops + kernels, ops, "device XLA Ops"),
-                                  (kernels, kernels, "device streams"),
+                                  (kernels + [copy], kernels, "device streams"),
                                   ([], host[:-3], "host threads")):
         grid = np.zeros(10_000, bool)
         for e in events:
@@ -155,6 +158,11 @@ def test_step_profile_takes_a_devices_ops_and_their_union(smoke):
         assert math.isclose(got["busy_ms_per_step"], grid.sum() / 4 / 1e3)
         assert math.isclose(got["span_ms_per_step"], span / 4 / 1e3)
         assert math.isclose(got["idle_share"], 1 - grid.sum() / span)
+        assert got["copies_per_step"] == (0.25 if source == "device streams" else 0)
+    # a GPU whose trace holds no device events: no host events stand in for its ops
+    assert gpu.step_profile(base, steps=4, host_ok=False) == {
+        "status": "no op events in the trace (no device events)",
+        "op_source": "no device events"}
 
 
 def test_unknown_section_is_refused(smoke, capsys):
@@ -228,9 +236,23 @@ def test_moe_rows_count_active_parameters_and_check_grouped_matmuls(smoke):
         assert set(r["ragged_dot_operands"]) == {"bf16", "fp8_e4m3"}
         for name, o in r["ragged_dot_operands"].items():
             assert o.get("status", "ok") == "ok", (name, o)
+            assert isinstance(o["in_matmul"], bool)
             assert o["max_err"] < 1e-5, (r["model"], name, o["max_err"])
             assert math.isclose(o["tflops"] * 1e12 * o["ms"] / 1e3,
                                 2 * rows * cfg.d_model * r["expert_d_ff"])
+
+
+def test_operands_reach_a_matmul_reads_the_compiled_operands(smoke):
+    """A dot's float32 operands are seen as the dot's, and bf16 ones converted to float32
+    before it are not (the question the ragged_dot rows ask of float8 on a device)."""
+    gpu, _, _ = smoke
+    x, w = jnp.ones((8, 4)), jnp.ones((4, 3))
+    assert gpu.operands_reach_a_matmul(jax.jit(jnp.dot), (x, w), jnp.float32)
+    assert not gpu.operands_reach_a_matmul(jax.jit(jnp.dot), (x, w), jnp.bfloat16)
+    widened = jax.jit(lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32)))
+    half = (x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert not gpu.operands_reach_a_matmul(widened, half, jnp.bfloat16)
+    assert gpu.operands_reach_a_matmul(widened, half, jnp.float32)
 
 
 def test_mla_decode_rows_hold_the_latent_cache(smoke):
