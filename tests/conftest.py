@@ -15,13 +15,16 @@ if str(REPO) not in sys.path:  # `from tests.conftest import REPO` and train.py 
 @pytest.fixture(autouse=True)
 def rng(request, monkeypatch):
     """Each test's NumPy generator, from a fresh seed that a failure's report shows
-    (JAXFORMER_TEST_SEED=<seed> repeats the test's draws). A test module's own `rng` (the
-    one its helpers draw from) is rebound to it for the test."""
+    (JAXFORMER_TEST_SEED=<seed> repeats the test's draws). Every test module's own `rng`
+    (the one its helpers draw from: the test's module and those it imports helpers from)
+    is rebound to it for the test."""
     seed = int(os.environ.get("JAXFORMER_TEST_SEED") or secrets.randbits(32))
     print(f"JAXFORMER_TEST_SEED={seed}")  # pytest shows it when the test fails
     gen = np.random.default_rng(seed)
-    if isinstance(getattr(request.module, "rng", None), np.random.Generator):
-        monkeypatch.setattr(request.module, "rng", gen)
+    for module in [request.module] + [m for name, m in list(sys.modules.items())
+                                      if name.startswith("tests.")]:
+        if isinstance(getattr(module, "rng", None), np.random.Generator):
+            monkeypatch.setattr(module, "rng", gen)
     return gen
 
 

@@ -215,7 +215,13 @@ def test_scanned_rematerialised_layers_equal_unscanned(mixer):
     got_leaves = jax.tree.leaves_with_path(stacked)
     assert [k for k, _ in got_leaves] == [k for k, _ in want_leaves]
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
-        assert_close(np.asarray(g), np.asarray(w), rel=1e-4, what=jax.tree_util.keystr(path))
+        # a head's decay (A_log, dt_bias) sums its gradient over every position, and the
+        # two programs round those sums apart: within 2.8e-5 of the leaf's largest value
+        # over 12 draws of gated_delta, and 1.6e-4 in one (JAXFORMER_TEST_SEED=2429655922),
+        # where the head's terms cancelled; a wrong layer or segment is O(1) either way
+        decay = jax.tree_util.keystr(path).endswith(("['A_log']", "['dt_bias']"))
+        assert_close(np.asarray(g), np.asarray(w), rel=1e-3 if decay else 1e-4,
+                     what=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("mixer", RECURRENT)

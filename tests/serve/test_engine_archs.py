@@ -66,13 +66,13 @@ def alone(model, params, prompt, cache_dtype=None):
                     cache_dtype=cache_dtype)
 
 
-def assert_generates(model, params, requests, out, cache_dtype=None) -> list:
+def assert_generates(model, params, requests, out, cache_dtype=None, atol=1e-5) -> list:
     """Each request's engine tokens out[k][0] are generate's alone, its log-probs out[k][1]
-    generate's within 1e-5; generate's output for each."""
+    generate's within atol; generate's output for each."""
     wants = [alone(model, params, prompt, cache_dtype) for prompt, _ in requests]
     for k, ((prompt, s), want) in enumerate(zip(requests, wants)):
         assert out[k][0] == np.asarray(want.tokens[0, :s.max_tokens]).tolist(), (k, prompt)
-        np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=1e-5,
+        np.testing.assert_allclose(out[k][1], want.logprobs[0, :s.max_tokens], atol=atol,
                                    rtol=0)
     return wants
 
@@ -80,18 +80,24 @@ def assert_generates(model, params, requests, out, cache_dtype=None) -> list:
 @pytest.mark.parametrize("arch", ["dense", "mla"])
 def test_an_int8_pool_gets_generates_int8_cache_tokens(arch):
     """Pages in int8 (a float32 scale per token and head): greedy requests get the tokens
-    and log-probs of generate(..., cache_dtype="int8") alone (within 1e-5), which differ
-    from the float cache's; each entry of the pool takes (width + 4) / (4 width) of
-    float32's bytes (int8 values, a float32 scale per token and head: 0.27 at width 64)."""
+    and log-probs of generate(..., cache_dtype="int8") alone, ten times nearer them than
+    the float cache's; each entry of the pool takes (width + 4) / (4 width) of float32's
+    bytes (int8 values, a float32 scale per token and head: 0.27 at width 64)."""
     model, params = tiny(ModelConfig(**{**BASE, **ARCHS.get(arch, {})}))
     requests = random_requests(8)
     engine = Engine(model, params, slots=4, page_size=8, pages=3, prefill_chunk=4,
                     cache_dtype="int8")
     out, _ = drive(engine, requests, rng.integers(0, 4, len(requests)))
-    wants = assert_generates(model, params, requests, out, "int8")
-    moved = max(float(np.max(np.abs(want.logprobs - alone(model, params, p).logprobs)))
-                for want, (p, _) in zip(wants, requests))
-    assert moved > 1e-4  # the int8 cache's own effect, which the engine reproduces
+    # the engine's keys and generate's differ by float rounding (chunked prefill), which
+    # can move a value across an int8 rounding boundary: one code, 1.4e-4 in one suite run
+    # (about 1e-6 otherwise, over 20 draws); the int8 cache's own effect is 9e-3 or more
+    wants = assert_generates(model, params, requests, out, "int8", atol=1e-3)
+    apart = [np.abs(np.asarray(out[k][1]) - w.logprobs[0, :s.max_tokens])
+             for k, ((_, s), w) in enumerate(zip(requests, wants))]
+    floats = [alone(model, params, p) for p, _ in requests]
+    from_float = [np.abs(np.asarray(out[k][1]) - f.logprobs[0, :s.max_tokens])
+                  for k, ((_, s), f) in enumerate(zip(requests, floats))]
+    assert max(map(np.max, apart)) < max(map(np.max, from_float)) / 10  # int8's, not float's
     keys = [engine.pool["layers"][n][e] for n in engine.pool["layers"] for e in ("k", "v")]
     assert all(x.values.dtype == np.int8 and x.scale.dtype == np.float32 for x in keys)
     for x in keys:  # (width + 4) / (4 width) of float32's bytes: 0.375 at width 8
