@@ -91,6 +91,37 @@ def router_scores(model, tokens, then=lambda logits, layer: logits):
             -1, x.shape[-1]) for i, x in enumerate(out.router_logits)]
 
 
+def grouped_choice(model):
+    """then(router logits, sparse layer) for router_scores: a grouped router's selection
+    scores as transformers' DeepSeek routers make them (sigmoid plus the selection bias,
+    groups by their top two, for V3; softmax, groups by their best, for V2's
+    group_limited_greedy), the experts outside a token's topk_group groups at -1e9; a token
+    whose topk_group-th and next groups are within 1e-5 gets equal scores (a margin of 0),
+    so that covering_draw draws again."""
+    c = model.config
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+
+    def then(x, i):
+        bias = getattr(gates[i], "e_score_correction_bias", None)
+        s = x.sigmoid() + bias if bias is not None else x.softmax(-1)
+        grouped = s.view(len(s), c.n_group, -1)
+        g = grouped.topk(2, -1)[0].sum(-1) if bias is not None else grouped.max(-1)[0]
+        keep = torch.zeros_like(g).scatter_(1, g.topk(c.topk_group, -1)[1], 1)
+        s = s.masked_fill(keep.repeat_interleave(grouped.shape[-1], 1) == 0, -1e9)
+        ranked = g.sort(-1, descending=True)[0]
+        tie = ranked[:, c.topk_group - 1] - ranked[:, c.topk_group] < 1e-5
+        return torch.where(tie[:, None], torch.zeros_like(s), s)
+    return then
+
+
+def selection_scores(model, tokens):
+    """router_scores with the scores the router selects by (grouped_choice where it has
+    groups: its raw logits would miss a near-tie inside the chosen groups)."""
+    grouped = (getattr(model.config, "n_group", None) or 1) > 1
+    return router_scores(model, tokens, grouped_choice(model) if grouped else
+                         (lambda logits, layer: logits))
+
+
 def routed(scores, k: int) -> tuple[set, float]:
     """The experts chosen (each token's top k of scores [N, E]), and the narrowest margin
     between a token's k-th score and the next."""
@@ -145,7 +176,7 @@ def test_moe_family_matches_transformers(model_type, tmp_path):
     config = config_from_hf(hf_config(model_type).to_dict())
     model, prompts, want = covering_draw(lambda seed: hf_model(model_type, seed), rng, (2, T),
                                          config.moe.experts, sum(config.sparse_layers),
-                                         config.moe.top_k)
+                                         config.moe.top_k, scores=selection_scores)
     model.save_pretrained(tmp_path / "hf")
     n_experts = getattr(model.config, "num_experts", None) or model.config.num_local_experts
     runs = len(set(config.sparse_layers))  # dense and sparse
