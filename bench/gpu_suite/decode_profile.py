@@ -28,19 +28,15 @@ import collections
 import json
 import os
 import re
-import statistics
 import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from gpu_suite.decoding import bf16_model
+from gpu_suite.decoding import bf16_model, greedy_call, median_seconds
 from gpu_suite.sizes import Sizes, first_line
 from gpu_suite.train_step import train_models
 from perfetto import trace_events
-from jaxformer.decode import generate
 
 GRAPHS_TRACED = "--xla_enable_command_buffers_during_profiling=true"
 
@@ -49,8 +45,6 @@ GRAPHS_TRACED = "--xla_enable_command_buffers_during_profiling=true"
 # control flow spans its body's ops
 HLO_NAME = re.compile(r"^[a-z][\w\-]*(\.\d+)?$")
 CONTROL_FLOW = re.compile(r"^(while|conditional|call)\b")
-
-
 COPY = re.compile(r"^(memcpy|memset)", re.IGNORECASE)  # a stream's copies, not kernels
 
 
@@ -120,26 +114,14 @@ def decode_profile_rows(sizes: Sizes, repeats: int) -> list[dict]:
             "graphs_traced": GRAPHS_TRACED in os.environ.get("XLA_FLAGS", "")}
     try:
         model, params, _ = bf16_model(cfg)
-        prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (1, sizes.prompt))
-
-        def run():
-            return jax.block_until_ready(generate(
-                model, params, prompts, max_new_tokens=sizes.new_tokens, rng=jax.random.key(0),
-                temperature=0.0, cache_dtype=jnp.bfloat16).tokens)
-
-        run()
-        plain = []  # untraced: a trace may change how the ops launch
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run()
-            plain.append(time.perf_counter() - t0)
+        run = greedy_call(model, params, 1, sizes)
+        _, plain = median_seconds(run, repeats)  # untraced: a trace may change the launches
         with tempfile.TemporaryDirectory() as tmp:
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
                 t0 = time.perf_counter()
-                run()
+                jax.block_until_ready(run())
                 wall = time.perf_counter() - t0  # the call's, traced (not the trace's start)
-            row = {**base,
-                   "untraced_wall_ms_per_step": statistics.median(plain) / sizes.new_tokens * 1e3,
+            row = {**base, "untraced_wall_ms_per_step": plain / sizes.new_tokens * 1e3,
                    "traced_wall_ms_per_step": wall / sizes.new_tokens * 1e3,
                    **step_profile(trace_events(tmp), sizes.new_tokens,
                                   host_ok=jax.default_backend() == "cpu")}

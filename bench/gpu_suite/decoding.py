@@ -39,17 +39,22 @@ def bf16_model(cfg):
     return model, params, sum(x.nbytes for x in jax.tree.leaves(params))
 
 
-def generate_row(name, model, params, param_bytes, batch, sizes: Sizes, bandwidth: float,
-                 repeats: int) -> dict:
-    """generate()'s tokens/s at one batch (greedy, bf16 cache) against the roofline."""
-    cfg = model.cfg
-    prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, sizes.prompt))
+def greedy_call(model, params, batch: int, sizes: Sizes):
+    """run() -> tokens: generate() greedy with a bf16 cache on `batch` random prompts of
+    sizes.prompt tokens, sizes.new_tokens new ones."""
+    prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, (batch, sizes.prompt))
 
     def run():
         return generate(model, params, prompts, max_new_tokens=sizes.new_tokens,
                         rng=jax.random.key(0), temperature=0.0, cache_dtype=jnp.bfloat16).tokens
+    return run
 
-    first, seconds = median_seconds(run, repeats)
+
+def generate_row(name, model, params, param_bytes, batch, sizes: Sizes, bandwidth: float,
+                 repeats: int) -> dict:
+    """generate()'s tokens/s at one batch (greedy, bf16 cache) against the roofline."""
+    cfg = model.cfg
+    first, seconds = median_seconds(greedy_call(model, params, batch, sizes), repeats)
     tok_s = batch * sizes.new_tokens / seconds
     cache = kv_cache_bytes(cfg, batch, sizes.prompt + sizes.new_tokens, jnp.bfloat16)
     per_step = param_bytes + cache

@@ -21,18 +21,17 @@ may sum in less)."""
 from __future__ import annotations
 
 import json
-import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpu_suite.decoding import median_seconds
 from gpu_suite.sizes import Sizes, first_line
 from gpu_suite.train_step import train_row
 from jaxformer import ModelConfig, flops_per_token
 from jaxformer.moe.grouped_matmul import GROUPED_MATMULS
+from op_profile import INSTRUCTION  # an HLO instruction: name, type, op, operands
 
 LLAMA_LIKE = dict(vocab_size=32768, d_model=2048, n_heads=16, n_kv_heads=4, d_ff=5632,
                   max_seq_len=2048, position="rope", rope_theta=500000.0, norm="rmsnorm",
@@ -101,8 +100,6 @@ def grouped_errors(cfg: ModelConfig, rows: int) -> dict:
 
 
 OPERAND_DTYPES = {"bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}  # ragged_dot's
-# an instruction of compiled HLO text: its name, type, op and operands
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)")
 MATMULS = ("dot", "ragged-dot", "custom-call")  # a dot (also in a fusion) or a library call
 HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3fn"}
 
@@ -143,13 +140,7 @@ def operand_row(dtype, rows: int, check_rows: int, shape, repeats: int, rng) -> 
                      np.zeros((check_rows, f)), small_sizes)[0]
     x = jnp.asarray(rng.standard_normal((rows, d)), dtype)
     sizes = jnp.asarray(uneven_sizes(rows, e, rng))
-    jax.block_until_ready(fn(x, w, sizes))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, w, sizes))
-        times.append(time.perf_counter() - t0)
-    seconds = statistics.median(times)
+    _, seconds = median_seconds(lambda: fn(x, w, sizes), repeats)
     return {"ms": seconds * 1e3, "tflops": 2 * rows * d * f / seconds / 1e12,
             "in_matmul": operands_reach_a_matmul(fn, (x, w, sizes), dtype),
             "max_err": float(np.max(np.abs(y - want)) / np.max(np.abs(want)))}

@@ -117,9 +117,9 @@ def grouped_choice(model):
 def selection_scores(model, tokens):
     """router_scores with the scores the router selects by (grouped_choice where it has
     groups: its raw logits would miss a near-tie inside the chosen groups)."""
-    grouped = (getattr(model.config, "n_group", None) or 1) > 1
-    return router_scores(model, tokens, grouped_choice(model) if grouped else
-                         (lambda logits, layer: logits))
+    if (getattr(model.config, "n_group", None) or 1) > 1:
+        return router_scores(model, tokens, grouped_choice(model))
+    return router_scores(model, tokens)
 
 
 def routed(scores, k: int) -> tuple[set, float]:

@@ -92,12 +92,12 @@ def test_an_int8_pool_gets_generates_int8_cache_tokens(arch):
     # can move a value across an int8 rounding boundary: one code, 1.4e-4 in one suite run
     # (about 1e-6 otherwise, over 20 draws); the int8 cache's own effect is 9e-3 or more
     wants = assert_generates(model, params, requests, out, "int8", atol=1e-3)
-    apart = [np.abs(np.asarray(out[k][1]) - w.logprobs[0, :s.max_tokens])
-             for k, ((_, s), w) in enumerate(zip(requests, wants))]
+
+    def furthest(generated):  # the engine's log-probs from generate's, at most
+        return max(float(np.max(np.abs(np.asarray(out[k][1]) - g.logprobs[0, :s.max_tokens])))
+                   for k, ((_, s), g) in enumerate(zip(requests, generated)))
     floats = [alone(model, params, p) for p, _ in requests]
-    from_float = [np.abs(np.asarray(out[k][1]) - f.logprobs[0, :s.max_tokens])
-                  for k, ((_, s), f) in enumerate(zip(requests, floats))]
-    assert max(map(np.max, apart)) < max(map(np.max, from_float)) / 10  # int8's, not float's
+    assert furthest(wants) < furthest(floats) / 10  # the int8 cache's, not the float one's
     keys = [engine.pool["layers"][n][e] for n in engine.pool["layers"] for e in ("k", "v")]
     assert all(x.values.dtype == np.int8 and x.scale.dtype == np.float32 for x in keys)
     for x in keys:  # (width + 4) / (4 width) of float32's bytes: 0.375 at width 8
