@@ -90,13 +90,17 @@ def losses():
     for shape, optim in runs:
         mesh = None if shape is None else make_mesh(*shape)
         model, _, state, step, place = setup(mesh, optim)
-        ls = []
+        start = {k: np.asarray(v) for k, v in flat(state.params).items()}
+        ls, skipped = [], []
         for b in batches():
             state, m = step(state, place(b))
             ls.append(float(m["loss"]))
+            skipped.append(int(m["skipped"]))
         params = flat(state.params)
         res[str(shape) if optim == "adamw" else f"{optim} {shape}"] = dict(
-            losses=ls, params={k: np.asarray(v).ravel().tolist() for k, v in params.items()},
+            losses=ls, skipped=skipped,
+            moved=max(float(np.abs(np.asarray(v) - start[k]).max()) for k, v in params.items()),
+            params={k: np.asarray(v).ravel().tolist() for k, v in params.items()},
             specs={k: spec_of(v) for k, v in params.items()} if mesh else None,
             opt_specs={k: spec_of(v) for k, v in flat(state.opt_state).items() if v.ndim}
             if mesh else None,

@@ -308,7 +308,7 @@ def test_positions_study_evaluates_128L_on_a_context_mesh(worker):
 
 def test_every_mesh_trains_like_one_device(mesh_runs):
     ref = mesh_runs["None"]
-    assert ref["losses"][2] != ref["losses"][0]  # the steps did something
+    assert ref["skipped"] == [0, 0, 0] and ref["moved"] > 1e-3  # the steps did something
     for name in MESHES:
         run = mesh_runs[name]
         np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5, err_msg=name)
@@ -320,8 +320,10 @@ def test_every_mesh_trains_like_one_device(mesh_runs):
 def test_muon_on_a_mesh_updates_like_one_device(mesh_runs):
     """Muon's Newton-Schulz orthogonalisation of fsdp- and tensor-split matrices (the mesh
     (data 2, fsdp 2, tensor 2)) gives one device's update: the same losses and params."""
-    ref, run = mesh_runs["muon None"], mesh_runs["muon (2, 2, 2)"]
-    assert ref["losses"] != mesh_runs["None"]["losses"]  # not AdamW's steps
+    ref, run, adamw = mesh_runs["muon None"], mesh_runs["muon (2, 2, 2)"], mesh_runs["None"]
+    assert ref["skipped"] == [0, 0, 0] and ref["moved"] > 1e-3, ref["skipped"]
+    kernel = "['blocks']['attn']['query']['kernel']"  # a matrix Muon orthogonalises
+    assert np.abs(np.subtract(ref["params"][kernel], adamw["params"][kernel])).max() > 1e-4
     np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5)
     for key, value in ref["params"].items():
         np.testing.assert_allclose(run["params"][key], value, rtol=1e-4, atol=1e-5, err_msg=key)

@@ -192,9 +192,12 @@ def test_scanned_stacks_equal_the_layer_loop(shape, rng):
                                      target_segment_ids=tgt_seg)
     got = scanned.apply({"params": stacked}, src, tgt, source_segment_ids=src_seg,
                         target_segment_ids=tgt_seg)
-    real = tgt_seg > 0  # float32 sums of a few dozen terms of size ~1, taken in another order
+    # float32 sums of a few dozen terms of size ~1, taken in another order; T5's unscaled
+    # attention (attn_scale 1) sharpens the softmax and its rounding: over 16 draws its worst
+    # logit was 2.3e-5 off (BART's 1.6e-6); a layer taken out of order is O(1)
+    real = tgt_seg > 0
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,
-                               atol=1e-5)
+                               atol=1e-4)
     run = dict(bos_id=1, max_new_tokens=5, source_lengths=src_seg.sum(1))
     loop = seq2seq_generate(EncoderDecoder(cfg), params, src, **run)
     scan = seq2seq_generate(scanned, stacked, src, **run)
