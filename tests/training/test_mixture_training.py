@@ -36,10 +36,15 @@ def test_mixture_resumes_bitwise_and_reports_each_sources_loss(rng, tmp_path):
                                            + 0.3 * ev["val_loss/digits"], rel=1e-6)
     params = restored_state(cfg, straight, step=3).params
     eval_step = make_eval_step(Transformer(cfg.model))
+    want = {}
     for name, path in zip(("letters", "digits"), sources):
         alone = dataclasses.replace(cfg, data=cfg.data.replace(mixture=None, path=str(path)))
         data = load_dataset(alone.data, vocab_size=256, progress=False, log=lambda m: None)
-        want = evaluate(eval_step, params, None, None, alone, data=data)["val_loss"]
-        assert ev[f"val_loss/{name}"] == pytest.approx(want, rel=1e-5), name
-    assert abs(ev["val_loss/letters"] - ev["val_loss/digits"]) > 1e-3  # they differ
+        want[name] = evaluate(eval_step, params, None, None, alone, data=data)["val_loss"]
+        assert ev[f"val_loss/{name}"] == pytest.approx(want[name], rel=1e-5), name
+    # each nearer its own source's loss than the other's: swapped names fail (after 3 steps
+    # the two can be as near as 2e-4 of 5.24, within the bound above)
+    for name, other in (("letters", "digits"), ("digits", "letters")):
+        got = ev[f"val_loss/{name}"]
+        assert abs(got - want[name]) < abs(got - want[other]), (name, got, want)
     assert np.isfinite(ev["val_ppl"])
