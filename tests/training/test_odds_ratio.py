@@ -109,10 +109,12 @@ def test_an_orpo_run_learns_the_chosen_answers_from_scratch(tmp_path):
     the evaluation logs the held-out pairs' terms and no perplexity."""
     write_jsonl(tmp_path / "pairs.jsonl", sums(400))
     lines = []
+    # lr 5e-3: at 1e-2 one draw of the pairs in about 25 kept the answers' marginal (NLL
+    # 2.0, odds accuracy 0.77) to the end; at 5e-3 the worst of 63 draws ended at 0.95
     summary = train(load_config(None, [
         *RUN, f"data.cache_dir={tmp_path / 'c'}", f"data.path={tmp_path / 'pairs.jsonl'}",
         "data.format=preference", "objective.name=orpo", "objective.beta=0.5",
-        "train.steps=80", "train.eval_every=40", "optim.lr=1e-2", "optim.schedule=constant",
+        "train.steps=80", "train.eval_every=40", "optim.lr=5e-3", "optim.schedule=constant",
         f"train.run_dir={tmp_path / 'orpo'}"]), log=lambda *a: lines.append(" ".join(a)))
     steps = [r for r in read_metrics(tmp_path / "orpo") if "odds_accuracy" in r]
     assert [r["step"] for r in steps] == list(range(1, 81))
