@@ -12,6 +12,15 @@ if str(REPO) not in sys.path:  # `from tests.conftest import REPO` and train.py 
     sys.path.insert(0, str(REPO))
 
 
+def pytest_collection_modifyitems(items):
+    """The modules marked `heavy` (each over 20 s: subprocesses, a server, the 8-device
+    worker) and the notebooks run first, each module's tests still together (a module's
+    fixtures set up once): `make test`'s two workers then share the short tests at the
+    end and finish together, rather than one running a long test alone."""
+    items.sort(key=lambda item: not (item.get_closest_marker("heavy")
+                                     or item.path.suffix == ".ipynb"))
+
+
 @pytest.fixture(autouse=True)
 def rng(request, monkeypatch):
     """Each test's NumPy generator, from a fresh seed that a failure's report shows

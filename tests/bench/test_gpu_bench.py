@@ -16,6 +16,8 @@ from jaxformer import count_params
 from jaxformer.moe.grouped_matmul import GROUPED_MATMULS
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.heavy  # run first: tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):

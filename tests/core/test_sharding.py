@@ -23,6 +23,8 @@ from jaxformer.training import load_config
 from jaxformer.training.metrics import read_metrics
 from tests.conftest import REPO, xla_flags
 
+pytestmark = pytest.mark.heavy  # run first: tests/conftest.py
+
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
 

@@ -21,6 +21,8 @@ from jaxformer.core.validation import ConfigError
 from jaxformer.training import load_config
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.heavy  # run first: tests/conftest.py
+
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
 TOLERANCE = 1e-5  # relative to the reference's largest magnitude: float32 rounding

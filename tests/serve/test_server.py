@@ -26,6 +26,8 @@ import pytest
 
 from jaxformer.data.tokenizer import ByteTokenizer, train_bpe
 
+pytestmark = pytest.mark.heavy  # run first: tests/conftest.py
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SLOTS, MAX_QUEUE = 30, 2      # 32 requests held at most
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"

@@ -23,6 +23,8 @@ from jaxformer.training.metrics import read_metrics
 from jaxformer.training.peers import DONE, EXIT_LOST, LOST_KEY, PREFIX, PeerWatch, lost_line
 from tests.conftest import REPO, xla_flags
 
+pytestmark = pytest.mark.heavy  # run first: tests/conftest.py
+
 STEPS, EVERY = 16, 2
 LINE = re.compile(r"jaxformer: process (\d) of 2 is gone \(no heartbeat for 3 s\); the newest "
                   r"intact checkpoint is step (\d+) in (\S+)/checkpoints; rerun the same "
