@@ -128,7 +128,7 @@ def layer_runs(cfg, tokens: int):
         weights, chosen, _ = route(x @ p[0], m)
         return jnp.sum(ragged_dispatch(x, weights, chosen, p[1], ffn)[0] ** 2)
 
-    def experts_alone(xs, p):
+    def experts_alone(xs, p, sizes):  # sizes an argument, as in the layer: not folded
         return jnp.sum(expert_mlp(xs, p, ffn, lambda h, k: GROUPED(h, k, sizes), rows) ** 2)
 
     def dispatch_alone(x, p):  # ragged_dispatch's steps around the experts
@@ -149,7 +149,7 @@ def layer_runs(cfg, tokens: int):
     grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1)))  # noqa: E731
     xb = xs.reshape(m.experts, -1, d)  # [E, N k / E, D]
     return {"MoE layer (dropless)": (grad(moe), (x, (router, experts))),
-            "  its experts alone (rows sorted)": (grad(experts_alone), (xs, experts)),
+            "  its experts alone (rows sorted)": (grad(experts_alone), (xs, experts, sizes)),
             "  its dispatch alone": (grad(dispatch_alone), (x, (router, experts))),
             "experts as one batched dot, balanced": (grad(balanced), (xb, experts)),
             "dense FFN, same active FLOPs": (grad(dense), (x, dense_w))}

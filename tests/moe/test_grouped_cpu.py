@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.moe.experts import GROUPED
+from jaxformer.model.kinds import FFNS
+from jaxformer.moe.experts import GROUPED, expert_mlp
 from jaxformer.moe.grouped_matmul import tile_sizes, tiles
 from tests.conftest import DEFAULT_EMITTERS
 
@@ -80,3 +81,23 @@ def test_compiled_gradient_has_no_padded_rows_and_plain_kernel_gradient_dots():
     # tile's [in, out] product is added into the result's slice in place
     sums = re.findall(r"f32\[12,20\]\{[\d,]*\} (?:broadcast|add)\(", hlo)
     assert not sums, sums
+
+
+def test_compiled_gradient_gives_each_loop_its_own_zeros():
+    """The experts' SwiGLU (three grouped matmuls: six loops writing rows, three writing
+    kernel gradients), forward and gradient with the group sizes an argument as in the
+    dispatch, compiled: no array copied in the entry computation. Zeros that XLA could
+    share between loops of one shape it would make once and copy for each loop."""
+    m, d, f, e = 96, 8, 12, 3
+    w = {"wi_gate": jnp.ones((e, d, f)), "wi_up": jnp.ones((e, d, f)), "wo": jnp.ones((e, f, d))}
+
+    def loss(x, w, sizes):
+        return jnp.sum(expert_mlp(x, w, FFNS["swiglu"], lambda h, k: GROUPED(h, k, sizes)) ** 2)
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    hlo = fn.lower(jnp.ones((m, d)), w, jnp.asarray([40, 0, 56], jnp.int32)).compile(
+        DEFAULT_EMITTERS).as_text()
+    entry = hlo.split("\nENTRY ")[1].split("\n}")[0]
+    copies = [line.strip()[:120] for line in entry.splitlines() if " copy(" in line
+              and re.search(r"= f32\[", line)]
+    assert not copies, copies
