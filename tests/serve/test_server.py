@@ -142,7 +142,7 @@ def log_softmax64(folder, ids: list[int]) -> np.ndarray:
     return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
 
 
-MARGIN = 1e-4  # log-prob: far above float32's rounding between two batches or cache layouts
+MARGIN = 1e-4  # the near tie of tests/conftest.assert_greedy_up_to_near_ties
 
 
 def decided(folder, prompt: list[int], new: list[int], n: int) -> bool:
