@@ -67,7 +67,7 @@ def adapters_by_hand(run):
 
 def test_a_lora_checkpoint_holds_the_adapters_alone(lora_run):
     """Every saved param is an adapter's A, B or scale, with AdamW's two moments for A and B;
-    the files of a step are a fraction of the base's bytes, and its array data at most the
+    the files of a step are under half the base's bytes, and its array data at most the
     adapters' bytes times 3 (A and B, and the moments)."""
     base_bytes = sum(x.nbytes for x in load_file(lora_run.base / "model.safetensors").values())
     step = lora_run.run / "checkpoints/4"
@@ -81,7 +81,9 @@ def test_a_lora_checkpoint_holds_the_adapters_alone(lora_run):
     on_disk = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
     data = [p.stat().st_size for p in (step / "state").rglob("*")
             if p.is_file() and p.parent.name == "d"]
-    assert on_disk < base_bytes / 4, (on_disk, base_bytes)
+    # orbax's own files and how many data files its writes made vary: 80-110 KB in all over
+    # ten runs, against the base's 427 KB, which a step holding the base would exceed
+    assert on_disk < base_bytes / 2, (on_disk, base_bytes)
     assert max(data) < 3 * adapter_bytes + 2048, (data, adapter_bytes)  # (orbax may compress)
     info = json.loads((step / "info/metadata").read_text())["base"]
     assert info["source"] == str(lora_run.base.resolve()) and len(info["sha256"]) == 64
