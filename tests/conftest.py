@@ -87,7 +87,10 @@ def np_log_softmax(logits):
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-def assert_greedy_up_to_near_ties(tokens, logits, tie: float = 1e-4):
+NEAR_TIE = 1e-4  # top two logits this close: two programs' float32 rounding may pick either
+
+
+def assert_greedy_up_to_near_ties(tokens, logits, tie: float = NEAR_TIE):
     """Greedy tokens [B, n] are the argmax of a reference's logits [B, n, V] for them (its
     forward over the same tokens) up to each row's first difference, and that one only at
     a near-tie (top two logits within `tie`), where two programs' float32 rounding may

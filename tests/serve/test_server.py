@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from jaxformer.data.tokenizer import ByteTokenizer, train_bpe
+from tests.conftest import NEAR_TIE
 
 pytestmark = pytest.mark.heavy  # run first: tests/conftest.py
 
@@ -142,18 +143,15 @@ def log_softmax64(folder, ids: list[int]) -> np.ndarray:
     return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
 
 
-MARGIN = 1e-4  # the near tie of tests/conftest.assert_greedy_up_to_near_ties
-
-
 def decided(folder, prompt: list[int], new: list[int], n: int) -> bool:
     """Whether greedy chose each of new's tokens (and its end, where it ended before n) by
-    at least MARGIN over the runner-up in the float64 log-softmax. Two right answers differ
-    at a near tie, which float32's rounding in another batch or cache layout (the server's
-    pages) may break the other way: a random prompt's 24 greedy steps hold one within 1e-3
-    about one time in 25 here, so one within 1e-5 about one in 2,500."""
+    at least NEAR_TIE (tests/conftest.py) over the runner-up in the float64 log-softmax.
+    Two right answers differ at a near tie, which float32's rounding in another batch or
+    cache layout (the server's pages) may break the other way: a random prompt's 24 greedy
+    steps hold one within 1e-3 about one time in 25 here, so one within 1e-5 about one in 2,500."""
     steps = min(len(new) + 1, n)
     lp = np.sort(log_softmax64(folder, prompt + new)[len(prompt) - 1:][:steps], axis=-1)
-    return bool(np.all(lp[:, -1] - lp[:, -2] >= MARGIN))
+    return bool(np.all(lp[:, -1] - lp[:, -2] >= NEAR_TIE))
 
 
 def decided_prompts(folder, draw, count: int, n: int, ok=lambda new: True):
