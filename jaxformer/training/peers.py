@@ -20,8 +20,9 @@ since the error (the error is this process's own), or when the watch names a los
 
 Process 0 itself lost is caught by the parent process that train.py runs a multi-process
 training under (training/supervise.py): jaxlib's client aborts the others at once, before
-this watch can speak. Either way the checkpoints hold: a save in flight is still in orbax's temporary
-directory, no step.
+this watch can speak. Gloo aborting a survivor (a peer killed in the middle of a
+collective) is held there too, so that this watch still names the lost process. Either
+way the checkpoints hold: a save in flight is still in orbax's temporary directory, no step.
 """
 
 from __future__ import annotations

@@ -12,6 +12,17 @@ lines still held are its death rattle: they go to RUN_DIR/lost-process-<i>.log, 
 last line printed is the one that names the lost process and the newest intact checkpoint
 (exit 3). Anything else the child prints reaches stderr as it would have, a second late.
 
+A peer killed in the middle of a collective can also make gloo abort a survivor at once:
+XLA's gloo collectives carry no tags, so the next collective on a broken connection reads
+the dead peer's last message as its own ("op.preamble.length <= op.nbytes ... Is there a
+distributed collective mismatch in your code?"), and gloo's thread calls abort(). That
+says nothing of which process is gone, so an abort in the child stops only the thread
+that called it (`hold_aborts`: faulthandler prints ABORTED and the Python stacks, then the
+thread sleeps in pause()), and the rest of the child, its peer watch included, goes on.
+From ABORTED on the parent holds everything the child prints, and gives the watch
+2 x heartbeat_s to name the lost process and exit 3; JAX's own abort already names it, so
+that one is ended at once. A child still there then is killed, and its abort relayed whole.
+
 The child dies with its parent (PR_SET_PDEATHSIG on Linux): a host that loses this
 process loses its training too. SIGTERM and SIGHUP are passed on to the child; SIGINT from
 a terminal reaches the child by itself (the same process group), so the parent ignores it.
@@ -20,6 +31,7 @@ a terminal reaches the child by itself (the same process group), so the parent i
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import pathlib
 import re
@@ -34,6 +46,7 @@ from jaxformer.training.peers import EXIT_LOST, lost_line
 CHILD = "JAXFORMER_SUPERVISOR"  # in the child's environment: its parent's pid
 HOLD_S = 1.0
 ABORT = b"Terminating process because the JAX distributed service detected fatal errors"
+ABORTED = b"Fatal Python error: Aborted"  # faulthandler's first words on SIGABRT
 LINE = re.compile(rb"jaxformer: process \d+ of \d+ is gone [^\n]*\n?$")
 NAMED = (re.compile(rb"Task (\d+) heartbeat timeout"),  # the service's words for a peer
          re.compile(rb"stopped sending heartbeats\):\s*(\d+)"))
@@ -46,9 +59,20 @@ def in_child() -> bool:
         return False
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        hold_aborts()
     if os.getppid() != int(parent):  # the parent went before the line above
         os._exit(EXIT_LOST)
     return True
+
+
+def hold_aborts():
+    """abort() in this process stops only its calling thread (see the module's docstring):
+    SIGABRT's handler is libc's pause(), after faulthandler's dump, which calls it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+    faulthandler.disable()  # enabled again after: it chains to the handler it finds
+    libc.signal(signal.SIGABRT, ctypes.cast(libc.pause, ctypes.c_void_p))
+    faulthandler.enable()
 
 
 def lost_process(held: bytes, process: int | None) -> int | None:
@@ -60,9 +84,10 @@ def lost_process(held: bytes, process: int | None) -> int | None:
     return 0 if process != 0 else None
 
 
-def relay(source: int, held: list) -> bool:
-    """Move what the child wrote to `source` into `held` [(time, bytes)], and write what
-    has been held HOLD_S to this process's stderr; False once the child closed it."""
+def relay(source: int, held: list, release: bool = True) -> bool:
+    """Move what the child wrote to `source` into `held` [(time, bytes)], and (`release`)
+    write what has been held HOLD_S to this process's stderr; False once the child closed
+    it."""
     ready, _, _ = select.select([source], [], [], HOLD_S / 4)
     open_ = True
     if ready:
@@ -70,7 +95,7 @@ def relay(source: int, held: list) -> bool:
         open_ = bool(chunk)
         if chunk:
             held.append((time.monotonic(), chunk))
-    while held and held[0][0] <= time.monotonic() - HOLD_S:
+    while release and held and held[0][0] <= time.monotonic() - HOLD_S:
         os.write(2, held.pop(0)[1])
     return open_
 
@@ -97,9 +122,7 @@ def supervise(argv: list[str], run_dir, process: int | None, count: int,
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     signal.signal(signal.SIGINT, lambda signum, frame: None)
     held: list = []
-    while relay(child.stderr.fileno(), held):
-        pass
-    rc = child.wait()
+    rc = watch_child(child, held, heartbeat_s)
     rest = b"".join(chunk for _, chunk in held)
     out, status = verdict(rc, rest, process, count, heartbeat_s, pathlib.Path(run_dir))
     if status == EXIT_LOST and out != rest:
@@ -107,6 +130,20 @@ def supervise(argv: list[str], run_dir, process: int | None, count: int,
         log.write_bytes(rest)
     os.write(2, out)
     return status
+
+
+def watch_child(child: subprocess.Popen, held: list, heartbeat_s: float) -> int:
+    """Relay the child's stderr into `held` until it ends; its exit status, SIGABRT's when
+    it was killed here, an abort held (see the module's docstring)."""
+    deadline, killed = None, False
+    while relay(child.stderr.fileno(), held, release=deadline is None):
+        if deadline is None and ABORTED in (now := b"".join(c for _, c in held)):
+            deadline = time.monotonic() + (0 if ABORT in now else 2 * heartbeat_s)
+        if deadline is not None and time.monotonic() > deadline and not killed:
+            child.kill()  # and read on: the pipe closes with it
+            killed = True
+    rc = child.wait()
+    return -signal.SIGABRT if killed and rc == -signal.SIGKILL else rc
 
 
 def launch_shape(d) -> tuple[int | None, int]:

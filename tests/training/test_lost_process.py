@@ -298,3 +298,60 @@ def test_jax_abort_becomes_the_line_naming_the_lost_process(tmp_path, process):
     assert verdict(1, crash) == (crash, 1)
     assert verdict(-signal.SIGKILL, NOISE) == (NOISE, 128 + signal.SIGKILL)
     assert verdict(-signal.SIGABRT, NOISE) == (NOISE, 128 + signal.SIGABRT)
+
+
+# ---- an abort in the supervised child: held for the watch, not the end of it ------------
+
+PARENT = ("import sys; from jaxformer.training.supervise import supervise; sys.exit(supervise("
+          "[sys.executable, '-c', sys.argv[1]], sys.argv[2], int(sys.argv[3]), 2, "
+          "float(sys.argv[4])))")
+CHILD = """
+import ctypes, os, pathlib, sys, threading, time
+from jaxformer.training.peers import EXIT_LOST, lost_line
+from jaxformer.training.supervise import in_child
+assert in_child()
+os.write(2, MESSAGE + b"\\n")
+os.write(2, b"aborted at %r\\n" % time.time())
+threading.Thread(target=ctypes.CDLL(None).abort).start()  # as gloo's or jaxlib's thread does
+time.sleep(1.5)  # the watch names the lost peer, or never does
+if NAMES:
+    os.write(2, (lost_line(1, 2, 1.0, pathlib.Path.cwd() / "checkpoints") + "\\n").encode())
+    os._exit(EXIT_LOST)
+time.sleep(60)
+"""
+GLOO = (b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  "
+        b"[enforce fail at gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. "
+        b"16 vs 4. Received data size doesn't match expected size.")
+
+
+@pytest.mark.parametrize("case", ["gloo-then-the-watch", "gloo-alone", "jax"])
+def test_an_abort_in_the_child_waits_for_the_watch(tmp_path, case):
+    """The child aborts in a thread (gloo's collective after a peer died, or jaxlib's client
+    when the coordinator went). Gloo's abort names no process: the child lives on, and its
+    watch's line is the parent's last (the abort goes to the log); when no line comes, the
+    child is killed after 2 x heartbeat_s and its abort relayed. JAX's names process 0 (the
+    coordinator): the parent ends the child and prints that line at once."""
+    message = supervise.ABORT if case == "jax" else GLOO
+    heartbeat = 10.0 if case == "jax" else 1.0  # "jax": long, and not waited for
+    names = case == "gloo-then-the-watch"  # the child's watch names the lost process 1
+    script = CHILD.replace("MESSAGE", repr(message)).replace("NAMES", str(names))
+    process = 1 if case == "jax" else 0
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", PARENT, script, str(tmp_path), str(process),
+                           str(heartbeat)], cwd=tmp_path, env=env, capture_output=True,
+                          timeout=120)
+    ended, err = time.time(), done.stderr.decode()
+    log_path = tmp_path / f"lost-process-{process}.log"  # the abort, kept when a line ends it
+    log = log_path.read_bytes() if log_path.exists() else b""
+    waited = ended - float(re.search(rb"aborted at ([\d.]+)", done.stderr + log)[1])
+    if case == "gloo-alone":  # killed after the watch's time, and the whole abort relayed
+        assert done.returncode == 128 + signal.SIGABRT, err
+        assert supervise.ABORTED.decode() in err and "16 vs 4" in err
+        assert 2 * heartbeat <= waited < 2 * heartbeat + 30, waited
+        return
+    assert done.returncode == EXIT_LOST, err
+    missing = 0 if case == "jax" else 1
+    assert err == lost_line(missing, 2, heartbeat, tmp_path / "checkpoints") + "\n"
+    assert message in log and supervise.ABORTED in log
+    if case == "jax":
+        assert waited < heartbeat, waited  # not 2 x heartbeat_s
