@@ -2,7 +2,8 @@
 in a save; two devices per process or one; the coordinator too); the other stops within
 30 s with one line naming it and the newest intact checkpoint step (exit 3), and the same
 command rerun on both resumes there with the uninterrupted run's losses. And the watch's
-and the supervisor's own logic, with a fake key-value store and clock."""
+and the supervisor's own logic, with a fake key-value store and clock, and with a child
+process that aborts (as gloo does when a peer dies mid-collective, which is rare here)."""
 
 import contextlib
 import os
