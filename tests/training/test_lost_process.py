@@ -316,7 +316,7 @@ os.write(2, b"aborted at %r\\n" % time.time())
 threading.Thread(target=ctypes.CDLL(None).abort).start()  # as gloo's or jaxlib's thread does
 time.sleep(1.5)  # the watch names the lost peer, or never does
 if NAMES:
-    os.write(2, (lost_line(1, 2, 1.0, pathlib.Path.cwd() / "checkpoints") + "\\n").encode())
+    os.write(2, (lost_line(1, 2, HEARTBEAT, pathlib.Path.cwd() / "checkpoints") + "\\n").encode())
     os._exit(EXIT_LOST)
 time.sleep(60)
 """
@@ -333,9 +333,12 @@ def test_an_abort_in_the_child_waits_for_the_watch(tmp_path, case):
     child is killed after 2 x heartbeat_s and its abort relayed. JAX's names process 0 (the
     coordinator): the parent ends the child and prints that line at once."""
     message = supervise.ABORT if case == "jax" else GLOO
-    heartbeat = 10.0 if case == "jax" else 1.0  # "jax": long, and not waited for
+    # the child's line comes 1.5 s after its abort, well within 2 x heartbeat_s; "jax" is
+    # not waited for
+    heartbeat = {"gloo-then-the-watch": 3.0, "gloo-alone": 1.0, "jax": 10.0}[case]
     names = case == "gloo-then-the-watch"  # the child's watch names the lost process 1
-    script = CHILD.replace("MESSAGE", repr(message)).replace("NAMES", str(names))
+    script = CHILD.replace("MESSAGE", repr(message)).replace("NAMES", str(names)) \
+        .replace("HEARTBEAT", repr(heartbeat))
     process = 1 if case == "jax" else 0
     env = dict(os.environ, PYTHONPATH=str(REPO))
     done = subprocess.run([sys.executable, "-c", PARENT, script, str(tmp_path), str(process),
