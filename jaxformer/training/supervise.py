@@ -58,17 +58,17 @@ def in_child() -> bool:
     if parent is None:
         return False
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        hold_aborts()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        hold_aborts(libc)
     if os.getppid() != int(parent):  # the parent went before the line above
         os._exit(EXIT_LOST)
     return True
 
 
-def hold_aborts():
+def hold_aborts(libc: ctypes.CDLL):
     """abort() in this process stops only its calling thread (see the module's docstring):
     SIGABRT's handler is libc's pause(), after faulthandler's dump, which calls it."""
-    libc = ctypes.CDLL(None, use_errno=True)
     libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
     faulthandler.disable()  # enabled again after: it chains to the handler it finds
     libc.signal(signal.SIGABRT, ctypes.cast(libc.pause, ctypes.c_void_p))
