@@ -133,7 +133,7 @@ class ChatRequest(Sampling):
 
 def completion_logprobs(tokens: list[TokenLogprob], decode) -> dict:
     """Log-probs in the completions shape (text_offset: where each token's text starts in
-    the completion, counted over the tokens decoded one by one)."""
+    the completion; the bytes of one character all start where the character does)."""
     return {"tokens": [t.text for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [_by_text(t.top, decode) for t in tokens],

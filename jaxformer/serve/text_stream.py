@@ -22,7 +22,7 @@ class TokenLogprob:
     """One generated token with its log-prob and its top alternatives (id, log-prob)."""
     token: int
     text: str                  # the token decoded alone
-    offset: int                # where it starts: the chars of the tokens before it alone
+    offset: int                # where its text starts in the request's text
     logprob: float
     top: tuple[tuple[int, float], ...]
 
@@ -54,11 +54,11 @@ class TextStream:
         if event.token in self.skip_ids:  # an end-of-text token: not part of the text
             return ""
         self.ids.append(int(event.token))
-        last = self.tokens[-1] if self.tokens else None
-        self.tokens.append(TokenLogprob(
-            int(event.token), self.tok.decode([event.token]),
-            last.offset + len(last.text) if last else 0, float(event.logprob),
-            tuple(event.top)))
+        # the text so far is the tokens' before it, less a character they end inside,
+        # which this token's text then starts in (so it starts where that character does)
+        self.tokens.append(TokenLogprob(int(event.token), self.tok.decode([event.token]),
+                                        len(self.text), float(event.logprob),
+                                        tuple(event.top)))
         self._decode(final=False)
         return self._release(final=False)
 

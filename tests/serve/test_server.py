@@ -441,3 +441,33 @@ def test_text_stream_waits_for_whole_characters_and_holds_back_stops():
     text = TextStream(ByteTokenizer(), stop=("ab",))
     out = "".join(text.add(E(b)) for b in b"xyzabc")
     assert (out + text.finish(), text.stopped) == ("xyz", True)
+
+
+def test_text_stream_pairs_each_piece_with_its_own_tokens(rng):
+    """Random text of 1- to 4-byte characters, one byte a token, a stop string cut at a
+    random character: every token's offset is its character's index in the text, the
+    tokens kept are the bytes of the text before the stop, and each streamed piece
+    comes with exactly its own bytes' tokens (for their log-probs)."""
+    from jaxformer.serve.text_stream import TextStream
+
+    class E:
+        def __init__(self, token):
+            self.token, self.logprob, self.top, self.finished = token, 0.0, (), None
+    chars = ["a", "b", " ", "é", "ß", "€", "中", "😀", "𝄞"]
+    text = "".join(rng.choice(chars, 40))
+    cut = int(rng.integers(5, 35))
+    stop = "#" + text[cut:cut + 2]
+    full = text[:cut] + stop + text[cut:]  # the first stop string is at `cut`
+    stream = TextStream(ByteTokenizer(), stop=(stop,))
+    sent = []
+    for b in full.encode():
+        piece = stream.add(E(b))
+        sent.append((piece, bytes(t.token for t in stream.new_tokens())))
+    piece = stream.finish()
+    sent.append((piece, bytes(t.token for t in stream.new_tokens())))
+    assert stream.stopped and "".join(p for p, _ in sent) == text[:cut]
+    for piece, carried in sent:
+        assert carried == piece.encode(), (piece, carried)
+    offsets = [i for i, c in enumerate(full) for _ in c.encode()]
+    assert [t.offset for t in stream.tokens] == offsets[:len(stream.tokens)]
+    assert bytes(t.token for t in stream.kept_tokens()) == text[:cut].encode()
