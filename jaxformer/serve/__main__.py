@@ -23,12 +23,19 @@ import sys
 from jaxformer.attention.cache_formats import CACHE_FORMATS
 
 
+def port(text: str) -> int:
+    """--port's value: a TCP port, 0 (any free one) to 65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; pass 0 to 65535")
+    return int(text)
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxformer.serve",
                                 description="An OpenAI-compatible server for a model.")
     p.add_argument("model", help="a training run directory or a Hugging Face model folder")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--slots", type=int, default=32, help="sequences decoded together")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     p.add_argument("--pages", type=int, default=None, help="KV-cache pages (default: enough "
@@ -100,7 +107,7 @@ def served_of(a: argparse.Namespace):
     name = a.model_name or folder.resolve().name
     return Served(AsyncEngine(engine, max_queue=a.max_queue, slots=a.slots), tok, name,
                   engine.max_seq_len, ends, ChatTemplate.of_folder(folder),
-                  special_token_encoder(tok),
+                  special_token_encoder(tok), special_token_encoder(tok, True),
                   no_chat=f"{name} has no chat template (no chat_template in {folder}/"
                           "tokenizer_config.json nor a chat_template.jinja); use "
                           "/v1/completions, or add a template to the folder")

@@ -42,6 +42,7 @@ class Stream:
     request_id: int | None = None       # the engine's id, set by the engine's thread
     done: bool = False                  # its last event was delivered
     last: float | None = None           # when its latest token was delivered
+    ends_as: str = "cancelled"          # what a cancel of it counts as (cancel's reason)
 
 
 class Metrics:
@@ -64,10 +65,15 @@ class Metrics:
         stream.last = now
         self.tokens += 1
         self.recent.append(now)
+        self._forget(now)
 
-    def tokens_per_second(self, now: float) -> float:
+    def _forget(self, now: float) -> None:
+        """Drop the tokens older than WINDOW: `recent` holds one window at most."""
         while self.recent and self.recent[0] < now - self.WINDOW:
             self.recent.popleft()
+
+    def tokens_per_second(self, now: float) -> float:
+        self._forget(now)
         return len(self.recent) / self.WINDOW
 
     @staticmethod
@@ -129,10 +135,12 @@ class AsyncEngine:
             raise
         return stream
 
-    def cancel(self, stream: Stream) -> None:
+    def cancel(self, stream: Stream, reason: str = "cancelled") -> None:
         """End a request early; its slot and pages are freed, its queue gets a "cancelled"
-        end (unless it had ended already)."""
+        end (unless it had ended already). reason: what /metrics counts it as ("stop": the
+        server ended it at a stop string; "cancelled": its client went away)."""
         if not stream.done:
+            stream.ends_as = reason
             self._commands.put(("cancel", stream))
 
     # --- the engine's thread -------------------------------------------------------------
@@ -207,7 +215,8 @@ class AsyncEngine:
             stream.queue.put_nowait(e)
             if e.finished is not None:
                 self._release(stream)
-                self.metrics.finished[e.finished] += 1
+                self.metrics.finished[stream.ends_as if e.finished == "cancelled"
+                                      else e.finished] += 1
 
     def _release(self, stream: Stream) -> None:
         """On the loop: a request's place in the server given back (once)."""

@@ -85,16 +85,19 @@ class ChatTemplate:
         return env.from_string(self.source)
 
 
-def special_token_encoder(tokenizer):
+def special_token_encoder(tokenizer, add_special_tokens: bool = False):
     """encode(text) -> ids that reads special tokens written in the text (a chat
-    template's <|im_start|>) as their ids; jaxformer's own tokenizer reads them as text."""
+    template's <|im_start|>) as their ids, as transformers' tokenizers do; with
+    add_special_tokens, also those the tokenizer.json's post-processor puts around a text
+    (a BOS), as transformers and vLLM encode a completion's prompt (a rendered chat has
+    its template's). jaxformer's own byte tokenizer reads them as text and adds none."""
     hf = getattr(tokenizer, "hf", None)
     if hf is None:
         return lambda text: [int(i) for i in tokenizer.encode(text)]
     from tokenizers import Tokenizer
     copy = Tokenizer.from_str(hf.to_str())
     copy.encode_special_tokens = False
-    return lambda text: copy.encode(text, add_special_tokens=False).ids
+    return lambda text: copy.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def end_ids(folder, tokenizer) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ class Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = 1
-    stream: bool = False
+    stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -78,12 +78,18 @@ class Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    def field_names(self) -> dict[str, str]:
+        """The engine's setting names (its errors' words) -> this request's fields."""
+        return {"max_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k",
+                "top_p": "top_p", "min_p": "min_p", "seed": "seed", "min_tokens": "min_tokens",
+                "no_repeat_ngram": "no_repeat_ngram_size", "logprobs": "logprobs"}
+
 
 class CompletionRequest(Sampling):
     """POST /v1/completions."""
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -112,8 +118,30 @@ class ChatRequest(Sampling):
     """POST /v1/chat/completions."""
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        """Besides Sampling's: tools and structured output, which would change what the
+        reply is rather than be quietly left out."""
+        super().refuse_unsupported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise RequestError(f"{name} are not supported: this server answers with text "
+                                   f"alone; leave {name} out", param=name)
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise RequestError(f"response_format type {kind!r} is not supported: this server "
+                               "answers with free text; leave response_format out",
+                               param="response_format")
+
+    def field_names(self) -> dict[str, str]:
+        given = "max_completion_tokens" if self.max_completion_tokens is not None \
+            else "max_tokens"
+        return {**super().field_names(), "max_tokens": given, "logprobs": "top_logprobs"}
 
     def plain_messages(self) -> list[dict[str, Any]]:
         """The messages with content given as parts ([{"type": "text", "text": ...}])
@@ -122,6 +150,12 @@ class ChatRequest(Sampling):
         for i, m in enumerate(self.messages):
             content = m.get("content")
             if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict):
+                        raise RequestError(
+                            f"messages[{i}].content[{j}] is {type(part).__name__} {part!r:.40}; "
+                            "send each part as an object, {\"type\": \"text\", \"text\": ...}",
+                            param="messages")
                 kinds = {part.get("type") for part in content} - {"text"}
                 if kinds:
                     raise RequestError(f"messages[{i}] holds {sorted(kinds)} parts; this "

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxformer.serve.async_engine import AsyncEngine, Overloaded, Stream
 from jaxformer.serve.engine import RequestSettings
@@ -29,6 +30,8 @@ from jaxformer.serve.protocol import (ChatRequest, CompletionRequest, RequestErr
 from jaxformer.serve.text_stream import TextStream
 
 POLL = 0.25  # seconds between checks that a non-streaming client is still there
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
+          "GET /v1/models/{model}, GET /health, GET /metrics")
 
 
 @dataclasses.dataclass
@@ -41,6 +44,7 @@ class Served:
     end_ids: tuple[int, ...] = ()               # ids that end a request (end-of-text)
     chat: ChatTemplate | None = None            # None: /v1/chat/completions is refused
     encode_chat: Callable[[str], list[int]] | None = None  # a rendered chat's ids
+    encode_text: Callable[[str], list[int]] | None = None  # a text prompt's (None: tokenizer's)
     no_chat: str = "this model has no chat template; use /v1/completions"
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -70,8 +74,8 @@ class Reply:
                     piece += self.text.finish()
                     self.finish = "length" if ended == "length" else "stop"
                 yield piece, self.text.new_tokens()
-        finally:
-            self.served.engine.cancel(self.stream)  # nothing if it has ended
+        finally:  # nothing if it has ended; ended at a stop string: counted as "stop"
+            self.served.engine.cancel(self.stream, self.finish or "cancelled")
 
     async def _events(self, disconnected) -> list:
         """The next event (as a list); a RequestError once `disconnected()` says so."""
@@ -95,19 +99,25 @@ class Reply:
 
 
 def _check_model(served: Served, name: str | None) -> None:
+    """A RequestError 404 (as OpenAI answers) unless name is the served model's (or None)."""
     if name is not None and name != served.model_name:
         raise RequestError(f"model {name!r} is not served here; this server serves "
-                           f"{served.model_name!r} (GET /v1/models)", param="model",
+                           f"{served.model_name!r} (GET /v1/models)", 404, param="model",
                            code="model_not_found")
 
 
-async def _start(served: Served, ids: list[int], settings: dict, stops) -> Reply:
-    """Submit a request; its Reply, or RequestError 400 (the engine's one-line ValueError)
-    or 429 (the waiting queue is full)."""
+async def _start(served: Served, ids: list[int], settings: dict, stops,
+                 names: dict[str, str]) -> Reply:
+    """Submit a request; its Reply, or RequestError 400 (the engine's one-line ValueError,
+    its settings named as the request's fields: names) or 429 (the queue is full)."""
     try:
         stream = await served.engine.submit(ids, RequestSettings(**settings))
     except ValueError as e:
-        raise RequestError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        message, param = str(e).splitlines()[0] if str(e) else type(e).__name__, None
+        for setting, field in names.items():
+            if message.startswith(f"settings.{setting}="):
+                message, param = field + message[len(f"settings.{setting}"):], field
+        raise RequestError(message, param=param) from None
     except Overloaded as e:
         raise RequestError(str(e), 429, kind="rate_limit_error",
                            code="rate_limit_exceeded") from None
@@ -140,11 +150,11 @@ async def completion(served: Served, body: CompletionRequest, request: Request):
     body.refuse_unsupported()
     _check_model(served, body.model)
     prompt = body.prompt_one()
-    ids = [int(i) for i in served.tokenizer.encode(prompt)] if isinstance(prompt, str) \
-        else list(prompt)
+    encode = served.encode_text or served.tokenizer.encode
+    ids = [int(i) for i in encode(prompt)] if isinstance(prompt, str) else list(prompt)
     top = body.logprobs
     reply = await _start(served, ids, body.settings(served.end_ids, body.max_tokens, top or 0),
-                         body.stops())
+                         body.stops(), body.field_names())
 
     def logprobs(tokens):
         return None if top is None else completion_logprobs(tokens, served.tokenizer.decode)
@@ -176,10 +186,12 @@ async def chat_completion(served: Served, body: ChatRequest, request: Request):
         ids = served.encode_chat(served.chat.render(body.plain_messages()))
     except ValueError as e:
         raise RequestError(str(e), param="messages") from None
-    limit = body.max_completion_tokens or body.max_tokens
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
     limit = max(served.max_seq_len - len(ids), 1) if limit is None else limit
     top = body.top_logprobs or 0
-    reply = await _start(served, ids, body.settings(served.end_ids, limit, top), body.stops())
+    reply = await _start(served, ids, body.settings(served.end_ids, limit, top), body.stops(),
+                         body.field_names())
 
     def logprobs(tokens):
         return chat_logprobs(tokens, served.tokenizer.decode) if body.logprobs else None
@@ -224,13 +236,51 @@ def _error(e: RequestError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def _invalid(_, exc: RequestValidationError) -> JSONResponse:
-    """A body that does not parse: 400 with its first problem in one line."""
-    first = (exc.errors() or [{}])[0]
+def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that does not parse: 400 with its first problem in one line (a field that
+    takes several forms named with all of them, not with the last one tried)."""
+    errors = exc.errors() or [{}]
+    first, loc = errors[0], tuple(errors[0].get("loc", ()))[1:]
     if first.get("type") == "json_invalid":
         return _error(RequestError("the body is not JSON; send a JSON object", param="body"))
-    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
-    return _error(RequestError(f"{where}: {first.get('msg', 'invalid')}", param=where))
+    if not loc or not isinstance(exc.body, dict):
+        return _error(RequestError("the body is not a JSON object; send one, with the header "
+                                   "Content-Type: application/json", param="body"))
+    field = str(loc[0])
+    model = ChatRequest if request.url.path.endswith("/chat/completions") else CompletionRequest
+    forms = getattr(model.model_fields.get(field), "annotation", None)
+    if sum(tuple(e.get("loc", ()))[1:2] == loc[:1] for e in errors) > 1 and forms is not None:
+        value = repr(exc.body.get(field))
+        value = value if len(value) <= 60 else value[:57] + "..."
+        return _error(RequestError(f"{field}={value} is none of the forms it takes: "
+                                   f"{_forms(forms)}", param=field))
+    where = ".".join(str(p) for p in loc)
+    return _error(RequestError(f"{where}: {first.get('msg', 'invalid')}", param=field))
+
+
+def _forms(annotation) -> str:
+    """A field's type as its JSON reads: str | list[int] | None -> string, list of int."""
+    words = {"str": "string", "int": "integer", "float": "number", "bool": "boolean",
+             "dict": "object", "Any": "anything"}
+    text = str(annotation).replace("typing.", "")
+    for name, word in words.items():
+        text = text.replace(f"[{name}]", f" of {word}").replace(name, word)
+    return ", ".join(p.strip() for p in text.split("|") if p.strip() != "None")
+
+
+def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """A route that does not exist or does not take the method: OpenAI's error shape."""
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}; the routes: " + ROUTES
+    return _error(RequestError(message, exc.status_code, kind=kind))
+
+
+def _crash(request: Request, exc: Exception) -> JSONResponse:
+    """A failure of the server's own (its traceback goes to the log): 500, one line."""
+    first = (str(exc).splitlines() or [""])[0]
+    return _error(RequestError(f"the server failed on {request.method} {request.url.path} "
+                               f"({type(exc).__name__}: {first:.200}); see the server's log",
+                               500, kind="server_error"))
 
 
 def make_app(served: Served) -> FastAPI:
@@ -246,6 +296,8 @@ def make_app(served: Served) -> FastAPI:
     app = FastAPI(title="jaxformer", lifespan=lifespan)
     app.add_exception_handler(RequestError, lambda _, e: _error(e))
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _crash)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -255,11 +307,18 @@ def make_app(served: Served) -> FastAPI:
     async def chat_completions(body: ChatRequest, request: Request):
         return await chat_completion(served, body, request)
 
+    def card() -> dict:
+        return {"id": served.model_name, "object": "model", "created": served.created,
+                "owned_by": "jaxformer", "max_model_len": served.max_seq_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": served.model_name, "object": "model", "created": served.created,
-            "owned_by": "jaxformer", "max_model_len": served.max_seq_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        _check_model(served, name)
+        return card()
 
     @app.get("/health")
     async def health():

@@ -214,7 +214,10 @@ def test_completion_is_greedy_generate_with_its_logprobs(folder, client):
             assert got.keys() == want_top.keys()
             np.testing.assert_allclose([got[k] for k in want_top], list(want_top.values()),
                                        atol=1e-5)
-        assert lp.text_offset == np.cumsum([0] + [len(t) for t in lp.tokens])[:-1].tolist()
+        for i, offset in enumerate(lp.text_offset):  # where the token's text starts
+            before = tok.decode(want[:i])
+            if not before.endswith("\ufffd"):  # (one inside a character: where it starts)
+                assert offset == len(before), (i, lp.text_offset)
 
 
 def test_chat_renders_the_folders_template(folder, client):
@@ -343,11 +346,14 @@ def error_of(server, route: str, body: dict) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("change, words", [
     (dict(prompt=list(range(1, 200))), "max_seq_len"),       # longer than the context
-    (dict(model="gpt-17"), "gpt-17"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=1.5), "top_p"),
     (dict(n=2), "n=2"),
     (dict(prompt=None), "prompt"),
+    (dict(prompt=[1, "a"]), "prompt=[1, 'a'] is none of the forms it takes: string, list of "
+                            "integer"),
+    (dict(logprobs=21), "logprobs=21"),
+    (dict(max_tokens=0), "max_tokens=0"),
 ])
 def test_bad_requests_get_400_in_one_line(server, change, words):
     """Bad input is HTTP 400, OpenAI's error shape, one line naming the problem."""
@@ -358,6 +364,67 @@ def test_bad_requests_get_400_in_one_line(server, change, words):
     error = answer["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert "\n" not in error["message"] and words in error["message"], error
+
+
+@pytest.mark.parametrize("change, words, param", [
+    (dict(max_completion_tokens=0), "max_completion_tokens=0", "max_completion_tokens"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs=21", "top_logprobs"),
+    (dict(messages=[{"role": "user", "content": ["hi"]}]), "messages[0].content[0] is str",
+     "messages"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools are not", "tools"),
+    (dict(response_format={"type": "json_object"}), "'json_object' is not", "response_format"),
+])
+def test_bad_chat_requests_get_400_naming_the_requests_field(server, change, words, param):
+    """A chat's bad input is 400 in one line naming the field the request gave (not the
+    engine's name for it), and what would change the reply's kind is refused, not dropped."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "the"}],
+            "max_tokens": 4, **change}
+    status, answer = error_of(server, "/v1/chat/completions", body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert "\n" not in error["message"] and words in error["message"], error
+    assert error["param"] == param, error
+
+
+def test_what_no_route_answers_is_openais_error_shape(server, client):
+    """An unknown model is 404 model_not_found (the openai client's NotFoundError), as is
+    an unknown route; a route asked with another method 405; a body sent without its JSON
+    content type 400 saying so; explicit nulls are the defaults."""
+    assert client.models.retrieve("tiny").id == "tiny"
+    for ask in (lambda: client.models.retrieve("gpt-17"),
+                lambda: client.completions.create(model="gpt-17", prompt="a", max_tokens=1)):
+        with pytest.raises(openai.NotFoundError) as e:
+            ask()
+        assert e.value.body["code"] == "model_not_found" and "gpt-17" in e.value.body["message"]
+    for method, route, status, words in (("GET", "/nope", 404, "GET /nope: Not Found"),
+                                         ("GET", "/v1/completions", 405, "Method Not Allowed")):
+        r = httpx.request(method, server + route, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == status and words in error["message"], error
+        assert set(error) == {"message", "type", "param", "code"}
+    r = httpx.post(server + "/v1/completions", content=json.dumps({"prompt": "a"}), timeout=30)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"][
+        "message"]
+    status, answer = error_of(server, "/v1/completions", {
+        "prompt": "a", "max_tokens": 1, "stream": None, "echo": None})
+    assert status == 200 and answer["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_failure_of_the_servers_own_is_500_in_one_line():
+    """An exception the server did not expect (here its tokenizer's) is 500 in OpenAI's
+    error shape, naming it, not a bare text page."""
+    from fastapi.testclient import TestClient
+    from jaxformer.serve.server import Served, make_app
+
+    class Broken(ByteTokenizer):
+        def encode(self, text):
+            raise KeyError("no such piece")
+    app = make_app(Served(None, Broken(), "m", 64))
+    r = TestClient(app, raise_server_exceptions=False).post(
+        "/v1/completions", json={"model": "m", "prompt": "hi"})
+    error = r.json()["error"]
+    assert r.status_code == 500 and error["type"] == "server_error", error
+    assert "KeyError" in error["message"] and "\n" not in error["message"]
 
 
 def test_chat_without_a_template_or_refused_by_it_is_400():
@@ -471,3 +538,65 @@ def test_text_stream_pairs_each_piece_with_its_own_tokens(rng):
     offsets = [i for i, c in enumerate(full) for _ in c.encode()]
     assert [t.offset for t in stream.tokens] == offsets[:len(stream.tokens)]
     assert bytes(t.token for t in stream.kept_tokens()) == text[:cut].encode()
+
+
+def test_a_text_prompt_is_encoded_as_transformers_encodes_it(rng):
+    """A completion's text prompt is transformers' tokenizer(text) ids: the BOS its
+    tokenizer.json's post-processor adds, and special tokens written in it read as theirs
+    (a chat, rendered by its template, adds none); the server submits those ids."""
+    from fastapi.testclient import TestClient
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from jaxformer.serve.prompts import special_token_encoder
+    from jaxformer.serve.server import Served, make_app
+
+    tok = train_bpe(iter([TEXT] * 5), 280)
+    tok.hf.add_special_tokens(["<s>"])
+    bos = tok.hf.token_to_id("<s>")
+    tok.hf.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                          special_tokens=[("<s>", bos)])
+    words = TEXT.split()
+    text = " ".join(rng.choice(words, 6)) + "<|endoftext|>" + " ".join(rng.choice(words, 3))
+    want = PreTrainedTokenizerFast(tokenizer_object=tok.hf)(text)["input_ids"]
+    assert want[0] == bos and tok.eot_id in want
+    assert special_token_encoder(tok, add_special_tokens=True)(text) == want
+    assert special_token_encoder(tok)(text) == want[1:]
+
+    class Engine:  # what the server submits, then a refusal
+        async def submit(self, ids, settings):
+            self.ids = ids
+            raise ValueError("seen")
+    served = Served(Engine(), tok, "m", 64, encode_text=special_token_encoder(tok, True))
+    r = TestClient(make_app(served)).post("/v1/completions", json={"prompt": text})
+    assert r.status_code == 400 and served.engine.ids == want
+
+
+def test_metrics_count_a_stop_string_as_served_and_keep_one_window_of_tokens():
+    """A request the server ends at its stop string counts as served, one whose client
+    went away as cancelled; the tokens/s window holds its last WINDOW seconds alone."""
+    from jaxformer.serve.async_engine import AsyncEngine, Metrics, Stream
+    from jaxformer.serve.engine import Event
+
+    engine = AsyncEngine(type("E", (), {"stats": lambda self: {"slots": 2}})(), max_queue=2)
+    ends = {}
+    for reason in ("stop", "cancelled"):
+        stream = Stream(asyncio.Queue(), 0.0, request_id=len(ends))
+        engine.cancel(stream, reason)
+        engine._deliver([(stream, Event(stream.request_id, -1, 0.0, (), "cancelled"))])
+        ends[reason] = dict(engine.metrics.finished)
+    assert ends == {"stop": {"stop": 1}, "cancelled": {"stop": 1, "cancelled": 1}}
+    m = Metrics()
+    stream = Stream(asyncio.Queue(), 0.0)
+    for i in range(2000):  # 100 tokens a second for 20 s
+        m.token(stream, i / 100)
+    assert len(m.recent) == 100 * m.WINDOW + 1 and m.tokens == 2000
+    assert m.tokens_per_second(19.99) == pytest.approx(100, rel=0.01)
+
+
+def test_a_port_outside_0_to_65535_is_refused_in_one_line(capsys):
+    from jaxformer.serve.__main__ import parse
+    for bad in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit):
+            parse(["run", "--port", bad])
+        assert f"{bad!r} is not a TCP port; pass 0 to 65535" in capsys.readouterr().err
+    assert parse(["run", "--port", "0"]).port == 0
