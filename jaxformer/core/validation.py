@@ -6,8 +6,9 @@ YAML (yaml.safe_load) with dotted key=value overrides typed by the fields they s
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import yaml
 
@@ -18,30 +19,47 @@ class ConfigError(ValueError):
 
 def check_choice(owner: str, name: str, value: Any, allowed) -> None:
     """value must be one of `allowed` (any iterable of names, e.g. a table's keys)."""
-    if value not in allowed:
+    try:
+        known = value in allowed
+    except TypeError:  # unhashable: a list or mapping from YAML
+        known = False
+    if not known:
         raise ConfigError(f"{owner}.{name}={value!r} is not one of {', '.join(allowed)}")
 
 
 def check_number(owner: str, name: str, value: Any, kind: type, *, low=None, low_open=False,
                  high=None, high_open=False, optional=False) -> None:
-    """value must be an int (kind int) or a number (kind float) within the bounds; None
-    too when optional. Booleans are refused."""
+    """value must be an int (kind int) or a finite number (kind float) within the bounds;
+    None too when optional. Booleans, NaN and infinities are refused."""
     if value is None and optional:
         return
     ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
     if isinstance(value, bool) or not ok_type:
         raise ConfigError(f"{owner}.{name}={value!r} must be {'an int' if kind is int else 'a number'}"
                           f"{' or None' if optional else ''}")
+    if not math.isfinite(value):  # NaN fails every comparison below
+        raise ConfigError(f"{owner}.{name}={value!r} must be a finite number")
     if low is not None and (value < low or (low_open and value == low)):
         raise ConfigError(f"{owner}.{name}={value!r} must be {'>' if low_open else '>='} {low}")
     if high is not None and (value > high or (high_open and value == high)):
         raise ConfigError(f"{owner}.{name}={value!r} must be {'<' if high_open else '<='} {high}")
 
 
+def as_section(cls, value: Any, key: str):
+    """value as the dataclass cls (a Section): a mapping built into one (cls.from_dict), an
+    instance as it is; anything else (an empty YAML section is None) refused in one line."""
+    if isinstance(value, Mapping):
+        return cls.from_dict(value)
+    if isinstance(value, cls):
+        return value
+    fields = ", ".join(f.name for f in dataclasses.fields(cls)[:2])
+    raise ConfigError(f"{key} must be a mapping of its fields ({fields}, ...); got {value!r}")
+
+
 def reject_unknown(cls, keys, owner: str) -> None:
     """Every key must be a field of the dataclass `cls`; the error lists the valid ones."""
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(keys) - set(names))
+    unknown = sorted(str(k) for k in set(keys) - set(names))  # YAML keys may be numbers
     if unknown:
         raise ConfigError(f"unknown {owner} field(s) {', '.join(unknown)}; "
                           f"valid fields are: {', '.join(names)}")
@@ -83,8 +101,29 @@ def type_names(cls) -> dict[str, str]:
             for f in dataclasses.fields(cls)}
 
 
+# a scalar field's type -> what its value must be, in messages
+SCALARS = {"str": "a string", "int": "an int", "float": "a number", "bool": "true or false"}
+
+
+def check_shape(value: Any, type_name: str, key: str) -> None:
+    """A list or mapping for a scalar field (str, int, float, bool), or for a list field
+    (tuple[...]) anything but a list (a tuple[int, ...] also takes one int), in one line.
+    An optional scalar (`str | None`) is left to its field's own check: one of them,
+    data.mixture, takes a YAML list too."""
+    kinds = [k for k in type_name.split(" | ") if k != "None"]
+    kind = kinds[0] if len(kinds) == 1 else ""
+    if type_name in SCALARS and isinstance(value, (list, tuple, set, Mapping)):
+        raise ConfigError(f"{key}={value!r} must be {SCALARS[type_name]}")
+    if kind.startswith("tuple[") and not (value is None and "None" in type_name) and \
+            not isinstance(value, (str, list, tuple)) and \
+            not (kind.startswith("tuple[int") and isinstance(value, int)):
+        raise ConfigError(f"{key}={value!r} must be a list (a,b on the command line)")
+
+
 def coerce(value: Any, type_name: str, key: str) -> Any:
-    """Strings from YAML or the command line to the field's type ('3e-4' -> 0.0003)."""
+    """Strings from YAML or the command line to the field's type ('3e-4' -> 0.0003); a
+    value of the wrong shape (check_shape) is refused."""
+    check_shape(value, type_name, key)
     if value is None or not isinstance(value, str):
         if isinstance(value, int) and not isinstance(value, bool) and "float" in type_name \
                 and "int" not in type_name:
@@ -115,7 +154,7 @@ def coerce(value: Any, type_name: str, key: str) -> Any:
 def check_keys(raw: Mapping[str, Any], valid, section: str, extra: str = "") -> None:
     """Every key of raw must be one of `valid`; the error names the unknown ones as
     section.key and lists the valid ones (and `extra`)."""
-    unknown = sorted(set(raw) - set(valid))
+    unknown = sorted(str(k) for k in set(raw) - set(valid))  # YAML keys may be numbers
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; valid "
                           f"{section} keys are: {', '.join(valid)}{extra}")
@@ -131,7 +170,7 @@ def build_section(cls, raw: Mapping[str, Any], section: str, *, nested=None, ext
     for key, value in raw.items():
         if key in nested and isinstance(value, Mapping):
             inner = type_names(nested[key])
-            bad = sorted(set(value) - set(inner))
+            bad = sorted(str(k) for k in set(value) - set(inner))
             if bad:
                 raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{key}.{b}' for b in bad)}"
                                   f"; valid keys are: {', '.join(inner)}")
@@ -173,18 +212,55 @@ def merge(base: Mapping, extra: Mapping) -> dict:
     return merged
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader (plain data only) that refuses a key given twice in one
+    mapping, naming it and both lines, instead of keeping the last silently."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader's own error: found unhashable key
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]}); keep one",
+                    key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A PyYAML error in one line: line and column (1-based) and the problem."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(e).split())
+    context = f" ({e.context})" if getattr(e, "context", None) else ""
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}{context}"
+
+
 def read_config_file(path: str | None, example: str = "configs/tiny.yaml") -> dict[str, Any]:
-    """The mapping of sections in a YAML config file (yaml.safe_load); {} for None."""
+    """The mapping of sections in a YAML config file (safe: plain data only; a key given
+    twice is an error); {} for None."""
     if path is None:
         return {}
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {path} does not exist; configs live in configs/, "
                           f"e.g. {example}")
+    data = p.read_bytes()
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.load(data.decode("utf-8"), Loader=UniqueKeyLoader) or {}
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text (line {line}: byte "
+                          f"{data[e.start]:#04x}); save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
+        raise ConfigError(f"config file {path} must hold a mapping of sections; got {raw!r}")
     return raw

@@ -9,8 +9,8 @@ from typing import Any, Mapping
 from jaxformer.attention.backends import AUTO, BACKENDS, check_model
 from jaxformer.attention.mla import MLAConfig
 from jaxformer.core.low_precision import MATMUL_PRECISIONS
-from jaxformer.core.validation import (ConfigError, Section, check_choice,  # noqa: F401
-                                       check_number, coerce, type_names)
+from jaxformer.core.validation import (ConfigError, Section, as_section,  # noqa: F401
+                                       check_choice, check_number, coerce, type_names)
 from jaxformer.model.archs import ARCHS
 from jaxformer.model.kinds import BLOCKS, FFNS, NORMS, QK_NORMS, REMATS
 from jaxformer.model.layer_pattern import (LayerKind, check_layer_forms, check_mixers,
@@ -161,8 +161,7 @@ class ModelConfig(Section):
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         for name, section in (("lora", LoRAConfig), ("moe", MoEConfig), ("mla", MLAConfig)):
-            if isinstance(getattr(self, name), Mapping):
-                set_(name, section.from_dict(getattr(self, name)))
+            set_(name, as_section(section, getattr(self, name), f"model.{name}"))
         if isinstance(self.rope_scaling, Mapping):
             set_("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         elif isinstance(self.rope_scaling, str):

@@ -152,7 +152,8 @@ class DistributedConfig:
         check_number(o, "process_id", self.process_id, int, low=0, optional=True)
         check_choice(o, "cpu_collectives", self.cpu_collectives, ("gloo", "mpi"))
         check_number(o, "heartbeat_s", self.heartbeat_s, float, low=1)
-        if self.coordinator_address is not None and ":" not in str(self.coordinator_address):
+        address = self.coordinator_address
+        if address is not None and (not isinstance(address, str) or ":" not in address):
             raise ConfigError(f"distributed.coordinator_address={self.coordinator_address!r} "
                               "must be host:port of process 0, e.g. 10.0.0.1:1234")
         if self.num_processes is not None and self.process_id is not None and \
@@ -216,10 +217,13 @@ class RunConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "RunConfig":
         values = dict(values or {})
-        unknown = sorted(set(values) - set(SECTIONS))
+        unknown = sorted(str(k) for k in set(values) - set(SECTIONS))  # YAML: `1: 2` too
         if unknown:
             raise ConfigError(f"unknown config section(s) {', '.join(unknown)}; sections are: "
                               f"{', '.join(SECTIONS)}")
+        for name, raw in values.items():  # an empty section (None) is its defaults
+            if raw is not None and not isinstance(raw, Mapping):
+                raise ConfigError(f"{name} must be a mapping of its fields; got {raw!r}")
         values = moved_loss_chunk(values)  # before init_from's model takes the section
         values = initial_sections(values)  # train.init_from: the model it starts from
         sections = {}

@@ -68,7 +68,11 @@ def initial_sections(values: Mapping[str, Any]) -> dict:
     spec = (values.get("train") or {}).get("init_from")
     if not spec or set(type_names(ModelConfig)) <= set(values.get("model") or {}):
         return dict(values)  # no source, or a run's own config.yaml: the whole model is here
-    model, tok = source_config(parse_source(spec))
+    try:
+        src = parse_source(spec)
+    except FileNotFoundError as e:  # its message names the spec and what it must hold
+        raise ConfigError(str(e)) from None
+    model, tok = source_config(src)
     theirs = model.replace(lora=lora.LoRAConfig()).to_dict()
     ours = dict(values.get("model") or {})
     if "preset" in ours:

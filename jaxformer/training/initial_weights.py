@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxformer.core.validation import ConfigError
 from jaxformer.hf import from_hf
 from jaxformer.model import lora
 from jaxformer.model.build import model_for
@@ -23,8 +24,11 @@ def load_initial(spec: str, cfg: ModelConfig, params, param_shardings, mesh, rul
     """params (a fresh init, for its LoRA adapters) with the base replaced by the source's
     weights, in `param_shardings`."""
     adapters, scales, _ = lora.partition(params, scales=True)
-    src, base = load_base(spec, cfg, lora.partition(param_shardings, scales=True)[2], mesh,
-                          rules)
+    try:
+        src, base = load_base(spec, cfg, lora.partition(param_shardings, scales=True)[2], mesh,
+                              rules)
+    except FileNotFoundError as e:  # its message names the checkpoint and the saved steps
+        raise ConfigError(f"train.init_from={spec}: {e}") from None
     log(f"init_from {spec}: {sum(x.size for x in jax.tree.leaves(base)):,} weights loaded "
         f"({src.kind}); {sum(x.size for x in jax.tree.leaves(adapters)):,} adapter params fresh")
     return lora.combine(adapters, scales, base)

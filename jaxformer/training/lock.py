@@ -1,5 +1,6 @@
 """One training run per run directory: an advisory lock on RUN_DIR/.lock, which the OS
-drops when the process that holds it ends, however it ends."""
+drops when the process that holds it ends, however it ends; and the directory checked to
+be one (not a file) as it is made."""
 
 from __future__ import annotations
 
@@ -8,6 +9,19 @@ import fcntl
 import os
 import pathlib
 import socket
+
+from jaxformer.core.validation import ConfigError
+
+
+def make_run_dir(run_dir: pathlib.Path) -> None:
+    """train.run_dir made (with its parents) if it is not there; a ConfigError in one line
+    where it is a file, or inside one."""
+    file = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+    if file == run_dir:
+        raise ConfigError(f"train.run_dir={run_dir} is a file; choose a directory")
+    if file is not None:
+        raise ConfigError(f"train.run_dir={run_dir} is inside {file}, a file; choose a directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 class RunDirInUse(RuntimeError):

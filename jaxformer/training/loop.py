@@ -32,7 +32,7 @@ from jaxformer.training.adapter_checkpoint import keep_base, run_checkpointer
 from jaxformer.training.checkpoint import Checkpointer, abstract_like
 from jaxformer.training.config import RunConfig
 from jaxformer.training.initial_weights import base_loader, load_initial
-from jaxformer.training.lock import run_dir_lock
+from jaxformer.training.lock import make_run_dir, run_dir_lock
 from jaxformer.training.metrics import MetricsLog, peak_flops, plot_loss_curve
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.peers import watch_peers
@@ -134,7 +134,7 @@ def train(cfg: RunConfig, *, log=print) -> dict:
     if not lead:
         log = lambda *args, **kwargs: None  # noqa: E731 (process 0 speaks for the run)
     run_dir = pathlib.Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     with run_dir_lock(run_dir, log=log) if lead else contextlib.nullcontext(), \
             contextlib.ExitStack() as cleanup:
         cleanup.enter_context(watch_peers(run_dir, d.heartbeat_s))  # a lost process: exit 3
@@ -144,13 +144,11 @@ def train(cfg: RunConfig, *, log=print) -> dict:
 
 
 def load_run_data(cfg: RunConfig, run_dir: pathlib.Path, lead: bool, log):
-    """The run's data (config.yaml written beside the tokenizer it saved), and whether its
-    validation split holds a batch to evaluate."""
+    """The run's data (its tokenizer saved in run_dir), and whether its validation split
+    holds a batch to evaluate."""
     t = cfg.train
     data = load_dataset(cfg.data, run_dir=str(run_dir), vocab_size=cfg.model.vocab_size,
                         progress=lead, log=log)
-    if lead:  # load_dataset has saved the tokenizer beside it
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     try:
         next(iter(data.eval_batches(batch_size=t.batch_size, seq_len=t.seq_len,
                                     max_batches=1, pack=cfg.data.pack)))
@@ -199,6 +197,8 @@ class _Run:
                 keep_base(self.ckpt, state.params)
             reference = objectives.reference_weights(cfg, initial)  # DPO's, or None
         self.state = resume(self.ckpt, state, cfg, log)
+        if lead:  # after the resume check: a refused resume leaves the run's config.yaml
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.start = int(self.state.step)
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_step = flops_per_token(mcfg, t.seq_len) * self.tokens_per_step

@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from jaxformer.core.validation import (ConfigError, Section, build_section, check_choice,
-                                       check_number, coerce, merge, parse_overrides)
+                                       check_number, coerce, merge, parse_overrides,
+                                       read_config_file)
 
 
 def one_line(e):
@@ -118,3 +119,79 @@ def test_overrides_nest_by_dotted_key_and_merge_on_top():
                         (["steps=1"], "must be section.field")]:
         with pytest.raises(ConfigError, match=says):
             parse_overrides(items, ("train", "model"))
+
+
+def test_check_number_refuses_nan_and_infinities_in_every_range():
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for kw in ({}, {"low": 0}, {"low": 0, "high": 1, "high_open": True}, {"optional": True}):
+            with pytest.raises(ConfigError) as e:
+                check_number("optim", "lr", value, float, **kw)
+            assert one_line(e) == f"optim.lr={value!r} must be a finite number"
+    assert coerce("nan", "float", "optim.lr") != coerce("nan", "float", "optim.lr")  # read,
+    with pytest.raises(ConfigError, match=r"^optim.lr=nan must be a finite number$"):
+        check_number("optim", "lr", coerce("nan", "float", "optim.lr"), float, low=0)  # refused
+
+
+def test_a_list_or_mapping_for_a_scalar_field_and_a_number_for_a_list_field_are_one_line():
+    @dataclasses.dataclass(frozen=True)
+    class Shaped:
+        run_dir: str = "runs/x"
+        pattern: tuple[str, ...] = ()
+        layers: tuple[int, ...] | None = None
+        mixture: str | None = None  # an optional field checks itself: data.mixture takes a list
+    for raw, says in [({"run_dir": ["a"]}, "train.run_dir=['a'] must be a string"),
+                      ({"run_dir": {"a": 1}}, "train.run_dir={'a': 1} must be a string"),
+                      ({"pattern": 5}, "train.pattern=5 must be a list (a,b on the command line)"),
+                      ({"pattern": None}, "train.pattern=None must be a list"),
+                      ({"layers": {"a": 1}}, "train.layers={'a': 1} must be a list")]:
+        with pytest.raises(ConfigError) as e:
+            build_section(Shaped, raw, "train")
+        assert one_line(e).startswith(says), one_line(e)
+    for raw, field in [({"steps": [1]}, "an int"), ({"lr": [1.0]}, "a number"),
+                       ({"flag": {"x": 1}}, "true or false")]:
+        with pytest.raises(ConfigError, match=f"must be {field}$"):
+            build_section(Sec, raw, "train")
+    got = build_section(Shaped, {"pattern": ["a"], "layers": 3, "mixture": ["a:1", "b:2"]}, "train")
+    assert got.pattern == ["a"] and got.layers == 3 and got.mixture == ["a:1", "b:2"]
+    with pytest.raises(ConfigError) as e:  # unhashable: not one of them, not a TypeError
+        check_choice("model", "position", ["rope"], {"rope": 0, "alibi": 1})
+    assert one_line(e) == "model.position=['rope'] is not one of rope, alibi"
+    with pytest.raises(ConfigError) as e:  # a YAML key that is a number
+        build_section(Sec, {1: 2}, "train")
+    assert one_line(e).startswith("unknown key(s) train.1; valid train keys are: steps")
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_it_and_both_lines(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text("train:\n  steps: 3\nmodel:\n  n_layers: 1\ntrain:\n  steps: 2\n")
+    with pytest.raises(ConfigError) as e:
+        read_config_file(str(path))
+    assert one_line(e) == (f"config file {path} is not valid YAML: line 5, column 1: duplicate "
+                           "key 'train' (first at line 1); keep one")
+    path.write_text("model:\n  d_model: 8\n  n_layers: 1\n  d_model: 16\n")  # nested too
+    with pytest.raises(ConfigError, match="line 4, column 3: duplicate key 'd_model' .first at "
+                                          "line 2."):
+        read_config_file(str(path))
+    path.write_text("base: &b\n  steps: 3\n  seed: 1\ntrain:\n  <<: *b\n  steps: 4\n")
+    assert read_config_file(str(path))["train"] == {"steps": 4, "seed": 1}  # a merge: overridable
+    path.write_text("train: !!python/object/apply:os.system [echo]\n")  # still safe
+    with pytest.raises(ConfigError, match="is not valid YAML: line 1, column 8: "):
+        read_config_file(str(path))
+
+
+def test_a_config_file_that_is_not_utf8_or_not_yaml_is_one_line_naming_line_and_column(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"train:\n  run_dir: caf\xe9\n")
+    with pytest.raises(ConfigError) as e:
+        read_config_file(str(path))
+    assert one_line(e) == (f"config file {path} is not UTF-8 text (line 2: byte 0xe9); "
+                           "save it as UTF-8")
+    path.write_text("train:\n  steps: [3\nmodel: 1\n")
+    with pytest.raises(ConfigError) as e:
+        read_config_file(str(path))
+    assert one_line(e) == (f"config file {path} is not valid YAML: line 3, column 6: expected "
+                           "',' or ']', but got ':' (while parsing a flow sequence)")
+    path.write_text("train:\n\tsteps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        read_config_file(str(path))
+    assert one_line(e).startswith(f"config file {path} is not valid YAML: line 2, column 1: ")

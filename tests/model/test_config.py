@@ -81,6 +81,18 @@ def test_from_dict_rejects_unknown_keys_and_round_trips():
     assert cfg.replace(n_layers=2).n_layers == 2
 
 
+@pytest.mark.parametrize("name,fields", [("lora", "rank, alpha"), ("moe", "experts, top_k"),
+                                         ("mla", "q_lora_rank, kv_lora_rank")])
+def test_an_empty_or_scalar_nested_section_is_one_line(name, fields):
+    """`lora:` with every key commented out in YAML is None; model.lora=5 a string."""
+    for value in (None, 5, "5", [1]):
+        with pytest.raises(ConfigError) as e:
+            ModelConfig(**{name: value})
+        assert str(e.value) == (f"model.{name} must be a mapping of its fields ({fields}, ...); "
+                                f"got {value!r}")
+    assert ModelConfig(**{name: {}}) == ModelConfig()  # an empty mapping: the defaults
+
+
 def test_rope_scaling_forms():
     assert ModelConfig(rope_scaling="linear").rope_scaling == RopeScaling(kind="linear")
     cfg = ModelConfig(max_seq_len=512, rope_scaling={"kind": "yarn", "factor": 4.0})

@@ -177,6 +177,15 @@ def test_no_intact_checkpoint_is_one_line_that_names_the_damage(run9, corpus, tm
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["6", "9"]
 
 
+def test_init_from_an_unsaved_step_is_one_line(run9, corpus, tmp_path, capsys):  # noqa: F811
+    new = tmp_path / "new"
+    assert cli.main(cli_args(corpus, new, f"train.init_from={run9}@99")) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: train.init_from={run9}@99: no checkpoint "
+                                f"{run9}/checkpoints/99; saved steps: [6, 9]"], err
+    assert not (new / "config.yaml").exists()
+
+
 def test_a_save_killed_half_way_is_ignored_and_cleaned_up(run9, corpus, tmp_path,
                                                            capsys):  # noqa: F811
     """What SIGKILL during an async save leaves: orbax's temporary directory, half

@@ -108,6 +108,61 @@ def test_cli_bad_key_is_one_line_and_nonzero(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("text,says", [
+    ("train: 5\n", "train must be a mapping of its fields; got 5"),
+    ("model: 5\n", "model must be a mapping of its fields; got 5"),
+    ("data: [1]\n", "data must be a mapping of its fields; got [1]"),
+    ("objective: 5\n", "objective must be a mapping of its fields; got 5"),
+    ("model:\n  lora:\n    # rank: 4\n", "model.lora must be a mapping of its fields (rank, "
+     "alpha, ...); got None"),
+    ("model:\n  preset: tiny\n  moe:\n", "model.moe must be a mapping of its fields "
+     "(experts, top_k, ...); got None"),
+    ("1: 2\n", "unknown config section(s) 1; sections are: model, data"),
+    ("model:\n  position: [rope]\n", "model.position=['rope'] must be a string"),
+    ("model:\n  layer_pattern: 5\n", "model.layer_pattern=5 must be a list (a,b on the "
+     "command line)"),
+    ("train:\n  run_dir: [a]\n", "train.run_dir=['a'] must be a string"),
+    ("objective:\n  name: [lm]\n", "objective.name=['lm'] is not one of"),
+    ("distributed:\n  coordinator_address: {a: 1}\n", "distributed.coordinator_address="
+     "{'a': 1} must be host:port"),
+])
+def test_a_section_or_field_of_the_wrong_shape_in_a_file_is_one_line(tmp_path, text, says):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert "\n" not in str(e.value) and str(e.value).startswith(says), str(e.value)
+    assert load_config(None, ["train.steps=2"]) == RunConfig.from_dict({"train": {"steps": 2},
+                                                                       "data": None})
+
+
+@pytest.mark.parametrize("override", ["model.lora=5", "model.mla=5", "optim.lr=nan",
+                                      "optim.lr=inf", "data.val_fraction=nan",
+                                      "model.dropout=nan", "optim.clip_norm=-inf"])
+def test_a_scalar_section_or_a_non_finite_number_on_the_command_line_is_one_line(override):
+    key, value = override.split("=")
+    says = (f"{key} must be a mapping of its fields (" if value == "5" else
+            f"{key}={value} must be a finite number")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(says), str(e.value)
+
+
+def test_cli_init_from_without_a_source_is_one_line(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_cli", REPO / "train.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    (tmp_path / "empty").mkdir()
+    for source in (tmp_path / "nothing", tmp_path / "empty", f"{tmp_path / 'nothing'}@3"):
+        assert cli.main([f"train.init_from={source}", f"train.run_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [f"error: train.init_from='{source}' is neither a Hugging "
+                                    "Face model folder (with config.json) nor a jaxformer run "
+                                    "dir (with config.yaml)"], err
+    assert not (tmp_path / "run").exists()
+
+
 # ---- optimizer ------------------------------------------------------------------
 
 def test_inverse_sqrt_is_the_paper_formula():

@@ -75,7 +75,7 @@ def test_init_from_takes_the_folders_model_and_tokenizer_and_refuses_shape_chang
         load_config(None, [f"train.init_from={hf_llama}", "model.norm=layernorm"])
     with pytest.raises(ConfigError, match="drop model.preset"):
         load_config(None, [f"train.init_from={hf_llama}", "model.preset=gpt2-small"])
-    with pytest.raises(FileNotFoundError, match="neither a Hugging Face model folder"):
+    with pytest.raises(ConfigError, match="neither a Hugging Face model folder"):
         load_config(None, [f"train.init_from={hf_llama}/nothing"])
 
 

@@ -344,6 +344,32 @@ def test_restore_with_another_model_config_fails_clearly(corpus, tmp_path):
         "'swiglu'" in msg and "train.run_dir" in msg
 
 
+def test_a_refused_resume_leaves_the_runs_config_yaml_byte_for_byte(corpus, tmp_path):
+    """config.yaml is written once the resume check has passed: a run refused for another
+    model or optimizer still loads as it was trained (generate, convert, a later resume)."""
+    run = tmp_path / "run"
+    train(config(corpus, run, "train.steps=2", "train.sample_tokens=0"), log=lambda *a: None)
+    saved = (run / "config.yaml").read_bytes()
+    for change, says in [("model.n_layers=1", "another model config"),
+                         ("optim.name=lion", "a train state of another shape"),
+                         ("train.resume=never", "already holds checkpoints")]:
+        with pytest.raises(ConfigError, match=says):
+            train(config(corpus, run, "train.steps=4", change), log=lambda *a: None)
+        assert (run / "config.yaml").read_bytes() == saved, change
+    assert load_config(str(run / "config.yaml")).model.n_layers == 2
+
+
+def test_a_run_dir_that_is_a_file_is_one_line(corpus, tmp_path):
+    (tmp_path / "file").write_text("notes")
+    for run_dir, says in [("file", "is a file; choose a directory"),
+                          ("file/run", f"is inside {tmp_path / 'file'}, a file; choose a "
+                                       "directory")]:
+        with pytest.raises(ConfigError) as e:
+            train(config(corpus, tmp_path / run_dir), log=lambda *a: None)
+        assert str(e.value) == f"train.run_dir={tmp_path / run_dir} {says}"
+    assert (tmp_path / "file").read_text() == "notes"
+
+
 def tiny_step_setup(*overrides, steps=10):
     cfg = load_config(str(REPO / "configs/tiny.yaml"), [*TINY, *overrides])
     model = Transformer(cfg.model)
