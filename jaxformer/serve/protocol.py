@@ -132,10 +132,10 @@ class ChatRequest(Sampling):
             if getattr(self, name):
                 raise RequestError(f"{name} are not supported: this server answers with text "
                                    f"alone; leave {name} out", param=name)
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise RequestError(f"response_format type {kind!r} is not supported: this server "
-                               "answers with free text; leave response_format out",
+        kinds = {(self.response_format or {}).get("type", "text")} - {"text"}
+        if kinds:
+            raise RequestError(f"response_format type {kinds.pop()!r} is not supported: this "
+                               "server answers with free text; leave response_format out",
                                param="response_format")
 
     def field_names(self) -> dict[str, str]:
