@@ -27,17 +27,18 @@ from jaxformer.attention.cache_formats import CACHE_FORMATS
 from jaxformer.training.saved_run import load_run
 
 
-def main(argv=None) -> int:
+def arguments(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Generate text from a jaxformer training run.")
     p.add_argument("--run", required=True, help="a training run directory (train.run_dir)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=None, help="default 0.8; 0: greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--beam-width", type=int, default=None, help="beam search instead of sampling")
+    p.add_argument("--beam-width", type=int, default=None,
+                   help="beam search instead of sampling (1: greedy search)")
     p.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
     p.add_argument("--member", type=int, default=None, help="a sweep run's adapter")
     p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
@@ -50,8 +51,11 @@ def main(argv=None) -> int:
                    help="n > 0: no n-gram twice in the prompt and its continuation")
     p.add_argument("--min-new-tokens", type=int, default=0,
                    help="no end-of-text before this many new tokens")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    a = arguments(argv)
     from jaxformer.decode.constraints import Constraints
     from jaxformer.decode.loops import beam_search, generate
     from jaxformer.decode.speculative import PROPOSERS, default_draft_len
@@ -59,7 +63,9 @@ def main(argv=None) -> int:
     from jaxformer.training.checkpoint import CheckpointError
     from jaxformer.training.loop import continuation_text
     try:
+        checked_flags(a)
         model, params, tok = load_run(a.run, best=a.best, member=a.member)
+        checked_for_run(a, tok)
         params = quantize(params, a.weights)
         draft = a.draft
         if draft is not None and draft not in PROPOSERS:  # a draft run's directory
@@ -70,13 +76,14 @@ def main(argv=None) -> int:
             raise ValueError("the prompt is empty; give at least one character")
         constraints = Constraints(a.min_new_tokens, a.no_repeat_ngram_size)
         draft_len = default_draft_len(model.cfg, draft) if a.draft_len is None else a.draft_len
-        if a.beam_width:
+        if a.beam_width is not None:
             out = beam_search(model, params, prompt, beam_width=a.beam_width,
                               max_new_tokens=a.max_new_tokens, eos_id=tok.eot_id,
                               constraints=constraints, cache_dtype=a.cache_dtype)
         else:
             out = generate(model, params, prompt, max_new_tokens=a.max_new_tokens,
-                           rng=jax.random.key(a.seed), temperature=a.temperature,
+                           rng=jax.random.key(a.seed),
+                           temperature=0.8 if a.temperature is None else a.temperature,
                            top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, eos_id=tok.eot_id,
                            draft=draft, draft_len=draft_len, constraints=constraints,
                            cache_dtype=a.cache_dtype)
@@ -87,6 +94,29 @@ def main(argv=None) -> int:
         return 2
     print(continuation_text(tok, prompt[0], out.tokens[0], out.lengths[0]))
     return 0
+
+
+def checked_flags(a: argparse.Namespace):
+    """Refuses flags that would be ignored (one ValueError line naming them)."""
+    if a.beam_width is not None and a.beam_width < 1:
+        raise ValueError(f"--beam-width must be >= 1 (1: greedy search), got {a.beam_width}; "
+                         "leave it out to sample")
+    sampling = {"--temperature": a.temperature, "--top-k": a.top_k, "--top-p": a.top_p,
+                "--min-p": a.min_p, "--draft": a.draft, "--draft-len": a.draft_len}
+    given = [flag for flag, value in sampling.items() if value is not None]
+    if a.beam_width is not None and given:
+        raise ValueError(f"--beam-width searches beams and does not sample: "
+                         f"{', '.join(given)} would be ignored; drop them or --beam-width")
+    if a.draft_len is not None and a.draft is None:
+        raise ValueError("--draft-len sets the drafts of --draft, which is not given; pass "
+                         "--draft (e.g. prompt_lookup) or leave --draft-len out")
+
+
+def checked_for_run(a: argparse.Namespace, tok):
+    """Refuses flags the loaded run cannot honour (one ValueError line)."""
+    if a.min_new_tokens and tok.eot_id is None:
+        raise ValueError(f"the run's tokenizer ({tok!r}) has no end-of-text token, so "
+                         "--min-new-tokens has nothing to hold back; leave it out")
 
 
 class _CallableModule(types.ModuleType):

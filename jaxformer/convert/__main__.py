@@ -55,7 +55,7 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
     import jax
     import jax.numpy as jnp
 
-    from jaxformer.convert import from_hf, read_hf_json
+    from jaxformer.convert import from_hf, read_hf_config, read_hf_json
     from jaxformer.model.build import count_params
     from jaxformer.model.config import ConfigError
     from jaxformer.model.transformer import stack_layers, unstack_layers
@@ -68,13 +68,14 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
         raise ConfigError(f"{run} already holds a run (config.yaml or checkpoints/); convert "
                           "into a new run dir")
     hf = read_hf_json(hf_dir)
+    tokenizer = pathlib.Path(hf_dir) / "tokenizer.json"
+    _run_config(read_hf_config(hf_dir), run, tokenizer.is_file(), overrides)  # before the weights
     cfg, params = from_hf(hf_dir, dtype=dtype, scan_layers=scan_layers, rope_layout=rope_layout)
+    run_cfg = _run_config(cfg, run, tokenizer.is_file(), overrides)
     log(f"{hf_dir}: model_type {hf['model_type']} ({', '.join(hf.get('architectures') or [])}) "
         f"-> jaxformer model, {count_params(cfg):,} params:")
     log(yaml.safe_dump({"model": cfg.to_dict()}, sort_keys=False).rstrip())
 
-    tokenizer = pathlib.Path(hf_dir) / "tokenizer.json"
-    run_cfg = _run_config(cfg, run, tokenizer.is_file(), overrides)
     if run_cfg.model.scan_layers != cfg.scan_layers:
         params = stack_layers(params, cfg.n_layers) if run_cfg.model.scan_layers \
             else unstack_layers(params)
@@ -136,7 +137,9 @@ def to_hf_run(path: str, hf_dir: str, *, best=False, dtype="float32", rope_layou
 
     from jaxformer.convert import to_hf
     from jaxformer.data import HFTokenizer, load_tokenizer
+    from jaxformer.hf.folder import weights_dtype
 
+    weights_dtype(dtype)  # a bad one is refused before the run is read
     cfg, params, run = load_run_params(path, best=best)
     cfg, params = one_member(cfg, params, member)
     tok = load_tokenizer(run) if (run / "tokenizer.json").is_file() else None
@@ -207,7 +210,8 @@ def main(argv=None) -> int:
                        "ernie4_5 for a model that is llama's computation too); default: the "
                        "first by export rank that reads back as the same model")
     for s in (a, b):
-        s.add_argument("--dtype", default=None, help="weights dtype (default float32)")
+        s.add_argument("--dtype", default=None,
+                       help="weights dtype: float32 (default), bfloat16 or float16")
         s.add_argument("--rope-layout", default="half", choices=("half", "interleaved"),
                        help="q/k layout of the HF checkpoint (interleaved: Meta's original)")
     args = p.parse_args(argv)
@@ -223,7 +227,10 @@ def main(argv=None) -> int:
                         rope_layout=args.rope_layout, member=args.member,
                         model_type=args.model_type)
         else:
-            shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
+            if args.max_shard_mb is not None and not args.max_shard_mb > 0:
+                raise ValueError(f"--max-shard-mb must be > 0, got {args.max_shard_mb:g}; "
+                                 "leave it out for one model.safetensors")
+            shard = None if args.max_shard_mb is None else max(1, int(args.max_shard_mb * 2**20))
             to_hf_run(args.run, args.hf_dir, best=args.best, dtype=args.dtype or "float32",
                       rope_layout=args.rope_layout, max_shard_bytes=shard, member=args.member,
                       into=args.into, model_type=args.model_type)

@@ -20,7 +20,7 @@ from jaxformer.convert.hf_config import config_to_hf, differences
 from jaxformer.hf.families import MODEL_TYPES
 from jaxformer.hf.config_json import model_type_row
 from jaxformer.hf.folder import (INDEX, WEIGHTS, Path, SafetensorsReader, by_path,
-                                 model_folder, read_hf_json)
+                                 model_folder, read_hf_json, weights_dtype)
 from jaxformer.hf.multimodal import folder_row, text_config
 from jaxformer.model import lora
 from jaxformer.model.build import param_shapes
@@ -45,9 +45,12 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
     as that type (config_to_hf). into: a multimodal folder (the model's text model read
     from it): `path` becomes a copy of it, its language model's tensors ours (write_into).
     """
+    dtype = jnp.dtype(weights_dtype(dtype))
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}; pass None for "
+                         "one model.safetensors")
     if into is not None:
         return write_into(cfg, params, path, into, rope_layout)
-    dtype = jnp.dtype(dtype)
     plain = cfg.replace(lora=LoRAConfig())  # LoRA adapters are merged into their weights
     hf = config_to_hf(plain, dtype.name, model_type)
     hf.update(config_overrides or {})
@@ -55,6 +58,16 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
     rules = row.tensor_rules(plain.replace(scan_layers=False), row, rope_layout)
     get = merged_getter(cfg, params)
     out = pathlib.Path(path)
+    write_weights(out, ((name, arr) for rule in rules
+                        for name, arr in zip(rule.hf, rule.to_hf(*[get(p) for p in rule.ours]))),
+                  dtype, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return hf
+
+
+def write_weights(out: pathlib.Path, tensors, dtype, max_shard_bytes: int | None) -> None:
+    """The (HF name, array) pairs as `dtype` into out/model.safetensors, or into shards of
+    about max_shard_bytes with an index; an earlier export's weight files are replaced."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in [out / WEIGHTS, out / INDEX, *out.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
@@ -69,27 +82,24 @@ def to_hf(cfg: ModelConfig, params, path, *, dtype="float32", rope_layout: str =
             written.append((tmp.name, list(shards[-1])))
             shards[-1] = {}
 
-    for rule in rules:
-        for name, arr in zip(rule.hf, rule.to_hf(*[get(p) for p in rule.ours])):
-            arr = np.ascontiguousarray(arr.astype(dtype)).reshape(arr.shape)  # 0-d stays
-            if max_shard_bytes and shards[-1] and size + arr.nbytes > max_shard_bytes:
-                flush()
-                size = 0
-            shards[-1][name] = arr
-            size, total = size + arr.nbytes, total + arr.nbytes
+    for name, arr in tensors:
+        arr = np.ascontiguousarray(arr.astype(dtype)).reshape(arr.shape)  # 0-d stays
+        if max_shard_bytes and shards[-1] and size + arr.nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shards[-1][name] = arr
+        size, total = size + arr.nbytes, total + arr.nbytes
     flush()
     if len(written) == 1:
         os.replace(out / written[0][0], out / WEIGHTS)
-    else:
-        weight_map = {}
-        for i, (tmp, names) in enumerate(written, 1):
-            final = f"model-{i:05d}-of-{len(written):05d}.safetensors"
-            os.replace(out / tmp, out / final)
-            weight_map.update({n: final for n in names})
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
-                                             "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    return hf
+        return
+    weight_map = {}
+    for i, (tmp, names) in enumerate(written, 1):
+        final = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        os.replace(out / tmp, out / final)
+        weight_map.update({n: final for n in names})
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                         "weight_map": weight_map}, indent=2))
 
 
 def write_into(cfg: ModelConfig, params, path, into, rope_layout: str = "half") -> dict:

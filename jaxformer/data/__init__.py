@@ -10,7 +10,6 @@ from jaxformer.data.batches import eval_batches, get_batch
 from jaxformer.data.config import DataConfig, DataError
 from jaxformer.data.corpus import Corpus, find_corpus, stdlib_corpus
 from jaxformer.data.dataset import Dataset, load_dataset
-from jaxformer.data.prepare import prepare
 from jaxformer.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -36,3 +35,14 @@ __all__ = [
     "stdlib_corpus",
     "train_bpe",
 ]
+
+
+def __getattr__(name: str):
+    """`prepare`, imported when first asked for: importing it here would put
+    jaxformer.data.prepare in sys.modules before `python -m jaxformer.data.prepare` runs it
+    (runpy's RuntimeWarning)."""
+    if name == "prepare":
+        from jaxformer.data.prepare import prepare
+        globals()["prepare"] = prepare  # not the submodule, which its import bound here
+        return prepare
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

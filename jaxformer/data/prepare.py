@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from typing import Callable, Mapping
 
 from jaxformer.core.validation import (ConfigError, build_section, merge, parse_overrides,
@@ -26,6 +27,8 @@ def prepare(cfg: DataConfig, out: str, *, progress: bool = True,
     """Writes the token folder `out` (which must not exist, or be empty) for `cfg`;
     returns its meta.json."""
     log = log or to_stderr
+    if not str(out).strip():  # not the current directory
+        raise DataError("out is empty; name the folder to write")
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise DataError(f"out={out} already exists; choose a new folder, or delete it first")
@@ -54,9 +57,10 @@ def main(argv: list[str]) -> int:
     overrides = [a for a in argv if "=" in a and not a.startswith("out=")]
     stray = [a for a in argv if "=" not in a and a != path]
     wrong = [a for a in overrides if not a.startswith("data.")]
-    if stray or wrong or len(out) != 1:
+    if stray or wrong or len(out) != 1 or not out[0].strip():
         problem = (f"unexpected argument(s) {' '.join(stray + wrong)}" if stray or wrong
-                   else "out=DIR is missing" if not out else "out= is given twice")
+                   else "out=DIR is missing" if not out else "out= is given twice"
+                   if len(out) > 1 else "out= is empty; name the folder to write, out=DIR")
         print(f"error: {problem}; usage: python -m jaxformer.data.prepare [config.yaml] "
               "[data.key=value ...] out=DIR", file=sys.stderr)
         return 2
@@ -81,6 +85,16 @@ def read_data_config(path: str | None, overrides: list[str]) -> DataConfig:
                           f"{data!r}")
     return build_section(DataConfig, data, "data")
 
+
+class _CallableModule(types.ModuleType):
+    """Importing this module first binds the package's `jaxformer.data.prepare` to the
+    module, not the function; calling it still prepares."""
+
+    def __call__(self, *args, **kwargs):
+        return prepare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

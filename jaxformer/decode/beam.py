@@ -131,7 +131,8 @@ def beam_search(model: Transformer, params, prompts, *, beam_width: int, max_new
     and scales follow their beams): as jaxformer.decode.loops.generate's."""
     cfg = model.cfg
     cache = None if cache_dtype is None else cache_format_name(cache_dtype)
-    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
+    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens,
+                                      eos_id=eos_id, pad_id=pad_id)
     if beam_width < 1:
         raise ValueError(f"beam_width must be >= 1, got {beam_width}")
     fn = _beam_fn(cfg, beam_width, max_new_tokens, float(length_penalty), eos_id, pad_id,

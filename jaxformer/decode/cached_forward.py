@@ -34,9 +34,10 @@ def concrete(x):
 
 
 def checked_inputs(cfg: ModelConfig, prompts, prompt_lengths, max_new_tokens: int,
-                   room: int = 0):
+                   room: int = 0, *, eos_id: int | None = None, pad_id: int | None = None):
     """Validated (prompts int32 [B, W], lengths int32 [B]); errors name the bad input.
-    room: positions past the last new token that decoding also writes (a draft's)."""
+    room: positions past the last new token that decoding also writes (a draft's);
+    eos_id / pad_id: checked to be in the vocabulary."""
     check_generates(cfg)  # an encoder: one line, before anything compiles
     if not isinstance(prompts, jax.Array):
         prompts = np.asarray(prompts)
@@ -44,6 +45,17 @@ def checked_inputs(cfg: ModelConfig, prompts, prompt_lengths, max_new_tokens: in
         raise ValueError(f"prompts must be [batch, width] with width >= 1, got shape "
                          f"{prompts.shape}")
     b, width = prompts.shape
+    if b == 0:
+        raise ValueError(f"prompts has no rows (shape {prompts.shape}); pass at least one prompt")
+    if not jnp.issubdtype(prompts.dtype, jnp.integer):
+        raise ValueError(f"prompts must be integer token ids, got dtype {prompts.dtype}; "
+                         "pass the tokenizer's ids (e.g. np.int32)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+        if value is not None and not 0 <= int(value) < cfg.vocab_size:
+            raise ValueError(f"{name}={value} is outside the vocabulary [0, {cfg.vocab_size}); "
+                             f"pass an id below {cfg.vocab_size}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if width + max_new_tokens + room > cfg.max_seq_len:

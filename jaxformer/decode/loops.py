@@ -133,15 +133,14 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
     eos_id, pad_id); jittable and vmappable. cache_dtype: the KV cache's format (default
     the compute dtype): float32, bfloat16, float16 or int8 (a float32 scale per token and
     K/V head: 1/2 + 2/head_dim of bf16's bytes; jaxformer.attention.cache_formats).
-    windowed_cache: a layer whose sliding window is shorter than the sequence keeps only a
-    window of slots (a ring: jaxformer.attention.kv_cache),
-    e.g. Gemma 3's local layers; False keeps every layer at full length (always, for a
-    contextual scheme: CoPE counts keys in row order, which a ring does not keep). hooks:
-    {name: fn} as jaxformer.model.inspect.run_with_hooks takes them, applied through the
-    KV-cached path: to the prompt's values in the prefill, then to each new token's (e.g.
-    a steering vector added to `blocks.1.hook_resid_post` at every step). Attention
-    patterns and scores are not computed there, so they cannot be hooked. A mixture of
-    experts decodes dropless (capacity_factor trains: cached_forward.decoding_config).
+    windowed_cache: a layer whose sliding window is shorter than the sequence keeps only a window
+    of slots (a ring: jaxformer.attention.kv_cache), e.g. Gemma 3's local layers; False keeps
+    every layer at full length (always, for a contextual scheme: CoPE counts keys in row order,
+    which a ring does not keep). hooks: {name: fn} as jaxformer.model.inspect.run_with_hooks takes
+    them, applied through the KV-cached path: to the prompt's values in the prefill, then to each
+    new token's (e.g. a steering vector added to `blocks.1.hook_resid_post` at every step).
+    Attention patterns and scores are not computed there, so they cannot be hooked. A mixture of
+    experts decodes dropless (cached_forward.decoding_config: capacity_factor trains).
 
     draft: speculative decoding (jaxformer.decode.speculative), the same output distribution
     (greedy: the same tokens) in fewer forwards of the model: `(draft_model,
@@ -164,13 +163,14 @@ def generate(model: Transformer, params, prompts, *, prompt_lengths=None,
                                  f"draft=None to {what} generation")
         proposer, dcfg, dparams = checked_draft(cfg, draft, draft_len)
         prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens,
-                                          room=draft_len)
+                                          room=draft_len, eos_id=eos_id, pad_id=pad_id)
         windowed = (_windowed(cfg, windowed_cache), dcfg and _windowed(dcfg, windowed_cache))
         fn = speculative_fn(cfg, proposer, dcfg, draft_len, max_new_tokens, eos_id, pad_id,
                             cache, windowed)
         return fn(params, dparams, prompts, lengths, rng,
                   _sampling_of(sampling, keywords, prompts.shape[0], cfg.vocab_size))
-    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens)
+    prompts, lengths = checked_inputs(cfg, prompts, prompt_lengths, max_new_tokens,
+                                      eos_id=eos_id, pad_id=pad_id)
     args = (params, prompts, lengths, rng,
             _sampling_of(sampling, keywords, prompts.shape[0], cfg.vocab_size))
     settings = (cfg, max_new_tokens, eos_id, pad_id, cache, _windowed(cfg, windowed_cache),

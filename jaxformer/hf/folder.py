@@ -19,18 +19,32 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (lets NumPy, hence safetensors, read bfloat16)
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxformer.hf.config_json import config_from_hf, model_type_row
 from jaxformer.hf.mla_layout import mtp_held
 from jaxformer.hf.multimodal import folder_row
 from jaxformer.model.build import param_shapes
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import DTYPES, ConfigError, ModelConfig
 from jaxformer.model.encoder_decoder import layer_stacks
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 Path = tuple[str, ...]
+WEIGHT_DTYPES = DTYPES  # what weights are read and written in
+
+
+def weights_dtype(dtype) -> str:
+    """The name of `dtype` when weights may be held in it (WEIGHT_DTYPES); else one
+    ValueError line (int8 would truncate every weight, float8 is no NumPy dtype)."""
+    try:
+        name = jnp.dtype(dtype).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype {dtype} is not a weights dtype; pass one of "
+                         f"{', '.join(WEIGHT_DTYPES)}")
+    return name
 
 
 # ---- reading ----------------------------------------------------------------------
@@ -117,7 +131,12 @@ class SafetensorsReader:
 
     def _open(self, file: pathlib.Path):
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(str(file), "numpy"))
+            try:
+                handle = safe_open(str(file), "numpy")
+            except SafetensorError as e:  # (a ConfigError: train.init_from=FOLDER says it)
+                raise ConfigError(f"{file} is incomplete or corrupt ({e}); download or save "
+                                  "it again") from None
+            self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -228,7 +247,7 @@ def from_hf(path, *, dtype=None, shardings=None, scan_layers: bool = False,
     """
     folder = model_folder(path)
     hf = read_hf_json(folder)
-    cfg = config_from_hf(hf).replace(param_dtype=jnp.dtype(dtype or "float32").name,
+    cfg = config_from_hf(hf).replace(param_dtype=weights_dtype(dtype or "float32"),
                                      scan_layers=scan_layers)
     row = folder_row(hf, model_type_row(hf))  # a multimodal folder: its text model's
     reader = SafetensorsReader(folder)

@@ -38,6 +38,10 @@ def load_run_params(run_dir, *, step: int | None = None, best: bool = False):
     try:
         state = ckpt.restore(target, cfg.model, step=step, best=best)
     except FileNotFoundError:
+        saved = sorted((ckpt.best if best else ckpt.latest).all_steps())
+        if step is not None and saved:
+            raise FileNotFoundError(f"{run} has no {'best ' if best else ''}step {step}; saved "
+                                    f"steps: {', '.join(map(str, saved))}") from None
         raise FileNotFoundError(f"{run} has no {'best ' if best else ''}checkpoint yet; train "
                                 f"it first (python train.py train.run_dir={run})") from None
     finally:

@@ -608,3 +608,76 @@ def test_params_that_do_not_match_the_config_are_refused(tmp_path):
         to_hf(cfg.replace(d_ff=128), params, tmp_path)
     with pytest.raises(ValueError, match="missing lm_head/kernel"):
         to_hf(cfg, {k: v for k, v in params.items() if k != "lm_head"}, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """(HF folder, run dir): a GPT-2 of fresh random weights, made a run by from-hf (its
+    step-0 checkpoint), for the CLI's bad-input errors."""
+    from jaxformer.convert.__main__ import from_hf_run
+    d = tmp_path_factory.mktemp("small")
+    to_hf(*our_model("gpt2-untied"), d / "hf")
+    from_hf_run(str(d / "hf"), str(d / "run"), log=lambda *a: None)
+    return d / "hf", d / "run"
+
+
+def one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and "\n" not in err and err.startswith("error: "), captured
+    return err
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "float8", "float64"])
+def test_only_float_weight_dtypes_are_accepted(small_run, tmp_path, capsys, dtype):
+    from jaxformer.convert.__main__ import main
+    hf, run = small_run
+    want = f"error: dtype {dtype} is not a weights dtype; pass one of float32, bfloat16, float16"
+    assert main(["to-hf", str(run), str(tmp_path / "out"), "--dtype", dtype]) == 2
+    assert one_line_error(capsys) == want and not (tmp_path / "out").exists()
+    assert main(["from-hf", str(hf), str(tmp_path / "r"), "--dtype", dtype]) == 2
+    assert one_line_error(capsys) == want and not (tmp_path / "r").exists()
+    with pytest.raises(ValueError, match=f"dtype {dtype} is not a weights dtype"):
+        to_hf(*our_model("gpt2-untied"), tmp_path / "api", dtype=dtype)
+    assert not (tmp_path / "api").exists()
+
+
+def test_a_missing_step_names_the_saved_steps(small_run, tmp_path, capsys):
+    from jaxformer.convert.__main__ import main
+    from jaxformer.eval.loading import read_model
+    _, run = small_run
+    assert main(["to-hf", str(run / "checkpoints" / "99"), str(tmp_path / "out")]) == 2
+    assert one_line_error(capsys) == f"error: {run} has no step 99; saved steps: 0"
+    with pytest.raises(FileNotFoundError, match=rf"^{run} has no step 7; saved steps: 0$"):
+        read_model(f"{run}@7")  # python -m jaxformer.eval RUN@7
+
+
+def test_a_truncated_safetensors_file_is_one_line(small_run, tmp_path, capsys):
+    import shutil
+    from jaxformer.convert.__main__ import main
+    folder = shutil.copytree(small_run[0], tmp_path / "hf")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:int(rng.integers(1000, len(data) - 1))])
+    assert main(["from-hf", str(folder), str(tmp_path / "r")]) == 2
+    err = one_line_error(capsys)
+    assert err.startswith(f"error: {folder / 'model.safetensors'} is incomplete or corrupt (")
+    assert err.endswith("; download or save it again") and not (tmp_path / "r").exists()
+    with pytest.raises(ValueError, match="model.safetensors is incomplete or corrupt"):
+        from_hf(folder)
+
+
+@pytest.mark.parametrize("mb", ["0", "-1"])
+def test_max_shard_mb_must_be_positive(small_run, tmp_path, capsys, mb):
+    from jaxformer.convert.__main__ import main
+    assert main(["to-hf", str(small_run[1]), str(tmp_path / "out"), "--max-shard-mb", mb]) == 2
+    assert one_line_error(capsys) == (f"error: --max-shard-mb must be > 0, got {mb}; leave it "
+                                      "out for one model.safetensors")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=f"max_shard_bytes must be > 0, got {mb}"):
+        to_hf(*our_model("gpt2-untied"), tmp_path / "api", max_shard_bytes=int(mb))
+
+
+def test_a_misspelled_override_is_refused_before_converting(small_run, tmp_path, capsys):
+    from jaxformer.convert.__main__ import main
+    assert main(["from-hf", str(small_run[0]), str(tmp_path / "r"), "trian.steps=3"]) == 2
+    assert "trian" in one_line_error(capsys) and not (tmp_path / "r").exists()

@@ -69,3 +69,22 @@ def test_prepare_removes_a_killed_prepares_folder_beside_out(rng, tmp_path, caps
         os.path.basename(p) for p in (out, live, other))
     ds = load_dataset(DataConfig(path=out, cache_dir=str(tmp_path / "c")))
     assert ds.train.tolist() + ds.val.tolist() == utf8(text)
+
+
+def test_the_cli_runs_without_a_warning_and_refuses_an_empty_out(tmp_path):
+    """`python -m jaxformer.data.prepare` finds its module not yet imported by the package
+    (runpy's RuntimeWarning otherwise; here an error) and refuses out= with no folder, in one
+    line; the package's `prepare` is still the function."""
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"}
+    for out in ("out=", "out= "):
+        r = subprocess.run([sys.executable, "-m", "jaxformer.data.prepare", "data.path=x", out],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert r.returncode == 2 and r.stdout == "" and r.stderr == (
+            "error: out= is empty; name the folder to write, out=DIR; usage: python -m "
+            "jaxformer.data.prepare [config.yaml] [data.key=value ...] out=DIR\n"), r.stderr
+    assert os.listdir(tmp_path) == []
+    from jaxformer.data import prepare
+    with pytest.raises(DataError, match="^out is empty; name the folder to write$"):
+        prepare(DataConfig(path=str(tmp_path / "none")), " ")

@@ -733,3 +733,60 @@ def test_reordered_beams_keep_every_fields_rows_together(scan):
                     np.testing.assert_array_equal(x[..., dst * kv + h, :, :],
                                                   was[..., src * kv + h, :, :])
     assert int(out.cache["index"]) == int(old.cache["index"])
+
+
+# ---- bad inputs ---------------------------------------------------------------------
+
+def test_bad_inputs_to_generate_and_beam_search_are_one_line():
+    model, params = make()
+    v = model.cfg.vocab_size
+    prompts = rng.integers(0, v, (int(rng.integers(1, 4)), 3)).astype(np.int32)
+    gen = functools.partial(generate, model, params, rng=jax.random.key(0))
+    beam = functools.partial(beam_search, model, params, beam_width=2)
+    for decode in (gen, beam):
+        with pytest.raises(ValueError, match=r"^prompts has no rows \(shape \(0, 3\)\)"):
+            decode(np.zeros((0, 3), np.int32), max_new_tokens=2)
+        with pytest.raises(ValueError, match=r"^max_new_tokens must be an int, got 2.5$"):
+            decode(prompts, max_new_tokens=2.5)
+        with pytest.raises(ValueError, match="^prompts must be integer token ids, got dtype "
+                                             "float32"):
+            decode(prompts.astype(np.float32), max_new_tokens=2)
+    bad = int(rng.integers(v, 1000))
+    for decode, name in itertools.product((gen, beam), ("eos_id", "pad_id")):
+        with pytest.raises(ValueError, match=rf"^{name}={bad} is outside the vocabulary "
+                                             rf"\[0, {v}\); pass an id below {v}$"):
+            decode(prompts, max_new_tokens=2, **{name: bad})
+
+
+@pytest.fixture
+def cli_run(monkeypatch):
+    """The generate CLI on a random model with the byte tokenizer (no end-of-text)."""
+    import jaxformer.generate as cli
+    from jaxformer.data import ByteTokenizer
+    model, params = make(vocab_size=256)
+    monkeypatch.setattr(cli, "load_run", lambda *a, **k: (model, params, ByteTokenizer()))
+    return cli.main
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--beam-width", "0"], "--beam-width must be >= 1 (1: greedy search), got 0; leave it out "
+                            "to sample"),
+    (["--beam-width", "2", "--draft", "prompt_lookup", "--temperature", "0.3", "--top-k", "5"],
+     "--beam-width searches beams and does not sample: --temperature, --top-k, --draft would "
+     "be ignored; drop them or --beam-width"),
+    (["--draft-len", "3"], "--draft-len sets the drafts of --draft, which is not given; pass "
+                           "--draft (e.g. prompt_lookup) or leave --draft-len out"),
+    (["--min-new-tokens", "10"], "the run's tokenizer (ByteTokenizer(vocab_size=256)) has no "
+                                 "end-of-text token, so --min-new-tokens has nothing to hold "
+                                 "back; leave it out"),
+])
+def test_generate_cli_refuses_flags_it_would_ignore(cli_run, capsys, flags, message):
+    assert cli_run(["--run", "r", "--prompt", "def", "--max-new-tokens", "2", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"error: {message}\n"
+
+
+def test_generate_cli_beam_width_1_is_greedy_search(cli_run, capsys):
+    assert cli_run(["--run", "r", "--prompt", "def", "--max-new-tokens", "2",
+                    "--beam-width", "1"]) == 0
+    assert capsys.readouterr().out.startswith("def")
