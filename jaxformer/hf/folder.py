@@ -42,7 +42,7 @@ def weights_dtype(dtype) -> str:
     except (TypeError, ValueError):
         name = None
     if name not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype {dtype} is not a weights dtype; pass one of "
+        raise ConfigError(f"dtype {dtype} is not a weights dtype; pass one of "
                          f"{', '.join(WEIGHT_DTYPES)}")
     return name
 
@@ -73,9 +73,9 @@ def json_object(file: pathlib.Path) -> dict[str, Any]:
     try:
         hf = json.loads(file.read_text(), object_hook=_special_float)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from None
+        raise ConfigError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(hf, dict):
-        raise ValueError(f"{file} must hold a JSON object")
+        raise ConfigError(f"{file} must hold a JSON object")
     return hf
 
 
@@ -114,7 +114,7 @@ class SafetensorsReader:
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map object")
+                raise ConfigError(f"{index} has no weight_map object")
             self.files = {name: folder / file for name, file in weight_map.items()}
             missing = sorted({str(p) for p in self.files.values() if not p.is_file()})
             if missing:
@@ -163,12 +163,12 @@ def _resolve(reader: SafetensorsReader, rules, row, folder) -> dict[str, str]:
                 continue
             got = reader.shape(actual)
             if got != shape:
-                raise ValueError(f"tensor {actual} in {folder} has shape {list(got)}, but "
+                raise ConfigError(f"tensor {actual} in {folder} has shape {list(got)}, but "
                                  f"config.json implies {list(shape)}")
             names[name] = actual
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise ValueError(f"{len(missing)} tensor(s) that config.json implies are missing from "
+        raise ConfigError(f"{len(missing)} tensor(s) that config.json implies are missing from "
                          f"{folder}: {', '.join(missing[:8])}{more}")
     extra = sorted(n for n in present - set(names.values())
                    if not any(re.fullmatch(p, n) for p in row.ignored_tensors))
@@ -176,14 +176,14 @@ def _resolve(reader: SafetensorsReader, rules, row, folder) -> dict[str, str]:
     if tied_head in extra and "lm_head" not in {p[0] for r in rules for p in r.ours}:
         embed = names[rules[0].hf[0]]  # a tied head must equal the embedding
         if not np.array_equal(reader.read(tied_head), reader.read(embed)):
-            raise ValueError(f"config.json ties the embeddings (tie_word_embeddings), but "
+            raise ConfigError(f"config.json ties the embeddings (tie_word_embeddings), but "
                              f"{tied_head} in {folder} differs from {embed}")
         extra.remove(tied_head)
     if row.extra_layers and extra:
         extra = _skip_extra_layers(extra, names.values(), row)
     if extra:
         more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
-        raise ValueError(f"unexpected tensor(s) in {folder} that config.json does not account "
+        raise ConfigError(f"unexpected tensor(s) in {folder} that config.json does not account "
                          f"for: {', '.join(extra[:8])}{more}")
     return names
 

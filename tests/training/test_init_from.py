@@ -278,3 +278,23 @@ def test_an_encoder_decoder_run_starts_a_scanned_one_from_its_weights(tmp_path, 
     assert set(got) == set(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+
+
+def test_a_folder_whose_weights_or_config_json_do_not_fit_is_a_config_error(hf_llama, corpus,  # noqa: F811
+                                                                            tmp_path):
+    """train.init_from of a folder whose tensors do not fit its config.json, or whose
+    config.json is not JSON, is a ConfigError (train.py's one line), not a traceback."""
+    import json
+    import shutil
+    folder = tmp_path / "llama"
+    shutil.copytree(hf_llama, folder)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "intermediate_size": 96}))
+    cfg = run_config(corpus, tmp_path / "run", f"train.init_from={folder}", "train.steps=1",
+                     "data.tokenizer=bytes")
+    with pytest.raises(ConfigError, match=r"has shape \[64, 32\], but config.json implies "
+                                          r"\[96, 32\]"):
+        train(cfg, log=lambda *a: None)
+    (folder / "config.json").write_text("{'model_type': 'llama'}")
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        load_config(None, [f"train.init_from={folder}"])
