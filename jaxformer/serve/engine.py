@@ -192,26 +192,30 @@ class Engine:
 
     def admit(self) -> None:
         """Waiting requests into free slots, first come first served, while the pool has
-        their prompts' pages (a prefix cached already: held, not computed again; one that a
-        running prompt is computing: the request waits for it, a step or a few)."""
+        their prompts' pages (a prefix cached already: held, not computed again). One whose
+        prefix a running prompt is computing waits for it, a step or a few, in its place;
+        the requests behind it are admitted meanwhile."""
+        held = []  # waiting for a prefix being computed
         while self.waiting and None in self.by_slot:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             ps = self.page_size
             hashes = chain_hashes(req.tokens[:-1], ps) if self.prefix else []
             if any(h in self.computing for h in hashes):
-                return  # a running prompt is computing its next page: shared once it is
+                held.append(req)  # shared once computed
+                continue
             shared = self.host.lookup(hashes)  # (the last token always runs: its logits)
             new = self.host.take(-(-len(req.tokens) // ps) - len(shared))
             if new is None:
                 self.host.release(shared)
-                return
-            self.waiting.popleft()
+                self.waiting.appendleft(req)
+                break
             req.slot = self.by_slot.index(None)
             self.by_slot[req.slot] = req
             self.running.append(req)
             req.pages, req.hashes, req.held = shared + new, hashes[:len(shared)], len(shared) * ps
             self.tables[req.slot, :len(req.pages)] = req.pages
             self.computing.update(hashes[len(shared):])
+        self.waiting.extendleft(reversed(held))
 
     def grow(self, req: Request, length: int) -> bool:
         """Pages for req's first `length` tokens, preempting the requests admitted last

@@ -131,3 +131,29 @@ def test_32_sequences_of_100_tokens_hold_under_a_tenth_of_32_full_slots():
     # its 19-20 pages as 32 (row, page) pairs, not 8 rows x a table of 32 pages
     assert {w for _, c, w in engine.shapes if c > 1} == {8, 16, 32}
     assert (8, 1, 32) in engine.shapes and max(w for _, c, w in engine.shapes if c == 1) == 256
+
+
+def test_a_request_waiting_for_a_prefix_being_computed_holds_no_one_back():
+    """A's prompt (three pages) is being computed; B, submitted next, starts with A's first
+    two pages and waits for them in its place; C, a prompt of its own submitted after B,
+    runs from the first step rather than behind B. Each gets generate's tokens alone."""
+    model, params = tiny()
+    a = rng.integers(0, CFG.vocab_size, 2 * PAGE + 2).tolist()
+    b = a[:2 * PAGE] + rng.integers(0, CFG.vocab_size, 2).tolist()
+    c = rng.integers(0, CFG.vocab_size, int(rng.integers(1, PAGE))).tolist()
+    settings = RequestSettings(max_tokens=10, temperature=0.0)
+    engine = Engine(model, params, slots=4, page_size=PAGE, prefill_chunk=CHUNK)
+    ids = [engine.submit(p, settings) for p in (a, b, c)]
+    out = {i: [] for i in ids}
+    first = True
+    while engine.has_work():
+        for e in engine.step():
+            out[e.request_id].append(e.token)
+        if first:
+            assert [r.id for r in engine.running] == [ids[0], ids[2]]
+            assert [r.id for r in engine.waiting] == [ids[1]]
+            first = False
+    for i, p in zip(ids, (a, b, c)):
+        assert out[i] == alone(model, params, p, 10)
+    assert engine.stats()["pages_free"] + engine.stats()["pages_cached"] == \
+        engine.stats()["pages_total"]
