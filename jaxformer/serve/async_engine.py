@@ -92,6 +92,7 @@ class AsyncEngine:
         self.slots = slots if slots is not None else engine.stats()["slots"]
         self.capacity = self.slots + max_queue
         self.metrics = Metrics()
+        self.failure: str | None = None  # why a step failed (the server is then unhealthy)
         self.stats: dict[str, Any] = dict(engine.stats())  # replaced by the engine's thread
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._owned: dict[int, Stream] = {}   # the engine's thread's alone
@@ -190,11 +191,15 @@ class AsyncEngine:
         an engine failure, every request ended "error"."""
         try:
             events = list(self.engine.step())
-        except Exception:
+        except Exception as e:  # its pool may be gone (donated): no step is trusted again
             traceback.print_exc(file=sys.stderr)
+            self.failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]:.200}"
             events = [Event(i, -1, 0.0, (), "error") for i in self._owned]
             for i in self._owned:
-                self.engine.cancel(i)
+                try:
+                    self.engine.cancel(i)
+                except Exception:  # the thread goes on, to end the requests
+                    traceback.print_exc(file=sys.stderr)
         batch = []
         for e in events:
             stream = self._owned.get(e.request_id)

@@ -109,7 +109,11 @@ def _check_model(served: Served, name: str | None) -> None:
 async def _start(served: Served, ids: list[int], settings: dict, stops,
                  names: dict[str, str]) -> Reply:
     """Submit a request; its Reply, or RequestError 400 (the engine's one-line ValueError,
-    its settings named as the request's fields: names) or 429 (the queue is full)."""
+    its settings named as the request's fields: names), 429 (the queue is full) or 503
+    (a step of the engine failed: GET /health says so)."""
+    if served.engine.failure:
+        raise RequestError(f"the engine failed ({served.engine.failure}); restart the server",
+                           503, kind="server_error")
     try:
         stream = await served.engine.submit(ids, RequestSettings(**settings))
     except ValueError as e:
@@ -322,6 +326,8 @@ def make_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if served.engine.failure:  # 503: a supervisor restarts the server
+            return JSONResponse({"status": "failed", "error": served.engine.failure}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")

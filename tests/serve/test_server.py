@@ -563,6 +563,8 @@ def test_a_text_prompt_is_encoded_as_transformers_encodes_it(rng):
     assert special_token_encoder(tok)(text) == want[1:]
 
     class Engine:  # what the server submits, then a refusal
+        failure = None
+
         async def submit(self, ids, settings):
             self.ids = ids
             raise ValueError("seen")
@@ -600,3 +602,42 @@ def test_a_port_outside_0_to_65535_is_refused_in_one_line(capsys):
             parse(["run", "--port", bad])
         assert f"{bad!r} is not a TCP port; pass 0 to 65535" in capsys.readouterr().err
     assert parse(["run", "--port", "0"]).port == 0
+
+
+def test_a_failed_engine_step_ends_its_requests_and_makes_the_server_unhealthy():
+    """An engine step that raises (a device out of memory, say, after the pool was handed
+    to the step) ends the requests it held with 500; /health is then 503 naming the
+    failure, and later requests 503 at once rather than failing one by one."""
+    from fastapi.testclient import TestClient
+    from jaxformer.serve.async_engine import AsyncEngine
+    from jaxformer.serve.server import Served, make_app
+
+    class Failing:  # accepts requests; its first step fails
+        def __init__(self):
+            self.ids, self.cancelled = [], []
+
+        def stats(self):
+            return {"slots": 2}
+
+        def submit(self, prompt, settings):
+            self.ids.append(len(self.ids))
+            return self.ids[-1]
+
+        def has_work(self):
+            return len(self.cancelled) < len(self.ids)
+
+        def step(self):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nwhile running")
+
+        def cancel(self, request_id):
+            self.cancelled.append(request_id)
+    engine = AsyncEngine(Failing(), max_queue=2)
+    with TestClient(make_app(Served(engine, ByteTokenizer(), "m", 64))) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and "engine failed" in r.json()["error"]["message"]
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json() == {
+            "status": "failed", "error": "RuntimeError: RESOURCE_EXHAUSTED: out of memory"}
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "restart the server" in r.json()["error"]["message"]
+    assert engine.engine.cancelled == [0]
