@@ -153,6 +153,15 @@ def pack(records: Records, seq_len: int, group: int = 1) -> tuple[np.ndarray, in
     return np.asarray(bounds, np.int64), cut
 
 
+def kept_weights(records: Records, seq_len: int, group: int = 1) -> int:
+    """How many weighted targets (completion tokens) survive the cut to seq_len // group
+    inputs per record, as rows_batch cuts them."""
+    starts, lengths = records.offsets[:-1], np.diff(records.offsets)
+    n = np.minimum(lengths - 1, seq_len // group)
+    total = np.concatenate([[0], np.cumsum(records.weights, dtype=np.int64)])
+    return int(np.sum(total[starts + n + 1] - total[starts + 1]))
+
+
 def rows_batch(records: Records, bounds: np.ndarray, rows: np.ndarray,
                seq_len: int, group: int = 1) -> dict[str, np.ndarray]:
     """The batch of packed rows `rows` (see the module docstring for its arrays; each
@@ -203,11 +212,16 @@ class CompletionData:
         if (split, seq_len) not in self._bounds:
             records = getattr(self, split)
             bounds, cut = pack(records, seq_len, self.group)
+            most = f"{'seq_len + 1' if self.group == 1 else 'seq_len // 2 + 1'} = " \
+                f"{seq_len // self.group + 1}"
             if cut:
-                most = seq_len // self.group + 1
                 self.log(f"data: {cut} of {len(records):,} {split} sequences are longer than "
-                         f"{'seq_len + 1' if self.group == 1 else 'seq_len // 2 + 1'} = "
                          f"{most} tokens and are cut to it")
+            if len(records) and not kept_weights(records, seq_len, self.group):
+                answer = "completion" if self.group == 1 else "answer"
+                raise DataError(f"{self.source}: every {split} {answer} is cut off: its prompt "
+                                f"fills {most} tokens; raise train.seq_len or shorten the "
+                                "prompts")
             self._bounds[split, seq_len] = bounds
         return self._bounds[split, seq_len]
 

@@ -211,3 +211,36 @@ def test_the_end_of_text_id_follows_the_completion_and_is_learned(tmp_path):
     last = np.diff(got["segment_ids"], append=0, axis=1) != 0
     assert last.sum() == len(records)
     assert (got["targets"][last] == eot).all() and (got["loss_mask"][last] == 1).all()
+
+
+@pytest.mark.parametrize("fmt, group", [("prompt_completion", 1), ("preference", 2)])
+def test_prompts_that_fill_the_cut_are_refused_not_trained_on(tmp_path, fmt, group):
+    """Every record's prompt at least seq_len // group + 1 tokens: nothing of any answer
+    survives the cut, a one-line error (not a loss of 0); one prompt a token shorter
+    leaves a target to learn."""
+    seq_len = int(rng.integers(8, 40))
+    most = seq_len // group + 1
+    letters = np.array(list("abcdefgh"))
+    text = lambda n: "".join(rng.choice(letters, n))  # noqa: E731
+    answers = ("completion",) if group == 1 else ("chosen", "rejected")
+    records = [dict(prompt=text(int(rng.integers(most, 3 * most))),
+                    **{a: text(int(rng.integers(1, 9))) for a in answers})
+               for _ in range(int(rng.integers(2, 12)))]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    cfg = DataConfig(path=str(path), format=fmt, cache_dir=str(tmp_path / "c"), val_fraction=0)
+    logged = []
+    data = load_dataset(cfg, vocab_size=256, progress=False, log=logged.append)
+    answer = "completion" if group == 1 else "answer"
+    with pytest.raises(DataError) as err:
+        data.train_batch(seed=0, step=0, batch_size=2, seq_len=seq_len)
+    assert str(err.value).endswith(
+        f"every train {answer} is cut off: its prompt fills "
+        f"{'seq_len + 1' if group == 1 else 'seq_len // 2 + 1'} = {most} tokens; raise "
+        "train.seq_len or shorten the prompts") and "\n" not in str(err.value)
+    assert logged[-1].startswith(f"data: {len(records) * group} of {len(records) * group:,} "
+                                 "train sequences are longer than")
+    records[int(rng.integers(len(records)))]["prompt"] = text(most - 1)
+    data = load_dataset(cfg.replace(path=str(write_jsonl(tmp_path / "e.jsonl", records))),
+                        vocab_size=256, progress=False, log=logged.append)
+    assert data.train_batch(seed=0, step=0, batch_size=2, seq_len=seq_len)["inputs"].shape \
+        == (2, seq_len)
