@@ -113,11 +113,12 @@ def write_tokens(final: str, cfg, corpus: Corpus, tokenizer: Tokenizer, *,
     os.makedirs(tmp)
     out = {s: _SplitWriter(os.path.join(tmp, f"{s}.bin"), dtype, tokenizer.eot_id)
            for s in ("train", "val")}
-    started = time.perf_counter()
+    started, visible = time.perf_counter(), False  # visible: a piece not only whitespace
     try:
         text_bytes = corpus.text_bytes(cfg.text_field)
         with progress_bar(progress, text_bytes, "tokenising") as bar:
             for i, batch in enumerate(_batches(read_pieces(corpus, cfg.text_field))):
+                visible = visible or any(p.text and not p.text.isspace() for p in batch)
                 for piece, ids in zip(batch, tokenizer.encode_batch([p.text for p in batch])):
                     out["val" if val is not None and piece.key in val else "train"].write(
                         ids, piece.end)
@@ -128,7 +129,7 @@ def write_tokens(final: str, cfg, corpus: Corpus, tokenizer: Tokenizer, *,
                                 done, text_bytes, corpus)
         if val is None:  # one document: the last val_fraction of its tokens
             out["train"].move_tail(n_val(out["train"].n, cfg.val_fraction), out["val"])
-        meta = _finish(tmp, out, corpus, tokenizer, cfg)
+        meta = _finish(tmp, out, corpus, tokenizer, cfg, visible)
         try:
             os.replace(tmp, final)
         except OSError:  # another process finished the same folder first
@@ -164,10 +165,15 @@ def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
 
 
 def _finish(tmp: str, out: dict[str, _SplitWriter], corpus: Corpus, tokenizer: Tokenizer,
-            cfg) -> dict:
+            cfg, visible: bool) -> dict:
     for split, w in out.items():
         w.file.close()
         np.save(os.path.join(tmp, f"{split}_docs.npy"), np.asarray(w.docs, np.int64))
+    if out["val"].n + out["train"].n == 0:
+        raise DataError(f"{corpus.describe()} has no text; add text (empty documents are "
+                        "skipped)")
+    if not visible:
+        raise DataError(f"{corpus.describe()} holds only whitespace; add text")
     if out["train"].n == 0:
         raise DataError(f"{corpus.describe()} has no text for the train split; add text "
                         "(empty documents are skipped) or lower data.val_fraction")

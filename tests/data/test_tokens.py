@@ -14,6 +14,7 @@ from tests.data.helpers import (
     killed_writer,
     random_lines,
     random_text,
+    reference_val,
     small_pieces,
 )
 
@@ -181,3 +182,30 @@ def test_disk_estimate_counts_the_token_dtype_bytes(rng, tmp_path, monkeypatch, 
                         lambda p: usage(10**12, 0, int(1.2 * need) + 1))
     ds = load_dataset(cfg)
     assert ds.train.dtype == np.dtype(dtype) and len(ds.train) == sum(counts)
+
+
+# ---- text that holds nothing to train on --------------------------------------------------
+
+def test_empty_or_whitespace_text_is_refused_with_its_own_fix(rng, tmp_path):
+    """An empty file has no text; a file of whitespace holds only whitespace (not trained
+    on); lowering data.val_fraction is offered only where it helps: text that all went to
+    val."""
+    cache = str(tmp_path / "c")
+    blank = "".join(rng.choice(list(" \t\n\r\x0b\x0c\u00a0\u3000"), int(rng.integers(1, 3000))))
+    (tmp_path / "blank.txt").write_text(blank, encoding="utf-8")
+    (tmp_path / "empty.txt").write_text("")
+    for name, problem in (("blank.txt", "holds only whitespace; add text"),
+                          ("empty.txt", "has no text; add text (empty documents are skipped)")):
+        with pytest.raises(DataError) as err:
+            load_dataset(DataConfig(path=str(tmp_path / name), cache_dir=cache))
+        message = str(err.value)
+        assert message.startswith(f"text file {tmp_path / name} (") and "\n" not in message
+        assert message.endswith(f") {problem}"), message
+    root = tmp_path / "two"
+    root.mkdir()
+    val = reference_val(["a.txt", "b.txt"], 0.5)
+    for name in ("a.txt", "b.txt"):
+        (root / name).write_text(random_text(rng, 100) + "x" if name in val else "")
+    with pytest.raises(DataError, match=r"has no text for the train split; add text \(empty "
+                                        r"documents are skipped\) or lower data.val_fraction$"):
+        load_dataset(DataConfig(path=str(root), cache_dir=cache, val_fraction=0.5))
