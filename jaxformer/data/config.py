@@ -35,7 +35,8 @@ def parse_mixture(spec) -> tuple[tuple[str, str, float], ...]:
             raise ConfigError(f"data.mixture entry {entry!r}: the weight {weight!r} is not a "
                               "number") from None
         if not weight > 0 or not np.isfinite(weight):
-            raise ConfigError(f"data.mixture entry {entry!r}: the weight must be > 0")
+            raise ConfigError(f"data.mixture entry {entry!r}: the weight must be a finite "
+                              "number > 0")
         name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
         out.append((name, path, weight))
     names = [n for n, _, _ in out]

@@ -56,7 +56,10 @@ def test_rows_follow_the_weights_and_come_from_their_source(rng, tmp_path):
     ("a.txt:0.8,b/a.txt:0.2", "different file names"),
     ("a.txt,b.txt:1", "is not PATH:WEIGHT"),
     ("a.txt:x,b.txt:1", "is not a number"),
-    ("a.txt:0,b.txt:1", "must be > 0"),
+    ("a.txt:0,b.txt:1", "must be a finite number > 0"),
+    ("a.txt:inf,b.txt:1", "'a.txt:inf': the weight must be a finite number > 0"),
+    ("a.txt:1,b.txt:nan", "'b.txt:nan': the weight must be a finite number > 0"),
+    ("a.txt:1,b.txt:-inf", "must be a finite number > 0"),
 ])
 def test_bad_mixtures_are_one_line(spec, words):
     with pytest.raises(ConfigError) as err:
