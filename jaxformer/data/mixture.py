@@ -11,6 +11,7 @@ the weights.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Iterator
 
 import numpy as np
@@ -86,8 +87,13 @@ class MixtureData:
 def load_mixture(cfg: DataConfig, load, **kw) -> MixtureData:
     """Each source loaded as data.path=PATH would be (`load`: load_dataset), with one
     tokenizer for all."""
+    sources = parse_mixture(cfg.mixture)
+    for _, path, _ in sources:  # before any source is tokenised
+        if not os.path.exists(os.path.expanduser(path)):
+            raise DataError(f"data.mixture entry {path!r} does not exist; point it at a "
+                            "text/.jsonl/.parquet/.bin file or a folder")
     parts = [Part(name, weight, load(cfg.replace(path=path, mixture=None), **kw))
-             for name, path, weight in parse_mixture(cfg.mixture)]
+             for name, path, weight in sources]
     prints = {p.data.tokenizer.fingerprint for p in parts}
     if len(prints) > 1:
         raise DataError("data.mixture's sources come with different tokenizers ("

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxformer.core.validation import ConfigError
-from jaxformer.data import DataConfig, load_dataset
+from jaxformer.data import DataConfig, DataError, load_dataset
 from jaxformer.data.mixture import row_sources
 
 
@@ -115,3 +115,18 @@ def test_every_slice_of_a_batch_mixes_the_sources_in_their_weights(rng, tmp_path
     for k in slices:
         bound = 6 * np.sqrt(variances[k])
         assert np.all(np.abs(counts[k] - means[k]) < bound), (k, counts[k], means[k], bound)
+
+
+def test_a_missing_source_is_named_before_any_is_tokenised(rng, tmp_path, monkeypatch):
+    letters, _ = write_sources(rng, tmp_path)
+    missing = f"{rng.integers(1 << 30)}.txt"
+    monkeypatch.chdir(tmp_path)
+    spec = [f"{letters.name}:{rng.uniform(0.1, 1)}", f"{missing}:{rng.uniform(0.1, 1)}"]
+    logged = []
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(mixture=",".join(spec[::rng.choice([1, -1])]),
+                                cache_dir=str(tmp_path / "cache")),
+                     progress=False, log=logged.append)
+    assert str(err.value) == (f"data.mixture entry {missing!r} does not exist; point it at a "
+                              "text/.jsonl/.parquet/.bin file or a folder")
+    assert not logged and not (tmp_path / "cache").exists()  # nothing tokenised
