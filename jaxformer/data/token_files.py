@@ -86,13 +86,40 @@ def prepared_tokenizer(cfg, corpus) -> Tokenizer:
     """A prepared folder's own tokenizer.json: the one its tokens were made with."""
     tokenizer = load_tokenizer(corpus.root)
     with open(os.path.join(corpus.root, "meta.json")) as f:
-        made_with = json.load(f)["tokenizer"]
-    if tokenizer.fingerprint != made_with:
+        meta = json.load(f)
+    if tokenizer.fingerprint != meta["tokenizer"]:
         raise DataError(f"{corpus.root}/tokenizer.json is not the tokenizer its tokens were "
                         "made with (meta.json names another); prepare the folder again")
-    if cfg.tokenizer_entry.is_path and \
-            load_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
-        raise DataError(f"{corpus.root} was prepared with {tokenizer!r}, not with "
-                        f"data.tokenizer={cfg.tokenizer!r}; leave data.tokenizer unset to use "
-                        "the folder's, or prepare the data again with this tokenizer")
+    if cfg.tokenizer_entry.is_path:
+        other = load_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint
+        asked = f"data.tokenizer={cfg.tokenizer!r}"
+    else:  # bytes, the default, cannot be told from unset; bpe is named with its size
+        wanted = trained_setting(cfg)
+        other = wanted is not None and not _trained_as(meta, tokenizer, wanted)
+        asked = " ".join(f"data.{k}={v!r}" for k, v in (wanted or {}).items())
+    if other:
+        raise DataError(f"{corpus.root} was prepared with {tokenizer!r}, not with {asked}; "
+                        "leave data.tokenizer unset to use the folder's, or prepare the data "
+                        "again with this tokenizer")
     return tokenizer
+
+
+def _trained_as(meta: dict, tokenizer: Tokenizer, wanted: dict) -> bool:
+    """The folder's tokenizer was trained as `wanted` (trained_setting) says: as
+    meta.json records; in a folder written before it did, a tokenizer.json of at most the
+    vocabulary size asked for (a small corpus may give fewer)."""
+    if "trained" in meta:
+        return meta["trained"] == wanted
+    size = [v for k, v in wanted.items() if k != "tokenizer"]
+    return tokenizer.fingerprint.startswith("hf-") and all(tokenizer.vocab_size <= v
+                                                           for v in size)
+
+
+def trained_setting(cfg) -> dict | None:
+    """A tokenizer that data.tokenizer trains (bpe): what names it, e.g. {"tokenizer":
+    "bpe", "bpe_vocab_size": 4096}; None for one given (bytes, a tokenizer.json)."""
+    kind = cfg.tokenizer_entry
+    if not kind.trains:
+        return None
+    return {"tokenizer": cfg.tokenizer, **({kind.vocab_key: getattr(cfg, kind.vocab_key)}
+                                           if kind.vocab_key else {})}

@@ -34,6 +34,7 @@ import numpy as np
 from jaxformer.data.errors import DataError
 from jaxformer.data.corpus import PIECE_CHARS, Corpus, Piece, document_keys, read_pieces
 from jaxformer.data.splits import n_val, val_keys
+from jaxformer.data.token_files import trained_setting
 from jaxformer.data.tokenizer import Tokenizer
 
 # Characters per encode_batch call: enough pieces for every core (the tokenizer
@@ -180,6 +181,7 @@ def _finish(tmp: str, out: dict[str, _SplitWriter], corpus: Corpus, tokenizer: T
     meta = dict(dtype=out["train"].dtype.name, max_id=max(w.max_id for w in out.values()),
                 train_tokens=out["train"].n, val_tokens=out["val"].n,
                 source=corpus.describe(), tokenizer=tokenizer.fingerprint,
+                trained=trained_setting(cfg),
                 text_field=cfg.text_field, val_fraction=cfg.val_fraction)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -88,3 +89,39 @@ def test_the_cli_runs_without_a_warning_and_refuses_an_empty_out(tmp_path):
     from jaxformer.data import prepare
     with pytest.raises(DataError, match="^out is empty; name the folder to write$"):
         prepare(DataConfig(path=str(tmp_path / "none")), " ")
+
+
+def test_a_prepared_folder_refuses_a_named_tokenizer_it_was_not_made_with(rng, tmp_path):
+    """data.tokenizer=bpe on a folder prepared with bytes, or with a BPE of another
+    data.bpe_vocab_size, is refused naming both (bytes is the default: a config saying
+    bytes is one that leaves it unset); the same bpe settings, or none, use the folder's."""
+    from jaxformer.data.prepare import prepare
+    (tmp_path / "d.txt").write_text(random_text(rng, int(rng.integers(2000, 4000))))
+    cache, quiet = str(tmp_path / "c"), dict(progress=False, log=lambda m: None)
+    size = int(rng.integers(270, 320))  # merges enough for more than 257 ids
+    made = {"bytes": DataConfig(path=str(tmp_path / "d.txt"), cache_dir=cache),
+            "bpe": DataConfig(path=str(tmp_path / "d.txt"), cache_dir=cache, tokenizer="bpe",
+                              bpe_vocab_size=size)}
+    for kind, cfg in made.items():
+        prepare(cfg, str(tmp_path / kind), **quiet)
+    other = size + int(rng.integers(1, 200))
+    for kind, asked, shown in (("bytes", size, r"ByteTokenizer\(vocab_size=256\)"),
+                               ("bpe", other, r"HFTokenizer\(vocab_size=\d+, eot_id=0\)")):
+        with pytest.raises(DataError) as err:
+            load_dataset(DataConfig(path=str(tmp_path / kind), tokenizer="bpe",
+                                    bpe_vocab_size=asked), run_dir=str(tmp_path / "r"), **quiet)
+        assert re.fullmatch(rf"{tmp_path / kind} was prepared with {shown}, not with "
+                            rf"data.tokenizer='bpe' data.bpe_vocab_size={asked}; leave "
+                            "data.tokenizer unset to use the folder's, or prepare the data "
+                            "again with this tokenizer", str(err.value)), str(err.value)
+    for cfg in (made["bpe"], DataConfig(), made["bytes"]):
+        kind = "bpe" if cfg.tokenizer == "bpe" else "bytes"
+        ds = load_dataset(cfg.replace(path=str(tmp_path / kind)), **quiet)
+        assert ds.tokenizer.fingerprint == load_tokenizer(tmp_path / kind).fingerprint
+    meta = json.loads((tmp_path / "bpe" / "meta.json").read_text())  # as written before
+    del meta["trained"]                                              # it held the size
+    (tmp_path / "bpe" / "meta.json").write_text(json.dumps(meta))
+    load_dataset(made["bpe"].replace(path=str(tmp_path / "bpe")), **quiet)
+    with pytest.raises(DataError, match="was prepared with HFTokenizer"):
+        load_dataset(made["bpe"].replace(path=str(tmp_path / "bpe"), bpe_vocab_size=257),
+                     **quiet)
