@@ -45,7 +45,9 @@ class Scorer:
     def __init__(self, loaded, batch_size: int):
         self.loaded, self.max_len = loaded, loaded.model.cfg.max_seq_len
         split = batch_devices(loaded.mesh, loaded.rules)
-        self.rows = -(-max(batch_size, 1) // split) * split  # a multiple of the row split
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.rows = -(-batch_size // split) * split  # a multiple of the row split
         rows = batch_sharding(loaded.mesh, loaded.rules)
         fn = traced_under(loaded.mesh, loaded.rules, functools.partial(_score, loaded.model))
         shardings = jax.tree.map(lambda x: x.sharding, loaded.params)

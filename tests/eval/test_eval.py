@@ -13,6 +13,7 @@ from jaxformer.training import load_config, train
 from tests.conftest import REPO
 
 lm_eval = pytest.importorskip("lm_eval")
+LM = pytest.importorskip("lm_eval.api.model").LM
 pytest.importorskip("torch")
 
 TASKS = REPO / "tests/eval/tasks"  # their data_files are relative to the repository root
@@ -164,3 +165,70 @@ def test_an_unknown_run_dir_is_one_line_naming_what_it_wants(tmp_path, capsys, m
     assert capsys.readouterr().err.strip() == ("error: jaxformer.eval needs "
                                                "lm-evaluation-harness: pip install "
                                                "'jaxformer[eval]'")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--limit", "0"], "--limit must be > 0 (a count, or a fraction below 1), got 0"),
+    (["--limit", "-3"], "--limit must be > 0 (a count, or a fraction below 1), got -3"),
+    (["--limit", "2.5"], "--limit must be > 0 (a count, or a fraction below 1), got 2.5"),
+    (["--batch_size", "0"], "--batch_size must be >= 1, got 0"),
+    (["--batch-size", "-1"], "--batch_size must be >= 1, got -1"),
+    (["--num-fewshot", "-1"], "--num_fewshot must be >= 0, got -1"),
+    (["--max_gen_toks", "0"], "--max_gen_toks must be >= 1, got 0"),
+])
+def test_a_flag_out_of_range_is_one_line_before_anything_loads(tmp_path, capsys, flags, says):
+    from jaxformer.eval.__main__ import main, parse_args
+    assert main([str(tmp_path), "--tasks", "jaxformer_choice", *flags]) == 2
+    assert capsys.readouterr().err == f"error: {says}\n"
+    for spelling in ("--batch_size", "--batch-size"):  # lm-eval's, and the hyphenated one
+        assert parse_args(["m", "--tasks", "t", spelling, "3"]).batch_size == 3
+
+
+class Unused(LM):
+    """A model that is never asked anything: the run stops before any request."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def loglikelihood(self, requests):
+        raise AssertionError("not reached")
+
+    loglikelihood_rolling = generate_until = loglikelihood
+
+
+def test_an_unknown_task_names_the_fix(tmp_path, capsys, monkeypatch):
+    from lm_eval.tasks import TaskManager
+
+    import jaxformer.eval.__main__ as cli
+    monkeypatch.setattr("jaxformer.eval.lm.JaxformerLM", Unused)
+    monkeypatch.setattr(cli, "task_manager", lambda path, names: TaskManager(
+        include_path=path, include_defaults=False))  # lm-eval's own index takes ~20 s
+    assert cli.main([str(tmp_path), "--tasks", "jaxformer_choice,nosuchtask",
+                     "--include_path", str(TASKS)]) == 2
+    assert capsys.readouterr().err == (
+        "error: unknown task nosuchtask: not a registered lm-eval task, group or tag name, nor "
+        "a task YAML file; check the name, or pass --include_path DIR for local task YAMLs\n")
+
+
+def test_a_hub_task_offline_is_one_line_naming_the_fix(tmp_path, capsys, monkeypatch):
+    """A task whose dataset is on the Hub, with the Hub out of reach (datasets raises
+    ConnectionError, as it does with no network and nothing cached)."""
+    import datasets
+
+    from jaxformer.eval.__main__ import main
+    (tmp_path / "hellaswag.yaml").write_text(
+        (TASKS / "jaxformer_choice.yaml").read_text().replace("task: jaxformer_choice",
+                                                              "task: hellaswag")
+        .replace("dataset_path: json", "dataset_path: Rowan/hellaswag"))
+
+    def unreachable(path, *args, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.setattr("jaxformer.eval.lm.JaxformerLM", Unused)
+    assert main([str(tmp_path), "--tasks", "hellaswag", "--include_path", str(tmp_path),
+                 "--limit", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --tasks hellaswag needs a dataset from the Hugging Face Hub, which cannot be "
+        "reached (Couldn't reach 'Rowan/hellaswag' on the Hub (LocalEntryNotFoundError)); "
+        "download it into the datasets cache first, or run local tasks with --include_path "
+        "DIR\n")
