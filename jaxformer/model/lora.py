@@ -75,19 +75,30 @@ class LoRAConfig(Section):
         if self.sweep_rank:
             object.__setattr__(self, "rank", max(self.sweep_rank))
         check_number(o, "rank", self.rank, int, low=0)
-        if self.sweep_seeds > 1 and not self.rank:
-            raise ConfigError("model.lora.sweep_seeds needs adapters: set model.lora.rank")
-        check_number(o, "alpha", self.alpha, float, low=0, low_open=True)
-        check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
         targets = self.targets
         if isinstance(targets, str):
             targets = tuple(t.strip() for t in targets.split(",") if t.strip())
         object.__setattr__(self, "targets", tuple(targets))
+        check_number(o, "alpha", self.alpha, float, low=0, low_open=True)
+        check_number(o, "dropout", self.dropout, float, low=0, high=1, high_open=True)
+        if not self.rank:
+            self.check_unused()
         bad = [t for t in self.targets if t not in ATTENTION + MLP and t not in GROUPS]
         if bad or not self.targets:
             raise ConfigError(f"model.lora.targets={list(self.targets)}: {', '.join(bad) or 'empty'}"
                               f" is not a projection; choose from {', '.join(ATTENTION + MLP)}"
                               f" or the groups {', '.join(GROUPS)}")
+
+    def check_unused(self) -> None:
+        """At rank 0 (no adapters) every other field must hold its default: one set would
+        be ignored (a full fine-tune where adapters were meant)."""
+        for f in dataclasses.fields(self):  # rank among them, at its default 0
+            value = getattr(self, f.name)
+            if value != f.default:
+                shown = (",".join(map(str, value)) if isinstance(value, tuple) else
+                         f"{value:g}" if isinstance(value, float) else value)
+                raise ConfigError(f"model.lora.{f.name}={shown} is set but model.lora.rank=0 "
+                                  "(no adapters); set model.lora.rank")
 
     @property
     def scale(self) -> float:

@@ -136,6 +136,20 @@ def test_lora_settings_are_checked():
     assert not lora.partition(init(small(lora={"rank": 0}))[1])[0]  # rank 0: no adapters
 
 
+@pytest.mark.parametrize("field, value, shown", [
+    ("alpha", 8, "8"), ("dropout", 0.1, "0.1"), ("targets", "query,wo", "query,wo"),
+    ("seed", 3, "3"), ("sweep_seeds", 2, "2")])
+def test_a_lora_setting_without_a_rank_is_refused_in_one_line(field, value, shown):
+    with pytest.raises(ConfigError) as e:
+        lora.LoRAConfig.from_dict({field: value})
+    assert str(e.value) == (f"model.lora.{field}={shown} is set but model.lora.rank=0 (no "
+                            "adapters); set model.lora.rank")
+    assert getattr(lora.LoRAConfig.from_dict({field: value, "rank": 2}), field) is not None
+    default = lora.LoRAConfig().to_dict()  # a saved config.yaml lists every field
+    assert lora.LoRAConfig.from_dict(default) == lora.LoRAConfig.from_dict(
+        {**default, "targets": "all", "alpha": 16}) == lora.LoRAConfig()
+
+
 def test_a_vmapped_sweep_equals_separate_runs_adapter_by_adapter():
     """Ranks 1 and 3 times seeds 0 and 1 (four adapters) trained as one vmapped step: the
     member (rank 1, seed 1), neither the first nor the widest (its adapters padded to rank
