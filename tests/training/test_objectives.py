@@ -121,6 +121,16 @@ def test_an_unknown_key_and_name_are_refused_in_one_line(run):
         load_config(None, ["objective.name=nope"])
 
 
+@pytest.mark.parametrize("name, spelling", [
+    ("sft", "for SFT set objective.name=lm with data.format=prompt_completion"),
+    ("IPO", "for IPO set objective.name=dpo objective.loss=ipo")])
+def test_a_methods_name_that_is_not_an_objectives_says_how_to_spell_it(name, spelling):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"objective.name={name}"])
+    assert str(e.value) == (f"objective.name={name!r} is not one of "
+                            f"{', '.join(objectives.OBJECTIVES)}; {spelling}")
+
+
 @pytest.mark.parametrize("name", sorted(objectives.OBJECTIVES))
 def test_each_entry_owns_its_settings_and_round_trips(name, run):
     """Each entry's settings hold its name and its own keys alone; a RunConfig of it

@@ -36,6 +36,10 @@ def _gather() -> dict[str, Objective]:
 
 OBJECTIVES: dict[str, Objective] = _gather()
 DEFAULT = "lm"  # objective.name when the section does not say
+SPELLINGS = {  # a method's name that is not an entry's -> how this library spells it
+    "sft": "for SFT set objective.name=lm with data.format=prompt_completion",
+    "ipo": "for IPO set objective.name=dpo objective.loss=ipo",
+}
 
 
 def entry_of(cfg) -> Objective:
@@ -113,7 +117,11 @@ def settings_from(raw: Mapping[str, Any]):
     unless it holds that default (an old run's full config.yaml); an unknown key too."""
     raw = dict(raw)
     name = raw.pop("name", DEFAULT)
-    check_choice("objective", "name", name, OBJECTIVES)
+    try:
+        check_choice("objective", "name", name, OBJECTIVES)
+    except ConfigError as e:
+        hint = SPELLINGS.get(str(name).lower())
+        raise ConfigError(f"{e}; {hint}" if hint else str(e)) from None
     entry = OBJECTIVES[name]
     own, types = own_fields(entry), type_names(entry.settings)
     values = {}
