@@ -94,7 +94,8 @@ def test_the_losses_equal_a_float64_reference_of_both_models(tmp_path, kind, ran
     assert not np.any(data.packed("train", 24) % 2)  # every row starts with a chosen answer
     base_cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, max_seq_len=24,
                            position="learned")  # absolute: positions must restart per answer
-    cfg = base_cfg.replace(lora=lora.LoRAConfig(rank=rank, targets=("query", "wo")))
+    cfg = base_cfg.replace(lora=lora.LoRAConfig(rank=rank, targets=("query", "wo")) if rank
+                           else lora.LoRAConfig())
     model, ref_model = Transformer(cfg), Transformer(base_cfg)
     key = lambda: jax.random.key(int(rng.integers(1 << 30)))  # noqa: E731
     policy = model.init(key(), batch["inputs"][:1])["params"]
