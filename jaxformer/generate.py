@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 
 import jax
 import numpy as np
 
 from jaxformer.attention.cache_formats import CACHE_FORMATS
+from jaxformer.core.moved import make_callable
 from jaxformer.training.saved_run import load_run
 
 
@@ -119,16 +119,7 @@ def checked_for_run(a: argparse.Namespace, tok):
                          "--min-new-tokens has nothing to hold back; leave it out")
 
 
-class _CallableModule(types.ModuleType):
-    """Importing this module rebinds the package's `jaxformer.generate` (the function) to
-    the module; calling it still generates, as jaxformer.decode.loops.generate."""
-
-    def __call__(self, *args, **kwargs):
-        from jaxformer.decode.loops import generate
-        return generate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__, "jaxformer.decode.loops:generate")
 
 if __name__ == "__main__":
     sys.exit(main())

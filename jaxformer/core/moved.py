@@ -4,8 +4,10 @@ line naming the new one, rather than a bare ModuleNotFoundError."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import sys
+import types
 
 MOVED = {
     "jaxformer.archs": "jaxformer.model.archs",
@@ -69,3 +71,17 @@ def install() -> None:
     """Put the finder on sys.meta_path once."""
     if not any(isinstance(f, MovedModules) for f in sys.meta_path):
         sys.meta_path.append(MovedModules())
+
+
+def make_callable(module_name: str, function: str) -> None:
+    """Let a module that shares its name with a function of its package be called as the
+    function (`module:name`, imported at the call). Importing `jaxformer.generate` or
+    `jaxformer.data.prepare` binds the package's attribute to the module, in place of the
+    function a user imported the package for; calling the module still runs it."""
+    home, name = function.split(":")
+
+    class CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return getattr(importlib.import_module(home), name)(*args, **kwargs)
+
+    sys.modules[module_name].__class__ = CallableModule

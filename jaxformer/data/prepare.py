@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 from typing import Callable, Mapping
 
+from jaxformer.core.moved import make_callable
 from jaxformer.core.validation import (ConfigError, build_section, merge, parse_overrides,
                                        read_config_file)
 from jaxformer.data.config import DataConfig, DataError
@@ -86,15 +86,7 @@ def read_data_config(path: str | None, overrides: list[str]) -> DataConfig:
     return build_section(DataConfig, data, "data")
 
 
-class _CallableModule(types.ModuleType):
-    """Importing this module first binds the package's `jaxformer.data.prepare` to the
-    module, not the function; calling it still prepares."""
-
-    def __call__(self, *args, **kwargs):
-        return prepare(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__, f"{__name__}:prepare")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
