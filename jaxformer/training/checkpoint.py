@@ -22,6 +22,7 @@ import zlib
 
 import jax
 import orbax.checkpoint as ocp
+import yaml
 
 from jaxformer.model.config import ConfigError, ModelConfig
 
@@ -125,7 +126,7 @@ class Checkpointer:
                  log=print, read_only: bool = False):
         """read_only: for a reader of the run (generate, convert), which may run beside its
         training: the half-written saves it finds are left to that run, not cleaned up."""
-        run_dir = pathlib.Path(run_dir).absolute()
+        self.run_dir = run_dir = pathlib.Path(run_dir).absolute()
         self.async_save, self.log = async_save, log
         self.record: dict = {}  # more keys for every save's info item (its step, val_loss)
         self.latest = self._manager(run_dir / "checkpoints", keep, read_only)
@@ -218,11 +219,13 @@ class Checkpointer:
             mngr.reload()
 
     def restore(self, abstract_state, model_cfg: ModelConfig, *, step: int | None = None,
-                best: bool = False, set_aside: bool = False):
+                best: bool = False, set_aside: bool = False, settings: dict | None = None):
         """The state saved at `step`, or else in the newest intact checkpoint, after checking
         its files against their checksums and its model config against `model_cfg`.
         Damaged checkpoints are skipped with a warning (and renamed STEP.damaged when
-        set_aside, as resuming does). abstract_state: jax.eval_shape of a fresh state."""
+        set_aside, as resuming does). abstract_state: jax.eval_shape of a fresh state;
+        settings: the resuming run's whole config, whose optimizer and objective a state of
+        another shape is compared with the run dir's config.yaml's."""
         mngr = self.best if best else self.latest
         if step is None and mngr.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
@@ -245,12 +248,29 @@ class Checkpointer:
             restored = mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
         except (ValueError, KeyError, TypeError) as e:
+            changed = self.state_settings_diff(settings)
+            why = (f"this run's optimizer settings differ from the run dir's config.yaml: "
+                   f"{'; '.join(changed)}" if changed else
+                   "were optimizer settings such as optim.clip_norm changed?")
             raise ConfigError(
                 f"checkpoint {mngr.directory}/{step} holds a train state of another shape than "
-                f"this run's (were optimizer settings such as optim.clip_norm changed?); resume "
-                f"with the settings it was made with (config.yaml in the run dir), or use a new "
-                f"train.run_dir. Detail: {str(e).splitlines()[0][:300]}") from None
+                f"this run's ({why}); resume with the settings it was made with (config.yaml "
+                f"in the run dir), or use a new train.run_dir"
+                + ("" if changed else f". Detail: {str(e).splitlines()[0][:300]}")) from None
         return restored["state"]
+
+    def state_settings_diff(self, settings: dict | None) -> list[str]:
+        """'optim.name: saved -> current' for each optimizer and objective setting (they
+        shape the train state) where `settings` differ from the run dir's config.yaml."""
+        try:
+            saved = yaml.safe_load((self.run_dir / "config.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            return []
+        if settings is None or not isinstance(saved, dict):
+            return []
+        return [f"{name}.{k}: {v!r} -> {settings[name][k]!r}"
+                for name in ("optim", "objective") if isinstance(saved.get(name), dict)
+                for k, v in saved[name].items() if v != settings.get(name, {}).get(k, v)]
 
     def wait(self):
         """Complete the saves in flight."""

@@ -369,7 +369,7 @@ def resume(ckpt: Checkpointer, state, cfg: RunConfig, log):
         raise ConfigError(f"{run_dir} already holds checkpoints (up to step {latest}); "
                           "continue it with train.resume=auto, or start over in a new "
                           "train.run_dir (nothing is deleted)")
-    state = ckpt.restore(abstract_like(state), cfg.model, set_aside=True)
+    state = ckpt.restore(abstract_like(state), cfg.model, set_aside=True, settings=cfg.to_dict())
     step = int(state.step)
     finite = jax.jit(lambda p: jax.tree.map(lambda x: jnp.isfinite(x).all(), p))(state.params)
     bad = [jax.tree_util.keystr(path) for path, ok in

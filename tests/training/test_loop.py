@@ -351,7 +351,9 @@ def test_a_refused_resume_leaves_the_runs_config_yaml_byte_for_byte(corpus, tmp_
     train(config(corpus, run, "train.steps=2", "train.sample_tokens=0"), log=lambda *a: None)
     saved = (run / "config.yaml").read_bytes()
     for change, says in [("model.n_layers=1", "another model config"),
-                         ("optim.name=lion", "a train state of another shape"),
+                         ("optim.name=lion", "a train state of another shape than this "
+                          "run's \\(this run's optimizer settings differ from the run dir's "
+                          "config.yaml: optim.name: 'adamw' -> 'lion'"),
                          ("train.resume=never", "already holds checkpoints")]:
         with pytest.raises(ConfigError, match=says):
             train(config(corpus, run, "train.steps=4", change), log=lambda *a: None)
