@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     from jaxformer.decode.speculative import PROPOSERS, default_draft_len
     from jaxformer.model.quantize import quantize
     from jaxformer.training.checkpoint import CheckpointError
-    from jaxformer.training.loop import continuation_text
+    from jaxformer.training.evaluation import continuation_text
     try:
         checked_flags(a)
         model, params, tok = load_run(a.run, best=a.best, member=a.member)

@@ -10,7 +10,7 @@ import pytest
 from jaxformer.data import load_dataset
 from jaxformer.model.transformer import Transformer
 from jaxformer.training import load_config
-from jaxformer.training.loop import evaluate
+from jaxformer.training.evaluation import evaluate
 from jaxformer.training.metrics import read_metrics
 from jaxformer.training.step import make_eval_step
 from tests.conftest import REPO
