@@ -163,6 +163,27 @@ def test_cli_init_from_without_a_source_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_train_py_takes_the_file_first_or_as_config_and_names_a_stray_argument(capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_cli", REPO / "train.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    for argv, want in [([], ("configs/tiny.yaml", [])),
+                       (["c.yaml", "a.b=1"], ("c.yaml", ["a.b=1"])),
+                       (["--config", "c.yaml", "a.b=1"], ("c.yaml", ["a.b=1"])),
+                       (["a.b=1", "--config=c.yaml"], ("c.yaml", ["a.b=1"])),
+                       (["train.init_from=D"], (None, ["train.init_from=D"]))]:
+        assert cli.arguments(argv) == want, argv
+    usage = "; usage: python train.py [configs/NAME.yaml] [section.key=value ...]\n"
+    for argv, says in [(["--lr", "3"], "unknown option(s) --lr (settings are section.key=value)"),
+                       (["c.yaml", "d.yaml"], "unexpected argument(s) d.yaml"),
+                       (["--config", "c.yaml", "d.yaml"], "unexpected argument(s) d.yaml"),
+                       (["--config"], "--config needs a file, got ''"),
+                       (["--config", "a.b=1"], "--config needs a file, got 'a.b=1'")]:
+        assert cli.main(argv) == 2, argv
+        assert capsys.readouterr().err == f"error: {says}{usage}", argv
+
+
 # ---- optimizer ------------------------------------------------------------------
 
 def test_inverse_sqrt_is_the_paper_formula():
