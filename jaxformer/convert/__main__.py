@@ -24,29 +24,38 @@ import sys
 
 import yaml
 
-# Model fields that change how a model runs but not its weights; from-hf overrides may set
-# them (any other model.* override would no longer match the converted weights).
-RUNTIME_FIELDS = ("dtype", "scan_layers", "remat", "attention_impl", "dropout")
-
-
 def _run_config(cfg, run: pathlib.Path, has_tokenizer: bool, overrides):
     """The converted run's config: the model as converted, the overrides on top; an
     override that changes what the weights mean is refused."""
     from jaxformer.core.validation import merge
-    from jaxformer.model.config import ConfigError
+    from jaxformer.model.config import RUNTIME, ConfigError
     from jaxformer.training.config import RunConfig, parse_overrides
 
     data = {"tokenizer": str(run / "tokenizer.json")} if has_tokenizer else {}
     base = {"model": cfg.to_dict(), "data": data,
             "train": {"run_dir": str(run), "seq_len": min(256, cfg.max_seq_len)}}
     run_cfg = RunConfig.from_dict(merge(base, parse_overrides(list(overrides))))
-    changed = [f.name for f in dataclasses.fields(cfg) if f.name not in RUNTIME_FIELDS
+    changed = [f.name for f in dataclasses.fields(cfg) if f.name not in RUNTIME
                and getattr(run_cfg.model, f.name) != getattr(cfg, f.name)]
-    if changed:
+    if changed:  # model.config.RUNTIME: how the model runs, not what it computes
         raise ConfigError(f"model.{', model.'.join(changed)} would no longer match the "
                           "converted weights; from-hf overrides may set "
-                          f"model.{', model.'.join(RUNTIME_FIELDS)}")
+                          f"model.{', model.'.join(RUNTIME)}")
     return run_cfg
+
+
+def _params_dtype(flag: str | None, override: str, overrides) -> str | None:
+    """The converted params' dtype: --dtype, or a model.param_dtype override (the same
+    setting); both, naming different dtypes, are refused."""
+    from jaxformer.hf.folder import weights_dtype
+    from jaxformer.model.config import ConfigError
+
+    if not any(str(o).startswith("model.param_dtype=") for o in overrides):
+        return flag
+    if flag is not None and weights_dtype(flag) != override:
+        raise ConfigError(f"--dtype {flag} and model.param_dtype={override} name the params' "
+                          "dtype twice, differently; give one of them")
+    return override
 
 
 def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_layers=False,
@@ -69,7 +78,8 @@ def from_hf_run(hf_dir: str, run_dir: str, overrides=(), *, dtype=None, scan_lay
                           "into a new run dir")
     hf = read_hf_json(hf_dir)
     tokenizer = pathlib.Path(hf_dir) / "tokenizer.json"
-    _run_config(read_hf_config(hf_dir), run, tokenizer.is_file(), overrides)  # before the weights
+    asked = _run_config(read_hf_config(hf_dir), run, tokenizer.is_file(), overrides)  # before
+    dtype = _params_dtype(dtype, asked.model.param_dtype, overrides)  # the weights are read
     cfg, params = from_hf(hf_dir, dtype=dtype, scan_layers=scan_layers, rope_layout=rope_layout)
     run_cfg = _run_config(cfg, run, tokenizer.is_file(), overrides)
     log(f"{hf_dir}: model_type {hf['model_type']} ({', '.join(hf.get('architectures') or [])}) "

@@ -677,6 +677,34 @@ def test_max_shard_mb_must_be_positive(small_run, tmp_path, capsys, mb):
         to_hf(*our_model("gpt2-untied"), tmp_path / "api", max_shard_bytes=int(mb))
 
 
+def test_from_hf_takes_every_runtime_setting_and_param_dtype_casts_the_weights(small_run,
+                                                                              tmp_path, capsys):
+    """model.config.RUNTIME (how a model runs, not what it computes) as from-hf overrides:
+    model.matmul_precision and model.param_dtype too (they were refused as changing the
+    weights); param_dtype is --dtype's setting (both at once must agree): the run's
+    weights load in it."""
+    from jaxformer.convert.__main__ import main
+    from jaxformer.model.config import RUNTIME
+    from jaxformer.training.saved_run import load_run
+
+    hf, run = small_run[0], tmp_path / "r"
+    assert main(["from-hf", str(hf), str(run), "model.matmul_precision=fp8",
+                 "model.param_dtype=bfloat16", "model.remat=full"]) == 0
+    model, params, _ = load_run(str(run))
+    assert (model.cfg.matmul_precision, model.cfg.param_dtype) == ("fp8", "bfloat16")
+    _, want = from_hf(hf)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        assert a.dtype == jax.numpy.bfloat16 and np.array_equal(a, np.asarray(b).astype(a.dtype))
+    capsys.readouterr()
+    assert main(["from-hf", str(hf), str(tmp_path / "r2"), "model.param_dtype=bfloat16",
+                 "--dtype", "float16"]) == 2
+    assert one_line_error(capsys) == ("error: --dtype float16 and model.param_dtype=bfloat16 "
+                                      "name the params' dtype twice, differently; give one "
+                                      "of them")
+    assert main(["from-hf", str(hf), str(tmp_path / "r3"), "model.n_layers=1"]) == 2
+    assert f"may set model.{', model.'.join(RUNTIME)}" in one_line_error(capsys)
+
+
 def test_a_misspelled_override_is_refused_before_converting(small_run, tmp_path, capsys):
     from jaxformer.convert.__main__ import main
     assert main(["from-hf", str(small_run[0]), str(tmp_path / "r"), "trian.steps=3"]) == 2
