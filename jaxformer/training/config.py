@@ -72,7 +72,7 @@ class TrainConfig:
         check_number(o, "sample_temperature", self.sample_temperature, float, low=0)
         check_number(o, "mtp_weight", self.mtp_weight, float, low=0)
         check_number("model", "loss_chunk", self.loss_chunk, int, low=0)
-        profiling.traced_steps(self.profile)  # a bad START:STOP now, in one line
+        profiling.traced_steps(self.profile, self.steps)  # a bad START:STOP now, in one line
         check_choice(o, "resume", self.resume, RESUME)
         check_choice(o, "wandb_mode", self.wandb_mode, WANDB_MODES)
         if self.wandb is not None and (not isinstance(self.wandb, str) or not self.wandb or

@@ -203,7 +203,8 @@ class _Run:
         """Train to train.steps, evaluating and saving on the way; True when stopped early
         by SIGTERM / Ctrl-C. A step's metrics are read once the next step is queued."""
         t, every = self.cfg.train, self.cfg.checkpoint.every
-        with _StopFlag() as stop, profiling.StepTrace(t.profile, self.run_dir) as trace:
+        with _StopFlag() as stop, profiling.StepTrace(t.profile, self.run_dir, start=self.start,
+                                                      log=self.log) as trace:
             step, pending = self.start, None
             while step < t.steps and not stop.requested:
                 trace.at(step, self.state)  # train.profile: starts or stops the trace

@@ -17,8 +17,9 @@ from jaxformer.core.validation import ConfigError
 FIX = "must be START:STOP, two step counts with 0 <= START < STOP (e.g. 1:3)"
 
 
-def traced_steps(value) -> tuple[int, int] | None:
-    """train.profile's (START, STOP), or None when unset; a bad value refused in one line."""
+def traced_steps(value, steps: int | None = None) -> tuple[int, int] | None:
+    """train.profile's (START, STOP), or None when unset; a bad value, or one that starts
+    at or after train.steps (`steps`: no step of it would run), refused in one line."""
     if value is None or value == "":
         return None
     parts = str(value).split(":")
@@ -28,6 +29,10 @@ def traced_steps(value) -> tuple[int, int] | None:
         start = stop = None
     if start is None or not 0 <= start < stop:
         raise ConfigError(f"train.profile={value!r} {FIX}; in YAML, quote it ('1:3')")
+    if steps is not None and start >= steps:
+        raise ConfigError(f"train.profile={value} starts at step {start}, not before "
+                          f"train.steps={steps}: no step of it would run; choose START below "
+                          f"{steps}")
     return start, stop
 
 
@@ -36,9 +41,13 @@ class StepTrace:
     (at(step, state)): the trace starts at START and stops at STOP once the steps before
     have finished (the state is waited for), or when the run leaves the context first."""
 
-    def __init__(self, value, run_dir: pathlib.Path):
+    def __init__(self, value, run_dir: pathlib.Path, *, start: int = 0, log=print):
+        """start: the run's first step (a resumed run's); a window it is past is said."""
         self.steps, self.directory = traced_steps(value), pathlib.Path(run_dir) / "profile"
         self.on = False
+        if self.steps is not None and start >= self.steps[1]:
+            log(f"train.profile={value}: this run starts at step {start}, past it; nothing "
+                f"is traced (choose a window after {start})")
 
     def __enter__(self):
         return self

@@ -1,6 +1,8 @@
 """train.profile=START:STOP (jaxformer.training.profiling): a run writes an XProf trace of
 those steps into its run dir; a bad value is refused in one line naming the setting."""
 
+import dataclasses
+
 import pytest
 
 from jaxformer.core.validation import ConfigError
@@ -24,6 +26,11 @@ def test_a_profiled_run_writes_a_trace_into_its_run_dir(tmp_path):
     train(cfg, log=lambda *a, **k: None)
     traces = list((run / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0, traces
+    said = []  # resumed past the window: said, and nothing more traced
+    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=4)), log=said.append)
+    assert "train.profile=1:2: this run starts at step 3, past it; nothing is traced (choose " \
+        "a window after 3)" in said, said
+    assert list((run / "profile").rglob("*.xplane.pb")) == traces
 
 
 @pytest.mark.parametrize("value", ["3:1", "x", "2:2", "1:2:3"])
@@ -33,3 +40,14 @@ def test_a_bad_profile_is_refused_in_one_line(value):
     text = str(err.value)
     assert text.startswith(f"train.profile={value!r}") and "START:STOP" in text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("value", ["3:5", "7:9"])
+def test_a_window_from_train_steps_on_is_refused(value):
+    """train.steps=3 runs steps 0, 1, 2: a window starting at 3 or later traces nothing."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.steps=3", f"train.profile={value}"])
+    assert str(err.value) == (f"train.profile={value} starts at step {value.split(':')[0]}, not "
+                              "before train.steps=3: no step of it would run; choose START "
+                              "below 3")
+    assert load_config(None, ["train.steps=3", "train.profile=2:9"]).train.profile == "2:9"
