@@ -3,7 +3,7 @@ same model, data and seed for --steps steps in each precision, through train.py'
 (configs/tiny.yaml's 3M-param byte-level model on the Python standard library's source,
 model.dtype=bfloat16, the same batches in the same order).
 
-    python bench/low_precision.py [--steps 200 --precisions default,fp8,int8 --batch 16
+    python bench/low_precision.py [--steps 200 --precisions default,fp8,fp8_rowwise,int8 --batch 16
         --seq 128 --lr 3e-3 --seed 0]
 
 `default` is plain bf16 training (the dots in the compute dtype, bfloat16). On a CPU the
@@ -68,7 +68,7 @@ def table(rows: dict[str, dict]) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--precisions", default="default,fp8,int8")
+    p.add_argument("--precisions", default="default,fp8,fp8_rowwise,int8")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)

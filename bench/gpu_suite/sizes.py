@@ -30,7 +30,7 @@ class Sizes:
     serve_batches: tuple = (1, 16, 64)  # concurrent sequences in the serving engine
     prompt: int = 128
     new_tokens: int = 256
-    precisions: tuple = ("bf16", "fp8", "int8")  # model.matmul_precision of `precision`
+    precisions: tuple = ("bf16", "fp8", "fp8_rowwise", "int8")  # model.matmul_precision
     precision_batch: int = 16  # the 1B step at T 2,048, the same batch for each precision
     precision_steps: int = 20  # steps on the fixed batch stream; the loss after the last
     chunk_vocab: int = 152064  # loss_chunk: Qwen2.5's vocabulary

@@ -16,6 +16,13 @@ table [N, K]) and the recipe for the experts' grouped matmuls.
   the format's max; the dots take the float8 operands with float32 accumulation and the
   scales are divided out after. The backward reuses the forward's e4m3 operands: dx =
   g_e5m2 w_e4m3^T, dw = x_e4m3^T g_e5m2.
+- fp8_rowwise: torchao's float8 "rowwise" recipe: every operand of every dot in
+  float8_e4m3fn (the gradient too), scaled along that dot's contracted axis, so one scale
+  per row of the activations and per output channel of the kernel in the forward, a
+  scale rounded down to a power of two (applied and divided out exactly); the backward
+  quantises each operand afresh along its own dot's contracted axis (the forward keeps
+  a and b in float32): dx = g w^T with g per row and w per input channel, dw = x^T g with
+  both per column (over the tokens). A token's outputs depend on that token alone.
 - int8: AQT's symmetric per-channel int8 (MaxText's int8): activations scaled per row
   (token), weights per output channel, scale = 127 / amax, rounded to nearest even,
   clipped to [-127, 127]; int8 x int8 -> int32 dot, the scales divided out after. The
@@ -66,13 +73,17 @@ def to_grid(y, dtype):
     return (jnp.round(y) if jnp.dtype(dtype) == jnp.int8 else y).astype(dtype)
 
 
-def quantise(x, dtype, axis=None):
+def quantise(x, dtype, axis=None, pow2=False):
     """x scaled into dtype's grid: (q, scale), x ~ q / scale. scale [float32, x's rank,
     size 1 on `axis` (None: every axis, one per tensor)] = format max / amax over axis
-    (current scaling); q = to_grid(x scale)."""
+    (current scaling), with pow2 rounded down to a power of two (applied and divided out
+    exactly; nothing saturates); q = to_grid(x scale)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    scale = lax.stop_gradient(format_max(dtype) / jnp.maximum(amax, TINY))
+    scale = format_max(dtype) / jnp.maximum(amax, TINY)
+    if pow2:  # scale = m 2^e with m in [0.5, 1): 2^(e - 1)
+        scale = jnp.ldexp(jnp.ones_like(scale), jnp.frexp(scale)[1] - 1)
+    scale = lax.stop_gradient(scale)
     return to_grid(x * scale, dtype), scale
 
 
@@ -117,6 +128,35 @@ def _fp8_bwd(c, saved, g):
 fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
 
 
+# ---- fp8_rowwise: e4m3 throughout, a power-of-two scale per row or column of each dot --------
+
+
+def _axiswise_dot(x, y, contract):
+    """x and y (2-D) in e4m3, each scaled along its contracted axis (contract: x's, y's),
+    so one scale per row of x and per column of y's side of the product [x's other axis,
+    y's other axis]: their float32 product over the outer product of the scales."""
+    qx, sx = quantise(x, E4M3, contract[0], pow2=True)
+    qy, sy = quantise(y, E4M3, contract[1], pow2=True)
+    return _dot(qx, qy, ((contract[0],), (contract[1],))) / (sx.reshape(-1, 1) * sy.reshape(1, -1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_rowwise_dot(a, b, c: int):
+    """a [M, K] float32 times b (kernel [K, N], c = 0, or table [N, K], c = 1) -> [M, N]
+    float32, by the fp8 rowwise recipe (module docstring)."""
+    return _axiswise_dot(a, b, (1, c))
+
+
+def _rowwise_bwd(c, saved, g):
+    a, b = saved  # each dot quantises its operands afresh along its own contracted axis
+    da = _axiswise_dot(g, b, (1, 1 - c))  # [M, K]: g per row, b per input channel
+    db = _axiswise_dot(a, g, (0, 0)) if c == 0 else _axiswise_dot(g, a, (0, 0))  # over M
+    return da, db
+
+
+fp8_rowwise_dot.defvjp(lambda a, b, c: (_axiswise_dot(a, b, (1, c)), (a, b)), _rowwise_bwd)
+
+
 # ---- int8: per-channel symmetric, int32 accumulation, straight-through float backward ------
 
 
@@ -151,47 +191,53 @@ int8_dot.defvjp(_int8_fwd, _int8_bwd)
 # ---- the experts' grouped matmuls: the same recipes, on values on the grid -------------------
 
 
-def on_grid(x, dtype, axis):
+def on_grid(x, dtype, axis, pow2=False):
     """x quantised (quantise) and back: float32 values on dtype's grid over their scales."""
-    q, scale = quantise(x, dtype, axis)
+    q, scale = quantise(x, dtype, axis, pow2)
     return q.astype(jnp.float32) / scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def straight_through(x, dtype, axis):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def straight_through(x, dtype, axis, pow2=False):
     """on_grid(x) forward; its gradient passes through as it is (the straight-through
     estimator: the scale maps amax to the format's max, so nothing is clipped)."""
-    return on_grid(x, dtype, axis)
+    return on_grid(x, dtype, axis, pow2)
 
 
-straight_through.defvjp(lambda x, dtype, axis: (on_grid(x, dtype, axis), None),
-                        lambda dtype, axis, _, g: (g,))
+straight_through.defvjp(lambda x, dtype, axis, pow2: (on_grid(x, dtype, axis, pow2), None),
+                        lambda dtype, axis, pow2, _, g: (g,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gradient_on_grid(y, dtype):
-    """y forward; its incoming gradient put on dtype's grid (one scale per tensor)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gradient_on_grid(y, dtype, axis=None, pow2=False):
+    """y forward; its incoming gradient put on dtype's grid (scales over `axis`; None: one
+    per tensor)."""
     return y
 
 
-gradient_on_grid.defvjp(lambda y, dtype: (y, None),
-                        lambda dtype, _, g: (on_grid(g, dtype, None).astype(g.dtype),))
+gradient_on_grid.defvjp(lambda y, dtype, axis, pow2: (y, None),
+                        lambda dtype, axis, pow2, _, g: (on_grid(g, dtype, axis, pow2)
+                                                         .astype(g.dtype),))
 
 
-def grouped_recipe(operands, gradient=None, rows=None, channels=None):
+def grouped_recipe(operands, gradient=None, rows=None, channels=None, gradient_rows=None,
+                   pow2=False):
     """A recipe for a bilinear product(h [..., in], kernel [G, in, out]) (an experts' grouped
     matmul, whatever its dispatch): both operands on the `operands` grid (h's scales over
     `rows`' axis, the kernel's over `channels`' axis; None: one per tensor), the product in
-    float32 of those values, and the incoming gradient on the `gradient` grid (None:
-    as it is). Its gradients are the product's own: straight through the quantisers.
-    Numerically the 2-D dot's recipe, up to float32 rounding of the values over scales."""
+    float32 of those values, and the incoming gradient on the `gradient` grid (scales over
+    `gradient_rows`' axis; None: as it is), every scale a power of two with pow2. Its
+    gradients are the product's own: straight through the quantisers. Numerically the 2-D
+    dot's recipe, up to float32 rounding of the values over scales (fp8_rowwise's: its
+    forward; the gradient dots reuse the forward's operands and g per row, where the 2-D
+    dot quantises each operand afresh along each gradient dot's contracted axis)."""
     def product(matmul, h, kernel):
         if jnp.issubdtype(kernel.dtype, jnp.integer):  # an Int8Kernel's values: its own path
             return matmul(h, kernel)
-        hq = straight_through(h.astype(jnp.float32), operands, rows)
-        kq = straight_through(kernel.astype(jnp.float32), operands, channels)
+        hq = straight_through(h.astype(jnp.float32), operands, rows, pow2)
+        kq = straight_through(kernel.astype(jnp.float32), operands, channels, pow2)
         y = matmul(hq, kq)  # [..., out] float32
-        y = y if gradient is None else gradient_on_grid(y, gradient)
+        y = y if gradient is None else gradient_on_grid(y, gradient, gradient_rows, pow2)
         return y.astype(h.dtype)
     return product
 
@@ -238,10 +284,12 @@ class MatmulPrecision:
     """One matmul precision: its 2-D dot (a [M, K], b, c: the contracted axis of b (0: a
     kernel [K, N], 1: a table [N, K]), precision, preferred_element_type) -> [M, N], and
     its grouped product (matmul, h [..., in], kernel [G, in, out]) -> matmul(h, kernel)
-    in that precision (the experts')."""
+    in that precision (the experts'). batch_invariant: a row's (token's) outputs depend on
+    that row alone (False: its scales span the batch, so the other rows move them)."""
     dot: Callable
     grouped: Callable
     about: str
+    batch_invariant: bool = True
 
 
 MATMUL_PRECISIONS = {
@@ -252,7 +300,12 @@ MATMUL_PRECISIONS = {
     "bf16": MatmulPrecision(cast_dot(jnp.bfloat16), cast_grouped(jnp.bfloat16),
                             "bfloat16 operands, float32 sums"),
     "fp8": MatmulPrecision(quantised_dot(fp8_dot), grouped_recipe(E4M3, E5M2),
-                           "e4m3 forward, e5m2 gradients, per-tensor current scaling"),
+                           "e4m3 forward, e5m2 gradients, per-tensor current scaling",
+                           batch_invariant=False),
+    "fp8_rowwise": MatmulPrecision(quantised_dot(fp8_rowwise_dot),
+                                   grouped_recipe(E4M3, E4M3, rows=-1, channels=-2,
+                                                  gradient_rows=-1, pow2=True),
+                                   "e4m3 throughout, power-of-two scales per row and column"),
     "int8": MatmulPrecision(quantised_dot(int8_dot),
                             grouped_recipe(jnp.int8, rows=-1, channels=-2),
                             "per-channel int8, int32 sums, straight-through float backward"),

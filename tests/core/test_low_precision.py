@@ -55,13 +55,16 @@ GRIDS = {  # name: (jnp dtype, the float64 rounding, the format's max)
 }
 
 
-def np_quantise(x, fmt, axis=None):
+def np_quantise(x, fmt, axis=None, pow2=False):
     """The recipe's quantiser in NumPy: (q on the grid, float64; scale, float64). The scale
-    and x * scale in float32, as the model computes them (one correctly rounded op each)."""
+    and x * scale in float32, as the model computes them (one correctly rounded op each);
+    with pow2 the scale rounded down to a power of two (2^floor(log2 scale), exactly)."""
     x = np.asarray(x, F32)
     top = F32(GRIDS[fmt][2])
     amax = np.max(np.abs(x), axis=axis, keepdims=True)
     scale = top / np.maximum(amax, F32(1e-12))
+    if pow2:
+        scale = np.exp2(np.floor(np.log2(scale.astype(np.float64)))).astype(F32)
     return GRIDS[fmt][1]((x * scale).astype(np.float64)), scale.astype(np.float64)
 
 
@@ -105,7 +108,23 @@ def np_int8(a, b, r):
     return qa @ qb / (sa * sb), r @ (qb / sb).T, (qa / sa).T @ r
 
 
-RECIPES = {"fp8": np_fp8, "int8": np_int8}
+def np_fp8_rowwise(a, b, r):
+    """y = a b and (da, db) for the cotangent r, by the fp8 rowwise recipe in float64: each
+    dot's operands in e4m3, scaled along that dot's contracted axis (powers of two)."""
+    def dot(x, y):  # x [P, Q] times y [Q, R]
+        (qx, sx), (qy, sy) = (np_quantise(x, "e4m3", axis=1, pow2=True),
+                              np_quantise(y, "e4m3", axis=0, pow2=True))
+        return qx @ qy / (sx * sy)
+    return dot(a, b), dot(r, b.T), dot(a.T, r)
+
+
+RECIPES = {"fp8": np_fp8, "fp8_rowwise": np_fp8_rowwise, "int8": np_int8}
+
+
+def test_every_quantised_precision_has_a_reference():
+    """An entry of the table that is not a plain cast (its own dot) is tested here."""
+    plain = {"default", "float32", "bf16"}
+    assert set(MATMUL_PRECISIONS) - plain == set(RECIPES) == set(GROUPED)
 
 
 def close(out, ref, rtol=1e-5):
@@ -136,18 +155,24 @@ def test_projection_dot_is_the_recipe_forward_and_backward(precision):
 # ---- the experts' grouped matmul --------------------------------------------------------------
 
 
+GROUPED = {  # the grids (format, axis, pow2) of h, the kernels and the gradient (None: as is)
+    "fp8": (("e4m3", None), ("e4m3", None), ("e5m2", None)),
+    "fp8_rowwise": (("e4m3", -1, True), ("e4m3", -2, True), ("e4m3", -1, True)),
+    "int8": (("int8", -1), ("int8", -2), None),
+}
+
+
 def np_grouped(precision, h, k, sizes, r):
     """The grouped product's y and (dh, dk) by the recipe in float64: group e's rows times
-    k[e]; fp8 one scale per tensor (h, the kernels, the gradient), int8 per row of h and
-    per expert and output channel of k."""
+    k[e], each operand and the gradient on its GROUPED grid (int8 and fp8_rowwise: per row
+    of h and per expert and output channel of k)."""
+    def values(x, grid):
+        if grid is None:
+            return np.asarray(x, np.float64)
+        q, scale = np_quantise(x, *grid)
+        return q / scale
     group = np.repeat(np.arange(len(sizes)), sizes)
-    if precision == "fp8":
-        (qh, sh), (qk, sk), (qg, sg) = (np_quantise(h, "e4m3"), np_quantise(k, "e4m3"),
-                                        np_quantise(r, "e5m2"))
-        hv, kv, gv = qh / sh, qk / sk, qg / sg
-    else:
-        (qh, sh), (qk, sk) = np_quantise(h, "int8", axis=-1), np_quantise(k, "int8", axis=-2)
-        hv, kv, gv = qh / sh, qk / sk, np.asarray(r, np.float64)
+    hv, kv, gv = (values(x, grid) for x, grid in zip((h, k, r), GROUPED[precision]))
     y = np.einsum("mi,mio->mo", hv, kv[group])
     dh = np.einsum("mo,mio->mi", gv, kv[group])
     dk = np.stack([hv[group == e].T @ gv[group == e] for e in range(len(sizes))])
@@ -194,9 +219,27 @@ def test_fp8_model_scanned_and_rematerialised_equals_unscanned():
         close(b, a, rtol=1e-4)
 
 
+@pytest.mark.parametrize("precision", list(MATMUL_PRECISIONS))
+def test_a_rows_logits_depend_on_other_rows_as_the_table_says(precision):
+    """Row 0's logits alone and beside two other rows: equal up to float32 sums where the
+    entry is batch_invariant (its scales per row or none), moved by the other rows'
+    values where not (fp8's scales per tensor)."""
+    cfg = CFG.replace(matmul_precision=precision)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 12)))
+    params = Transformer(cfg).init(jax.random.key(int(rng.integers(1 << 30))),
+                                   tokens)["params"]
+    logits = jax.jit(lambda t: Transformer(cfg).apply({"params": params}, t))
+    alone, beside = np.asarray(logits(tokens[:1])[0]), np.asarray(logits(tokens)[0])
+    moved = np.abs(beside - alone).max() / np.abs(alone).max()
+    if MATMUL_PRECISIONS[precision].batch_invariant:
+        assert moved < 1e-4, moved
+    else:
+        assert moved > 1e-3, moved
+
+
 def test_unknown_matmul_precision_names_the_choices():
     with pytest.raises(ConfigError, match="model.matmul_precision='fp4' is not one of "
-                       "default, float32, bf16, fp8, int8"):
+                       "default, float32, bf16, fp8, fp8_rowwise, int8"):
         ModelConfig(matmul_precision="fp4")
 
 
