@@ -2,7 +2,8 @@
 
     python -m jaxformer.generate --run runs/tiny --prompt "def " [--max-new-tokens 200
         --temperature 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 --seed 0 --beam-width 4
-        --best --weights int8 --draft prompt_lookup --draft-len 4 --cache-dtype int8]
+        --best --weights int8 --draft prompt_lookup --draft-len 4 --cache-dtype int8
+        --matmul-precision fp8_rowwise]
 
 Loads the run's config, tokenizer and latest checkpoint (or the best, with --best).
 --weights int8 / bfloat16 reads the weights in that format (jaxformer.model.quantize); --draft
@@ -12,6 +13,8 @@ run's directory: a draft model with the same tokenizer) and prints the acceptanc
 stderr. --cache-dtype int8 keeps the KV cache in int8 with a scale per token and head
 (jaxformer.attention.cache_formats: about half bf16's bytes), sampling or beam search.
 --min-new-tokens and --no-repeat-ngram-size constrain it (jaxformer.decode.constraints).
+--matmul-precision runs the weight matmuls in another model.matmul_precision than the run's
+(e.g. an fp8 run, whose scales span the batch, in fp8_rowwise or default).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxformer.attention.cache_formats import CACHE_FORMATS
+from jaxformer.core.low_precision import MATMUL_PRECISIONS
 from jaxformer.core.moved import make_callable
 from jaxformer.training.saved_run import load_run
 
@@ -43,6 +47,9 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--member", type=int, default=None, help="a sweep run's adapter")
     p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
     p.add_argument("--cache-dtype", choices=tuple(CACHE_FORMATS), help="KV cache format")
+    p.add_argument("--matmul-precision", choices=tuple(MATMUL_PRECISIONS),
+                   help="the weight matmuls' precision (default: the run's "
+                   "model.matmul_precision)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding: prompt_lookup, mtp, or a draft run's directory")
     p.add_argument("--draft-len", type=int, default=None,
@@ -65,12 +72,13 @@ def main(argv=None) -> int:
     try:
         checked_flags(a)
         model, params, tok = load_run(a.run, best=a.best, member=a.member)
+        model = with_precision(model, a.matmul_precision)
         checked_for_run(a, tok)
         params = quantize(params, a.weights)
         draft = a.draft
         if draft is not None and draft not in PROPOSERS:  # a draft run's directory
             dmodel, dparams, _ = load_run(draft, best=a.best)
-            draft = (dmodel, quantize(dparams, a.weights))
+            draft = (with_precision(dmodel, a.matmul_precision), quantize(dparams, a.weights))
         prompt = np.asarray(tok.encode(a.prompt), np.int32)[None]
         if prompt.shape[1] == 0:
             raise ValueError("the prompt is empty; give at least one character")
@@ -94,6 +102,12 @@ def main(argv=None) -> int:
         return 2
     print(continuation_text(tok, prompt[0], out.tokens[0], out.lengths[0]))
     return 0
+
+
+def with_precision(model, precision: str | None):
+    """model with its weight matmuls in model.matmul_precision=precision (None: as it is)."""
+    return model if precision is None else model.clone(
+        cfg=model.cfg.replace(matmul_precision=precision))
 
 
 def checked_flags(a: argparse.Namespace):

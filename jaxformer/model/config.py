@@ -26,9 +26,10 @@ from jaxformer.positions.schemes import (LEGACY_KEYS, POSITION_SCHEMES, check_po
 
 DTYPES = ("float32", "bfloat16", "float16")
 # the fields that change how a model runs, not what it computes: a converted or
-# initialised-from model may set them freely
-RUNTIME = ("dtype", "param_dtype", "matmul_precision", "scan_layers", "remat",
-           "attention_impl", "dropout")
+# initialised-from model may set them freely; no saved state depends on COMPUTE_ONLY's (as on
+# param_dtype and scan_layers), so a checkpoint restores under any value of them
+COMPUTE_ONLY = ("dtype", "matmul_precision", "remat", "attention_impl", "dropout")
+RUNTIME = COMPUTE_ONLY + ("param_dtype", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ class ModelConfig(Section):
     head_transform: before the LM head, a dense d_model -> d_model, the FFN's activation and
     the model's norm (BERT's MLM head transform); head_bias: a bias [vocab] on the logits.
 
-    matmul_precision: default, float32, bf16, fp8, int8 (jaxformer.core.low_precision).
+    matmul_precision: jaxformer.core.low_precision's table (default, bf16, fp8, int8, ...).
     lora (jaxformer.model.lora.LoRAConfig): low-rank adapters on the projections; rank 0: none.
     moe (jaxformer.moe.experts.MoEConfig): mixture-of-experts feed-forward layers; experts 0: none.
     mla (jaxformer.attention.mla.MLAConfig): multi-head latent attention; kv_lora_rank 0: none.

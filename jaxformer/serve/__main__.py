@@ -2,7 +2,8 @@
 
     python -m jaxformer.serve RUN|HF_FOLDER [--port 8000 --host 127.0.0.1 --slots 32
         --page-size 16 --pages N --prefill-chunk 128 --max-queue 256 --model-name NAME
-        --tensor 2 --best --weights int8 --cache-dtype int8 --compile all]
+        --tensor 2 --best --weights int8 --cache-dtype int8 --matmul-precision P
+        --compile all]
 
 RUN is a training run directory (its config.yaml, latest checkpoint, or the best with --best,
 and tokenizer.json); HF_FOLDER a Hugging Face model folder (config.json, safetensors,
@@ -12,6 +13,10 @@ server listens (--compile first: those of two short requests), so /health answer
 ready and no request waits for a compile. --cache-dtype int8 keeps the KV cache's pages in
 int8 with a float32 scale per token and head (as generate --cache-dtype int8): 0.27x the
 bytes of float32 at head_dim 64, so the same memory holds 3.8x the pages (--pages).
+--matmul-precision runs the weight matmuls in another entry of model.matmul_precision's table
+than the model's; one whose scales span the batch (fp8: one per tensor) makes a request's
+tokens depend on the requests batched with it, which the server warns of at start
+(fp8_rowwise scales each token apart).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pathlib
 import sys
 
 from jaxformer.attention.cache_formats import CACHE_FORMATS
+from jaxformer.core.low_precision import MATMUL_PRECISIONS
 
 
 def port(text: str) -> int:
@@ -51,6 +57,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--weights", default="float32", choices=("float32", "bfloat16", "int8"))
     p.add_argument("--cache-dtype", default=None, choices=tuple(CACHE_FORMATS),
                    help="the KV cache pages' format (default: the model's dtype)")
+    p.add_argument("--matmul-precision", default=None, choices=tuple(MATMUL_PRECISIONS),
+                   help="the weight matmuls' precision (default: the model's "
+                   "model.matmul_precision)")
     p.add_argument("--compile", default="all", choices=("all", "first"),
                    help="all: every program a step may run before listening (no request "
                    "waits for a compile); first: the programs of two short requests")
@@ -58,9 +67,10 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load(path: str, best: bool):
+def load(path: str, best: bool, precision: str | None = None):
     """(model, params, tokenizer) of a run directory or a Hugging Face
-    folder, read as python -m jaxformer.eval reads them."""
+    folder, read as python -m jaxformer.eval reads them; precision: its
+    model.matmul_precision for serving (None: its own)."""
     from jaxformer.eval.loading import read_model
     from jaxformer.model.archs import ARCHS
     from jaxformer.model.transformer import Transformer
@@ -69,6 +79,12 @@ def load(path: str, best: bool):
     if ARCHS[cfg.arch].encoder:
         raise ValueError(f"{path} is an encoder-decoder (model.arch={cfg.arch}), which "
                          "continues no prompt; serve a decoder")
+    cfg = cfg.replace(matmul_precision=precision or cfg.matmul_precision)
+    if not MATMUL_PRECISIONS[cfg.matmul_precision].batch_invariant:
+        print(f"warning: model.matmul_precision={cfg.matmul_precision} scales each matmul "
+              "over the whole batch, so a request's tokens depend on the requests decoded "
+              "beside it; --matmul-precision fp8_rowwise (or default) scales each token "
+              "apart", file=sys.stderr)
     return Transformer(cfg), params, tok
 
 
@@ -92,7 +108,7 @@ def served_of(a: argparse.Namespace):
     from jaxformer.serve.prompts import ChatTemplate, end_ids, special_token_encoder
     from jaxformer.serve.server import Served
 
-    model, params, tok = load(a.model, a.best)
+    model, params, tok = load(a.model, a.best, a.matmul_precision)
     mesh = None
     if a.tensor > 1:
         import jax

@@ -24,7 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 import yaml
 
-from jaxformer.model.config import ConfigError, ModelConfig
+from jaxformer.model.config import COMPUTE_ONLY, ConfigError, ModelConfig
 
 MANIFEST = "checksums.json"
 
@@ -39,8 +39,9 @@ def with_defaults(saved: dict, defaults: dict) -> dict:
                            isinstance(defaults.get(k), dict) else v for k, v in saved.items()}}
 
 
-def config_diff(saved: dict, current: dict) -> list[str]:
-    """'field: saved -> current' for every model field that differs; a field the saved
+def config_diff(saved: dict, current: dict, skip=()) -> list[str]:
+    """'field: saved -> current' for every model field that differs (but those in skip);
+    a field the saved
     config lacks (it predates the field) counts as ModelConfig's default, and the saved
     config is read as ModelConfig reads it today (a scheme's flat keys of before: its
     position_settings), so a run written before a field moved compares as the same."""
@@ -51,7 +52,7 @@ def config_diff(saved: dict, current: dict) -> list[str]:
         pass
     keys = sorted(set(saved) | set(current))
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
-            if saved.get(k) != current.get(k)]
+            if saved.get(k) != current.get(k) and k not in skip]
 
 
 def crc32(path: pathlib.Path) -> int:
@@ -239,11 +240,14 @@ class Checkpointer:
                                   f"{damaged}); nothing was restored or moved. Resume from a "
                                   "copy of the run dir, or start a new train.run_dir")
         saved = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
-        diff = config_diff(saved, model_cfg.to_dict())
+        diff = config_diff(saved, model_cfg.to_dict(), skip=COMPUTE_ONLY)
         if diff:
             raise ConfigError(f"checkpoint {mngr.directory}/{step} was made with another model "
                               f"config ({'; '.join(diff)}); restore it with the same model "
                               "settings, or use a new train.run_dir")
+        if computed := config_diff(saved, model_cfg.to_dict()):
+            self.log(f"checkpoint {mngr.directory}/{step} was made with other compute settings "
+                     f"({'; '.join(computed)}): restored, run with this run's")
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))

@@ -8,6 +8,7 @@ import itertools
 import logging
 import math
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -784,6 +785,22 @@ def test_generate_cli_refuses_flags_it_would_ignore(cli_run, capsys, flags, mess
     assert cli_run(["--run", "r", "--prompt", "def", "--max-new-tokens", "2", *flags]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == f"error: {message}\n"
+
+
+def test_generate_cli_runs_the_matmul_precision_asked_for(cli_run, capsys, monkeypatch):
+    """--matmul-precision replaces the run's model.matmul_precision (recorded at the
+    decoding call, which returns the prompt's last two bytes); left out, the run's stays."""
+    from jaxformer.decode import loops
+    seen = []
+
+    def record(model, params, prompt, **kw):
+        seen.append(model.cfg.matmul_precision)
+        return types.SimpleNamespace(tokens=prompt[:, -2:], lengths=np.array([2]))
+    monkeypatch.setattr(loops, "generate", record)
+    for flags, precision in [([], "default"), (["--matmul-precision", "fp8_rowwise"],
+                                               "fp8_rowwise")]:
+        assert cli_run(["--run", "r", "--prompt", "def", "--max-new-tokens", "2", *flags]) == 0
+        assert seen.pop() == precision and capsys.readouterr().out == "defef\n"
 
 
 def test_generate_cli_beam_width_1_is_greedy_search(cli_run, capsys):

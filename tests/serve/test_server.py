@@ -604,6 +604,19 @@ def test_a_port_outside_0_to_65535_is_refused_in_one_line(capsys):
     assert parse(["run", "--port", "0"]).port == 0
 
 
+def test_matmul_precision_replaces_the_models_and_is_warned_of_where_rows_meet(folder, capsys):
+    """--matmul-precision's model (None: the folder's own), and a warning at start where the
+    entry's scales span the batch (the table's batch_invariant false: fp8)."""
+    from jaxformer.serve.__main__ import load, parse
+    assert parse(["run", "--matmul-precision", "fp8"]).matmul_precision == "fp8"
+    for precision, warned in [(None, False), ("fp8", True), ("fp8_rowwise", False)]:
+        model, _, _ = load(str(folder[0]), False, precision)
+        assert model.cfg.matmul_precision == (precision or "default")
+        err = capsys.readouterr().err
+        assert ("warning: model.matmul_precision=fp8 scales each matmul over the whole batch"
+                in err) == warned, err
+
+
 def test_a_failed_engine_step_ends_its_requests_and_makes_the_server_unhealthy():
     """An engine step that raises (a device out of memory, say, after the pool was handed
     to the step) ends the requests it held with 500; /health is then 503 naming the

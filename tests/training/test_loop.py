@@ -359,12 +359,18 @@ def test_a_refused_resume_leaves_the_runs_config_yaml_byte_for_byte(corpus, tmp_
             train(config(corpus, run, "train.steps=4", change), log=lambda *a: None)
         assert (run / "config.yaml").read_bytes() == saved, change
     assert load_config(str(run / "config.yaml")).model.n_layers == 2
-    said = []  # and a resume that has nothing left to train says so
-    summary = train(config(corpus, run, "train.steps=1", "train.sample_tokens=0"),
+    said = []  # a resume that has nothing left to train says so; one with other compute
+    # settings (model.COMPUTE_ONLY: no saved state depends on them) restores, saying so
+    summary = train(config(corpus, run, "train.steps=1", "train.sample_tokens=0",
+                           "model.remat=full", "model.matmul_precision=fp8_rowwise"),
                     log=said.append)
     assert f"resumed from {run}/checkpoints/2; train.steps=1 is not past it: nothing to " \
         "train (the final evaluation only); raise train.steps to train on" in said, said
+    assert f"checkpoint {run}/checkpoints/2 was made with other compute settings " \
+        "(matmul_precision: 'default' -> 'fp8_rowwise'; remat: 'none' -> 'full'): restored, " \
+        "run with this run's" in said, said
     assert summary["start_step"] == 2 and "val_loss" in summary
+    assert load_config(str(run / "config.yaml")).model.matmul_precision == "fp8_rowwise"
 
 
 def test_a_run_dir_that_is_a_file_is_one_line(corpus, tmp_path):
