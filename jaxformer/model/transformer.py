@@ -90,7 +90,7 @@ class Transformer(nn.Module):
         Attention covers every slot, and the result is (logits, updated cache).
 
         Multi-token prediction (cfg.mtp_depth, jaxformer.model.mtp): ``mtp`` gives (logits,
-        each depth's logits [D, B, T, V]: depth k's at i predict t_{i+k+1}); ``hidden`` gives
+        each depth's [D, B, T, V]: depth k's at i predict t_{i+k+1}; mtp_outputs); ``hidden`` gives
         (logits, the last block's output [B, T, D] before the final norm[, cache]); ``depth``
         k runs module k alone on ``previous`` (h^{k-1} [B, T, D]) and the embeddings of
         ``tokens`` (its t_{i+k}): (its logits, h^k[, its cache: mtp.init_module_cache]).
@@ -132,8 +132,8 @@ class Transformer(nn.Module):
         if cache is not None:
             cache = kv_cache.advanced(cache, layers, k_positions, t)
         if mtp or (c.mtp_depth and cache is None and self.is_initializing()):
-            logits, more = self.mtp_logits(embed, tokens, x, rest, segments, deterministic, impl)
-            return (logits, more) if mtp else logits
+            out = self.mtp_outputs(embed, tokens, x, rest, segments, deterministic, impl, hidden)
+            return out if mtp else out[0]
 
         logits = self.logits(embed, x, last=last)
         out = (logits, x) if hidden else (logits,)
@@ -163,15 +163,18 @@ class Transformer(nn.Module):
                              "a shorter input or another position scheme")
         return b, t, positions, by_index
 
-    def mtp_logits(self, embed, tokens, x, rest, segments, deterministic, impl):
+    def mtp_outputs(self, embed, tokens, x, rest, segments, deterministic, impl, hidden):
         """The main logits [B, T, V] and the MTP modules' [D, B, T, V] from the last block's
-        output x [B, T, D] (each module fed the previous one's h); rest: (positions, mask,
-        bias). One head call for all of them."""
+        output x [B, T, D] (each module fed the previous one's h; rest: (positions, mask,
+        bias)), in one head call; with hidden the head's inputs instead: x and the modules'
+        normed outputs [D, B, T, D] (the head left to the caller: training.chunked_loss)."""
         c, h, normed = self.cfg, x, []
         for k in range(1, c.mtp_depth + 1):
             h, out, _ = MTPModule(c, deterministic, impl, name=f"mtp_{k}")(
                 h, embedded(c, embed.embedding, shifted(tokens, k)), *rest, segments=segments)
             normed.append(out)
+        if hidden:
+            return x, jnp.stack(normed)
         logits = self.logits(embed, x, tuple(normed))
         return logits[0], jnp.stack(logits[1:])
 

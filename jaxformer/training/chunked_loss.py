@@ -1,7 +1,9 @@
 """model.loss_chunk=N: the LM head and the cross entropy over blocks of N positions of every
 row, forward and backward, so no step holds the [B, T, V] logits (0: the plain loss).
-An objective takes it where its entry says so (Objective.loss_chunk): lm's hooks here,
-mlm's chosen tokens (training/mlm.py); the others refuse it at config time.
+An objective takes it where its entry says so (Objective.loss_chunk): lm's hooks here (and
+its multi-token prediction's: each depth's loss through the same head, a block at a time,
+training/objectives/language_model.py), mlm's chosen tokens (training/mlm.py); the others
+refuse it at config time.
 
 The model gives its last block's output x [B, T, D] (Transformer(..., hidden=True); the full
 logits it also returns are dead code under jit and compiled away); a lax.scan then runs,
@@ -43,17 +45,28 @@ HEAD_PARAMS = ("embed", "final_norm", "head_transform", "head_norm", "lm_head", 
 
 
 class Head(nn.Module):
-    """The Transformer's head on its own: x [B, N, D] (the last block's output) -> float32
-    logits [B, N, V], read from the Transformer's params of the same names (HEAD_PARAMS)."""
+    """The Transformer's head on its own: x [B, N, D] (the last block's output; with final
+    false, already normed: an MTP module's) -> float32 logits [B, N, V], read from the
+    Transformer's params of the same names (HEAD_PARAMS)."""
 
     cfg: ModelConfig
+    final: bool = True  # the final norm first
 
     @nn.compact
     def __call__(self, x):
         c = self.cfg
         embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
                          name="embed")  # the tied head's table (its params, as the model's)
-        return Transformer.logits(self, embed, x)
+        return Transformer.logits(self, embed, x, final=self.final)
+
+
+def head_sums(cfg: ModelConfig, params, x, targets, mask, chunk: int, final: bool = True):
+    """chunked_sums through the model's own head (Head; final: see there): (sum of the
+    cross entropy x mask, sum of mask)."""
+    head = Head(cfg, final)
+    return chunked_sums(lambda hp, h: head.apply({"params": hp}, h),
+                        {k: params[k] for k in HEAD_PARAMS if k in params}, x, targets, mask,
+                        chunk)
 
 
 def token_losses(logits, targets, label_smoothing: float = 0.0, z_loss: float = 0.0):
@@ -118,10 +131,7 @@ def chunked_terms(model, params, batch, chunk: int, *, dropout_rng=None):
     sparse layers' statistics), the head and the loss run `chunk` positions at a time."""
     sparse = any(model.cfg.sparse_layers)
     x, batch, sown = hidden_of(model, params, batch, dropout_rng, sparse)
-    head = Head(model.cfg)
-    total, count = chunked_sums(lambda hp, h: head.apply({"params": hp}, h),
-                                {k: params[k] for k in HEAD_PARAMS if k in params}, x,
-                                batch["targets"], batch["loss_mask"], chunk)
+    total, count = head_sums(model.cfg, params, x, batch["targets"], batch["loss_mask"], chunk)
     stats = balancing.layer_stats(model.cfg, sown["moe"]) if sparse else {}
     return total, count, stats
 
@@ -149,10 +159,10 @@ class ChunkedLanguageModel(LanguageModel):
 
 
 def check(cfg) -> None:
-    """model.loss_chunk runs the decoder's plain next-token loss: refused with multi-token
-    prediction, a LoRA sweep or an encoder-decoder, in one line."""
+    """model.loss_chunk runs one decoder's next-token losses (its MTP modules' too): refused
+    with a LoRA sweep or an encoder-decoder, in one line."""
     chunk, m = cfg.train.loss_chunk, cfg.model
-    if chunk and (m.mtp_depth or len(m.lora.members()) > 1 or ARCHS[m.arch].encoder):
-        raise ConfigError(f"model.loss_chunk={chunk} chunks a decoder's plain next-token loss; "
-                          "set model.mtp_depth=0, drop model.lora.sweep_* and use "
-                          "model.arch=decoder, or model.loss_chunk=0")
+    if chunk and (len(m.lora.members()) > 1 or ARCHS[m.arch].encoder):
+        raise ConfigError(f"model.loss_chunk={chunk} chunks one decoder's next-token losses; "
+                          "drop model.lora.sweep_* and use model.arch=decoder, or "
+                          "model.loss_chunk=0")

@@ -11,7 +11,7 @@ import pytest
 from jaxformer import ModelConfig, Transformer
 from jaxformer.core.validation import ConfigError
 from jaxformer.training.config import load_config
-from jaxformer.training.objectives.language_model import MultiTokenLM, mtp_terms
+from jaxformer.training.objectives.language_model import MultiTokenLM
 
 EPS = 1e-5
 CFG = ModelConfig(vocab_size=48, d_model=16, n_layers=1, n_heads=2, max_seq_len=32,
@@ -106,18 +106,22 @@ def packed_batch(rng, b=2, t=12):
             "segment_ids": seg.astype(np.int32), "positions": pos.astype(np.int32)}
 
 
-def test_mtp_loss_equals_float64_reference():
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_mtp_loss_equals_float64_reference(chunk):
+    """The plain loss (mtp_terms) and, with model.loss_chunk=5, the chunked one (the head
+    and each depth's loss 5 positions at a time: mtp_chunked_terms)."""
     rng = np.random.default_rng(0)
     params, batch = random_params(CFG, 0), packed_batch(rng)
     model = Transformer(CFG)
-    total, count, _, sums, counts = jax.jit(lambda p, b: mtp_terms(model, p, b))(params, batch)
+    total, count, _, sums, counts = jax.jit(lambda p, b: MultiTokenLM(chunk=chunk).terms(
+        model, p, b))(params, batch)
     main, each = reference_losses(params, batch["inputs"], batch["targets"],
                                   batch["loss_mask"], batch["positions"],
                                   batch["segment_ids"], CFG.mtp_depth)
     np.testing.assert_allclose(float(total / count), main, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(sums / counts), each, rtol=2e-5)
-    train, (_, _, metric_sums) = jax.jit(lambda p, b: MultiTokenLM(weight=0.1).train_loss(
-        model, p, b))(params, batch)
+    train, (_, _, metric_sums) = jax.jit(lambda p, b: MultiTokenLM(
+        weight=0.1, chunk=chunk).train_loss(model, p, b))(params, batch)
     np.testing.assert_allclose(float(train / count), main + 0.1 * np.mean(each), rtol=2e-5)
     got = MultiTokenLM().metrics(metric_sums, count)
     np.testing.assert_allclose([got["mtp_loss_1"], got["mtp_loss_2"]], each, rtol=2e-5)

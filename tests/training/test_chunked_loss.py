@@ -14,6 +14,7 @@ from jaxformer.model.transformer import Transformer
 from jaxformer.training import load_config, objectives
 from jaxformer.training.chunked_loss import (ChunkedLanguageModel, chunked_sums, chunked_terms,
                                              token_losses)
+from jaxformer.training.objectives.language_model import MultiTokenLM
 from jaxformer.training.step import loss_terms
 from tests.conftest import DEFAULT_EMITTERS
 
@@ -125,9 +126,39 @@ def test_the_chunked_step_holds_no_full_logits(rng):
     assert chunked < b * t * v // 2, chunked
 
 
+def test_the_mtp_chunked_loss_equals_the_plain_one_without_full_logits(rng):
+    """Multi-token prediction (2 depths, a packed batch) with model.loss_chunk=16: the train
+    loss, each depth's loss and every gradient equal the plain loss's (tests/model/test_mtp.py
+    holds both against float64), and the compiled chunked gradient has no float32 array of
+    B x T x V elements or more, of any depth (a plain head's has: the test above)."""
+    from tests.model.test_mtp import CFG, random_params
+    b, t = 2, 64
+    cfg = CFG.replace(vocab_size=512, max_seq_len=t)
+    params, model = random_params(cfg, int(rng.integers(1 << 20))), Transformer(cfg)
+    tokens = rng.integers(0, cfg.vocab_size, (b, t + 1)).astype(np.int32)
+    seg = np.where(np.arange(t) < int(rng.integers(8, t - 8)), 1, 2).astype(np.int32)
+    seg = np.repeat(seg[None], b, 0)  # two documents in each row
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+             "loss_mask": (rng.random((b, t)) < 0.8).astype(np.float32)}
+
+    def loss(chunk):
+        return lambda p: MultiTokenLM(weight=0.3, chunk=chunk).train_loss(model, p, batch)
+    (plain, aux), grads = jax.jit(jax.value_and_grad(loss(0), has_aux=True))(params)
+    (chunked, chunked_aux), chunked_grads = jax.jit(jax.value_and_grad(loss(16),
+                                                                       has_aux=True))(params)
+    np.testing.assert_allclose(float(chunked), float(plain), rtol=2e-6)
+    np.testing.assert_allclose(chunked_aux[2]["mtp_sum"], aux[2]["mtp_sum"], rtol=2e-6)
+    for (path, a), g in zip(jax.tree_util.tree_leaves_with_path(chunked_grads),
+                            jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, g, rtol=1e-4, atol=1e-6, err_msg=str(path))
+    held = largest_buffer(jax.grad(lambda p: loss(16)(p)[0]), params)
+    assert held < b * t * cfg.vocab_size // 2, held
+
+
 @pytest.mark.parametrize("extra, names", [
     (["model.loss_chunk=-1"], "model.loss_chunk=-1"),
-    (["model.loss_chunk=8", "model.mtp_depth=1"], "model.loss_chunk=8"),
+    (["model.loss_chunk=8", "model.lora.sweep_rank=2,4"],
+     "model.loss_chunk=8 chunks one decoder's next-token losses"),
 ])
 def test_bad_loss_chunks_are_refused_in_one_line(extra, names):
     with pytest.raises(ConfigError) as err:

@@ -51,28 +51,52 @@ def mtp_masks(batch, depth: int):
     return jnp.stack(out)
 
 
-def mtp_terms(model, params, batch, dropout_rng=None):
-    """(summed main cross entropy, its count, the MoE layers' stats (the MTP modules' with
-    experts after them: mtp.with_modules), each depth's summed cross entropy [D], each
-    depth's count [D]) of one forward with the MTP modules."""
+def mtp_forward(model, params, batch, dropout_rng=None, hidden: bool = False):
+    """The model with its MTP modules on the batch: ((logits [B, T, V], each depth's
+    [D, B, T, V]), or with hidden the head's inputs (x [B, T, D], [D, B, T, D])), and the
+    MoE layers' stats (the MTP modules' with experts after them: mtp.with_modules)."""
     cfg = model.cfg
     sparse = any(cfg.sparse_layers)
     deterministic = dropout_rng is None
     out = model.apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
                       segment_ids=batch.get("segment_ids"), deterministic=deterministic,
                       rngs=None if deterministic else {"dropout": dropout_rng},
-                      mutable=["moe"] if sparse else False, mtp=True)
-    (logits, more), sown = out if sparse else (out, None)  # [B, T, V], [D, B, T, V]
+                      mutable=["moe"] if sparse else False, mtp=True, hidden=hidden)
+    outputs, sown = out if sparse else (out, None)
+    stats = with_modules(cfg, balancing.layer_stats(cfg, sown["moe"]), sown["moe"]) \
+        if sparse else {}  # the sparse layers' rows, then the MTP modules'
+    return outputs, stats
+
+
+def mtp_terms(model, params, batch, dropout_rng=None):
+    """(summed main cross entropy, its count, the MoE layers' stats (mtp_forward), each
+    depth's summed cross entropy [D], each depth's count [D]) of one forward with the MTP
+    modules."""
+    (logits, more), stats = mtp_forward(model, params, batch, dropout_rng)
     mask = batch["loss_mask"].astype(jnp.float32)
     nll = -target_logprobs(logits, batch["targets"])  # [B, T]
-    depth = cfg.mtp_depth
+    depth = model.cfg.mtp_depth
     targets = jnp.stack([shifted(batch["targets"], k) for k in range(1, depth + 1)])
     masks = mtp_masks(batch, depth)  # [D, B, T]
     mtp_nll = -target_logprobs(more, targets)  # [D, B, T]
-    stats = with_modules(cfg, balancing.layer_stats(cfg, sown["moe"]), sown["moe"]) \
-        if sparse else {}  # the sparse layers' rows, then the MTP modules'
     return (jnp.sum(nll * mask), jnp.sum(mask), stats, jnp.sum(mtp_nll * masks, (1, 2)),
             jnp.sum(masks, (1, 2)))
+
+
+def mtp_chunked_terms(model, params, batch, chunk: int, dropout_rng=None):
+    """mtp_terms with the head and every loss `chunk` positions at a time (model.loss_chunk:
+    training.chunked_loss): the main loss on the last block's output, depth k's on module
+    k's normed output, so no [B, T, V] logits of any depth are held."""
+    cfg = model.cfg
+    (x, normed), stats = mtp_forward(model, params, batch, dropout_rng, hidden=True)
+    total, count = chunked_loss.head_sums(cfg, params, x, batch["targets"],
+                                          batch["loss_mask"], chunk)
+    masks = mtp_masks(batch, cfg.mtp_depth)  # [D, B, T]
+    each = [chunked_loss.head_sums(cfg, params, normed[k - 1], shifted(batch["targets"], k),
+                                   masks[k - 1], chunk, final=False)
+            for k in range(1, cfg.mtp_depth + 1)]
+    return (total, count, stats, jnp.stack([s for s, _ in each]),
+            jnp.stack([n for _, n in each]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +106,18 @@ class MultiTokenLM(LanguageModel):
     [D]."""
 
     weight: float = 0.3
+    chunk: int = 0  # model.loss_chunk: the head and losses a block at a time (0: whole)
+
+    def terms(self, model, params, batch, dropout_rng=None):
+        """mtp_terms, or mtp_chunked_terms with a chunk."""
+        if self.chunk:
+            return mtp_chunked_terms(model, params, batch, self.chunk, dropout_rng)
+        return mtp_terms(model, params, batch, dropout_rng)
 
     def train_loss(self, model, params, batch, dropout_rng=None):
         """(summed train loss: main cross entropy + count x (MoE penalty + weight x the mean
         over depths of L_k), (main summed cross entropy, count, sums))."""
-        total, count, stats, sums, counts = mtp_terms(model, params, batch, dropout_rng)
+        total, count, stats, sums, counts = self.terms(model, params, batch, dropout_rng)
         mean = jnp.mean(sums / jnp.maximum(counts, 1.0))  # 1/D sum_k L_k
         train = total + count * (balancing.penalty(model.cfg.moe, stats) + self.weight * mean)
         return train, (total, count, {**balancing.step_sums(stats, count), "mtp_sum": sums,
@@ -102,7 +133,7 @@ class MultiTokenLM(LanguageModel):
     def eval_sums(self, model, params, batch, reference=None):
         """(summed main cross entropy, count, {mtp_loss_k: L_k x count}): the loop's
         val_mtp_loss_k is then each depth's mean (over batches, weighted by count)."""
-        total, count, _, sums, counts = mtp_terms(model, params, batch)
+        total, count, _, sums, counts = self.terms(model, params, batch)
         each = sums / jnp.maximum(counts, 1.0) * count
         return total, count, {n: each[k] for k, n in enumerate(MTP_METRICS[:len(each)])}
 
@@ -116,11 +147,12 @@ class MultiTokenLM(LanguageModel):
 
 def build(cfg, tokenizer=None):
     """The step hooks: the encoder-decoder's (Seq2Seq) or the decoder's (LanguageModel;
-    MultiTokenLM with model.mtp_depth > 0; ChunkedLanguageModel with model.loss_chunk)."""
+    MultiTokenLM with model.mtp_depth > 0, chunked too with model.loss_chunk;
+    ChunkedLanguageModel with model.loss_chunk)."""
     if ARCHS[cfg.model.arch].encoder:  # an encoder stack of its own: source/target pairs
         return Seq2Seq(cfg.optim.label_smoothing)
     if cfg.model.mtp_depth:
-        return MultiTokenLM(cfg.optim.grad_accum, cfg.train.mtp_weight)
+        return MultiTokenLM(cfg.optim.grad_accum, cfg.train.mtp_weight, cfg.train.loss_chunk)
     if cfg.train.loss_chunk:  # model.loss_chunk: the head and loss a block at a time
         return chunked_loss.ChunkedLanguageModel(cfg.optim.grad_accum, cfg.train.loss_chunk)
     return LanguageModel(cfg.optim.grad_accum)
