@@ -51,7 +51,12 @@ def token_logprobs(model, params, tokens, positions=None, segment_ids=None):
     mask covers its own tokens, each conditioned on what precedes it)."""
     logits = model.apply({"params": params}, tokens, positions=positions,
                          segment_ids=segment_ids)  # [B, T, V] float32
-    logp = target_logprobs(logits[:, :-1], tokens[:, 1:])  # [B, T - 1]: token t + 1
+    return aligned(target_logprobs(logits[:, :-1], tokens[:, 1:]), segment_ids)
+
+
+def aligned(logp, segment_ids=None):
+    """The log-probs of tokens 1 .. T - 1 [B, T - 1] aligned with the tokens [B, T]
+    (token_logprobs): 0 at the first token, at a segment's first and at padding."""
     if segment_ids is not None:  # a token after another segment's has no context here
         same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
         logp = jnp.where(same, logp, 0.0)

@@ -2,8 +2,9 @@
 row, forward and backward, so no step holds the [B, T, V] logits (0: the plain loss).
 An objective takes it where its entry says so (Objective.loss_chunk): lm's hooks here (and
 its multi-token prediction's: each depth's loss through the same head, a block at a time,
-training/objectives/language_model.py), mlm's chosen tokens (training/mlm.py); the others
-refuse it at config time.
+training/objectives/language_model.py), mlm's chosen tokens (training/mlm.py), and the
+post-training objectives' token log-probs (target_logps: dpo's and orpo's answers, policy
+and reference; token_logps: grpo's); the others refuse it at config time.
 
 The model gives its last block's output x [B, T, D] (Transformer(..., hidden=True); the full
 logits it also returns are dead code under jit and compiled away); a lax.scan then runs,
@@ -33,13 +34,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.attention.ring import zigzag_batch
+from jaxformer.core.logprobs import aligned, target_logprobs, token_logprobs
 from jaxformer.core.sharding import sequence_split
 from jaxformer.core.validation import ConfigError
 from jaxformer.model.archs import ARCHS
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.transformer import Transformer
 from jaxformer.moe import balancing
-from jaxformer.training.step import LanguageModel, joined
+from jaxformer.training.step import LanguageModel, joined, logits_of
 
 HEAD_PARAMS = ("embed", "final_norm", "head_transform", "head_norm", "lm_head", "head_bias")
 
@@ -60,15 +62,6 @@ class Head(nn.Module):
         return Transformer.logits(self, embed, x, final=self.final)
 
 
-def head_sums(cfg: ModelConfig, params, x, targets, mask, chunk: int, final: bool = True):
-    """chunked_sums through the model's own head (Head; final: see there): (sum of the
-    cross entropy x mask, sum of mask)."""
-    head = Head(cfg, final)
-    return chunked_sums(lambda hp, h: head.apply({"params": hp}, h),
-                        {k: params[k] for k in HEAD_PARAMS if k in params}, x, targets, mask,
-                        chunk)
-
-
 def token_losses(logits, targets, label_smoothing: float = 0.0, z_loss: float = 0.0):
     """Per-token loss: logits [..., V] float32, targets int [...] -> float32 [...]: the cross
     entropy against (1 - e) one-hot + e / V, plus z_loss * logsumexp(logits)^2."""
@@ -82,32 +75,74 @@ def token_losses(logits, targets, label_smoothing: float = 0.0, z_loss: float = 
     return loss
 
 
-def chunked_sums(head, head_params, x, targets, mask, chunk: int, *,
-                 label_smoothing: float = 0.0, z_loss: float = 0.0):
-    """(sum of token_losses x mask, sum of mask) with logits = head(head_params, x block),
-    `chunk` positions of every row at a time: x [B, T, D], targets [B, T], mask [B, T].
-    T is padded to a multiple of chunk with masked positions."""
+def blockwise(head, head_params, x, targets, chunk: int, per_token):
+    """per_token(logits [B, N, V], targets [B, N]) -> [B, N] of every block of `chunk`
+    positions, logits = head(head_params, x block), each block under jax.checkpoint (the
+    backward recomputes its logits): float32 [B, T] for x [B, T, D], targets [B, T]. T is
+    padded to a multiple of chunk, and the padding's values dropped."""
     b, t = targets.shape
     n = -(-t // chunk)
-    pad = n * chunk - t
-    mask = mask.astype(jnp.float32)
-    x, targets, mask = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-                        for a in (x, targets, mask))
+    pad = [(0, 0), (0, n * chunk - t)]
+    x, targets = jnp.pad(x, pad + [(0, 0)] * (x.ndim - 2)), jnp.pad(targets, pad)
 
     def blocks(a):  # [B, n * N, ...] -> [n, B, N, ...]
         return jnp.moveaxis(a.reshape(b, n, chunk, *a.shape[2:]), 1, 0)
 
-    @jax.checkpoint  # the backward recomputes the block's logits
-    def block(hp, xb, tb, mb):
-        logits = head(hp, xb)  # [B, N, V] float32
-        return jnp.sum(token_losses(logits, tb, label_smoothing, z_loss) * mb)
+    @jax.checkpoint
+    def block(hp, xb, tb):
+        return per_token(head(hp, xb), tb)  # [B, N] from [B, N, V] float32 logits
 
-    def body(total, xs):
-        return total + block(head_params, *xs), None
+    values = jax.lax.scan(lambda _, xs: (None, block(head_params, *xs)), None,
+                          (blocks(x), blocks(targets)))[1]  # [n, B, N]
+    return jnp.moveaxis(values, 0, 1).reshape(b, n * chunk)[:, :t]
 
-    total = jax.lax.scan(body, jnp.zeros([], jnp.float32),
-                         (blocks(x), blocks(targets), blocks(mask)))[0]
-    return total, jnp.sum(mask)
+
+def chunked_sums(head, head_params, x, targets, mask, chunk: int, *,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0):
+    """(sum of token_losses x mask, sum of mask) with logits = head(head_params, x block),
+    `chunk` positions of every row at a time (blockwise): x [B, T, D], targets and mask
+    [B, T]."""
+    losses = blockwise(head, head_params, x, targets, chunk,
+                       lambda logits, tb: token_losses(logits, tb, label_smoothing, z_loss))
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def model_head(cfg: ModelConfig, params, final: bool = True):
+    """(head(head_params, x) -> logits, head_params): the model's own head (Head; final: see
+    there) and its params out of the model's."""
+    head = Head(cfg, final)
+    return (lambda hp, h: head.apply({"params": hp}, h),
+            {k: params[k] for k in HEAD_PARAMS if k in params})
+
+
+def head_sums(cfg: ModelConfig, params, x, targets, mask, chunk: int, final: bool = True):
+    """chunked_sums through the model's own head (model_head): (sum of the cross entropy x
+    mask, sum of mask)."""
+    return chunked_sums(*model_head(cfg, params, final), x, targets, mask, chunk)
+
+
+def target_logps(model, params, batch, chunk: int = 0, dropout_rng=None):
+    """(the log-probs of batch's targets [B, T] (core.logprobs.target_logprobs), the batch
+    they are of: training.step.logits_of's): from the whole logits with chunk 0, else
+    through the model's head `chunk` positions at a time (blockwise)."""
+    if not chunk:
+        logits, batch = logits_of(model, params, batch, dropout_rng)  # [B, T, V] float32
+        return target_logprobs(logits, batch["targets"]), batch
+    x, batch, _ = hidden_of(model, params, batch, dropout_rng)
+    return blockwise(*model_head(model.cfg, params), x, batch["targets"], chunk,
+                     target_logprobs), batch
+
+
+def token_logps(model, params, tokens, positions=None, segment_ids=None, chunk: int = 0):
+    """core.logprobs.token_logprobs (teacher-forced log-probs of tokens [B, T], aligned with
+    them), with chunk > 0 through the model's head `chunk` positions at a time."""
+    if not chunk:
+        return token_logprobs(model, params, tokens, positions, segment_ids)
+    _, x = model.apply({"params": params}, tokens, positions=positions,
+                       segment_ids=segment_ids, hidden=True)  # the logits go unused
+    return aligned(blockwise(*model_head(model.cfg, params), x[:, :-1], tokens[:, 1:], chunk,
+                             target_logprobs), segment_ids)
 
 
 def hidden_of(model, params, batch, dropout_rng=None, sown: bool = False):

@@ -37,6 +37,7 @@ bench/grpo_rollout.py times a rollout-heavy step both ways.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, NamedTuple
 
@@ -47,12 +48,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxformer.core.logprobs import token_logprobs
 from jaxformer.core.sharding import traced_under
 from jaxformer.decode.loops import generate
 from jaxformer.model.config import ConfigError
 from jaxformer.model.lora import base_only
 from jaxformer.serve.engine import Engine, RequestSettings
+from jaxformer.training.chunked_loss import chunked_terms, token_logps
 from jaxformer.training.grpo import group_advantages, grpo_loss
 from jaxformer.training.match import byte_table, encode_targets, task_rewards, token_pieces
 from jaxformer.training.optim import make_optimizer
@@ -178,9 +179,12 @@ class GroupPolicy:
 
     def __init__(self, cfg):  # cfg: the RunConfig
         self.cfg, self.o = cfg, cfg.objective
+        self.chunk = cfg.train.loss_chunk  # the log-probs through the head in blocks
         self.reward = Reward(self.o.reward)  # a bad reward: refused before data loads
 
     def eval_sums(self, model, params, batch, reference=None):
+        if self.chunk:
+            return chunked_terms(model, params, batch, self.chunk)[:2]
         return loss_terms(model, params, batch)[:2]
 
     def rollout_step(self, model, data, reference, mesh=None, rules=None, shardings=None):
@@ -191,7 +195,7 @@ class GroupPolicy:
         """update(state, rollout, *reference) -> (state, metrics, the rollout's reward_stats
         among them), to be jitted; rollout: prompts, lengths, tokens, logps, counts (as
         `sequences` takes them) and rewards."""
-        o = self.o
+        o, logps = self.o, functools.partial(token_logps, chunk=self.chunk)
 
         def update(state, rollout, *reference):
             trained, frozen = trained_part(state.params)
@@ -201,7 +205,7 @@ class GroupPolicy:
             ref = None
             if o.beta:  # the init_from weights, or (LoRA) the base without its adapters
                 ref_params = reference[0] if reference else base_only(state.params)
-                ref = jax.lax.stop_gradient(token_logprobs(model, ref_params, *args))
+                ref = jax.lax.stop_gradient(logps(model, ref_params, *args))
             group = jnp.arange(rollout["rewards"].shape[0]) // o.group_size
             adv = group_advantages(rollout["rewards"], group, num_groups)
 
@@ -209,7 +213,7 @@ class GroupPolicy:
                 trained, opt_state = carry
 
                 def loss(t):
-                    new = token_logprobs(model, joined(t, frozen), *args)
+                    new = logps(model, joined(t, frozen), *args)
                     return grpo_loss(new, batch["old"], ref, batch["loss_mask"], adv,
                                      clip=o.clip, clip_high=o.clip_high, beta=o.beta)
                 (value, m), grads = jax.value_and_grad(loss, has_aux=True)(trained)

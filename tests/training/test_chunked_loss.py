@@ -13,7 +13,7 @@ from jaxformer.core.validation import ConfigError
 from jaxformer.model.transformer import Transformer
 from jaxformer.training import load_config, objectives
 from jaxformer.training.chunked_loss import (ChunkedLanguageModel, chunked_sums, chunked_terms,
-                                             token_losses)
+                                             token_logps, token_losses)
 from jaxformer.training.objectives.language_model import MultiTokenLM
 from jaxformer.training.step import loss_terms
 from tests.conftest import DEFAULT_EMITTERS
@@ -119,11 +119,13 @@ def test_the_chunked_step_holds_no_full_logits(rng):
              "loss_mask": np.ones((b, t), np.float32)}
     params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch["inputs"]))["params"]
     chunked = largest_buffer(jax.grad(lambda p: chunked_terms(model, p, batch, 16)[0]), params)
+    logps = largest_buffer(jax.grad(lambda p: jnp.sum(token_logps(  # grpo's log-probs
+        model, p, tokens[:, :-1], chunk=16))), params)
     w = jax.ShapeDtypeStruct((cfg.d_model, v), jnp.float32)  # the check sees a plain head's
     x = jnp.asarray(rng.normal(size=(b, t, cfg.d_model)), jnp.float32)
     plain = largest_buffer(jax.grad(lambda w: jnp.sum(token_losses(x @ w, batch["targets"]))), w)
     assert plain >= b * t * v
-    assert chunked < b * t * v // 2, chunked
+    assert chunked < b * t * v // 2 and logps < b * t * v // 2, (chunked, logps)
 
 
 def test_the_mtp_chunked_loss_equals_the_plain_one_without_full_logits(rng):

@@ -80,12 +80,14 @@ def numpy_dpo(model, policy, ref_model, reference, batch, beta, kind):
     return losses.mean(), {k: v.mean() for k, v in metrics.items()}, len(h)
 
 
-@pytest.mark.parametrize("kind,rank", [("sigmoid", 0), ("ipo", 2)])
-def test_the_losses_equal_a_float64_reference_of_both_models(tmp_path, kind, rank):
+@pytest.mark.parametrize("kind,rank,chunk", [("sigmoid", 0, 0), ("ipo", 2, 5)])
+def test_the_losses_equal_a_float64_reference_of_both_models(tmp_path, kind, rank, chunk):
     """A packed batch of pairs: the eval step's and the train step's loss and metrics equal
     NumPy's from log-probs of the policy and the reference computed apart. Without LoRA
     the reference is another params tree passed in; with LoRA it is the base alone (a
-    model without adapters on the base params), the policy the base with random adapters."""
+    model without adapters on the base params), the policy the base with random adapters.
+    chunk: model.loss_chunk (both models' log-probs through the head 5 positions at a
+    time)."""
     path = write_jsonl(tmp_path / "p.jsonl", sums(30, lambda a, b: int(rng.integers(10, 200))))
     data = load_dataset(DataConfig(path=str(path), format="preference", val_fraction=0.0,
                                    cache_dir=str(tmp_path / "c")), run_dir=str(tmp_path / "run"),
@@ -107,7 +109,7 @@ def test_the_losses_equal_a_float64_reference_of_both_models(tmp_path, kind, ran
     else:
         reference = passed = ref_model.init(key(), batch["inputs"][:1])["params"]
     beta = float(rng.uniform(0.05, 1.0))
-    objective = Preference(ObjectiveConfig(name="dpo", beta=beta, loss=kind))
+    objective = Preference(ObjectiveConfig(name="dpo", beta=beta, loss=kind), chunk)
     want_loss, want, pairs = numpy_dpo(model, policy, ref_model, reference, batch, beta, kind)
 
     total, count, got = make_eval_step(model, objective=objective, reference=passed)(policy, batch)

@@ -103,12 +103,14 @@ def gradient_keeper():
 
 
 @functools.cache
-def update_programs():
+def update_programs(chunk: int = 0):
     """(TINY's init, the GRPO step's update for TINY with objective.beta=BETA, one inner
-    step and gradient_keeper, a forward: logits [N, T, V], the gradient of the textbook
-    loss at ratio 1), each jitted, compiled once for the tests that share them."""
+    step and gradient_keeper, model.loss_chunk=chunk, a forward: logits [N, T, V], the
+    gradient of the textbook loss at ratio 1), each jitted, compiled once for the tests
+    that share them."""
     cfg = RunConfig(model=TINY, data=DataConfig(format="prompt_completion", path="r.jsonl"),
-                    train=TrainConfig(init_from="reference", seq_len=TINY.max_seq_len),
+                    train=TrainConfig(init_from="reference", seq_len=TINY.max_seq_len,
+                                      loss_chunk=chunk),
                     objective=ObjectiveConfig(name="grpo", reward="task:addition", beta=BETA,
                                               group_size=GROUP, inner_steps=1))
     model = Transformer(TINY)
@@ -187,8 +189,11 @@ def test_the_update_normalises_each_prompts_rewards_within_its_own_group():
     """With rewards whose level differs by tens from prompt to prompt, the update's
     gradient (at ratio 1) is that of the textbook loss with float64 NumPy advantages
     normalised within each prompt's group: grouping rows across prompts, or over the
-    whole batch, gives other advantages and another gradient."""
-    init, update, forward, textbook = update_programs()
+    whole batch, gives other advantages and another gradient. The update runs with
+    model.loss_chunk=4 (the policy's and reference's log-probs through the head 4
+    positions at a time; test_the_update_kl_...: the whole logits), and its ratio starts
+    at 1 against the rollout's log-probs of the whole logits."""
+    init, update, forward, textbook = update_programs(4)
     params, reference, rollout, seq, _, ref = draw_rollout(init, forward)
     adv = np_group_advantages(rollout["rewards"])
     metrics, got = run_update(update, params, reference, rollout)

@@ -5,12 +5,14 @@ silently on the whole logits. Parametrised over the table, so an objective added
 checked too. MLM's chunked loss: its value and gradient equal the plain one's, and its
 compiled gradient holds no [B, T, V] logits."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import Transformer
+from jaxformer import ModelConfig, Transformer
 from jaxformer.model.config import ConfigError
 from jaxformer.training import load_config, objectives
 from jaxformer.training.chunked_loss import ChunkedLanguageModel
@@ -29,7 +31,9 @@ def test_loss_chunk_is_taken_or_refused_by_each_objective(name, run):  # noqa: F
             load_config(None, args)
         message = str(err.value)
         assert "\n" not in message
-        for words in (f"model.loss_chunk=8 with objective.name={name}", "objective.name lm"):
+        takes = ", ".join(n for n, e in objectives.OBJECTIVES.items() if e.loss_chunk)
+        for words in (f"model.loss_chunk=8 with objective.name={name}",
+                      f"model.loss_chunk chunks objective.name {takes};"):
             assert words in message, message
         load_config(None, args[:-1])  # the same run without it loads
         return
@@ -75,3 +79,28 @@ def test_mlm_chunked_loss_equals_the_plain_one_without_full_logits():
         np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-6, err_msg=str(path))
     grad = jax.grad(lambda p: chunked.terms(model, p, batch, key)[0])
     assert largest_buffer(grad, params) < b * t * v // 2  # the plain loss's has b t v
+
+
+@pytest.mark.parametrize("name", [n for n, e in objectives.OBJECTIVES.items()
+                                  if e.loss_chunk and "pairs" in e.batches.get("decoder", ())])
+def test_a_pair_objectives_chunked_gradient_holds_no_full_logits(name):
+    """dpo and orpo with model.loss_chunk=16 (T = 64, two answers a row): the compiled
+    gradient of the step's loss (the reference's log-probs included) has no float32 array of
+    B x T x V elements (test_chunked_loss: the check sees a plain one's); their values
+    against float64: tests/training/test_dpo.py, test_odds_ratio.py."""
+    b, t, v = 2, 64, 512
+    model = Transformer(ModelConfig(vocab_size=v, d_model=16, n_layers=1, n_heads=2,
+                                    max_seq_len=t))
+    entry = objectives.OBJECTIVES[name]
+    hooks = entry.build(types.SimpleNamespace(objective=entry.settings(),
+                                              train=types.SimpleNamespace(loss_chunk=16)), None)
+    half = t // 2
+    batch = {"inputs": jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32),
+             "targets": jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32),
+             "loss_mask": jnp.ones((b, t), jnp.float32),
+             "segment_ids": jnp.asarray(np.repeat([[1] * half + [2] * half], b, 0), jnp.int32),
+             "positions": jnp.asarray(np.tile(np.arange(half), (b, 2)), jnp.int32)}
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["inputs"]))["params"]
+    grads = lambda p: hooks.gradient_sums(model, p, {}, batch, None, reference=p)[2]  # noqa: E731
+    assert hooks.chunk == 16
+    assert largest_buffer(grads, params) < b * t * v // 2

@@ -72,7 +72,8 @@ def numpy_pairs(model, params, batch):
 
 def test_the_steps_loss_is_the_papers_formula_on_a_models_pairs(tmp_path):
     """A packed batch of pairs: the eval step's and the train step's loss and metrics
-    equal NumPy's from each answer's log-probs computed alone."""
+    equal NumPy's from each answer's log-probs computed alone, with model.loss_chunk=7 (the
+    log-probs through the head 7 positions at a time; test_dpo.py: the whole logits')."""
     path = write_jsonl(tmp_path / "p.jsonl", sums(30, lambda a, b: int(rng.integers(10, 200))))
     data = load_dataset(DataConfig(path=str(path), format="preference", val_fraction=0.0,
                                    cache_dir=str(tmp_path / "c")), run_dir=str(tmp_path / "run"),
@@ -85,7 +86,9 @@ def test_the_steps_loss_is_the_papers_formula_on_a_models_pairs(tmp_path):
     lam = float(rng.uniform(0.05, 2.0))
     objective = objectives.OBJECTIVES["orpo"].build(
         load_config(None, ["objective.name=orpo", f"objective.beta={lam}", "model.arch=decoder",
-                           "data.format=preference", f"data.path={path}"]), None)
+                           "data.format=preference", f"data.path={path}",
+                           "model.loss_chunk=7"]), None)
+    assert objective.chunk == 7
     c, nc, r, nr = numpy_pairs(model, params, batch)
     losses, metrics = numpy_orpo(c, r, nc, nr, lam)
     total, count, got = make_eval_step(model, objective=objective)(params, batch)

@@ -61,4 +61,4 @@ ENTRY = Objective(
     batches={"decoder": ("completions",)},  # it samples answers to their prompts
     metrics=METRICS, perplexity=True,  # the val answers' cross entropy
     reference=lambda settings: settings.beta > 0, starts_from=True, rollout=True,
-    check=lambda cfg: dense_only(cfg, grad_accum=True))
+    check=lambda cfg: dense_only(cfg, grad_accum=True), loss_chunk=True)

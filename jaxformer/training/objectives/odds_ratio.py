@@ -50,12 +50,13 @@ def odds_ratio_terms(chosen, rejected, chosen_tokens, rejected_tokens, lam):
 class OddsRatio:
     """objective.name=orpo: the step's hooks (training/objectives/entry.py)."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, chunk: int = 0):
         self.lam = settings.beta
+        self.chunk = chunk  # model.loss_chunk: the head a block of positions at a time
 
     def terms(self, model, params, batch, dropout_rng=None):
         """(summed loss over the pairs, the pair count, METRICS summed over the pairs)."""
-        p = pair_logps(model, params, batch, dropout_rng)
+        p = pair_logps(model, params, batch, dropout_rng, self.chunk)
         losses, metrics = odds_ratio_terms(p["chosen"], p["rejected"], p["chosen_tokens"],
                                            p["rejected_tokens"], self.lam)
         present = p["present"]
@@ -91,7 +92,8 @@ class ORPOSettings:
 
 
 ENTRY = Objective(
-    settings=ORPOSettings, build=lambda cfg, tokenizer: OddsRatio(cfg.objective),
+    settings=ORPOSettings,
+    build=lambda cfg, tokenizer: OddsRatio(cfg.objective, cfg.train.loss_chunk),
     batches={"decoder": ("pairs",)}, metrics=METRICS,
     perplexity=False,  # a loss per pair; its evaluation logs val_odds_accuracy and the rest
-    check=dense_only)
+    check=dense_only, loss_chunk=True)

@@ -16,6 +16,8 @@ set to 0, i.e. the frozen base alone (no second copy of the weights); without, a
 the init_from weights that the loop passes to each step (it is never trained).
 
 Settings (DPOSettings): beta, DPO's KL strength (IPO's tau), > 0; loss: sigmoid | ipo.
+With model.loss_chunk=N the log-probs come through the head N positions at a time, policy
+and reference alike (training.chunked_loss.target_logps): no [B, T, V] logits are held.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxformer.core.logprobs import target_logprobs
 from jaxformer.core.validation import check_choice, check_number
 from jaxformer.model import lora
+from jaxformer.training.chunked_loss import target_logps
 from jaxformer.training.objectives.entry import Objective, dense_only, fixed_name
-from jaxformer.training.step import joined, logits_of
+from jaxformer.training.step import joined
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 LOSSES = {  # objective.loss -> each pair's loss of h (the module docstring) and beta
@@ -63,14 +65,14 @@ def pair_terms(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, k
     return losses, metrics
 
 
-def pair_logps(model, params, batch, dropout_rng=None) -> dict:
+def pair_logps(model, params, batch, dropout_rng=None, chunk: int = 0) -> dict:
     """Each pair's answers, float32 [B, P] with P = T // 2 (pair k: segments 2k - 1 and
     2k): chosen and rejected, the summed answer log-probabilities (the targets'
     log-softmax where loss_mask is set, summed over the answer's segment);
     chosen_tokens and rejected_tokens, the answers' loss_mask counts; present, 1 where
-    the row holds pair k."""
-    logits, batch = logits_of(model, params, batch, dropout_rng)  # [B, T, V] float32
-    token = target_logprobs(logits, batch["targets"])  # [B, T]: the LM loss's log-softmax
+    the row holds pair k. chunk: model.loss_chunk (the head `chunk` positions at a time:
+    training.chunked_loss.target_logps)."""
+    token, batch = target_logps(model, params, batch, chunk, dropout_rng)  # [B, T]
     seg, mask = batch["segment_ids"], batch["loss_mask"].astype(jnp.float32)
     n = seg.shape[1] + 1 + (seg.shape[1] % 2)  # segments 0 .. T (+1: an odd T's last pair)
 
@@ -84,28 +86,30 @@ def pair_logps(model, params, batch, dropout_rng=None) -> dict:
             "present": (tokens[:, 1::2] > 0).astype(jnp.float32)}
 
 
-def answer_logps(model, params, batch, dropout_rng=None):
+def answer_logps(model, params, batch, dropout_rng=None, chunk: int = 0):
     """(chosen, rejected, present) of pair_logps."""
-    p = pair_logps(model, params, batch, dropout_rng)
+    p = pair_logps(model, params, batch, dropout_rng, chunk)
     return p["chosen"], p["rejected"], p["present"]
 
 
 class Preference:
     """objective.name=dpo: the step's hooks (training/step.py) for DPO and IPO."""
 
-    def __init__(self, cfg):  # cfg: the objective's settings (DPOSettings)
+    def __init__(self, cfg, chunk: int = 0):  # cfg: the objective's settings (DPOSettings)
         self.beta, self.kind = cfg.beta, cfg.loss
+        self.chunk = chunk  # model.loss_chunk: the head a block of positions at a time
 
     def reference_logps(self, model, params, reference, batch):
         """The reference's (chosen, rejected) answer log-probabilities, outside the gradient:
         `reference` (the init_from weights) or, with LoRA, `params` without the adapters."""
         ref = lora.base_only(params) if reference is None else reference
-        chosen, rejected, _ = answer_logps(model, jax.lax.stop_gradient(ref), batch)
+        chosen, rejected, _ = answer_logps(model, jax.lax.stop_gradient(ref), batch,
+                                           chunk=self.chunk)
         return jax.lax.stop_gradient(chosen), jax.lax.stop_gradient(rejected)
 
     def terms(self, model, params, batch, ref, dropout_rng=None):
         """(summed loss over the pairs, the pair count, METRICS summed over the pairs)."""
-        chosen, rejected, present = answer_logps(model, params, batch, dropout_rng)
+        chosen, rejected, present = answer_logps(model, params, batch, dropout_rng, self.chunk)
         losses, metrics = pair_terms(chosen, rejected, *ref, self.beta, self.kind)
         return (jnp.sum(losses * present), jnp.sum(present),
                 {k: jnp.sum(v * present) for k, v in metrics.items()})
@@ -147,8 +151,9 @@ class DPOSettings:
 
 
 ENTRY = Objective(
-    settings=DPOSettings, build=lambda cfg, tokenizer: Preference(cfg.objective),
+    settings=DPOSettings,
+    build=lambda cfg, tokenizer: Preference(cfg.objective, cfg.train.loss_chunk),
     batches={"decoder": ("pairs",)}, metrics=METRICS,
     perplexity=False,  # a loss per pair of answers; its evaluation logs val_reward_*
     reference=lambda settings: True, starts_from=True,
-    check=dense_only)
+    check=dense_only, loss_chunk=True)
