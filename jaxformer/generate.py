@@ -28,6 +28,7 @@ import numpy as np
 from jaxformer.attention.cache_formats import CACHE_FORMATS
 from jaxformer.core.low_precision import MATMUL_PRECISIONS
 from jaxformer.core.moved import make_callable
+from jaxformer.model.build import with_precision
 from jaxformer.training.saved_run import load_run
 
 
@@ -102,12 +103,6 @@ def main(argv=None) -> int:
         return 2
     print(continuation_text(tok, prompt[0], out.tokens[0], out.lengths[0]))
     return 0
-
-
-def with_precision(model, precision: str | None):
-    """model with its weight matmuls in model.matmul_precision=precision (None: as it is)."""
-    return model if precision is None else model.clone(
-        cfg=model.cfg.replace(matmul_precision=precision))
 
 
 def checked_flags(a: argparse.Namespace):

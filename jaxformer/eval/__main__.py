@@ -2,6 +2,7 @@
 
     python -m jaxformer.eval RUN_DIR|RUN_DIR@STEP|HF_DIR --tasks T1,T2 [--include_path DIR]
         [--limit N] [--batch_size B] [--num_fewshot K] [--output results.json]
+        [--matmul-precision fp8_rowwise]
 
 (--batch-size, --include-path, --num-fewshot and --max-gen-toks are accepted too.)
 
@@ -28,6 +29,7 @@ def flag(p, name: str, **kw):
 
 
 def parse_args(argv):
+    from jaxformer.core.low_precision import MATMUL_PRECISIONS
     p = argparse.ArgumentParser(prog="python -m jaxformer.eval",
                                 description="Run lm-evaluation-harness tasks on a jaxformer "
                                 "run dir (RUN or RUN@STEP) or a Hugging Face folder.")
@@ -42,6 +44,8 @@ def parse_args(argv):
     p.add_argument("--engine", action="store_true", help="generate_until through the serving "
                    "engine (continuous batching over --batch_size slots)")
     p.add_argument("--output", default=None, help="the results JSON (default MODEL/lm_eval.json)")
+    p.add_argument("--matmul-precision", default=None, choices=tuple(MATMUL_PRECISIONS),
+                   help="the weight matmuls' precision (default: the model's)")
     return p.parse_args(argv)
 
 
@@ -78,7 +82,8 @@ def evaluate(args) -> dict:
 
     lm = JaxformerLM(args.model.rstrip("/"), batch_size=args.batch_size,
                      max_gen_toks=args.max_gen_toks, best=args.best,
-                     engine=getattr(args, "engine", False))
+                     engine=getattr(args, "engine", False),
+                     matmul_precision=getattr(args, "matmul_precision", None))
     names = [t for t in args.tasks.split(",") if t]
     tasks = task_manager(args.include_path, names)
     unknown = [n for n in names

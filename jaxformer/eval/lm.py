@@ -5,10 +5,14 @@ the tokens of context + continuation past the context's (encoded whole, then spl
 request longer than max_seq_len + 1 tokens loses its left end, an empty context is the
 prefix token (the tokenizer's end-of-text). With `engine=true` generate_until runs through
 the serving engine (jaxformer.serve: continuous batching, `batch_size` slots), so a short
-continuation does not wait for the longest of its batch; the greedy tokens are the same."""
+continuation does not wait for the longest of its batch; the greedy tokens are the same.
+`matmul_precision=P` scores and generates in another model.matmul_precision than the
+model's (an fp8 run's per-tensor scales span the batch: its scores depend on the batch's
+other requests; fp8_rowwise or default do not)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -23,6 +27,7 @@ from tqdm import tqdm
 from jaxformer.core.sharding import sharding_context
 from jaxformer.eval.loading import Loaded, load_model
 from jaxformer.eval.scoring import Scorer, bucket
+from jaxformer.model.build import with_precision
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +43,13 @@ class JaxformerLM(TemplateLM):
 
     def __init__(self, path: str | None = None, batch_size: int | str = 8,
                  max_gen_toks: int = 256, best: bool = False, loaded: Loaded | None = None,
-                 engine: bool | str = False, **_ignored):
+                 engine: bool | str = False, matmul_precision: str | None = None, **_ignored):
         super().__init__()
         if loaded is None and path is None:
             raise ValueError("JaxformerLM needs path=RUN_DIR (or an HF folder)")
-        self.loaded = loaded or load_model(path, best=bool(best))
+        loaded = loaded or load_model(path, best=bool(best))
+        self.loaded = dataclasses.replace(loaded, model=with_precision(loaded.model,
+                                                                       matmul_precision))
         self.tok = self.loaded.tokenizer
         self.scorer = Scorer(self.loaded, int(batch_size))
         self._max_gen_toks = int(max_gen_toks)

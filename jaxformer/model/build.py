@@ -26,6 +26,14 @@ def model_for(cfg):
     return MODELS[cfg.arch](cfg)
 
 
+def with_precision(model, precision: str | None):
+    """model (a Transformer or EncoderDecoder) with its weight matmuls in
+    model.matmul_precision=precision (None: as it is): a saved run decoded or scored in
+    another precision than it trained in."""
+    return model if precision is None else model.clone(
+        cfg=model.cfg.replace(matmul_precision=precision))
+
+
 def param_shapes(cfg):
     """The param tree of model_for(cfg) as jax.ShapeDtypeStructs (allocates nothing)."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)

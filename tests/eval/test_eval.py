@@ -155,6 +155,23 @@ def test_generate_until_through_the_engine_is_lm_evals_hf_greedy_text(exported, 
     assert ours.engine.stats()["running"] == 0 and any(m.strip() for m in mine)
 
 
+def test_matmul_precision_replaces_the_runs_own(exported, capsys):
+    """matmul_precision=P (--matmul-precision) scores with the weight matmuls in P; an
+    unknown name is refused naming the choices."""
+    from jaxformer.eval import JaxformerLM
+    from jaxformer.eval.__main__ import parse_args
+    run, _ = exported
+    lm = JaxformerLM(str(run), batch_size=2)
+    assert lm.loaded.model.cfg.matmul_precision == "default"
+    rowwise = JaxformerLM(loaded=lm.loaded, batch_size=2, matmul_precision="fp8_rowwise")
+    assert rowwise.loaded.model.cfg.matmul_precision == "fp8_rowwise"
+    assert parse_args([str(run), "--tasks", "t", "--matmul-precision", "int8"]) \
+        .matmul_precision == "int8"
+    with pytest.raises(SystemExit):
+        parse_args([str(run), "--tasks", "t", "--matmul-precision", "fp4"])
+    assert "invalid choice: 'fp4'" in capsys.readouterr().err
+
+
 def test_an_unknown_run_dir_is_one_line_naming_what_it_wants(tmp_path, capsys, monkeypatch):
     from jaxformer.eval.__main__ import main
     assert main([str(tmp_path / "nothing"), "--tasks", "jaxformer_choice"]) == 2
