@@ -41,7 +41,7 @@ from jaxformer.model.archs import ARCHS
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.transformer import Transformer
 from jaxformer.moe import balancing
-from jaxformer.training.step import LanguageModel, joined, logits_of
+from jaxformer.training.step import LanguageModel, logits_of
 
 HEAD_PARAMS = ("embed", "final_norm", "head_transform", "head_norm", "lm_head", "head_bias")
 
@@ -173,31 +173,19 @@ def chunked_terms(model, params, batch, chunk: int, *, dropout_rng=None):
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedLanguageModel(LanguageModel):
-    """The lm objective's hooks (training.step.LanguageModel) with the chunked loss:
-    chunk = model.loss_chunk positions per block."""
+    """The lm objective's hooks (training.step.LanguageModel: MoE balancing, LoRA sweeps)
+    with the chunked loss: chunk = model.loss_chunk positions per block."""
 
     chunk: int = 0
 
-    def gradient_sums(self, model, trained, frozen, batch, rng, reference=None):
-        dropout_rng = rng if model.cfg.dropout > 0 else None
-
-        def loss(t):
-            total, count, stats = chunked_terms(model, joined(t, frozen), batch, self.chunk,
-                                                dropout_rng=dropout_rng)
-            train = total + count * balancing.penalty(model.cfg.moe, stats)
-            return train, (total, count, balancing.step_sums(stats, count))
-        (_, (total, count, sums)), grads = jax.value_and_grad(loss, has_aux=True)(trained)
-        return total, count, grads, sums
-
-    def eval_sums(self, model, params, batch, reference=None):
-        return chunked_terms(model, params, batch, self.chunk)[:2]
+    def token_terms(self, model, params, batch, *, dropout_rng=None):
+        return chunked_terms(model, params, batch, self.chunk, dropout_rng=dropout_rng)
 
 
 def check(cfg) -> None:
-    """model.loss_chunk runs one decoder's next-token losses (its MTP modules' too): refused
-    with a LoRA sweep or an encoder-decoder, in one line."""
+    """model.loss_chunk runs a decoder's next-token losses (its MTP modules' too, a LoRA
+    sweep's members'): refused with an encoder-decoder, in one line."""
     chunk, m = cfg.train.loss_chunk, cfg.model
-    if chunk and (len(m.lora.members()) > 1 or ARCHS[m.arch].encoder):
-        raise ConfigError(f"model.loss_chunk={chunk} chunks one decoder's next-token losses; "
-                          "drop model.lora.sweep_* and use model.arch=decoder, or "
-                          "model.loss_chunk=0")
+    if chunk and ARCHS[m.arch].encoder:
+        raise ConfigError(f"model.loss_chunk={chunk} chunks a decoder's next-token losses, "
+                          f"not model.arch={m.arch}'s; use model.loss_chunk=0")

@@ -124,34 +124,36 @@ def loss_terms(model: Transformer, params, batch, *, dropout_rng=None):
     return jnp.sum(nll * mask), jnp.sum(mask), stats
 
 
-def loss_sums(model: Transformer, params, batch, *, dropout_rng=None):
-    """The summed train loss and the token count: the summed cross entropy (loss_terms)
-    plus count x the MoE balancing penalty (model.moe.aux_loss x the mean over sparse layers
-    of aux + z_loss x the mean of z), so that the loss per token is the mean cross entropy
-    plus the penalty. A dense model's is the cross entropy alone."""
-    total, count, stats = loss_terms(model, params, batch, dropout_rng=dropout_rng)
+def loss_sums(model: Transformer, params, batch, *, dropout_rng=None, terms=loss_terms):
+    """The summed train loss and the token count: the summed cross entropy (terms: loss_terms
+    or one like it, e.g. the chunked loss's) plus count x the MoE balancing penalty
+    (model.moe.aux_loss x the mean over sparse layers of aux + z_loss x the mean of z), so
+    that the loss per token is the mean cross entropy plus the penalty. A dense model's is
+    the cross entropy alone."""
+    total, count, stats = terms(model, params, batch, dropout_rng=dropout_rng)
     return total + count * balancing.penalty(model.cfg.moe, stats), count
 
 
-def gradient_sums(model: Transformer, trained, frozen, batch, rng):
+def gradient_sums(model: Transformer, trained, frozen, batch, rng, terms=loss_terms):
     """(summed cross entropy, token count, gradient of the summed train loss, MoE sums
     (balancing.step_sums; {} for a dense model)) with respect to the trained part alone (a
     frozen base gets none); a sweep's losses are [S], each member's gradient its own
-    loss's (the members share no trained param; sweeps refuse MoE models)."""
+    loss's (the members share no trained param; sweeps refuse MoE models). terms:
+    loss_terms or one like it (loss_sums)."""
     dropout_rng = rng if model.cfg.dropout > 0 else None
 
     if members(model) == 1:
         def loss(t):
-            total, count, stats = loss_terms(model, joined(t, frozen), batch,
-                                             dropout_rng=dropout_rng)
+            total, count, stats = terms(model, joined(t, frozen), batch,
+                                        dropout_rng=dropout_rng)
             train_total = total + count * balancing.penalty(model.cfg.moe, stats)
             return train_total, (total, count, balancing.step_sums(stats, count))
         (_, (total, count, sums)), grads = jax.value_and_grad(loss, has_aux=True)(trained)
         return total, count, grads, sums
 
     def summed(t):
-        totals, count = member_losses(
-            lambda p: loss_sums(model, p, batch, dropout_rng=dropout_rng), t, frozen)  # [S]
+        totals, count = member_losses(lambda p: loss_sums(
+            model, p, batch, dropout_rng=dropout_rng, terms=terms), t, frozen)  # [S]
         return jnp.sum(totals), (totals, count)
     (_, (total, count)), grads = jax.value_and_grad(summed, has_aux=True)(trained)
     return total, count, grads, {}
@@ -166,14 +168,19 @@ class LanguageModel:
 
     micro_batches: int = 1
 
+    def token_terms(self, model, params, batch, *, dropout_rng=None):
+        """(summed cross entropy, its count, the sparse layers' stats): loss_terms here."""
+        return loss_terms(model, params, batch, dropout_rng=dropout_rng)
+
     def gradient_sums(self, model, trained, frozen, batch, rng, reference=None):
-        return gradient_sums(model, trained, frozen, batch, rng)
+        return gradient_sums(model, trained, frozen, batch, rng, self.token_terms)
 
     def eval_sums(self, model, params, batch, reference=None):
         """(summed cross entropy ([S] for a sweep), token count), without MoE penalties."""
         if members(model) > 1:
-            return member_losses(lambda p: loss_sums(model, p, batch), *trained_part(params))
-        return loss_terms(model, params, batch)[:2]
+            return member_losses(lambda p: loss_sums(model, p, batch, terms=self.token_terms),
+                                 *trained_part(params))
+        return self.token_terms(model, params, batch)[:2]
 
     def metrics(self, sums, count) -> dict:
         """The MoE layers' metrics (balancing.step_metrics; {} for a dense model)."""

@@ -15,7 +15,7 @@ from jaxformer.training import load_config, objectives
 from jaxformer.training.chunked_loss import (ChunkedLanguageModel, chunked_sums, chunked_terms,
                                              token_logps, token_losses)
 from jaxformer.training.objectives.language_model import MultiTokenLM
-from jaxformer.training.step import loss_terms
+from jaxformer.training.step import joined, loss_terms
 from tests.conftest import DEFAULT_EMITTERS
 
 CAP, SMOOTH, Z = 3.0, 0.1, 0.01
@@ -157,10 +157,48 @@ def test_the_mtp_chunked_loss_equals_the_plain_one_without_full_logits(rng):
     assert held < b * t * cfg.vocab_size // 2, held
 
 
+def test_a_lora_sweeps_chunked_losses_equal_the_plain_ones(rng):
+    """A LoRA sweep (ranks 1 and 2, random adapters) with model.loss_chunk=8: each member's
+    summed loss and every member's adapter gradients (one vmapped step) equal the plain
+    loss's, the eval step's too, and the compiled chunked gradient holds no array of half
+    the members' logits (2 x B x T x V; its blocks are 2 x B x 8 x V, its largest array
+    the members' FFN activations)."""
+    from jaxformer.training.step import LanguageModel, trained_part
+    from jaxformer.training.sweep import sweep_params
+    b, t, v = 2, 64, 512
+    cfg = load_config(None, [f"model.vocab_size={v}", "model.d_model=32", "model.n_layers=1",
+                             "model.n_heads=2", f"model.max_seq_len={t}",
+                             "model.lora.sweep_rank=1,2", "model.loss_chunk=8"])
+    assert objectives.build(cfg) == ChunkedLanguageModel(1, 8)
+    batch = packed_batch(rng, b, t, v)
+    model = Transformer(cfg.model)
+    params = sweep_params(model, jax.random.key(int(rng.integers(1 << 30))), batch["inputs"])
+    params = jax.tree_util.tree_map_with_path(lambda p, x: jnp.asarray(
+        rng.normal(0, 0.3, x.shape), x.dtype) if "lora_b" in str(p) else x, params)
+    trained, frozen = trained_part(params)
+
+    def sums(hooks):
+        return jax.jit(lambda t: (hooks.gradient_sums(model, t, frozen, batch, None)[:3],
+                                  hooks.eval_sums(model, joined(t, frozen), batch)))(trained)
+    ((total, count, grads), evaluated), ((want, want_count, want_grads), want_eval) = (
+        sums(ChunkedLanguageModel(1, 8)), sums(LanguageModel(1)))
+    assert total.shape == (2,) and float(count) == float(want_count)
+    np.testing.assert_allclose(total, want, rtol=2e-6)
+    np.testing.assert_allclose(evaluated[0], want_eval[0], rtol=2e-6)
+    for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads),
+                            jax.tree.leaves(want_grads)):  # float32 sums of another order
+        np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-5 * np.abs(w).max(),
+                                   err_msg=str(path))
+    held = largest_buffer(lambda t: ChunkedLanguageModel(1, 8).gradient_sums(
+        model, t, frozen, batch, None)[2], trained)
+    assert held < 2 * b * t * v // 2, held  # two members' logits: 2 x B x T x V
+
+
 @pytest.mark.parametrize("extra, names", [
     (["model.loss_chunk=-1"], "model.loss_chunk=-1"),
-    (["model.loss_chunk=8", "model.lora.sweep_rank=2,4"],
-     "model.loss_chunk=8 chunks one decoder's next-token losses"),
+    (["model.loss_chunk=8", "model.arch=encoder_decoder", "data.format=seq2seq",
+      "data.path=x.jsonl"], "model.loss_chunk=8 chunks a decoder's next-token losses, not "
+     "model.arch=encoder_decoder's"),
 ])
 def test_bad_loss_chunks_are_refused_in_one_line(extra, names):
     with pytest.raises(ConfigError) as err:
