@@ -19,8 +19,8 @@
 5. serve: the serving engine (jaxformer.serve.Engine) on the same config at 1, 16 and 64
    concurrent sequences: tokens/s and its fraction of the same roofline.
 6. precision: the 1B train step (T 2,048, remat dots, one fixed batch) at
-   model.matmul_precision bf16 (the baseline), fp8 and int8: tokens/s, MFU, the loss after
-   20 steps on one learnable batch stream, and each one's speed over bf16's.
+   model.matmul_precision bf16 (the baseline), fp8, fp8_rowwise and int8: tokens/s, MFU,
+   the loss after 20 steps on one learnable batch stream, and each one's speed over bf16's.
 7. loss_chunk: the 1B train step at vocab 152,064 and T 4,096 with model.loss_chunk 0 (the
    plain loss) and 256: the compiled step's peak memory, tokens/s.
 8. moe: the train step of a Mixtral-shaped and a Qwen3-MoE-shaped model that fit one GPU

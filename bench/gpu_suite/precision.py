@@ -2,9 +2,11 @@
 master weights, scanned, remat dots) at each model.matmul_precision of sizes.precisions
 (jaxformer.core.low_precision): bf16 (bfloat16 operands, float32 sums: the baseline; with
 model.dtype=bfloat16 it is `default`'s dot with its float32 accumulation made explicit),
-fp8 (e4m3 forward, e5m2 gradients, per-tensor current scaling) and int8 (per-channel,
-int32 sums). Every precision runs the same fixed batch (sizes.precision_batch) over the same
-stream of sizes.precision_steps batches from one seed, from the same init: tokens/s over
+fp8 (e4m3 forward, e5m2 gradients, per-tensor current scaling), fp8_rowwise (torchao's
+rowwise recipe: e4m3 throughout, power-of-two scales per row and column) and int8
+(per-channel, int32 sums). Every precision runs the same fixed batch
+(sizes.precision_batch) over the same stream of sizes.precision_steps batches from one
+seed, from the same init: tokens/s over
 the steps after the first two, MFU against the given peaks (model FLOPs, the bf16 peak
 for every precision) and the loss after the last step; each row's speed over the first
 precision's (fp8 over bf16: the goal is >= 1.3x at 1B).

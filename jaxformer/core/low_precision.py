@@ -39,7 +39,8 @@ the standard choice (torchtitan and Transformer Engine keep the output layer and
 router in high precision). Int8Kernel weights (jaxformer.model.quantize, inference) keep
 their own path. The experts' grouped matmuls (grouped_recipe) run the same recipes on
 values on the grid (quantised, divided by their scales) in float32: the same numbers up
-to float32 rounding, not yet float8 operands inside ragged_dot. The float32 entry's
+to float32 rounding (but fp8_rowwise's gradient dots, which reuse the forward's operands
+there: see grouped_recipe), not yet float8 operands inside ragged_dot. The float32 entry's
 grouped product casts its operands only (the grouped matmuls take no precision).
 
 On a CPU the float8 dots run as simulated rounding (the numerics, not the speed).

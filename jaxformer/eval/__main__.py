@@ -2,9 +2,10 @@
 
     python -m jaxformer.eval RUN_DIR|RUN_DIR@STEP|HF_DIR --tasks T1,T2 [--include_path DIR]
         [--limit N] [--batch_size B] [--num_fewshot K] [--output results.json]
-        [--matmul-precision fp8_rowwise]
+        [--matmul_precision fp8_rowwise]
 
-(--batch-size, --include-path, --num-fewshot and --max-gen-toks are accepted too.)
+(--batch-size, --include-path, --num-fewshot, --max-gen-toks and --matmul-precision are
+accepted too.)
 
 Prints lm-eval's results table and writes its results, with every example's requests and
 responses ("samples"), as JSON to --output (default: RUN_DIR/lm_eval.json).
@@ -44,8 +45,8 @@ def parse_args(argv):
     p.add_argument("--engine", action="store_true", help="generate_until through the serving "
                    "engine (continuous batching over --batch_size slots)")
     p.add_argument("--output", default=None, help="the results JSON (default MODEL/lm_eval.json)")
-    p.add_argument("--matmul-precision", default=None, choices=tuple(MATMUL_PRECISIONS),
-                   help="the weight matmuls' precision (default: the model's)")
+    flag(p, "--matmul_precision", default=None, choices=tuple(MATMUL_PRECISIONS),
+         help="the weight matmuls' precision (default: the model's)")
     return p.parse_args(argv)
 
 

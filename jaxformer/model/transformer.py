@@ -90,10 +90,10 @@ class Transformer(nn.Module):
         Attention covers every slot, and the result is (logits, updated cache).
 
         Multi-token prediction (cfg.mtp_depth, jaxformer.model.mtp): ``mtp`` gives (logits,
-        each depth's [D, B, T, V]: depth k's at i predict t_{i+k+1}; mtp_outputs); ``hidden`` gives
-        (logits, the last block's output [B, T, D] before the final norm[, cache]); ``depth``
-        k runs module k alone on ``previous`` (h^{k-1} [B, T, D]) and the embeddings of
-        ``tokens`` (its t_{i+k}): (its logits, h^k[, its cache: mtp.init_module_cache]).
+        each depth's [D, B, T, V]: depth k's at i predict t_{i+k+1}), with ``hidden`` (x, the
+        modules' normed outputs [D, B, T, D]); ``hidden`` (logits, x: the last block's output
+        before the final norm[, cache]); ``depth`` k runs module k alone on ``previous``
+        (h^{k-1}) and the embeddings of ``tokens`` (t_{i+k}): (its logits, h^k[, its cache]).
         """
         c = self.cfg
         b, t, positions, by_index = self.checked_inputs(tokens, positions, cache)

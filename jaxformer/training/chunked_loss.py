@@ -4,7 +4,8 @@ An objective takes it where its entry says so (Objective.loss_chunk): lm's hooks
 its multi-token prediction's: each depth's loss through the same head, a block at a time,
 training/objectives/language_model.py), mlm's chosen tokens (training/mlm.py), and the
 post-training objectives' token log-probs (target_logps: dpo's and orpo's answers, policy
-and reference; token_logps: grpo's); the others refuse it at config time.
+and reference; token_logps: grpo's); an entry without it, and the encoder-decoder
+(check), refuse it at config time.
 
 The model gives its last block's output x [B, T, D] (Transformer(..., hidden=True); the full
 logits it also returns are dead code under jit and compiled away); a lax.scan then runs,

@@ -165,8 +165,9 @@ def test_matmul_precision_replaces_the_runs_own(exported, capsys):
     assert lm.loaded.model.cfg.matmul_precision == "default"
     rowwise = JaxformerLM(loaded=lm.loaded, batch_size=2, matmul_precision="fp8_rowwise")
     assert rowwise.loaded.model.cfg.matmul_precision == "fp8_rowwise"
-    assert parse_args([str(run), "--tasks", "t", "--matmul-precision", "int8"]) \
-        .matmul_precision == "int8"
+    for spelling in ("--matmul-precision", "--matmul_precision"):
+        assert parse_args([str(run), "--tasks", "t", spelling, "int8"]).matmul_precision == \
+            "int8"
     with pytest.raises(SystemExit):
         parse_args([str(run), "--tasks", "t", "--matmul-precision", "fp4"])
     assert "invalid choice: 'fp4'" in capsys.readouterr().err

@@ -1,10 +1,12 @@
 """model.loss_chunk across the objectives table (jaxformer.training.objectives): an entry
-whose hooks chunk their loss (Objective.loss_chunk: lm, mlm) takes it, every other refuses
-it at config time in one line naming the objective and the setting, never training
-silently on the whole logits. Parametrised over the table, so an objective added later is
-checked too. MLM's chunked loss: its value and gradient equal the plain one's, and its
-compiled gradient holds no [B, T, V] logits."""
+whose hooks chunk their loss (Objective.loss_chunk: every entry today) takes it, one
+without it refuses it at config time in one line naming the objective and the setting,
+never training silently on the whole logits. Parametrised over the table, so an objective
+added later is checked too. MLM's chunked loss: its value and gradient equal the plain
+one's, and its compiled gradient holds no [B, T, V] logits; the pair objectives' gradient
+holds none either."""
 
+import dataclasses
 import types
 
 import jax
@@ -23,8 +25,15 @@ from tests.training.test_objectives import needs, run  # noqa: F401  (run: a fix
 rng = np.random.default_rng()  # reseeded for each test by conftest's rng fixture
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["as-is", "without-it"])
 @pytest.mark.parametrize("name", list(objectives.OBJECTIVES))
-def test_loss_chunk_is_taken_or_refused_by_each_objective(name, run):  # noqa: F811
+def test_loss_chunk_is_taken_or_refused_by_each_objective(name, own, run,  # noqa: F811
+                                                          monkeypatch):
+    """Each entry as it is, and the same entry with loss_chunk false (as an objective added
+    without it would be)."""
+    if not own:
+        monkeypatch.setitem(objectives.OBJECTIVES, name, dataclasses.replace(
+            objectives.OBJECTIVES[name], loss_chunk=False))
     args = [*needs(name, run), f"objective.name={name}", "model.loss_chunk=8"]
     if not objectives.OBJECTIVES[name].loss_chunk:
         with pytest.raises(ConfigError) as err:

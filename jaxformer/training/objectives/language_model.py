@@ -160,7 +160,7 @@ def build(cfg, tokenizer=None):
 
 def check(cfg) -> None:
     """MTP trains one model (no LoRA sweep) on whole rows (no context split): one line."""
-    chunked_loss.check(cfg)  # model.loss_chunk: the plain loss of one model
+    chunked_loss.check(cfg)  # model.loss_chunk: a decoder's losses
     if cfg.model.mtp_depth and (len(cfg.model.lora.members()) > 1 or cfg.mesh.context > 1):
         raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth} trains one model on whole "
                           "rows; drop model.lora.sweep_* and use mesh.context=1")
