@@ -176,8 +176,9 @@ def test_unknown_section_is_refused(smoke, capsys):
 
 
 def test_precision_rows_train_the_same_stream_to_the_same_loss(smoke):
-    """bf16, fp8, fp8_rowwise and int8 from one init on one batch stream: every row ran, its speed-up is
-    its tokens/s over bf16's, and the quantised losses sit beside bf16's near ln 256."""
+    """bf16, fp8, fp8_rowwise and int8 from one init on one batch stream: every row ran,
+    its speed-up is its tokens/s over bf16's, and the quantised losses sit beside bf16's
+    near ln 256."""
     gpu, _, res = smoke
     rows = res["precision"]
     assert [r["precision"] for r in rows] == list(gpu.SMOKE.precisions)
