@@ -73,19 +73,20 @@ def load(path: str, best: bool, precision: str | None = None):
     model.matmul_precision for serving (None: its own)."""
     from jaxformer.eval.loading import read_model
     from jaxformer.model.archs import ARCHS
+    from jaxformer.model.build import with_precision
     from jaxformer.model.transformer import Transformer
 
     cfg, params, tok, _ = read_model(path, best=best)
     if ARCHS[cfg.arch].encoder:
         raise ValueError(f"{path} is an encoder-decoder (model.arch={cfg.arch}), which "
                          "continues no prompt; serve a decoder")
-    cfg = cfg.replace(matmul_precision=precision or cfg.matmul_precision)
-    if not MATMUL_PRECISIONS[cfg.matmul_precision].batch_invariant:
-        print(f"warning: model.matmul_precision={cfg.matmul_precision} scales each matmul "
-              "over the whole batch, so a request's tokens depend on the requests decoded "
-              "beside it; --matmul-precision fp8_rowwise (or default) scales each token "
-              "apart", file=sys.stderr)
-    return Transformer(cfg), params, tok
+    model = with_precision(Transformer(cfg), precision)
+    if not MATMUL_PRECISIONS[model.cfg.matmul_precision].batch_invariant:
+        print(f"warning: model.matmul_precision={model.cfg.matmul_precision} scales each "
+              "matmul over the whole batch, so a request's tokens depend on the requests "
+              "decoded beside it; --matmul-precision fp8_rowwise (or default) scales each "
+              "token apart", file=sys.stderr)
+    return model, params, tok
 
 
 def warm_up(engine, end_ids, every: bool) -> None:

@@ -40,11 +40,11 @@ def with_defaults(saved: dict, defaults: dict) -> dict:
 
 
 def config_diff(saved: dict, current: dict, skip=()) -> list[str]:
-    """'field: saved -> current' for every model field that differs (but those in skip);
-    a field the saved
-    config lacks (it predates the field) counts as ModelConfig's default, and the saved
-    config is read as ModelConfig reads it today (a scheme's flat keys of before: its
-    position_settings), so a run written before a field moved compares as the same."""
+    """'field: saved -> current' for every model field that differs (but those in skip); a
+    field the saved config lacks (it predates the field) counts as ModelConfig's default,
+    and the saved config is read as ModelConfig reads it today (a scheme's flat keys of
+    before: its position_settings), so a run written before a field moved compares as the
+    same."""
     saved = with_defaults(saved, ModelConfig().to_dict())
     try:
         saved = ModelConfig.from_dict(saved).to_dict()

@@ -137,11 +137,7 @@ def test_the_mtp_chunked_loss_equals_the_plain_one_without_full_logits(rng):
     b, t = 2, 64
     cfg = CFG.replace(vocab_size=512, max_seq_len=t)
     params, model = random_params(cfg, int(rng.integers(1 << 20))), Transformer(cfg)
-    tokens = rng.integers(0, cfg.vocab_size, (b, t + 1)).astype(np.int32)
-    seg = np.where(np.arange(t) < int(rng.integers(8, t - 8)), 1, 2).astype(np.int32)
-    seg = np.repeat(seg[None], b, 0)  # two documents in each row
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
-             "loss_mask": (rng.random((b, t)) < 0.8).astype(np.float32)}
+    batch = packed_batch(rng, b, t, cfg.vocab_size)
 
     def loss(chunk):
         return lambda p: MultiTokenLM(weight=0.3, chunk=chunk).train_loss(model, p, batch)
