@@ -1,8 +1,8 @@
 """Runs in a subprocess with 8 fake CPU devices (tests/core/test_low_precision.py starts it):
-python -m tests.core.low_precision_worker OUT_JSON. The loss and gradients of a model with
-model.matmul_precision=fp8 (tests/core/mesh_worker.py's, scanned) on one device and on a
-(data 2, fsdp 2, tensor 2) mesh, params and batch split over it, and in float32 on one
-device (the recipe's own effect, for scale), as JSON."""
+python -m tests.core.low_precision_worker OUT_JSON PRECISION [PRECISION ...]. The loss and
+gradients of a model in each model.matmul_precision given (tests/core/mesh_worker.py's,
+scanned) on one device and on a (data 2, fsdp 2, tensor 2) mesh, params and batch split
+over it, and in float32 on one device (each recipe's own effect, for scale), as JSON."""
 
 import os
 import sys
@@ -36,8 +36,8 @@ def loss_and_grads(mesh):
 
 
 if __name__ == "__main__":
-    float32 = loss_and_grads(None)
-    mesh_worker.CFG = mesh_worker.CFG.replace(matmul_precision="fp8")
-    res = dict(one=loss_and_grads(None), mesh=loss_and_grads(make_mesh(2, 2, 2)),
-               float32=float32, devices=len(jax.devices()))
+    res, base = dict(float32=loss_and_grads(None), devices=len(jax.devices())), mesh_worker.CFG
+    for precision in sys.argv[2:]:
+        mesh_worker.CFG = base.replace(matmul_precision=precision)
+        res[precision] = dict(one=loss_and_grads(None), mesh=loss_and_grads(make_mesh(2, 2, 2)))
     json.dump(res, open(sys.argv[1], "w"))
