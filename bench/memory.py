@@ -16,6 +16,9 @@ peak at a 152k vocabulary and T 4,096 (docs/performance.md, "The loss at a large
         model.vocab_size=152064 model.d_model=512 model.n_heads=8 model.max_seq_len=4096 \
         train.seq_len=4096 train.batch_size=4 optim.grad_accum=1
 
+An encoder-decoder's config (configs/transformer_base.yaml) is sized with its seq2seq
+batch: source and target of train.seq_len each.
+
 --devices fakes that many CPU devices, so a GPU or TPU mesh can be sized on a laptop: the
 bytes are the compiler's for CPU, close to but not exactly a GPU's (fusion and layouts
 differ). On the target machine itself leave --devices out. Prints a table; asserts nothing.
@@ -47,15 +50,18 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from jaxformer import Transformer, count_params
+    from jaxformer import count_params, model_for
     from jaxformer.core.sharding import (batch_sharding, check_context_split, make_mesh,
                                          resolve_rules)
+    from jaxformer.data import seq2seq
+    from jaxformer.model.archs import ARCHS
     from jaxformer.training import load_config, objectives
     from jaxformer.training.optim import make_optimizer
     from jaxformer.training.step import abstract_state, make_train_step, state_shardings
 
     cfg = load_config(args.config, overrides)
-    model = Transformer(cfg.model)
+    model = model_for(cfg.model)
+    ints = seq2seq.ARRAYS if ARCHS[cfg.model.arch].cross_attention else ("inputs", "targets")
     tx, schedule = make_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     rules = resolve_rules(cfg.mesh.rules)
     meshes = [tuple(int(s) for s in m.split(",")) for m in args.mesh] if args.mesh else \
@@ -81,7 +87,7 @@ def main(argv):
                              abstract, shardings)
         bs = batch_sharding(mesh, rules)
         batch = {k: jax.ShapeDtypeStruct((b, t), dtype, sharding=bs) for k, dtype in
-                 (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
+                 (*((k, jnp.int32) for k in ints), ("loss_mask", jnp.float32))}
         step = make_train_step(model, tx, schedule, grad_accum=cfg.optim.grad_accum, mesh=mesh,
                                rules=rules, shardings=shardings, objective=objectives.build(run))
         row = compiled_row(step, state, batch)

@@ -76,11 +76,13 @@ def pack_pairs(sources: Records, targets: Records, seq_len: int) -> tuple[np.nda
     return np.asarray(bounds, np.int64), cut
 
 
+ARRAYS = ("sources", "source_segment_ids", "source_positions", "inputs", "targets",
+          "segment_ids", "positions")  # a batch's int32 arrays [B, T] (and loss_mask)
+
+
 def pairs_batch(sources: Records, targets: Records, bounds, rows, seq_len: int, end: int):
-    """The batch of packed rows `rows` (the module docstring's arrays)."""
-    names = ("sources", "source_segment_ids", "source_positions", "inputs", "targets",
-             "segment_ids", "positions")
-    out = {k: np.zeros((len(rows), seq_len), np.int32) for k in names}
+    """The batch of packed rows `rows` (the module docstring's arrays: ARRAYS, loss_mask)."""
+    out = {k: np.zeros((len(rows), seq_len), np.int32) for k in ARRAYS}
     out["loss_mask"] = np.zeros((len(rows), seq_len), np.float32)
     for r, row in enumerate(rows):
         at_s = at_t = 0

@@ -91,7 +91,7 @@ class Stack(Transformer):
 
     @nn.compact
     def __call__(self, tokens, positions, segment_ids, deterministic=True, memory=None,
-                 cache=None):
+                 cache=None, hidden: bool = False):
         c = self.cfg
         b, t = tokens.shape
         x = self.embed_inputs(self.embed, tokens, positions, deterministic)  # [B, T, D]
@@ -119,6 +119,8 @@ class Stack(Transformer):
             return x if BLOCKS[c.block].ends_in_norm else \
                 apply_norm(c, make_norm(c, "final_norm"), x)
         logits = self.logits(self.embed, x)
+        if hidden:  # the head's input too (x before the final norm), as Transformer's
+            return logits, x
         return logits if cache is None else (logits, cache)
 
 
@@ -147,15 +149,17 @@ class EncoderDecoder(nn.Module):
 
     def __call__(self, source_tokens, target_tokens=None, source_segment_ids=None,
                  target_segment_ids=None, source_positions=None, target_positions=None,
-                 deterministic: bool = True):
-        """source [B, S], target [B, T] tokens -> the target's logits [B, T, V] float32.
-        Segment ids (0 = padding) pack several pairs in a row, segment s of the target
-        attending to segment s of the source; positions default to arange. target_tokens
-        None: the source again (an init given one example input, as Transformer's)."""
+                 deterministic: bool = True, hidden: bool = False):
+        """source [B, S], target [B, T] tokens -> the target's logits [B, T, V] float32;
+        with hidden (logits, x: the decoder's last block output before the final norm, the
+        head's input, as Transformer's hidden). Segment ids (0 = padding) pack several
+        pairs in a row, segment s of the target attending to segment s of the source;
+        positions default to arange. target_tokens None: the source again (an init given
+        one example input, as Transformer's)."""
         target_tokens = source_tokens if target_tokens is None else target_tokens
         memory = self.encode(source_tokens, source_segment_ids, source_positions, deterministic)
         return self.decode(target_tokens, memory, target_positions, target_segment_ids,
-                           deterministic)
+                           deterministic, hidden=hidden)
 
     def encode(self, tokens, segment_ids=None, positions=None, deterministic: bool = True):
         """The source [B, S] through the encoder -> Memory (states [B, S, D], positions,
@@ -167,10 +171,12 @@ class EncoderDecoder(nn.Module):
         return Memory(states, positions, segment_ids)
 
     def decode(self, tokens, memory: Memory, positions=None, segment_ids=None,
-               deterministic: bool = True, cache=None):
+               deterministic: bool = True, cache=None, hidden: bool = False):
         """The target [B, T] through the decoder over `memory` -> logits [B, T, V], or
-        (logits, cache) with a KV cache (positions default to the slots after those in it)."""
+        (logits, cache) with a KV cache (positions default to the slots after those in it),
+        or without one and with hidden (logits, the head's input x [B, T, D])."""
         if positions is None:
             positions = arange_like(tokens, 0 if cache is None else cache["index"])
-        return self.decoder(tokens, positions, segment_ids, deterministic, memory, cache)
+        return self.decoder(tokens, positions, segment_ids, deterministic, memory, cache,
+                            hidden)
 

@@ -2,10 +2,10 @@
 row, forward and backward, so no step holds the [B, T, V] logits (0: the plain loss).
 An objective takes it where its entry says so (Objective.loss_chunk): lm's hooks here (and
 its multi-token prediction's: each depth's loss through the same head, a block at a time,
-training/objectives/language_model.py), mlm's chosen tokens (training/mlm.py), and the
+training/objectives/language_model.py; the encoder-decoder's target loss through its
+decoder's head, training/seq2seq.py), mlm's chosen tokens (training/mlm.py), and the
 post-training objectives' token log-probs (target_logps: dpo's and orpo's answers, policy
-and reference; token_logps: grpo's); an entry without it, and the encoder-decoder
-(check), refuse it at config time.
+and reference; token_logps: grpo's); an entry without it refuses it at config time.
 
 The model gives its last block's output x [B, T, D] (Transformer(..., hidden=True); the full
 logits it also returns are dead code under jit and compiled away); a lax.scan then runs,
@@ -37,7 +37,6 @@ import jax.numpy as jnp
 from jaxformer.attention.ring import zigzag_batch
 from jaxformer.core.logprobs import aligned, target_logprobs, token_logprobs
 from jaxformer.core.sharding import sequence_split
-from jaxformer.core.validation import ConfigError
 from jaxformer.model.archs import ARCHS
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.transformer import Transformer
@@ -77,10 +76,11 @@ def token_losses(logits, targets, label_smoothing: float = 0.0, z_loss: float = 
 
 
 def blockwise(head, head_params, x, targets, chunk: int, per_token):
-    """per_token(logits [B, N, V], targets [B, N]) -> [B, N] of every block of `chunk`
-    positions, logits = head(head_params, x block), each block under jax.checkpoint (the
-    backward recomputes its logits): float32 [B, T] for x [B, T, D], targets [B, T]. T is
-    padded to a multiple of chunk, and the padding's values dropped."""
+    """per_token(logits [B, N, V], targets [B, N]) -> [B, N] (or a tuple of them) of every
+    block of `chunk` positions, logits = head(head_params, x block), each block under
+    jax.checkpoint (the backward recomputes its logits): float32 [B, T] (or a tuple) for
+    x [B, T, D], targets [B, T]. T is padded to a multiple of chunk, and the padding's
+    values dropped."""
     b, t = targets.shape
     n = -(-t // chunk)
     pad = [(0, 0), (0, n * chunk - t)]
@@ -94,8 +94,8 @@ def blockwise(head, head_params, x, targets, chunk: int, per_token):
         return per_token(head(hp, xb), tb)  # [B, N] from [B, N, V] float32 logits
 
     values = jax.lax.scan(lambda _, xs: (None, block(head_params, *xs)), None,
-                          (blocks(x), blocks(targets)))[1]  # [n, B, N]
-    return jnp.moveaxis(values, 0, 1).reshape(b, n * chunk)[:, :t]
+                          (blocks(x), blocks(targets)))[1]  # [n, B, N] each
+    return jax.tree.map(lambda v: jnp.moveaxis(v, 0, 1).reshape(b, n * chunk)[:, :t], values)
 
 
 def chunked_sums(head, head_params, x, targets, mask, chunk: int, *,
@@ -111,10 +111,12 @@ def chunked_sums(head, head_params, x, targets, mask, chunk: int, *,
 
 def model_head(cfg: ModelConfig, params, final: bool = True):
     """(head(head_params, x) -> logits, head_params): the model's own head (Head; final: see
-    there) and its params out of the model's."""
+    there) and its params out of the model's: an encoder-decoder's are its decoder
+    stack's, the token table (embed) the model's."""
     head = Head(cfg, final)
+    scope = params["decoder"] if ARCHS[cfg.arch].cross_attention else params
     return (lambda hp, h: head.apply({"params": hp}, h),
-            {k: params[k] for k in HEAD_PARAMS if k in params})
+            {"embed": params["embed"], **{k: scope[k] for k in HEAD_PARAMS if k in scope}})
 
 
 def head_sums(cfg: ModelConfig, params, x, targets, mask, chunk: int, final: bool = True):
@@ -182,11 +184,3 @@ class ChunkedLanguageModel(LanguageModel):
     def token_terms(self, model, params, batch, *, dropout_rng=None):
         return chunked_terms(model, params, batch, self.chunk, dropout_rng=dropout_rng)
 
-
-def check(cfg) -> None:
-    """model.loss_chunk runs a decoder's next-token losses (its MTP modules' too, a LoRA
-    sweep's members'): refused with an encoder-decoder, in one line."""
-    chunk, m = cfg.train.loss_chunk, cfg.model
-    if chunk and ARCHS[m.arch].encoder:
-        raise ConfigError(f"model.loss_chunk={chunk} chunks a decoder's next-token losses, "
-                          f"not model.arch={m.arch}'s; use model.loss_chunk=0")

@@ -4,7 +4,9 @@ label smoothing (optim.label_smoothing e: the target distribution (1 - e) one-ho
 vocab, optax.smooth_labels' convention; Vaswani et al. used e = 0.1).
 
 The gradient is the smoothed loss's; the loss logged (train and val) is the plain cross
-entropy, comparable across smoothing settings and with perplexity.
+entropy, comparable across smoothing settings and with perplexity. With model.loss_chunk=N
+both come from the decoder's head N target positions at a time (training/chunked_loss.py),
+so no step holds the target's [B, T, V] logits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from jaxformer.core.logprobs import target_logprobs
 from jaxformer.data.seq2seq import end_id
 from jaxformer.decode.seq2seq import seq2seq_generate
+from jaxformer.training.chunked_loss import blockwise, model_head
 from jaxformer.training.step import joined
 
 
@@ -27,29 +30,41 @@ def smoothed_cross_entropy(logits, targets, smoothing: float):
     return (1.0 - smoothing) * nll - smoothing * jnp.mean(logp, axis=-1)
 
 
-def seq2seq_logits(model, params, batch, dropout_rng=None):
-    """The target's logits [B, T, V] float32 for a seq2seq batch (source and target packed)."""
+def seq2seq_logits(model, params, batch, dropout_rng=None, hidden: bool = False):
+    """The target's logits [B, T, V] float32 for a seq2seq batch (source and target packed);
+    with hidden (logits, the head's input x [B, T, D]): EncoderDecoder's hidden."""
     deterministic = dropout_rng is None
     return model.apply({"params": params}, batch["sources"], batch["inputs"],
                        source_segment_ids=batch["source_segment_ids"],
                        target_segment_ids=batch["segment_ids"],
                        source_positions=batch["source_positions"],
                        target_positions=batch["positions"], deterministic=deterministic,
-                       rngs=None if deterministic else {"dropout": dropout_rng})
+                       rngs=None if deterministic else {"dropout": dropout_rng}, hidden=hidden)
 
 
 class Seq2Seq:
-    """The step's hooks (training/step.py's objective interface) for an encoder-decoder."""
+    """The step's hooks (training/step.py's objective interface) for an encoder-decoder.
+    chunk: model.loss_chunk (the decoder's head and the losses `chunk` target positions at
+    a time; 0: from the whole logits)."""
 
-    def __init__(self, smoothing: float):
-        self.smoothing = smoothing
+    def __init__(self, smoothing: float, chunk: int = 0):
+        self.smoothing, self.chunk = smoothing, chunk
+
+    def token_losses(self, logits, targets):
+        """(smoothed loss, cross entropy) per token of logits [..., V]: [...] each."""
+        return (smoothed_cross_entropy(logits, targets, self.smoothing),
+                -target_logprobs(logits, targets))
 
     def sums(self, model, params, batch, dropout_rng=None):
         """(summed smoothed loss, summed cross entropy, target token count)."""
-        logits = seq2seq_logits(model, params, batch, dropout_rng)
-        mask = batch["loss_mask"].astype(jnp.float32)
-        smoothed = smoothed_cross_entropy(logits, batch["targets"], self.smoothing)
-        nll = -target_logprobs(logits, batch["targets"])
+        targets, mask = batch["targets"], batch["loss_mask"].astype(jnp.float32)
+        if self.chunk:  # the decoder's head and both losses a block of positions at a time
+            _, x = seq2seq_logits(model, params, batch, dropout_rng, hidden=True)
+            smoothed, nll = blockwise(*model_head(model.cfg, params), x, targets, self.chunk,
+                                      self.token_losses)
+        else:
+            smoothed, nll = self.token_losses(seq2seq_logits(model, params, batch, dropout_rng),
+                                              targets)
         return jnp.sum(smoothed * mask), jnp.sum(nll * mask), jnp.sum(mask)
 
     def gradient_sums(self, model, trained, frozen, batch, rng, reference=None):

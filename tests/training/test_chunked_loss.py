@@ -190,13 +190,52 @@ def test_a_lora_sweeps_chunked_losses_equal_the_plain_ones(rng):
     assert held < 2 * b * t * v // 2, held  # two members' logits: 2 x B x T x V
 
 
-@pytest.mark.parametrize("extra, names", [
-    (["model.loss_chunk=-1"], "model.loss_chunk=-1"),
-    (["model.loss_chunk=8", "model.arch=encoder_decoder", "data.format=seq2seq",
-      "data.path=x.jsonl"], "model.loss_chunk=8 chunks a decoder's next-token losses, not "
-     "model.arch=encoder_decoder's"),
-])
-def test_bad_loss_chunks_are_refused_in_one_line(extra, names):
+def test_the_encoder_decoder_chunked_loss_equals_its_plain_loss(rng):
+    """model.loss_chunk=16 with model.arch=encoder_decoder and optim.label_smoothing=0.1
+    (the config picks Seq2Seq's chunked hooks): on packed pairs (two a row, padding) with an
+    untied soft-capped head with bias, the summed cross entropy, the smoothed loss's
+    gradient of every parameter (the encoder's too) and the eval sums equal the plain
+    loss's, and the compiled chunked gradient holds no float32 array of B x T x V."""
+    from jaxformer.model.build import model_for
+    b, s, t, v = 2, 24, 64, 512
+    cfg = load_config(None, ["model.arch=encoder_decoder", f"model.vocab_size={v}",
+                             "model.d_model=32", "model.n_layers=1", "model.encoder_layers=1",
+                             "model.n_heads=2", f"model.max_seq_len={t}",
+                             "model.tie_embeddings=false", "model.head_bias=true",
+                             "model.final_softcap=4.0", "optim.label_smoothing=0.1",
+                             "data.format=seq2seq", "data.path=x.jsonl",
+                             "model.loss_chunk=16"])
+    hooks = objectives.build(cfg)
+    assert (hooks.chunk, hooks.smoothing) == (16, 0.1)
+    batch = packed_batch(rng, b, t, v)
+    cut = rng.integers(2, s - 2, b)[:, None]
+    idx = np.arange(s)
+    batch.update(sources=rng.integers(0, v, (b, s)).astype(np.int32),
+                 source_segment_ids=np.where(idx < cut, 1, 2).astype(np.int32),
+                 source_positions=np.where(idx < cut, idx, idx - cut).astype(np.int32))
+    model = model_for(cfg.model)
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    params = jax.jit(model.init)(key, batch["sources"], batch["inputs"])["params"]
+    params["decoder"]["head_bias"] = jnp.asarray(rng.normal(size=v), jnp.float32)
+    plain = type(hooks)(0.1)
+
+    def sums(h):
+        return jax.jit(lambda p: (h.gradient_sums(model, p, {}, batch, None)[:3],
+                                  h.eval_sums(model, p, batch)[:2]))(params)
+    ((nll, count, grads), evaluated), ((want, want_count, want_grads), want_eval) = (
+        sums(hooks), sums(plain))
+    assert float(count) == float(want_count) == batch["loss_mask"].sum()
+    np.testing.assert_allclose(float(nll), float(want), rtol=2e-6)
+    np.testing.assert_allclose(evaluated, want_eval, rtol=2e-6)
+    assert float(nll) != pytest.approx(float(hooks.sums(model, params, batch)[0]))  # smoothed
+    for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads),
+                            jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-6, err_msg=str(path))
+    held = largest_buffer(lambda p: hooks.gradient_sums(model, p, {}, batch, None)[2], params)
+    assert held < b * t * v // 2, held
+
+
+def test_a_negative_loss_chunk_is_refused_in_one_line():
     with pytest.raises(ConfigError) as err:
-        load_config(None, extra)
-    assert names in str(err.value) and "\n" not in str(err.value)
+        load_config(None, ["model.loss_chunk=-1"])
+    assert "model.loss_chunk=-1" in str(err.value) and "\n" not in str(err.value)

@@ -188,7 +188,9 @@ def test_a_run_learns_to_translate(tmp_path):
     """60 steps on a letter cipher (abcd -> wxyz, 1 to 4 letters): the val cross entropy
     per target token falls well below what a model blind to the source can reach (its
     letters uniform, ln 4 = 1.39 nats, and the end token after 1 to 4 of them). T5 v1.1's
-    tables: one input table, a head of its own (the other runs here tie all three)."""
+    tables: one input table, a head of its own (the other runs here tie all three). The
+    loss goes through that head 8 target positions at a time (model.loss_chunk: equal to
+    the plain loss, tests/training/test_chunked_loss.py)."""
     cipher = dict(zip("abcd", "wxyz"))
     sources = ["".join(rng.choice(list("abcd"), int(rng.integers(1, 5)))) for _ in range(600)]
     path = write_pairs(tmp_path / "cipher.jsonl", [
@@ -198,7 +200,8 @@ def test_a_run_learns_to_translate(tmp_path):
         "model.n_heads=4", "model.tie_embeddings=false", "model.tie_source_embed=true",
         "train.steps=60", "train.eval_every=100", "optim.lr=2e-3",
         "optim.schedule=constant", "optim.warmup_steps=5", "optim.label_smoothing=0.1",
-        "data.val_fraction=0.3", f"train.run_dir={tmp_path / 'r'}"]), log=lambda *a: None)
+        "data.val_fraction=0.3", f"train.run_dir={tmp_path / 'r'}", "model.loss_chunk=8"]),
+        log=lambda *a: None)
     assert summary["val_loss"] < 1.0, summary
     with pytest.raises(ValueError, match="is an encoder-decoder .*experiments.translate --run"):
         load_run(str(tmp_path / "r"))  # python -m jaxformer.generate's: it continues prompts

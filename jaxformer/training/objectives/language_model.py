@@ -150,7 +150,7 @@ def build(cfg, tokenizer=None):
     MultiTokenLM with model.mtp_depth > 0, chunked too with model.loss_chunk;
     ChunkedLanguageModel with model.loss_chunk)."""
     if ARCHS[cfg.model.arch].encoder:  # an encoder stack of its own: source/target pairs
-        return Seq2Seq(cfg.optim.label_smoothing)
+        return Seq2Seq(cfg.optim.label_smoothing, cfg.train.loss_chunk)
     if cfg.model.mtp_depth:
         return MultiTokenLM(cfg.optim.grad_accum, cfg.train.mtp_weight, cfg.train.loss_chunk)
     if cfg.train.loss_chunk:  # model.loss_chunk: the head and loss a block at a time
@@ -160,7 +160,6 @@ def build(cfg, tokenizer=None):
 
 def check(cfg) -> None:
     """MTP trains one model (no LoRA sweep) on whole rows (no context split): one line."""
-    chunked_loss.check(cfg)  # model.loss_chunk: a decoder's losses
     if cfg.model.mtp_depth and (len(cfg.model.lora.members()) > 1 or cfg.mesh.context > 1):
         raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth} trains one model on whole "
                           "rows; drop model.lora.sweep_* and use mesh.context=1")
