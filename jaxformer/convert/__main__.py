@@ -29,14 +29,14 @@ def _run_config(cfg, run: pathlib.Path, has_tokenizer: bool, overrides):
     override that changes what the weights mean is refused."""
     from jaxformer.core.validation import merge
     from jaxformer.model.config import RUNTIME, ConfigError
+    from jaxformer.model.mixers import changed_settings
     from jaxformer.training.config import RunConfig, parse_overrides
 
     data = {"tokenizer": str(run / "tokenizer.json")} if has_tokenizer else {}
     base = {"model": cfg.to_dict(), "data": data,
             "train": {"run_dir": str(run), "seq_len": min(256, cfg.max_seq_len)}}
     run_cfg = RunConfig.from_dict(merge(base, parse_overrides(list(overrides))))
-    changed = [f.name for f in dataclasses.fields(cfg) if f.name not in RUNTIME
-               and getattr(run_cfg.model, f.name) != getattr(cfg, f.name)]
+    changed = [name for name, _, _ in changed_settings(run_cfg.model, cfg, RUNTIME)]
     if changed:  # model.config.RUNTIME: how the model runs, not what it computes
         raise ConfigError(f"model.{', model.'.join(changed)} would no longer match the "
                           "converted weights; from-hf overrides may set "

@@ -17,7 +17,7 @@ from jaxformer.model.layer_pattern import (LayerKind, check_layer_forms, check_m
                                            check_pattern, layer_forms, layer_parallels, read_pattern)
 from jaxformer.model.layer_runs import Run, runs
 from jaxformer.model.lora import LoRAConfig, check_expert_targets
-from jaxformer.model.mixers import MIXERS, read_mixer_settings, settings_of
+from jaxformer.model.mixers import MIXER_RUNTIME, MIXERS, read_mixer_settings, settings_of
 from jaxformer.model.presets import PRESETS, preset_values  # noqa: F401 (PRESETS: public)
 from jaxformer.moe.experts import MoEConfig
 from jaxformer.positions.rope_scaling import RopeScaling
@@ -25,10 +25,10 @@ from jaxformer.positions.schemes import (LEGACY_KEYS, POSITION_SCHEMES, check_po
                                          read_settings, schemes_of)
 
 DTYPES = ("float32", "bfloat16", "float16")
-# the fields that change how a model runs, not what it computes: a converted or
-# initialised-from model may set them freely; no saved state depends on COMPUTE_ONLY's (as on
-# param_dtype and scan_layers), so a checkpoint restores under any value of them
-COMPUTE_ONLY = ("dtype", "matmul_precision", "remat", "attention_impl", "dropout")
+# the fields that change how a model runs, not what it computes (a mixer's: mixer.NAME.KEY)
+# a converted or initialised-from model may set freely; no saved state depends on
+# COMPUTE_ONLY's (unlike param_dtype, scan_layers): a checkpoint restores under any value
+COMPUTE_ONLY = ("dtype", "matmul_precision", "remat", "attention_impl", "dropout") + MIXER_RUNTIME
 RUNTIME = COMPUTE_ONLY + ("param_dtype", "scan_layers")
 
 

@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 import yaml
 
 from jaxformer.model.config import COMPUTE_ONLY, ConfigError, ModelConfig
+from jaxformer.model.mixers import setting_fields
 
 MANIFEST = "checksums.json"
 
@@ -44,10 +45,10 @@ def config_diff(saved: dict, current: dict, skip=()) -> list[str]:
     field the saved config lacks (it predates the field) counts as ModelConfig's default,
     and the saved config is read as ModelConfig reads it today (a scheme's flat keys of
     before: its position_settings), so a run written before a field moved compares as the
-    same."""
+    same. Mixers' settings compare one by one (mixers.setting_fields: mixer.NAME.KEY)."""
     saved = with_defaults(saved, ModelConfig().to_dict())
     try:
-        saved = ModelConfig.from_dict(saved).to_dict()
+        saved, current = (setting_fields(ModelConfig.from_dict(c)) for c in (saved, current))
     except ConfigError:  # a config this version refuses: compared as it was written
         pass
     keys = sorted(set(saved) | set(current))

@@ -3,7 +3,8 @@ folder (any model type jaxformer.hf reads) or a jaxformer run (RUN, or RUN@STEP)
 
 This module settles the config: the model section comes from the source; the run's own
 model keys may change only how the model runs (RUNTIME: dtypes, scan_layers, remat,
-attention_impl, dropout, the LoRA adapters, max_seq_len unless it sizes a table);
+attention_impl, dropout, a mixer's chunk length, the LoRA adapters, max_seq_len unless it
+sizes a table);
 anything else is an error naming the field. With the source's tokenizer.json that is the
 default tokenizer. The weights are loaded by jaxformer.training.initial_weights.
 """
@@ -20,6 +21,7 @@ from jaxformer.model import lora
 from jaxformer.model.config import NESTED
 from jaxformer.model.config import RUNTIME as MODEL_RUNTIME
 from jaxformer.model.config import ConfigError, ModelConfig
+from jaxformer.model.mixers import changed_settings
 from jaxformer.positions.schemes import POSITION_SCHEMES
 
 # config.RUNTIME (how a model taken from weights may run), and its adapters and length
@@ -79,21 +81,18 @@ def initial_sections(values: Mapping[str, Any]) -> dict:
         raise ConfigError(f"model.preset={ours['preset']} and train.init_from={spec} both give "
                           "the model; drop model.preset (the weights' model is used)")
     combined = build_section(ModelConfig, merge(theirs, ours), "model", nested=NESTED)
-    changed = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME
-               and getattr(combined, f.name) != getattr(model, f.name)]
     allowed = RUNTIME
     if POSITION_SCHEMES[model.position].max_length is not None:  # a table, a row a position
         allowed = tuple(f for f in RUNTIME if f != "max_seq_len")
-        if combined.max_seq_len != model.max_seq_len:
-            changed.append("max_seq_len")
+    changed = changed_settings(combined, model, allowed)
     if changed:
+        names = [name for name, _, _ in changed]
         table = (f" (position={model.position!r}: a table of max_seq_len={model.max_seq_len} "
-                 "rows)" if "max_seq_len" in changed else "")
+                 "rows)" if "max_seq_len" in names else "")
         raise ConfigError(
-            f"model.{changed[0]}={getattr(combined, changed[0])!r} differs from "
-            f"{getattr(model, changed[0])!r} in train.init_from={spec} "
-            f"({', '.join('model.' + c for c in changed)}); a run started from weights may "
-            f"set only model.{', model.'.join(allowed)}{table}")
+            f"model.{names[0]}={changed[0][1]!r} differs from {changed[0][2]!r} in "
+            f"train.init_from={spec} ({', '.join('model.' + c for c in names)}); a run "
+            f"started from weights may set only model.{', model.'.join(allowed)}{table}")
     out = {**values, "model": merge(theirs, ours)}
     if tok and "tokenizer" not in (values.get("data") or {}):
         out["data"] = {**(values.get("data") or {}), "tokenizer": tok}

@@ -409,3 +409,27 @@ def test_a_config_saved_with_a_schemes_flat_keys_compares_as_its_settings():
     other = cfg.replace(position_settings={"num_buckets": buckets + 1, "max_distance": distance})
     assert config_diff(old, other.to_dict()) and "num_buckets" in " ".join(
         config_diff(old, other.to_dict()))
+
+
+def test_a_mixers_runtime_setting_restores_and_its_others_are_refused():
+    """A hybrid model's mixer settings compare one by one: its chunk length (the mixers'
+    RUNTIME, in model.COMPUTE_ONLY) is a compute setting a checkpoint restores under, named
+    mixer.NAME.chunk; any other setting of it is another model; a default written out
+    equals one left unwritten (a config saved without model.mixer)."""
+    from jaxformer.model.config import COMPUTE_ONLY, ModelConfig
+    from jaxformer.training.checkpoint import config_diff
+    rng = np.random.default_rng()
+    kinds = {"d": {"mixer": "gated_delta"}, "m": {"mixer": "mamba2"}, "a": {}}
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, position="none",
+                      layer_pattern=["d", "m", "a"], layer_kinds=kinds)
+    saved = cfg.to_dict()
+    assert saved["mixer"] is None  # nothing written: every mixer at its defaults
+    chunk = int(rng.integers(1, 60))
+    chunked = cfg.replace(mixer={"gated_delta": {"chunk": chunk}, "mamba2": {}})
+    assert config_diff(saved, chunked.to_dict(), skip=COMPUTE_ONLY) == []
+    assert config_diff(saved, chunked.to_dict()) == [f"mixer.gated_delta.chunk: 64 -> {chunk}"]
+    written = cfg.replace(mixer={"gated_delta": {}, "mamba2": {}}).to_dict()
+    assert written["mixer"] and config_diff(saved, written) == []
+    wider = cfg.replace(mixer={"mamba2": {"heads": 4}})
+    assert config_diff(saved, wider.to_dict(), skip=COMPUTE_ONLY) == [
+        "mixer.mamba2.heads: 8 -> 4"]

@@ -229,6 +229,28 @@ def test_init_from_refuses_another_max_seq_len_for_a_learned_table_alone(positio
         assert "model.max_seq_len" not in msg.split("may set only")[1].split("(")[0], msg
 
 
+def test_a_run_from_a_hybrid_model_may_set_its_mixers_chunk_alone(tmp_path, rng):
+    """A gated delta-rule hybrid's chunk length (how its training form runs) may be set by
+    a run from its weights, written or not in the source's config; another setting of the
+    mixer (its heads) is refused in one line naming the field and both values."""
+    source = load_config(None, ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2",
+                                "model.n_heads=2", "model.position=none",
+                                "model.layer_pattern=d,a", "model.layer_kinds.d.mixer=gated_delta",
+                                "model.layer_kinds.a.ffn=true", "train.seq_len=16"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(source.to_dict(), sort_keys=False))
+    chunk = int(rng.integers(1, 60))
+    cfg = load_config(None, [f"train.init_from={tmp_path}", "train.seq_len=16",
+                             f"model.mixer.gated_delta.chunk={chunk}"])
+    assert cfg.model.mixer_settings("gated_delta").chunk == chunk
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"train.init_from={tmp_path}", "train.seq_len=16",
+                           "model.mixer.gated_delta.heads=2"])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("model.mixer.gated_delta.heads=2 differs from 4 "
+                                              f"in train.init_from={tmp_path}"), msg
+    assert "model.mixer.gated_delta.chunk" in msg.split("may set only")[1], msg
+
+
 def test_an_encoder_decoder_run_starts_a_scanned_one_from_its_weights(tmp_path, rng):
     """A run dir of an encoder-decoder (per-layer; random params, 3 encoder and 2 decoder
     layers): a run from it with scan_layers=true starts from its weights, each stack's

@@ -49,6 +49,31 @@ MIXERS: dict[str, Mixer] = {
                         short_conv.cache_shapes, short_conv.flops),
 }
 ATTENTION = "attention"  # a layer kind's mixer when it names none
+# the mixer settings that say how a mixer runs, not what it computes (its settings class's
+# RUNTIME: a chunk length), as setting_fields names them
+MIXER_RUNTIME = tuple(f"mixer.{name}.{key}" for name, m in MIXERS.items()
+                      if m.settings is not None for key in getattr(m.settings, "RUNTIME", ()))
+
+
+def setting_fields(cfg) -> dict[str, Any]:
+    """A model config's to_dict() with model.mixer as one field per setting of each mixer
+    its layers run (mixer.NAME.KEY, defaults filled in): two configs compare setting by
+    setting, a mixer's RUNTIME ones (MIXER_RUNTIME) told from the rest, an unwritten
+    default equal to a written one."""
+    out = cfg.to_dict()
+    out.pop("mixer")
+    for name in sorted({m for m in cfg.layer_mixers + cfg.layer_parallels if m}):
+        if (settings := settings_of(cfg.mixer, name)) is not None:
+            out |= {f"mixer.{name}.{k}": v for k, v in dataclasses.asdict(settings).items()}
+    return out
+
+
+def changed_settings(cfg, other, allowed=()) -> list[tuple[str, Any, Any]]:
+    """(field, cfg's value, other's) for each setting_fields field, but those in `allowed`,
+    where the two model configs differ, in the fields' order."""
+    a, b = setting_fields(cfg), setting_fields(other)
+    return [(k, a.get(k), b.get(k)) for k in dict.fromkeys([*a, *b])
+            if k not in allowed and a.get(k) != b.get(k)]
 
 
 def read_mixer_settings(raw) -> tuple[tuple[str, Any], ...]:
