@@ -101,9 +101,14 @@ def read_pattern(pattern, kinds) -> tuple[tuple[str, ...], tuple[tuple[str, Laye
     model.layer_kinds as a hashable tuple of (name, LayerKind), from mappings of values."""
     if isinstance(pattern, str):
         pattern = [p.strip() for p in pattern.split(",") if p.strip()]
+    fields = type_names(LayerKind)
     if isinstance(kinds, Mapping):
         kinds = kinds.items()
-    fields = type_names(LayerKind)
+    elif kinds is not None and not (isinstance(kinds, (list, tuple)) and all(
+            isinstance(k, (list, tuple)) and len(k) == 2 for k in kinds)):
+        raise ConfigError(f"model.layer_kinds={kinds!r} must be a mapping of kind names to "
+                          f"their fields ({', '.join(fields)}); on the command line set one "
+                          "field at a time: model.layer_kinds.NAME.FIELD=VALUE")
     read = []
     for name, kind in kinds or ():
         if isinstance(kind, Mapping):

@@ -122,6 +122,9 @@ def test_cli_bad_key_is_one_line_and_nonzero(tmp_path):
     ("model:\n  layer_pattern: 5\n", "model.layer_pattern=5 must be a list (a,b on the "
      "command line)"),
     ("train:\n  run_dir: [a]\n", "train.run_dir=['a'] must be a string"),
+    ("model:\n  layer_kinds: '{d: {mixer: gated_delta}}'\n", "model.layer_kinds='{d: {mixer: "
+     "gated_delta}}' must be a mapping of kind names to their fields (window, "),
+    ("model:\n  layer_kinds: [a]\n", "model.layer_kinds=['a'] must be a mapping of kind"),
     ("objective:\n  name: [lm]\n", "objective.name=['lm'] is not one of"),
     ("distributed:\n  coordinator_address: {a: 1}\n", "distributed.coordinator_address="
      "{'a': 1} must be host:port"),
