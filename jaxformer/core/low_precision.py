@@ -37,11 +37,14 @@ network, the recurrent mixers, and the routed experts. Not: the LM head (tied or
 the router, LoRA's adapters and the MTP modules' projections stay in the model's dtype,
 the standard choice (torchtitan and Transformer Engine keep the output layer and the
 router in high precision). Int8Kernel weights (jaxformer.model.quantize, inference) keep
-their own path. The experts' grouped matmuls (grouped_recipe) run the same recipes on
-values on the grid (quantised, divided by their scales) in float32: the same numbers up
-to float32 rounding (but fp8_rowwise's gradient dots, which reuse the forward's operands
-there: see grouped_recipe), not yet float8 operands inside ragged_dot. The float32 entry's
-grouped product casts its operands only (the grouped matmuls take no precision).
+their own path. The experts' grouped matmuls run the same recipes on values on the grid
+(quantised, divided by their scales) in float32: the same numbers up to float32 rounding,
+not yet float8 operands inside ragged_dot. fp8 and int8 (grouped_recipe) reuse the
+forward's operands in the gradient dots, as their 2-D dots do; fp8_rowwise
+(rowwise_grouped) is torchao's float8 grouped matmul, each gradient dot quantising afresh
+(the kernel gradient's operands per group and column, over that expert's rows). The
+float32 entry's grouped product casts its operands only (the grouped matmuls take no
+precision).
 
 On a CPU the float8 dots run as simulated rounding (the numerics, not the speed).
 """
@@ -80,12 +83,16 @@ def quantise(x, dtype, axis=None, pow2=False):
     (current scaling), with pow2 rounded down to a power of two (applied and divided out
     exactly; nothing saturates); q = to_grid(x scale)."""
     x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    scale = format_max(dtype) / jnp.maximum(amax, TINY)
-    if pow2:  # scale = m 2^e with m in [0.5, 1): 2^(e - 1)
-        scale = jnp.ldexp(jnp.ones_like(scale), jnp.frexp(scale)[1] - 1)
-    scale = lax.stop_gradient(scale)
+    scale = lax.stop_gradient(scale_of(jnp.max(jnp.abs(x), axis=axis, keepdims=True), dtype,
+                                       pow2))
     return to_grid(x * scale, dtype), scale
+
+
+def scale_of(amax, dtype, pow2=False):
+    """format max / amax (an all-zero amax: finite), with pow2 rounded down to a power of
+    two: scale = m 2^e with m in [0.5, 1) gives 2^(e - 1), exactly."""
+    scale = format_max(dtype) / jnp.maximum(amax, TINY)
+    return jnp.ldexp(jnp.ones_like(scale), jnp.frexp(scale)[1] - 1) if pow2 else scale
 
 
 def _dot(a, b, contract, out=jnp.float32):
@@ -198,54 +205,99 @@ def on_grid(x, dtype, axis, pow2=False):
     return q.astype(jnp.float32) / scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def straight_through(x, dtype, axis, pow2=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def straight_through(x, dtype, axis):
     """on_grid(x) forward; its gradient passes through as it is (the straight-through
     estimator: the scale maps amax to the format's max, so nothing is clipped)."""
-    return on_grid(x, dtype, axis, pow2)
+    return on_grid(x, dtype, axis)
 
 
-straight_through.defvjp(lambda x, dtype, axis, pow2: (on_grid(x, dtype, axis, pow2), None),
-                        lambda dtype, axis, pow2, _, g: (g,))
+straight_through.defvjp(lambda x, dtype, axis: (on_grid(x, dtype, axis), None),
+                        lambda dtype, axis, _, g: (g,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gradient_on_grid(y, dtype, axis=None, pow2=False):
-    """y forward; its incoming gradient put on dtype's grid (scales over `axis`; None: one
-    per tensor)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gradient_on_grid(y, dtype):
+    """y forward; its incoming gradient put on dtype's grid (one scale per tensor)."""
     return y
 
 
-gradient_on_grid.defvjp(lambda y, dtype, axis, pow2: (y, None),
-                        lambda dtype, axis, pow2, _, g: (on_grid(g, dtype, axis, pow2)
-                                                         .astype(g.dtype),))
+gradient_on_grid.defvjp(lambda y, dtype: (y, None),
+                        lambda dtype, _, g: (on_grid(g, dtype, None).astype(g.dtype),))
 
 
-def grouped_recipe(operands, gradient=None, rows=None, channels=None, gradient_rows=None,
-                   pow2=False):
+def grouped_recipe(operands, gradient=None, rows=None, channels=None):
     """A recipe for a bilinear product(h [..., in], kernel [G, in, out]) (an experts' grouped
     matmul, whatever its dispatch): both operands on the `operands` grid (h's scales over
     `rows`' axis, the kernel's over `channels`' axis; None: one per tensor), the product in
-    float32 of those values, and the incoming gradient on the `gradient` grid (scales over
-    `gradient_rows`' axis; None: as it is), every scale a power of two with pow2. Its
-    gradients are the product's own: straight through the quantisers. Numerically the 2-D
-    dot's recipe, up to float32 rounding of the values over scales (fp8_rowwise's: its
-    forward; the gradient dots reuse the forward's operands and g per row, where the 2-D
-    dot quantises each operand afresh along each gradient dot's contracted axis)."""
-    def product(matmul, h, kernel):
+    float32 of those values, and the incoming gradient on the `gradient` grid (one scale
+    per tensor; None: as it is). Its gradients are the product's own: straight through
+    the quantisers, the backward reusing the forward's operands (fp8's and int8's 2-D dot
+    recipes, up to float32 rounding of the values over scales)."""
+    def product(matmul, h, kernel, row_groups, *args):  # each row's group: unused
         if jnp.issubdtype(kernel.dtype, jnp.integer):  # an Int8Kernel's values: its own path
-            return matmul(h, kernel)
-        hq = straight_through(h.astype(jnp.float32), operands, rows, pow2)
-        kq = straight_through(kernel.astype(jnp.float32), operands, channels, pow2)
-        y = matmul(hq, kq)  # [..., out] float32
-        y = y if gradient is None else gradient_on_grid(y, gradient, gradient_rows, pow2)
+            return matmul(h, kernel, *args)
+        hq = straight_through(h.astype(jnp.float32), operands, rows)
+        kq = straight_through(kernel.astype(jnp.float32), operands, channels)
+        y = matmul(hq, kq, *args)  # [..., out] float32
+        y = y if gradient is None else gradient_on_grid(y, gradient)
         return y.astype(h.dtype)
     return product
 
 
 def cast_grouped(dtype):
     """product(h, kernel) with both operands cast to dtype, the result in h's dtype."""
-    return lambda matmul, h, kernel: matmul(h.astype(dtype), kernel.astype(dtype)).astype(h.dtype)
+    return lambda matmul, h, kernel, rows, *args: matmul(h.astype(dtype), kernel.astype(dtype),
+                                                         *args).astype(h.dtype)
+
+
+# ---- fp8_rowwise's grouped matmul: torchao's, each gradient dot quantised afresh ------------
+
+
+def per_group_columns(x, rows, groups: int):
+    """x [..., in] on the e4m3 grid (float32 values over their scales) with a power-of-two
+    scale per group and column: each column's amax over its group's rows (rows [...]: each
+    row's group of `groups`), torchao's per-group colwise scales of the kernel gradient."""
+    flat, r = x.reshape(-1, x.shape[-1]).astype(jnp.float32), rows.reshape(-1)
+    amax = jax.ops.segment_max(jnp.abs(flat), r, num_segments=groups)  # [G, in]
+    scale = lax.stop_gradient(scale_of(amax, E4M3, pow2=True))[r]  # each row's group's
+    return (to_grid(flat * scale, E4M3).astype(jnp.float32) / scale).reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rowwise_grouped(matmul, h, kernel, rows, *args):
+    """matmul(h, kernel, *args) of h per row and the kernels per expert and output channel
+    (their contracted axis), on the e4m3 grid with power-of-two scales."""
+    return matmul(on_grid(h, E4M3, -1, True), on_grid(kernel, E4M3, -2, True), *args)
+
+
+def _rowwise_grouped_bwd(matmul, saved, g):
+    """dh = g k^T: g per row, the kernels per expert and input channel (both along out);
+    dk = h^T g per group: h and g per group and column (along the group's rows)."""
+    h, kernel, rows, args = saved
+    dh = jax.vjp(lambda a: matmul(a, on_grid(kernel, E4M3, -1, True), *args), h)[1](
+        on_grid(g, E4M3, -1, True))[0]
+    groups = kernel.shape[0]
+    hc, gc = per_group_columns(h, rows, groups), per_group_columns(g, rows, groups)
+    dk = jax.vjp(lambda b: matmul(hc, b, *args), kernel)[1](gc)[0]
+    return (dh, dk, None, *(None for _ in args))
+
+
+_rowwise_grouped.defvjp(lambda matmul, h, kernel, rows, *args: (
+    _rowwise_grouped(matmul, h, kernel, rows, *args), (h, kernel, rows, args)),
+    _rowwise_grouped_bwd)
+
+
+def rowwise_grouped(matmul, h, kernel, rows, *args):
+    """fp8_rowwise's grouped product (torchao's _Float8GroupedMM): the forward as the 2-D
+    dot's (h per row, the kernels per expert and output channel), the backward quantising
+    afresh for each dot: dh's g per row and kernels per input channel, dk's h and g per
+    group and column. rows: each row of h's group (expert). matmul closes over no traced
+    array (the backward calls it again): what it reads beside h and kernel is args."""
+    if jnp.issubdtype(kernel.dtype, jnp.integer):  # an Int8Kernel's values: its own path
+        return matmul(h, kernel, *args)
+    return _rowwise_grouped(matmul, h.astype(jnp.float32), kernel.astype(jnp.float32),
+                            jnp.asarray(rows), *args).astype(h.dtype)
 
 
 # ---- the table --------------------------------------------------------------------------------
@@ -284,9 +336,11 @@ def quantised_dot(recipe):
 class MatmulPrecision:
     """One matmul precision: its 2-D dot (a [M, K], b, c: the contracted axis of b (0: a
     kernel [K, N], 1: a table [N, K]), precision, preferred_element_type) -> [M, N], and
-    its grouped product (matmul, h [..., in], kernel [G, in, out]) -> matmul(h, kernel)
-    in that precision (the experts'). batch_invariant: a row's (token's) outputs depend on
-    that row alone (False: its scales span the batch, so the other rows move them)."""
+    its grouped product (matmul, h [..., in], kernel [G, in, out], rows: each row's group,
+    *args) -> matmul(h, kernel, *args) in that precision (the experts'; args: the arrays
+    matmul reads beside h and kernel, e.g. the group sizes). batch_invariant: a row's
+    (token's) outputs depend on that row alone (False: its scales span the batch, so the
+    other rows move them)."""
     dot: Callable
     grouped: Callable
     about: str
@@ -294,7 +348,8 @@ class MatmulPrecision:
 
 
 MATMUL_PRECISIONS = {
-    "default": MatmulPrecision(default_dot, lambda matmul, h, kernel: matmul(h, kernel),
+    "default": MatmulPrecision(default_dot, lambda matmul, h, kernel, rows, *args:
+                               matmul(h, kernel, *args),
                                "the model's compute dtype (model.dtype)"),
     "float32": MatmulPrecision(cast_dot(jnp.float32, lax.Precision.HIGHEST),
                                cast_grouped(jnp.float32), "float32 operands at full precision"),
@@ -304,8 +359,7 @@ MATMUL_PRECISIONS = {
                            "e4m3 forward, e5m2 gradients, per-tensor current scaling",
                            batch_invariant=False),
     "fp8_rowwise": MatmulPrecision(quantised_dot(fp8_rowwise_dot),
-                                   grouped_recipe(E4M3, E4M3, rows=-1, channels=-2,
-                                                  gradient_rows=-1, pow2=True),
+                                   rowwise_grouped,
                                    "e4m3 throughout, power-of-two scales per row and column"),
     "int8": MatmulPrecision(quantised_dot(int8_dot),
                             grouped_recipe(jnp.int8, rows=-1, channels=-2),

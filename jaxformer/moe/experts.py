@@ -230,10 +230,12 @@ def dense_weights(weights, experts, n_experts: int):
 # ---- the experts' feed-forward network --------------------------------------------------
 
 
-def expert_mlp(x, w, ffn, matmul, rows=None, precision: str = "default"):
-    """The experts' FFN on rows x [M, D]: matmul(x, kernel [E, in, out]) multiplies each row
-    by its own expert's kernel; rows [M] (each row's expert) picks the biases ({name}_bias
-    [E, out]) where the experts have them. w: wi_gate, wi_up, wo (gated) or wi, wo.
+def expert_mlp(x, w, ffn, matmul, rows=None, precision: str = "default", args=()):
+    """The experts' FFN on rows x [M, D]: matmul(x, kernel [E, in, out], *args) multiplies
+    each row by its own expert's kernel (args: the arrays it reads beside them, passed
+    explicitly, e.g. the group sizes); rows [M] (each row's expert) picks the biases
+    ({name}_bias [E, out]) where the experts have them. w: wi_gate, wi_up, wo (gated) or
+    wi, wo.
 
     A kernel may be a jaxformer.core.matmul.Int8Kernel (int8 values [E, in, out], a scale per
     expert and output channel [E, 1, out]: jaxformer.model.quantize): matmul reads the values,
@@ -249,7 +251,7 @@ def expert_mlp(x, w, ffn, matmul, rows=None, precision: str = "default"):
         if kernel.dtype.itemsize < h.dtype.itemsize:  # widened in the product: tied to the
             # input, so that XLA cannot hoist it out of a decode loop (matmul._int8_dot)
             kernel, h = jax.lax.optimization_barrier((kernel, h))
-        y = MATMUL_PRECISIONS[precision].grouped(matmul, h, kernel)  # int8 values: as given
+        y = MATMUL_PRECISIONS[precision].grouped(matmul, h, kernel, rows, *args)  # int8: as is
         if scale is not None:
             y = y * per_expert(scale).astype(y.dtype)
         bias = w.get(name + "_bias")
@@ -299,10 +301,8 @@ def ragged_dispatch(x, weights, experts, w, ffn, *, capacity_factor=None, precis
     sizes = jnp.diff(jnp.searchsorted(rows, jnp.arange(n_experts + 1))).astype(jnp.int32)
     xs = take_rows(x, order, inverse, k)  # [N k, D]: each assignment's token, by expert
 
-    def matmul(h, kernel):  # vmap batches it over the rows alone (jaxformer.moe.grouped_vmap)
-        return GROUPED(h, kernel, sizes)  # widened where it is read
-
-    ys = expert_mlp(xs, w, ffn, matmul, rows, precision)  # [N k, D]
+    # GROUPED(h, kernel, sizes): vmap batches it over the rows alone (moe.grouped_vmap)
+    ys = expert_mlp(xs, w, ffn, GROUPED, rows, precision, (sizes,))  # [N k, D]
     ys = take_rows(ys, inverse, order, 1).reshape(n, k, -1)  # token order again
     y = jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
     return y, jnp.float32(0)

@@ -175,6 +175,7 @@ def _tiles_fwd(x, kernel, sizes, transpose):
 
 def _tiles_bwd(transpose, saved, dy):
     x, kernel, sizes = saved
+    sizes = jnp.asarray(sizes)  # constant sizes may come back as NumPy (a re-traced jaxpr's)
     dx = _product(dy, kernel, sizes, not transpose)
     dk = _kernel_grad(dy, x, sizes) if transpose else _kernel_grad(x, dy, sizes)
     return dx, dk.astype(kernel.dtype), None

@@ -1,8 +1,10 @@
 """model.matmul_precision (jaxformer.core.low_precision): the quantised recipes (fp8,
 fp8_rowwise, int8) against a float64 NumPy fake quantisation of the same recipe (scales,
 round to nearest even onto the format's grid, saturation at its max), forward and gradients,
-in a projection's dot and in the experts' grouped matmul; a model's loss and gradients in
-each of them scanned and rematerialised equal the unscanned, and on 8 devices equal one
+in a projection's dot and in the experts' grouped matmul (fp8_rowwise's each dot scaled
+along its own axis); a model's loss and gradients in each of them scanned and
+rematerialised equal the unscanned, an MoE model's alike under the dropless and capacity
+dispatches, and on 8 devices equal one
 (tests/core/low_precision_worker.py); each entry's batch invariance as it says; a short fp8
 training run ends near bf16's, and an fp8 run resumes bit for bit."""
 
@@ -157,42 +159,101 @@ def test_projection_dot_is_the_recipe_forward_and_backward(precision):
 # ---- the experts' grouped matmul --------------------------------------------------------------
 
 
-GROUPED = {  # the grids (format, axis, pow2) of h, the kernels and the gradient (None: as is)
-    "fp8": (("e4m3", None), ("e4m3", None), ("e5m2", None)),
-    "fp8_rowwise": (("e4m3", -1, True), ("e4m3", -2, True), ("e4m3", -1, True)),
-    "int8": (("int8", -1), ("int8", -2), None),
-}
+def values(x, grid):
+    """x on a grid (format, axis[, pow2]; None: as it is) in float64: q / scale."""
+    if grid is None:
+        return np.asarray(x, np.float64)
+    q, scale = np_quantise(x, *grid)
+    return q / scale
 
 
-def np_grouped(precision, h, k, sizes, r):
-    """The grouped product's y and (dh, dk) by the recipe in float64: group e's rows times
-    k[e], each operand and the gradient on its GROUPED grid (int8 and fp8_rowwise: per row
-    of h and per expert and output channel of k)."""
-    def values(x, grid):
-        if grid is None:
-            return np.asarray(x, np.float64)
-        q, scale = np_quantise(x, *grid)
-        return q / scale
-    group = np.repeat(np.arange(len(sizes)), sizes)
-    hv, kv, gv = (values(x, grid) for x, grid in zip((h, k, r), GROUPED[precision]))
-    y = np.einsum("mi,mio->mo", hv, kv[group])
-    dh = np.einsum("mo,mio->mi", gv, kv[group])
-    dk = np.stack([hv[group == e].T @ gv[group == e] for e in range(len(sizes))])
+def np_straight_through(grids):
+    """The grouped product's y and (dh, dk) in float64 where h, the kernels and the
+    gradient each go on their grid once (`grids`) and both gradient dots reuse them: group
+    e's rows times k[e]."""
+    def product(h, k, group, r):
+        hv, kv, gv = (values(x, grid) for x, grid in zip((h, k, r), grids))
+        dk = np.stack([hv[group == e].T @ gv[group == e] for e in range(len(k))])
+        return (np.einsum("mi,mio->mo", hv, kv[group]),
+                np.einsum("mo,mio->mi", gv, kv[group]), dk)
+    return product
+
+
+def np_rowwise_grouped(h, k, group, r):
+    """torchao's float8 rowwise grouped matmul in float64, every operand in e4m3 with
+    power-of-two scales along its dot's contracted axis: y of h per row and k per expert
+    and output channel; dh of r per row and k per expert and input channel; dk[e] of h and
+    r per column over group e's rows."""
+    e4m3 = lambda x, axis: values(x, ("e4m3", axis, True))  # noqa: E731
+    y = np.einsum("mi,mio->mo", e4m3(h, -1), e4m3(k, -2)[group])
+    dh = np.einsum("mo,mio->mi", e4m3(r, -1), e4m3(k, -1)[group])
+    dk = np.stack([e4m3(h[group == e], 0).T @ e4m3(r[group == e], 0) if np.any(group == e)
+                   else np.zeros(k.shape[1:]) for e in range(len(k))])
     return y, dh, dk
+
+
+GROUPED = {  # each recipe's grouped product in float64 (grids: format, axis[, pow2])
+    "fp8": np_straight_through((("e4m3", None), ("e4m3", None), ("e5m2", None))),
+    "fp8_rowwise": np_rowwise_grouped,
+    "int8": np_straight_through((("int8", -1), ("int8", -2), None)),
+}
 
 
 @pytest.mark.parametrize("precision", list(RECIPES))
 def test_grouped_matmul_is_the_recipe_forward_and_backward(precision):
+    """Four experts (one of them empty) over 16 sorted rows, under jit: the grouped
+    matmul the dropless dispatch runs (its sizes closed over) and the capacity dispatch's
+    [E, C, in] buffers (an einsum, padding rows of zeros)."""
     sizes = np.array([5, 0, 9, 2])
+    group = np.repeat(np.arange(4), sizes)
     h, k = heavy(16, 8), heavy(4, 8, 6)
     grouped = MATMUL_PRECISIONS[precision].grouped
-    y, vjp = jax.vjp(lambda a, b: grouped(lambda x, w: grouped_matmul(x, w, jnp.asarray(sizes)),
-                                          a, b), jnp.asarray(h, jnp.float32),
+
+    def sorted_rows(a, b):
+        return grouped(grouped_matmul, a, b, group, jnp.asarray(sizes))
+    y, vjp = jax.vjp(jax.jit(sorted_rows), jnp.asarray(h, jnp.float32),
                      jnp.asarray(k, jnp.float32))
     r = rng.normal(size=y.shape)
     dh, dk = vjp(jnp.asarray(r, jnp.float32))
-    for out, ref in zip((y, dh, dk), np_grouped(precision, h, k, sizes, r)):
+    for out, ref in zip((y, dh, dk), GROUPED[precision](h, k, group, r)):
         close(out, ref)
+    buffers = np.zeros((4, 9, 8))  # each expert's rows, then zeros
+    slots = np.concatenate([np.arange(n) for n in sizes])
+    buffers[group, slots] = h
+    y, vjp = jax.vjp(lambda a, b: grouped(lambda x, w: jnp.einsum("eci,eio->eco", x, w), a, b,
+                                          np.repeat(np.arange(4), 9).reshape(4, 9)),
+                     jnp.asarray(buffers, jnp.float32), jnp.asarray(k, jnp.float32))
+    rb = np.zeros((4, 9, 6))
+    rb[group, slots] = r
+    dh, dk = vjp(jnp.asarray(rb, jnp.float32))
+    ref_y, ref_dh, ref_dk = GROUPED[precision](h, k, group, r)
+    close(np.asarray(y)[group, slots], ref_y)
+    close(np.asarray(dh)[group, slots], ref_dh)
+    close(dk, ref_dk)
+
+
+def test_rowwise_grouped_scales_each_dot_along_its_own_axis():
+    """fp8_rowwise's grouped backward quantises afresh for each dot, as torchao's does: dh's
+    kernels per expert and input channel, dk's h and gradient per group and column. An
+    entry 2^18 times the rest (in group 0's rows of h, in expert 2's kernel) makes the
+    others that share its scale subnormal, so a scale along any other axis moves the
+    results; each output is held within float32 rounding of its own terms (the recipe on
+    |h|, |k|, |r|: its sum of absolute products), not of the largest output."""
+    sizes = np.array([5, 0, 9, 2])
+    group = np.repeat(np.arange(4), sizes)
+    h, k = heavy(16, 8), heavy(4, 8, 6)
+    h[int(rng.integers(0, 5)), int(rng.integers(0, 8))] = 2.0**18
+    k[2, int(rng.integers(0, 8)), int(rng.integers(0, 6))] = -(2.0**18)
+    grouped = MATMUL_PRECISIONS["fp8_rowwise"].grouped
+    y, vjp = jax.vjp(jax.jit(lambda a, b: grouped(grouped_matmul, a, b, group,
+                                                   jnp.asarray(sizes))),
+        jnp.asarray(h, jnp.float32), jnp.asarray(k, jnp.float32))
+    r = rng.normal(size=y.shape)
+    outs = (y, *vjp(jnp.asarray(r, jnp.float32)))
+    refs = np_rowwise_grouped(h, k, group, r)
+    bounds = np_rowwise_grouped(np.abs(h), np.abs(k), group, np.abs(r))
+    for name, out, ref, bound in zip(("y", "dh", "dk"), outs, refs, bounds):
+        assert np.all(np.abs(np.asarray(out, np.float64) - ref) <= 1e-5 * bound + 1e-30), name
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -221,6 +282,33 @@ def test_quantised_model_scanned_and_rematerialised_equals_unscanned(precision):
     np.testing.assert_allclose(float(loss_s), float(loss), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(stack_layers(grads, CFG.n_layers)), jax.tree.leaves(grads_s)):
         close(b, a, rtol=1e-4)
+
+
+@pytest.mark.parametrize("precision", list(RECIPES))
+def test_a_quantised_moe_model_trains_alike_under_every_dispatch(precision):
+    """A mixture-of-experts model (4 experts, top-2, a shared expert) in each quantised
+    precision, its grouped matmuls by the recipe: the dropless dispatch (sorted rows,
+    scanned and rematerialised) and a capacity buffer that drops nothing (its padding
+    rows zeros) give the same loss and gradients. Float32 sums in another order can move
+    a value to its grid's other neighbour, so the gradients are held to a small part of
+    the recipe's own effect (its distance from the default precision's)."""
+    from tests.moe.test_experts import moe_cfg, wide_params
+    cfg = moe_cfg(matmul_precision=precision)
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 24)))
+    params = wide_params(cfg, tokens)
+    ragged = cfg.replace(scan_layers=True, remat="full")
+    capacity = cfg.replace(moe=cfg.moe.replace(dispatch="capacity", capacity_factor=2.0))
+    loss, grads = loss_and_grads(ragged, stack_layers(params, cfg.n_layers), tokens)
+    want, want_grads = loss_and_grads(capacity, params, tokens)
+    plain = loss_and_grads(cfg.replace(matmul_precision="default"), params, tokens)[1]
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+    grads, want_grads, plain = flat(grads), flat(stack_layers(want_grads, cfg.n_layers)), \
+        flat(stack_layers(plain, cfg.n_layers))
+    effect = np.linalg.norm(want_grads - plain)
+    assert effect > 1e-3 * np.linalg.norm(plain)  # the recipe ran
+    assert np.linalg.norm(grads - want_grads) < 0.1 * effect, \
+        np.linalg.norm(grads - want_grads) / effect
 
 
 @pytest.mark.parametrize("precision", list(MATMUL_PRECISIONS))
