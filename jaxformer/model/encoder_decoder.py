@@ -118,10 +118,9 @@ class Stack(Transformer):
         if not self.cross:
             return x if BLOCKS[c.block].ends_in_norm else \
                 apply_norm(c, make_norm(c, "final_norm"), x)
-        logits = self.logits(self.embed, x)
-        if hidden:  # the head's input too (x before the final norm), as Transformer's
-            return logits, x
-        return logits if cache is None else (logits, cache)
+        out = (self.logits(self.embed, x),) + ((x,) if hidden else ())  # x: the head's input
+        out += (cache,) if cache is not None else ()  # as Transformer's
+        return out if len(out) > 1 else out[0]
 
 
 class EncoderDecoder(nn.Module):
@@ -173,8 +172,8 @@ class EncoderDecoder(nn.Module):
     def decode(self, tokens, memory: Memory, positions=None, segment_ids=None,
                deterministic: bool = True, cache=None, hidden: bool = False):
         """The target [B, T] through the decoder over `memory` -> logits [B, T, V], or
-        (logits, cache) with a KV cache (positions default to the slots after those in it),
-        or without one and with hidden (logits, the head's input x [B, T, D])."""
+        (logits, cache) with a KV cache (positions default to the slots after those in it);
+        with hidden the head's input x [B, T, D] after the logits: (logits, x[, cache])."""
         if positions is None:
             positions = arange_like(tokens, 0 if cache is None else cache["index"])
         return self.decoder(tokens, positions, segment_ids, deterministic, memory, cache,

@@ -102,6 +102,8 @@ def read_pattern(pattern, kinds) -> tuple[tuple[str, ...], tuple[tuple[str, Laye
     if isinstance(pattern, str):
         pattern = [p.strip() for p in pattern.split(",") if p.strip()]
     fields = type_names(LayerKind)
+    if isinstance(kinds, str) and not kinds.strip():  # model.layer_kinds= clears them
+        kinds = None
     if isinstance(kinds, Mapping):
         kinds = kinds.items()
     elif kinds is not None and not (isinstance(kinds, (list, tuple)) and all(

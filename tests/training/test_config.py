@@ -108,6 +108,15 @@ def test_cli_bad_key_is_one_line_and_nonzero(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_a_presets_layer_kinds_clear_from_the_command_line():
+    """model.layer_pattern= and model.layer_kinds= (empty) drop a preset's pattern (gemma3's
+    local and global layers): every layer the model's own kind."""
+    assert load_config(None, ["model.preset=gemma3-1b"]).model.layer_kinds
+    cfg = load_config(None, ["model.preset=gemma3-1b", "model.layer_pattern=",
+                             "model.layer_kinds="]).model
+    assert (cfg.layer_pattern, cfg.layer_kinds) == ((), ())
+
+
 @pytest.mark.parametrize("text,says", [
     ("train: 5\n", "train must be a mapping of its fields; got 5"),
     ("model: 5\n", "model must be a mapping of its fields; got 5"),
