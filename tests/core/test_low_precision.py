@@ -313,11 +313,12 @@ def test_a_quantised_moe_model_trains_alike_under_every_dispatch(precision):
 
 @pytest.mark.parametrize("precision", list(MATMUL_PRECISIONS))
 def test_a_rows_logits_depend_on_other_rows_as_the_table_says(precision):
-    """Row 0's logits alone and beside two other rows: equal up to float32 sums where the
+    """Row 0's logits alone and beside 15 other rows: equal up to float32 sums where the
     entry is batch_invariant (its scales per row or none), moved by the other rows'
-    values where not (fp8's scales per tensor)."""
+    values where not (fp8's scales per tensor; beside two rows, row 0 held every tensor's
+    amax in about 1 draw of 200, and nothing moved)."""
     cfg = CFG.replace(matmul_precision=precision)
-    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 12)))
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (16, 12)))
     params = Transformer(cfg).init(jax.random.key(int(rng.integers(1 << 30))),
                                    tokens)["params"]
     logits = jax.jit(lambda t: Transformer(cfg).apply({"params": params}, t))
@@ -337,7 +338,13 @@ def test_a_batch_invariant_recipe_decodes_its_full_forwards_greedy_tokens(precis
     each token's log-prob as that forward gives it: each token's scales are its own, so a
     one-token step quantises it as the whole sequence does. Over 6 draws the log-probs
     differed by at most 1e-6 (fp8_rowwise, int8); fp8's per-tensor scales part them by
-    0.1-0.35, and 7 of 10 of its tokens agreed in one draw."""
+    0.1-0.35, and 7 of 10 of its tokens agreed in one draw. In about 1 draw of 100 a value
+    lies on a rounding boundary of the grid and the two programs' float32 sums put it on
+    either side: a log-prob moved by 2e-3 to 2.5e-2 (JAXFORMER_TEST_SEED=258 for
+    fp8_rowwise), a key in the cache so the rest of its row's (181, int8: by up to 1.5e-2,
+    and a greedy token where the top two were 0.011 apart). So the row's positions after
+    one may move, by under 0.05 (a token split within it), and at least half stay put
+    (fp8_rowwise's activations scaled per tensor fail it)."""
     cfg = CFG.replace(matmul_precision=precision)
     prompts = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 5)), jnp.int32)
     params = jax.tree.map(lambda x: x * 3.0, Transformer(cfg).init(  # sharp, varied
@@ -347,9 +354,10 @@ def test_a_batch_invariant_recipe_decodes_its_full_forwards_greedy_tokens(precis
     rows = jnp.concatenate([prompts, out.tokens], axis=1)
     logits = jax.jit(Transformer(cfg).apply)({"params": params}, rows[:, :-1])
     logits = logits[:, prompts.shape[1] - 1:]  # [B, 10, V]: those of the new tokens
-    assert_greedy_up_to_near_ties(out.tokens, logits)
+    assert_greedy_up_to_near_ties(out.tokens, logits, tie=0.05)
     want = jnp.take_along_axis(jax.nn.log_softmax(logits), out.tokens[..., None], -1)[..., 0]
-    np.testing.assert_allclose(out.logprobs, want, atol=1e-4)
+    moved = np.abs(np.asarray(out.logprobs) - np.asarray(want))
+    assert np.median(moved) < 1e-4 and moved.max() < 0.05, moved
 
 
 def test_unknown_matmul_precision_names_the_choices():

@@ -376,7 +376,6 @@ def test_a_config_saved_before_a_field_existed_compares_as_its_default():
     nested ones: a lora key): it restores under the default, and only under the default."""
     from jaxformer.model.config import ModelConfig
     from jaxformer.training.checkpoint import config_diff
-    rng = np.random.default_rng()
     cfg = ModelConfig(vocab_size=int(rng.integers(32, 300)), d_model=32, n_layers=2, n_heads=4)
     saved = cfg.to_dict()
     default = ModelConfig().to_dict()  # a new field comes with its default (not derived)
@@ -398,7 +397,6 @@ def test_a_config_saved_with_a_schemes_flat_keys_compares_as_its_settings():
     model (those settings under position_settings), and unequal to another setting."""
     from jaxformer.model.config import ModelConfig
     from jaxformer.training.checkpoint import config_diff
-    rng = np.random.default_rng()
     buckets, distance = int(rng.integers(4, 40)), int(rng.integers(41, 300))
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, position="t5",
                       position_settings={"num_buckets": buckets, "max_distance": distance})
@@ -418,7 +416,6 @@ def test_a_mixers_runtime_setting_restores_and_its_others_are_refused():
     equals one left unwritten (a config saved without model.mixer)."""
     from jaxformer.model.config import COMPUTE_ONLY, ModelConfig
     from jaxformer.training.checkpoint import config_diff
-    rng = np.random.default_rng()
     kinds = {"d": {"mixer": "gated_delta"}, "m": {"mixer": "mamba2"}, "a": {}}
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, position="none",
                       layer_pattern=["d", "m", "a"], layer_kinds=kinds)

@@ -146,9 +146,10 @@ def test_the_mtp_chunked_loss_equals_the_plain_one_without_full_logits(rng):
                                                                        has_aux=True))(params)
     np.testing.assert_allclose(float(chunked), float(plain), rtol=2e-6)
     np.testing.assert_allclose(chunked_aux[2]["mtp_sum"], aux[2]["mtp_sum"], rtol=2e-6)
-    for (path, a), g in zip(jax.tree_util.tree_leaves_with_path(chunked_grads),
+    top = max(np.abs(g).max() for g in jax.tree.leaves(grads))  # float32 sums of another
+    for (path, a), g in zip(jax.tree_util.tree_leaves_with_path(chunked_grads),  # order
                             jax.tree.leaves(grads)):
-        np.testing.assert_allclose(a, g, rtol=1e-4, atol=1e-6, err_msg=str(path))
+        np.testing.assert_allclose(a, g, rtol=1e-4, atol=2e-6 * top, err_msg=str(path))
     held = largest_buffer(jax.grad(lambda p: loss(16)(p)[0]), params)
     assert held < b * t * cfg.vocab_size // 2, held
 
@@ -181,10 +182,10 @@ def test_a_lora_sweeps_chunked_losses_equal_the_plain_ones(rng):
     assert total.shape == (2,) and float(count) == float(want_count)
     np.testing.assert_allclose(total, want, rtol=2e-6)
     np.testing.assert_allclose(evaluated[0], want_eval[0], rtol=2e-6)
-    for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads),
-                            jax.tree.leaves(want_grads)):  # float32 sums of another order
-        np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-5 * np.abs(w).max(),
-                                   err_msg=str(path))
+    top = max(np.abs(w).max() for w in jax.tree.leaves(want_grads))  # float32 sums of
+    for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads),  # another order
+                            jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(a, w, rtol=1e-4, atol=2e-6 * top, err_msg=str(path))
     held = largest_buffer(lambda t: ChunkedLanguageModel(1, 8).gradient_sums(
         model, t, frozen, batch, None)[2], trained)
     assert held < 2 * b * t * v // 2, held  # two members' logits: 2 x B x T x V
@@ -228,9 +229,10 @@ def test_the_encoder_decoder_chunked_loss_equals_its_plain_loss(rng):
     np.testing.assert_allclose(float(nll), float(want), rtol=2e-6)
     np.testing.assert_allclose(evaluated, want_eval, rtol=2e-6)
     assert float(nll) != pytest.approx(float(hooks.sums(model, params, batch)[0]))  # smoothed
-    for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads),
+    top = max(np.abs(w).max() for w in jax.tree.leaves(want_grads))  # float32 sums of
+    for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads),  # another order
                             jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-6, err_msg=str(path))
+        np.testing.assert_allclose(a, w, rtol=1e-4, atol=2e-6 * top, err_msg=str(path))
     held = largest_buffer(lambda p: hooks.gradient_sums(model, p, {}, batch, None)[2], params)
     assert held < b * t * v // 2, held
 
